@@ -1,0 +1,37 @@
+# The README's two commands are `make demo` and `make test`; both set up .venv first.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.morphling-installed
+SOURCES := pyproject.toml setup.py $(wildcard kernels/_cffi_src/*.py kernels/_cffi_src/c/*.c)
+
+.PHONY: setup demo test bench lint clean
+
+setup: $(STAMP)
+
+# torch first, pinned: it is the local CPU wheel, and with it installed nothing
+# else can pull a newer (CUDA) torch. --no-build-isolation builds the cffi
+# extension with the venv's own setuptools and cffi.
+$(STAMP): $(SOURCES)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel cffi
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q --no-build-isolation -e '.[dev]'
+	touch $(STAMP)
+
+demo: setup
+	$(PY) scripts/demo.py
+
+test: setup
+	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) scripts/bench_kernels.py
+	$(PY) scripts/bench_report.py
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+clean:
+	rm -rf $(VENV) build *.egg-info kernels/_native*.so

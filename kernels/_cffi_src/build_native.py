@@ -1,0 +1,51 @@
+"""cffi builder for ``morphling.kernels._native``.
+
+Composes the per-topic declaration modules (``blas``, ``pool``, ``cublasxt``)
+with their C sources under ``c/``. Run by setuptools (``cffi_modules`` in
+``setup.py``) at install time.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from cffi import FFI
+
+HERE = Path(__file__).resolve().parent
+TOPICS = ("blas", "pool", "cublasxt")
+# C sources in include order: the shared GEMM checks precede both executors.
+C_SOURCES = ("gemm_check", "blas", "pool", "cublasxt")
+
+
+def _load_topic(name: str):
+    # Loaded by path: setuptools runs this file outside any package.
+    spec = importlib.util.spec_from_file_location(f"_mg_cffi_{name}", HERE / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def build_ffi() -> FFI:
+    topics = [_load_topic(name) for name in TOPICS]
+    builder = FFI()
+    builder.cdef("".join(t.TYPES + t.FUNCTIONS for t in topics))
+    # One translation unit: the C files are #included so the module is a single object.
+    source = "".join(t.INCLUDES for t in topics) + "".join(
+        f'#include "{name}.c"\n' for name in C_SOURCES
+    )
+    builder.set_source(
+        "morphling.kernels._native",
+        source,
+        extra_compile_args=["-O2", "-std=c11", "-D_GNU_SOURCE", "-pthread", "-Wall"],
+        include_dirs=[str(HERE / "c")],
+        depends=[str(HERE / "c" / f"{name}.c") for name in C_SOURCES],
+        libraries=["dl", "pthread"],
+    )
+    return builder
+
+
+ffi = build_ffi()
+
+if __name__ == "__main__":
+    ffi.compile(verbose=True)

@@ -1,0 +1,7 @@
+"""``python -m morphling`` is the ``morphling`` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,74 @@
+"""The ``morphling`` command: one entry point, one subcommand per role.
+
+Each subcommand registers its parser here and runs a function that returns
+an exit code. Later roles (emulator, device, fleet, run, ...) add themselves
+to ``SUBCOMMANDS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable, Sequence
+
+from . import __version__
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _version(args: argparse.Namespace) -> int:
+    print(f"morphling {__version__}")
+    if args.verbose:
+        import resource
+
+        from .kernels import blas_info, cublasxt_status
+
+        info = blas_info()
+        print(f"blas: {info.name} ({info.version}) from {info.path}; threading {info.threading}")
+        if info.fallback_reason:
+            print(f"blas fallback: {info.fallback_reason}")
+        print(f"cublasxt: {cublasxt_status()}")
+        soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+        limit = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft} bytes"
+        print(f"memlock limit: {limit}")
+    return 0
+
+
+def _add_version(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("version", help="print the version (and, with -v, the kernel libraries)")
+    p.add_argument(
+        "-v", "--verbose", action="store_true", help="also describe BLAS, cuBLASXt and memlock"
+    )
+    p.set_defaults(func=_version)
+
+
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_version]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="morphling",
+        description="Emulate distributed ML training on fleets of edge devices.",
+    )
+    parser.add_argument("--version", action="version", version=f"morphling {__version__}")
+    parser.add_argument(
+        "--log-level", choices=LOG_LEVELS, default="info", help="logging level (default: info)"
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for add in SUBCOMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 130

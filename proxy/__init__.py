@@ -1,0 +1,1 @@
+"""Emulator side: wire codec, server, registry, scheduler, virtual clock, job runtime."""
