@@ -1,0 +1,45 @@
+"""The `morphling` command: help, version, and errors with conventional exit codes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from morphling import __version__
+
+
+def morphling(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "morphling", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_help_lists_subcommands():
+    proc = morphling("--help")
+    assert proc.returncode == 0
+    assert "version" in proc.stdout and "--log-level" in proc.stdout
+
+
+def test_version_and_verbose_kernel_report():
+    assert morphling("version").stdout.strip() == f"morphling {__version__}"
+    proc = morphling("version", "-v")
+    assert proc.returncode == 0
+    assert "blas: mkl" in proc.stdout or "blas: openblas" in proc.stdout
+    assert "cublasxt: " in proc.stdout
+    assert "memlock limit: " in proc.stdout
+
+
+def test_unknown_flag_and_missing_command_exit_2():
+    proc = morphling("version", "--frobnicate")
+    assert proc.returncode == 2
+    assert "unrecognized arguments: --frobnicate" in proc.stderr
+    assert morphling().returncode == 2
+
+
+def test_console_script_is_installed():
+    import shutil
+
+    exe = shutil.which("morphling", path=str(__import__("pathlib").Path(sys.executable).parent))
+    assert exe is not None
+    proc = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.strip() == f"morphling {__version__}"

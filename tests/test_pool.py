@@ -1,0 +1,176 @@
+"""The buffer pool under the machine's real memlock limit: locking, leases, threads."""
+
+from __future__ import annotations
+
+import logging
+import resource
+import threading
+
+import numpy as np
+import pytest
+from morphling.kernels import BufferPool, LeaseError, MlockError
+
+MIB = 1 << 20
+LIMIT = 8 * MIB  # this machine's RLIMIT_MEMLOCK, and the default in containers
+
+
+@pytest.fixture
+def memlock_8mib():
+    """Hold RLIMIT_MEMLOCK at 8 MiB (lowering a soft limit is always allowed)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if soft != resource.RLIM_INFINITY and soft < LIMIT:
+        pytest.skip(f"RLIMIT_MEMLOCK is {soft} bytes, below the 8 MiB this test assumes")
+    resource.setrlimit(resource.RLIMIT_MEMLOCK, (LIMIT, hard))
+    yield
+    resource.setrlimit(resource.RLIMIT_MEMLOCK, (soft, hard))
+
+
+@pytest.mark.parametrize(
+    ("request_bytes", "bucket"),
+    [(0, 4096), (1, 4096), (4096, 4096), (4097, 8192), (65536, 65536), (3 * MIB, 4 * MIB)],
+)
+def test_power_of_two_buckets_from_4kib(request_bytes, bucket):
+    pool = BufferPool()
+    assert pool.bucket_size(request_bytes) == bucket
+    with pool.acquire(request_bytes) as lease:
+        assert lease.capacity == bucket
+        assert lease.nbytes == request_bytes
+        assert lease.address % 4096 == 0
+
+
+def test_beyond_memlock_buffers_are_unlocked_counted_and_warned_once(memlock_8mib, caplog):
+    pool = BufferPool()
+    caplog.set_level(logging.WARNING, logger="morphling.kernels.pool")
+    leases = [pool.acquire(MIB) for _ in range(16)]  # 16 MiB against an 8 MiB limit
+    stats = pool.stats()
+    assert stats.memlock_limit == LIMIT
+    assert stats.locked_bytes + stats.unlocked_bytes == 16 * MIB
+    assert 0 < stats.locked_bytes <= LIMIT
+    assert stats.unlocked_bytes >= 8 * MIB
+    assert stats.lock_failures == sum(not lease.locked for lease in leases) > 0
+    assert stats.leased_bytes == 16 * MIB and stats.leased_count == 16
+    warnings = [r for r in caplog.records if "RLIMIT_MEMLOCK" in r.getMessage()]
+    assert len(warnings) == 1
+    for lease in leases:  # every buffer is usable memory, locked or not
+        lease.array(np.uint8, (MIB,))[:] = 7
+    for lease in leases:
+        lease.release()
+    after = pool.stats()
+    assert after.leased_bytes == 0 and after.leased_count == 0
+    pool.close()
+
+
+def test_require_mlock_refuses_clearly(memlock_8mib):
+    pool = BufferPool(require_mlock=True)
+    held = [pool.acquire(2 * MIB), pool.acquire(2 * MIB)]
+    assert all(lease.locked for lease in held)
+    with pytest.raises(MlockError, match=r"RLIMIT_MEMLOCK is 8388608 bytes and require_mlock"):
+        for _ in range(8):
+            held.append(pool.acquire(2 * MIB))
+    stats = pool.stats()
+    assert stats.unlocked_bytes == 0
+    assert stats.leased_count == len(held)
+    for lease in held:
+        lease.release()
+
+
+def test_leased_buffer_is_never_reissued():
+    pool = BufferPool()
+    first = [pool.acquire(5000) for _ in range(8)]
+    addresses = {lease.address for lease in first}
+    assert len(addresses) == 8
+    released = first.pop()
+    freed_address = released.address
+    released.release()
+    again = pool.acquire(5000)
+    assert again.address == freed_address  # reuse comes only from released buffers
+    assert pool.stats().reuses == 1
+    assert again.address not in {lease.address for lease in first}
+    for lease in [*first, again]:
+        lease.release()
+
+
+def test_release_refuses_while_memory_is_referenced():
+    pool = BufferPool()
+    lease = pool.acquire(4096)
+    arr = lease.array(np.float32, (32, 32))
+    column = arr[:, 3]
+    del arr
+    with pytest.raises(LeaseError, match="still referenced"):
+        lease.release()  # a slice of the array still points into the buffer
+    del column
+    view = lease.view[100:200]
+    with pytest.raises(LeaseError):
+        lease.release()
+    del view
+    lease.release()
+    with pytest.raises(LeaseError, match="already released"):
+        lease.release()
+    with pytest.raises(LeaseError, match="already released"):
+        lease.raw()
+
+
+def test_free_lists_are_bounded():
+    pool = BufferPool(max_free_per_bucket=2)
+    leases = [pool.acquire(10_000) for _ in range(5)]
+    for lease in leases:
+        lease.release()
+    stats = pool.stats()
+    assert stats.free_count == 2
+    assert stats.free_bytes == 2 * 16384
+    assert stats.frees == 3
+    assert stats.allocations == 5
+
+
+def test_close_refuses_outstanding_leases():
+    pool = BufferPool()
+    lease = pool.acquire(1)
+    with pytest.raises(LeaseError, match="1 buffers are still leased"):
+        pool.close()
+    lease.release()
+    pool.close()
+    with pytest.raises(LeaseError, match="closed"):
+        pool.acquire(1)
+
+
+def test_bad_requests():
+    pool = BufferPool()
+    with pytest.raises(ValueError, match="nbytes=-1"):
+        pool.acquire(-1)
+    with pytest.raises(ValueError, match="largest bucket"):
+        pool.acquire(1 << 60)
+    with pytest.raises(ValueError, match="max_free_per_bucket"):
+        BufferPool(max_free_per_bucket=-1)
+    with pool.acquire(64) as lease, pytest.raises(ValueError, match="needs 400 bytes"):
+        lease.array(np.float32, (10, 10))
+
+
+def test_concurrent_threads_never_share_a_buffer():
+    """Each thread stamps its buffer and checks nobody else wrote it before release."""
+    pool = BufferPool(max_free_per_bucket=4)
+    errors: list[str] = []
+    rounds = 3000
+
+    def work(tag: int) -> None:
+        size = 4096 * (1 + tag % 3)
+        for i in range(rounds):
+            lease = pool.acquire(size)
+            arr = lease.array(np.uint8, (size,))
+            arr[:] = tag
+            if i % 64 == 0:
+                threading.Event().wait(0.0001)  # let the others interleave
+            if not (arr == tag).all():
+                errors.append(f"thread {tag}: buffer rewritten while leased")
+            del arr
+            lease.release()
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    stats = pool.stats()
+    assert stats.leased_count == 0
+    assert stats.releases == 6 * rounds
+    assert stats.allocations + stats.reuses == 6 * rounds
