@@ -7,8 +7,9 @@ can mix them. A task goes to one worker, chosen at submit time by a policy:
 
 - ``round-robin``: workers in turn;
 - ``greedy``: the shortest expected wait, ``outstanding × moving-average
-  duration`` (a 64-sample window, seeded with 1 ms for GPUs and 5 ms for
-  CPUs as upstream does);
+  duration`` (a 64-sample window). A worker with no samples yet borrows the
+  mean of its measured siblings of the same kind, so an idle twin is not
+  shunned; with none measured, 1 ms for GPUs and 5 ms for CPUs as upstream;
 - ``load-balanced``: the fewest outstanding tasks.
 
 Ties go to a GPU, then to the lowest index.
@@ -169,8 +170,8 @@ class _Worker:
         )
 
     @property
-    def avg_s(self) -> float:
-        return self.duration_sum / len(self.durations) if self.durations else self.backend.prior_s
+    def measured_avg_s(self) -> float | None:
+        return self.duration_sum / len(self.durations) if self.durations else None
 
     def record(self, seconds: float) -> None:
         """Called under the pool lock."""
@@ -248,9 +249,27 @@ class WorkerPool:
 
     # -- choosing a worker -------------------------------------------------
 
+    def _avg_durations(self) -> list[float]:
+        """Each worker's moving average, or its stand-in before it has one. Under the lock."""
+        peers: dict[str, list[float]] = {}
+        for w in self._workers:
+            if (avg := w.measured_avg_s) is not None:
+                peers.setdefault(w.backend.kind, []).append(avg)
+        result = []
+        for w in self._workers:
+            avg = w.measured_avg_s
+            if avg is None:
+                same_kind = peers.get(w.backend.kind)
+                avg = sum(same_kind) / len(same_kind) if same_kind else w.backend.prior_s
+            result.append(avg)
+        return result
+
     def _choose(self) -> _Worker:
         """Called under the lock."""
-        loads = [WorkerLoad(w.outstanding, w.avg_s, w.backend.kind == "gpu") for w in self._workers]
+        loads = [
+            WorkerLoad(w.outstanding, avg, w.backend.kind == "gpu")
+            for w, avg in zip(self._workers, self._avg_durations(), strict=True)
+        ]
         index = choose_worker(self.policy, loads, self._rr)
         self._rr += 1
         return self._workers[index]
@@ -324,10 +343,10 @@ class WorkerPool:
                     kind=w.backend.kind,
                     outstanding=w.outstanding,
                     completed=w.completed,
-                    avg_duration_s=w.avg_s,
-                    expected_wait_s=w.outstanding * w.avg_s,
+                    avg_duration_s=avg,
+                    expected_wait_s=w.outstanding * avg,
                 )
-                for w in self._workers
+                for w, avg in zip(self._workers, self._avg_durations(), strict=True)
             ]
 
     def close(self) -> None:

@@ -69,6 +69,17 @@ async def test_greedy_keeps_an_idle_pool_on_one_worker():
     assert stats[0].completed == 5 and stats[0].avg_duration_s < 0.005  # measured, not prior
 
 
+async def test_greedy_unmeasured_twin_borrows_its_siblings_average():
+    """After worker 0 alone has measured tiny tasks, its idle twin must not look like the
+    5 ms prior: a burst of equal tasks alternates between the two."""
+    tiny = np.ones((16, 16), np.float32)
+    a = np.random.default_rng(2).standard_normal((500, 500)).astype(np.float32)
+    with WorkerPool([CpuBackend(1), CpuBackend(1)], policy="greedy") as pool:
+        assert (await pool.submit(tiny, tiny)).worker == 0
+        results = await asyncio.gather(*(pool.submit(a, a) for _ in range(6)))
+    assert [r.worker for r in results] == [0, 1, 0, 1, 0, 1]
+
+
 def test_greedy_picks_the_shortest_expected_wait():
     loads = [
         WorkerLoad(outstanding=2, avg_s=0.010, is_gpu=False),  # 20 ms
