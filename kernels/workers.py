@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import logging
 import os
 import queue
 import threading
@@ -32,6 +33,8 @@ from typing import Any, Protocol
 from . import blas
 from .cublasxt import CublasXt, cublasxt_status
 from .layout import GemmPlan, plan_gemm
+
+log = logging.getLogger(__name__)
 
 POLICIES = ("round-robin", "greedy", "load-balanced")
 
@@ -153,7 +156,11 @@ class _Task:
 
 class _Worker:
     def __init__(
-        self, index: int, backend: Backend, window: int, on_finished: Callable[[_Worker, int], None]
+        self,
+        index: int,
+        backend: Backend,
+        window: int,
+        on_finished: Callable[[_Worker, int | None], None],
     ) -> None:
         self.index = index
         self.backend = backend
@@ -173,14 +180,16 @@ class _Worker:
     def measured_avg_s(self) -> float | None:
         return self.duration_sum / len(self.durations) if self.durations else None
 
-    def record(self, seconds: float) -> None:
-        """Called under the pool lock."""
+    def record(self, seconds: float | None) -> None:
+        """Called under the pool lock; ``None`` for a failed task, which says nothing of speed."""
+        self.outstanding -= 1
+        self.completed += 1
+        if seconds is None:
+            return
         if len(self.durations) == self.durations.maxlen:
             self.duration_sum -= self.durations[0]
         self.durations.append(seconds)
         self.duration_sum += seconds
-        self.outstanding -= 1
-        self.completed += 1
 
     def _main(self) -> None:
         try:
@@ -204,9 +213,12 @@ class _Worker:
         except Exception as exc:
             error = exc
         elapsed = time.perf_counter_ns() - t0
-        self.on_finished(self, elapsed)
+        self.on_finished(self, None if error else elapsed)
         result = None if error else GemmResult(task.out, elapsed, self.index, self.backend.kind)
-        task.done(result, error)
+        try:
+            task.done(result, error)
+        except Exception:  # a broken callback must not take the worker down with it
+            log.exception("GEMM completion callback failed")
 
 
 class WorkerPool:
@@ -274,9 +286,9 @@ class WorkerPool:
         self._rr += 1
         return self._workers[index]
 
-    def _finished(self, worker: _Worker, elapsed_ns: int) -> None:
+    def _finished(self, worker: _Worker, elapsed_ns: int | None) -> None:
         with self._lock:
-            worker.record(elapsed_ns / 1e9)
+            worker.record(None if elapsed_ns is None else elapsed_ns / 1e9)
 
     def _enqueue(self, plan: GemmPlan, out: Any, keep: tuple[Any, ...], done: Done) -> None:
         with self._lock:

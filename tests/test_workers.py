@@ -115,6 +115,8 @@ async def test_futures_complete_on_the_loop_and_errors_propagate():
         )
         with pytest.raises(ValueError, match="A does not fit"):
             await pool.submit_plan(bad)
+        [stats] = pool.stats()
+        assert (stats.outstanding, stats.completed) == (0, 2)
         with pytest.raises(ValueError, match="inner dimensions"):
             pool.submit(np.ones((2, 3)), np.ones((2, 3)))  # raised at submit, not later
 
