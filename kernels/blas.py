@@ -70,23 +70,34 @@ def _open(path: str, prefix: str, layer: int) -> str | None:
     return ffi.string(err).decode(errors="replace")
 
 
-def _load() -> BlasInfo:
-    choice = os.environ.get("MORPHLING_BLAS", "auto").strip().lower()
+def _settings() -> tuple[str, str, int | None]:
+    """(choice, MKL threading layer, threads), validated before anything is loaded."""
+    choice = os.environ.get("MORPHLING_BLAS", "auto").strip()
+    if choice.lower() in ("auto", "mkl", "openblas"):
+        choice = choice.lower()
+    elif not Path(choice).exists():
+        raise ValueError(f"MORPHLING_BLAS={choice!r}: expected auto, mkl, openblas or a path")
     threading_name = os.environ.get("MORPHLING_MKL_THREADING", "gnu").strip().lower()
     if threading_name not in _MKL_LAYERS:
         raise ValueError(
             f"MORPHLING_MKL_THREADING={threading_name!r}: expected one of {sorted(_MKL_LAYERS)}"
         )
+    threads = os.environ.get("MORPHLING_BLAS_THREADS")
+    if threads is not None and (not threads.isdigit() or int(threads) < 1):
+        raise ValueError(f"MORPHLING_BLAS_THREADS={threads!r}: expected a positive integer")
+    return choice, threading_name, None if threads is None else int(threads)
+
+
+def _load() -> BlasInfo:
+    choice, threading_name, threads = _settings()
     layer = _MKL_LAYERS[threading_name]
-    if choice not in ("auto", "mkl", "openblas") and not Path(choice).exists():
-        raise ValueError(f"MORPHLING_BLAS={choice!r}: expected auto, mkl, openblas or a path")
 
     errors: list[str] = []
     if choice in ("auto", "mkl"):
         for path in _mkl_candidates():
             reason = _open(path, "", layer)
             if reason is None:
-                return _info("mkl", path, threading_name, None)
+                return _info("mkl", path, threading_name, None, threads)
             errors.append(reason)
         if choice == "mkl":
             raise RuntimeError("MKL requested but not loadable: " + "; ".join(errors))
@@ -99,7 +110,8 @@ def _load() -> BlasInfo:
     for path, prefix in candidates:
         reason = _open(path, prefix, -1)
         if reason is None:
-            info = _info("mkl" if lib.mg_blas_is_mkl() else "openblas", path, "native", fallback)
+            name = "mkl" if lib.mg_blas_is_mkl() else "openblas"
+            info = _info(name, path, "native", fallback, threads)
             level = logging.WARNING if choice == "auto" else logging.INFO
             log.log(level, "BLAS: using %s at %s (%s)", info.name, path, fallback)
             return info
@@ -107,15 +119,14 @@ def _load() -> BlasInfo:
     raise RuntimeError("no usable BLAS library: " + "; ".join(errors))
 
 
-def _info(name: str, path: str, threading_name: str, reason: str | None) -> BlasInfo:
+def _info(
+    name: str, path: str, threading_name: str, reason: str | None, threads: int | None
+) -> BlasInfo:
     buf = ffi.new("char[]", 512)
     lib.mg_blas_version(buf, 512)
     version = ffi.string(buf).decode(errors="replace").strip()
-    threads = os.environ.get("MORPHLING_BLAS_THREADS")
-    if threads:
-        if not threads.isdigit() or int(threads) < 1:
-            raise ValueError(f"MORPHLING_BLAS_THREADS={threads!r}: expected a positive integer")
-        lib.mg_blas_set_threads(int(threads), 0)
+    if threads is not None:
+        lib.mg_blas_set_threads(threads, 0)
     log.debug("BLAS: %s %s (%s) threading=%s", name, version, path, threading_name)
     return BlasInfo(name, path, version, threading_name, reason)
 
@@ -134,12 +145,28 @@ def blas_info() -> BlasInfo:
     return _loaded
 
 
+_warned_threads = False
+
+
 def set_threads(n: int) -> None:
-    """Threads for BLAS calls made from the calling thread (MKL), or the process (OpenBLAS)."""
+    """Threads for BLAS calls made from the calling thread.
+
+    Only MKL has per-thread counts. OpenBLAS's count is process-wide, and
+    changing it while another thread computes is unsafe, so there it is left
+    alone (set ``MORPHLING_BLAS_THREADS`` instead) and a warning is logged once.
+    """
+    global _warned_threads
     if n < 1:
         raise ValueError(f"threads={n}: must be >= 1")
-    blas_info()
-    lib.mg_blas_set_threads(n, 1)
+    info = blas_info()
+    if lib.mg_blas_set_threads(n, 1) != 0 and not _warned_threads:
+        _warned_threads = True
+        log.warning(
+            "%s has no per-thread thread count; threads=%d ignored "
+            "(use MORPHLING_BLAS_THREADS for a process-wide count)",
+            info.name,
+            n,
+        )
 
 
 def run_plan(plan: GemmPlan) -> None:

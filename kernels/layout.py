@@ -75,6 +75,7 @@ def check_failure(rc: int, plan: GemmPlan) -> Exception:
         lib.MG_GEMM_EA: f"A does not fit its buffer of {p.a_len} bytes (or stride_a < 0)",
         lib.MG_GEMM_EB: f"B does not fit its buffer of {p.b_len} bytes (or stride_b < 0)",
         lib.MG_GEMM_EC: f"C does not fit its buffer of {p.c_len} bytes (or stride_c < 0)",
+        lib.MG_GEMM_EOVERLAP: f"stride_c={p.stride_c} makes the {p.batch} output pivots overlap",
         lib.MG_GEMM_EDTYPE: f"dtype code {p.dtype} is not supported (0=float32, 1=float64)",
     }
     if rc in messages:
@@ -87,11 +88,19 @@ def check_failure(rc: int, plan: GemmPlan) -> Exception:
 _new_plan = tuple.__new__
 
 
-def _buffer(x: Any) -> tuple[Any, int]:
-    """(pointer, byte length) of a lease or any contiguous buffer."""
+def _buffer(x: Any, name: str, writable: bool = False) -> tuple[Any, int]:
+    """(pointer, byte length) of a lease or any contiguous buffer.
+
+    A lease's pointer comes from a tracked export, so the lease cannot be
+    released while a plan (or a queued task holding one) still points at it.
+    """
     if type(x) is Lease:
-        return x.raw()
-    ptr = ffi.from_buffer(x)
+        x = x.export()
+    try:
+        ptr = ffi.from_buffer(x, require_writable=writable)
+    except (BufferError, TypeError) as exc:
+        need = "a writable contiguous buffer" if writable else "a contiguous buffer"
+        raise ValueError(f"{name}: {type(x).__name__} is not {need} ({exc})") from None
     return ptr, len(ptr)
 
 
@@ -119,18 +128,18 @@ def plan_explicit(
     """A plan from the explicit BLAS contract, as tiles arrive on the wire.
 
     ``a``, ``b`` and ``c`` are pool ``Lease``s or contiguous buffers
-    (``bytes``, ``memoryview``, arrays); every pointer starts at its buffer's
-    first byte, and strides and leading dimensions are in elements. Bounds
-    are checked in C against each buffer's length when the plan runs.
+    (``bytes``, ``memoryview``, arrays; ``c`` writable); every pointer starts
+    at its buffer's first byte, and strides and leading dimensions are in
+    elements. Bounds and output overlap are checked in C when the plan runs.
     """
     code = _DTYPE_ALIASES.get(dtype)
     if code is None:
         code = DTYPE_CODES.get(np.dtype(dtype))
         if code is None:
             raise ValueError(f"dtype {dtype} is not supported (float32, float64)")
-    pa, la = _buffer(a)
-    pb, lb = _buffer(b)
-    pc, lc = _buffer(c)
+    pa, la = _buffer(a, "a")
+    pb, lb = _buffer(b, "b")
+    pc, lc = _buffer(c, "c", writable=True)
     # tuple.__new__ skips NamedTuple's Python-level __new__ (half the cost).
     return _new_plan(GemmPlan, (
         code, int(trans_a), int(trans_b), m, n, k, float(alpha), pa, lda, stride_a, la,
@@ -245,7 +254,14 @@ def plan_gemm(
             raise ValueError("out: overlaps an input operand")
     if max(m, n, k) > _INT_MAX:
         raise ValueError(f"(m, n, k)={(m, n, k)} exceeds the 32-bit BLAS interface")
+    if batch == 0:  # nothing to compute; numpy's strides of empty arrays are arbitrary
+        return _new_plan(GemmPlan, (
+            code, 0, 0, m, n, k, float(alpha), ffi.NULL, max(1, k), 0, 0,
+            ffi.NULL, max(1, n), 0, 0, float(beta), ffi.NULL, max(1, n), 0, 0, 0,
+        )), out  # fmt: skip
     _, sc, _, _, c0, c1 = _split(out, "out")
+    trans_a, lda = _matrix_layout(m, k, a0, a1, "a")
+    trans_b, ldb = _matrix_layout(k, n, b0, b1, "b")
     c_trans, ldc = _matrix_layout(m, n, c0, c1, "out")
     if c_trans:
         # A column-major out: compute out^T = b^T a^T into its row-major transpose.
@@ -254,10 +270,11 @@ def plan_gemm(
             alpha=alpha, beta=beta,
         )  # fmt: skip
         return plan, out
-    if batch > 1 and m and n and abs(sc) < (m - 1) * ldc + n:
+    # The same rule as gemm_check.c: stacked or row-interleaved pivots.
+    stacked = sc >= (m - 1) * ldc + n
+    interleaved = n <= sc and (batch - 1) * sc + n <= ldc
+    if batch > 1 and m and n and not (stacked or interleaved):
         raise ValueError(f"out: batch stride {sc} makes pivots overlap")
-    trans_a, lda = _matrix_layout(m, k, a0, a1, "a")
-    trans_b, ldb = _matrix_layout(k, n, b0, b1, "b")
     if max(lda, ldb, ldc) > _INT_MAX:
         raise ValueError(f"leading dimensions {(lda, ldb, ldc)} exceed the 32-bit BLAS interface")
     pa, la = _pointer(a)

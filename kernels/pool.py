@@ -2,14 +2,15 @@
 
 A ``Lease`` is the only handle to a pool buffer, and the pool hands a buffer
 out again only after its lease is released. Its memory is reachable as
-``Lease.view`` (a memoryview) or ``Lease.array()``; ``release()`` refuses
-while any of those, or anything derived from them (slices, numpy or torch
-views, a transport's queued write), is still alive, so a buffer is never
-rewritten under a reader.
+``Lease.view`` (a memoryview), ``Lease.array()`` or ``Lease.export()`` (what
+GEMM plans point at); ``release()`` refuses while any of those, or anything
+derived from them (slices, numpy or torch views, a plan, a transport's
+queued write), is still alive, so a buffer is never reused under a reader.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import threading
@@ -50,7 +51,20 @@ class PoolStats:
 
 
 _STAT_FIELDS = tuple(f.name for f in fields(PoolStats))
-_OWN_REFS = 3  # the _exports list, the loop variable, getrefcount's argument
+
+
+def _own_refs() -> int:
+    """References ``Lease._referenced`` sees for an export nobody else holds.
+
+    Measured with the same expression rather than assumed, since CPython
+    versions count the list slot, the loop variable and the argument differently.
+    """
+    owner = ffi.new("char[1]")
+    probe = [ffi.buffer(owner, 1)]
+    return max(sys.getrefcount(e) for e in probe)
+
+
+_OWN_REFS = _own_refs()
 
 
 class Lease:
@@ -69,9 +83,13 @@ class Lease:
             raise LeaseError("lease already released")
         return self._buf
 
-    def _export(self) -> object:
-        # Every memoryview, slice or array made from this object keeps it
-        # referenced through its managed buffer: that is what release() checks.
+    def export(self) -> object:
+        """A buffer object over the lease's bytes that ``release()`` tracks.
+
+        Every memoryview, slice, array or cffi pointer made from it keeps it
+        referenced (through the managed buffer or the cdata), and ``release()``
+        refuses while any export is referenced from outside.
+        """
         exported = ffi.buffer(self._live().ptr, self.nbytes)
         self._exports.append(exported)
         return exported
@@ -88,14 +106,10 @@ class Lease:
     def address(self) -> int:
         return int(ffi.cast("uintptr_t", self._live().ptr))
 
-    def raw(self) -> tuple[object, int]:
-        """(cdata pointer, nbytes) for the kernels; not tracked by ``release()``."""
-        return self._live().ptr, self.nbytes
-
     @property
     def view(self) -> memoryview:
         """A writable memoryview of the first ``nbytes`` bytes (shared, not copied)."""
-        return memoryview(self._export())
+        return memoryview(self.export())
 
     def array(self, dtype: np.typing.DTypeLike, shape: tuple[int, ...]) -> np.ndarray:
         """A numpy array over the lease's memory; must fit in ``nbytes``."""
@@ -106,19 +120,30 @@ class Lease:
                 f"shape {shape} of {dtype} needs {count * dtype.itemsize} bytes, "
                 f"lease has {self.nbytes}"
             )
-        return np.frombuffer(self._export(), dtype=dtype, count=count).reshape(shape)
+        return np.frombuffer(self.export(), dtype=dtype, count=count).reshape(shape)
+
+    def _referenced(self) -> bool:
+        return any(sys.getrefcount(e) > _OWN_REFS for e in self._exports)
 
     def release(self) -> None:
         """Give the buffer back. Raises ``LeaseError`` while a view of it is alive."""
-        buf = self._live()
-        if any(sys.getrefcount(e) > _OWN_REFS for e in self._exports):
-            raise LeaseError(
-                f"lease of {self.nbytes} bytes is still referenced (a memoryview, array or "
-                "transport holds its memory); drop those references before releasing"
-            )
-        self._exports.clear()
-        self._buf = None
-        self._pool._release(buf)
+        with self._pool._lock:  # one release wins, even from two threads
+            self._live()
+            if self._referenced():
+                raise LeaseError(
+                    f"lease of {self.nbytes} bytes is still referenced (a memoryview, array, "
+                    "plan or transport holds its memory); drop those references first"
+                )
+            buf, self._buf = self._buf, None
+            self._exports.clear()
+            self._pool._release(buf)
+
+    def __del__(self) -> None:
+        # A lease dropped without release() gives its buffer back, unless memory
+        # derived from it is still alive elsewhere (then it is leaked, not reused).
+        if getattr(self, "_buf", None) is not None and not self._referenced():
+            with contextlib.suppress(Exception):  # interpreter shutdown
+                self._pool._release(self._buf)
 
     def __enter__(self) -> Lease:
         return self
@@ -145,7 +170,9 @@ class BufferPool:
         if self._pool == ffi.NULL:
             raise MemoryError("could not create buffer pool")
         self._out = ffi.new("mg_buffer **")  # reused: acquire is serialised below
-        self._out_lock = threading.Lock()
+        # Serialises every call into the C pool with close(), so the C object is
+        # never freed under a caller (cffi releases the GIL during C calls).
+        self._lock = threading.RLock()
         self._warned = False
 
     @staticmethod
@@ -157,9 +184,9 @@ class BufferPool:
         """Lease a buffer of at least ``nbytes``."""
         if nbytes < 0:
             raise ValueError(f"nbytes={nbytes}: must be >= 0")
-        if self._pool is None:
-            raise LeaseError("pool is closed")
-        with self._out_lock:
+        with self._lock:
+            if self._pool is None:
+                raise LeaseError("pool is closed")
             rc = lib.mg_pool_acquire(self._pool, nbytes, self._out)
             buf = self._out[0]
         if rc < 0:
@@ -185,23 +212,26 @@ class BufferPool:
         return MemoryError(f"cannot allocate {self.bucket_size(nbytes)} bytes")
 
     def _release(self, buf: object) -> None:
-        if lib.mg_pool_release(self._pool, buf) != lib.MG_POOL_OK:
-            raise LeaseError("buffer is not leased")
+        with self._lock:  # a lease keeps its pool open, so _pool is set here
+            if lib.mg_pool_release(self._pool, buf) != lib.MG_POOL_OK:
+                raise LeaseError("buffer is not leased")
 
     def stats(self) -> PoolStats:
-        if self._pool is None:
-            raise LeaseError("pool is closed")
         st = ffi.new("mg_pool_stats *")
-        lib.mg_pool_get_stats(self._pool, st)
+        with self._lock:
+            if self._pool is None:
+                raise LeaseError("pool is closed")
+            lib.mg_pool_get_stats(self._pool, st)
         return PoolStats(*(int(getattr(st, name)) for name in _STAT_FIELDS))
 
     def close(self) -> None:
         """Free the pool; refuses while leases are outstanding."""
-        if self._pool is None:
-            return
-        if lib.mg_pool_destroy(self._pool) != lib.MG_POOL_OK:
-            raise LeaseError(f"{self.stats().leased_count} buffers are still leased")
-        self._pool = None
+        with self._lock:
+            if self._pool is None:
+                return
+            if lib.mg_pool_destroy(self._pool) != lib.MG_POOL_OK:
+                raise LeaseError(f"{self.stats().leased_count} buffers are still leased")
+            self._pool = None
 
     def __del__(self) -> None:
         # Best effort; outstanding leases keep the pool object alive.

@@ -6,10 +6,13 @@ thread count, or a cuBLASXt handle — behind the same interface, so one pool
 can mix them. A task goes to one worker, chosen at submit time by a policy:
 
 - ``round-robin``: workers in turn;
-- ``greedy``: the shortest expected wait, ``outstanding × moving-average
-  duration`` (a 64-sample window). A worker with no samples yet borrows the
-  mean of its measured siblings of the same kind, so an idle twin is not
-  shunned; with none measured, 1 ms for GPUs and 5 ms for CPUs as upstream;
+- ``greedy``: the earliest expected completion, ``(outstanding + 1) ×
+  moving-average duration`` (a 64-sample window): the wait of upstream's
+  ``queue depth × average`` plus the task itself, so an idle but 100× slower
+  CPU does not beat a GPU with one task queued. A worker with no samples yet
+  borrows the mean of its measured siblings of the same kind, so an idle twin
+  is not shunned; with none measured, 1 ms for GPUs and 5 ms for CPUs as
+  upstream;
 - ``load-balanced``: the fewest outstanding tasks.
 
 Ties go to a GPU, then to the lowest index.
@@ -65,7 +68,7 @@ class CpuBackend:
         blas.blas_info()  # fail here, not on the worker thread
 
     def start(self) -> None:
-        blas.set_threads(self.threads)
+        blas.set_threads(self.threads)  # per thread with MKL; logged once if unsupported
 
     def run(self, plan: GemmPlan) -> None:
         blas.run_plan(plan)
@@ -138,7 +141,7 @@ def choose_worker(policy: str, loads: Sequence[WorkerLoad], turn: int) -> int:
     if policy == "round-robin":
         return turn % len(loads)
     if policy == "greedy":
-        cost = [(w.outstanding * w.avg_s, not w.is_gpu, i) for i, w in enumerate(loads)]
+        cost = [((w.outstanding + 1) * w.avg_s, not w.is_gpu, i) for i, w in enumerate(loads)]
     elif policy == "load-balanced":
         cost = [(w.outstanding, not w.is_gpu, i) for i, w in enumerate(loads)]
     else:
@@ -148,9 +151,9 @@ def choose_worker(policy: str, loads: Sequence[WorkerLoad], turn: int) -> int:
 
 @dataclass(slots=True)
 class _Task:
-    plan: GemmPlan
+    plan: GemmPlan | None
     out: Any
-    keep: tuple[Any, ...]  # operands kept alive until the kernel has run
+    keep: tuple[Any, ...] | None  # operands kept alive until the kernel has run
     done: Done
 
 
@@ -202,6 +205,7 @@ class _Worker:
         try:
             while (task := self.queue.get()) is not None:
                 self._run(task)
+                del task  # do not pin the last task's operands (leases) while idle
         finally:
             self.backend.stop()
 
@@ -213,6 +217,7 @@ class _Worker:
         except Exception as exc:
             error = exc
         elapsed = time.perf_counter_ns() - t0
+        task.plan = task.keep = None  # unpin leases before anyone is told we are done
         self.on_finished(self, None if error else elapsed)
         result = None if error else GemmResult(task.out, elapsed, self.index, self.backend.kind)
         try:
@@ -291,12 +296,13 @@ class WorkerPool:
             worker.record(None if elapsed_ns is None else elapsed_ns / 1e9)
 
     def _enqueue(self, plan: GemmPlan, out: Any, keep: tuple[Any, ...], done: Done) -> None:
-        with self._lock:
+        task = _Task(plan, out, keep, done)
+        with self._lock:  # put under the lock, so close()'s sentinel always comes last
             if self._closed:
                 raise RuntimeError("worker pool is closed")
             worker = self._choose()
             worker.outstanding += 1
-        worker.queue.put(_Task(plan, out, keep, done))
+            worker.queue.put(task)
 
     # -- submitting ----------------------------------------------------------
 

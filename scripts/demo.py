@@ -39,6 +39,7 @@ async def tiled_gemm(pool: WorkerPool, mem: BufferPool, a: np.ndarray, b: np.nda
             lb.array(np.float32, (cols, k))[:] = bt[c : c + cols]
             plan = plan_explicit(np.float32, False, True, rows, cols, k, la, k, lb, k, lc, cols)
             res = await pool.submit_plan(plan, lc, keep=(la, lb))
+            del plan  # it points into the leases, which are released below
             out[r : r + rows, c : c + cols] = lc.array(np.float32, (rows, cols))
             workers.append(res.worker)
             bar.update()

@@ -129,6 +129,7 @@ def test_explicit_contract_on_pool_buffers():
         )  # fmt: skip
         run_plan(plan)
         got = lc.array(np.float32, (batch, m, n)).copy()
+        del plan  # the plan points into the leases: they cannot be released before it goes
     expected = np.swapaxes(a, 1, 2) @ b[:, :n]
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
 
@@ -312,3 +313,42 @@ def test_bad_blas_settings_are_named(env, message):
     proc = _run_isolated("from morphling.kernels import blas_info; blas_info()", **env)
     assert proc.returncode != 0
     assert message in proc.stderr
+
+
+def test_review_regressions_layouts():
+    # A batch of 0 is an empty result, not a layout error.
+    assert gemm(np.ones((0, 2, 3)), np.ones((3, 4))).shape == (0, 2, 4)
+    # Row-interleaved pivots (per-head results in one [m, batch, n] array) are disjoint.
+    a, b = np.random.rand(3, 4, 5), np.random.rand(3, 5, 6)
+    out = np.empty((4, 3, 6)).transpose(1, 0, 2)
+    gemm(a, b, out)
+    np.testing.assert_allclose(out, a @ b)
+    # With a column-major out, a bad `a` is still reported as `a`.
+    with pytest.raises(ValueError, match=r"^a: "):
+        gemm(np.ones((4, 6))[:, ::2], np.ones((3, 2)), np.empty((2, 4)).T)
+
+
+def test_review_regressions_explicit_contract():
+    a, b = bytearray(64), bytearray(64)
+    with pytest.raises(ValueError, match="c: bytes is not a writable contiguous buffer"):
+        plan_explicit(np.float32, False, False, 2, 2, 2, a, 2, b, 2, bytes(64), 2)
+    overlapping = plan_explicit(
+        np.float32, False, False, 2, 2, 2, a, 2, b, 2, bytearray(64), 2, batch=10**9
+    )
+    with pytest.raises(ValueError, match="overlap"):
+        run_plan(overlapping)  # stride_c 0 with many pivots: refused, not a hang
+    # trans flags other than 0/1 mean "transposed", never another BLAS operation.
+    x = np.arange(4, dtype=np.float32).reshape(2, 2)
+    c = bytearray(16)
+    run_plan(plan_explicit(np.float32, 2, False, 2, 2, 2, x.tobytes(), 2, x.tobytes(), 2, c, 2))
+    np.testing.assert_allclose(np.frombuffer(c, np.float32).reshape(2, 2), x.T @ x)
+
+
+def test_blas_path_setting_keeps_its_case(tmp_path):
+    lib_dir = tmp_path / "BlasDir"
+    lib_dir.mkdir()
+    proc = _run_isolated(
+        "from morphling.kernels import blas_info; blas_info()",
+        MORPHLING_BLAS=str(lib_dir / "libNotABlas.so"),
+    )
+    assert "libNotABlas.so" in proc.stderr and "BlasDir" in proc.stderr

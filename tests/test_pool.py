@@ -107,7 +107,7 @@ def test_release_refuses_while_memory_is_referenced():
     with pytest.raises(LeaseError, match="already released"):
         lease.release()
     with pytest.raises(LeaseError, match="already released"):
-        lease.raw()
+        lease.export()
 
 
 def test_free_lists_are_bounded():

@@ -10,6 +10,7 @@ import pytest
 from morphling.kernels import (
     BufferPool,
     CpuBackend,
+    LeaseError,
     WorkerLoad,
     WorkerPool,
     choose_worker,
@@ -90,9 +91,15 @@ def test_greedy_picks_the_shortest_expected_wait():
     assert choose_worker("load-balanced", loads, 0) == 2
 
 
+def test_greedy_counts_the_task_itself():
+    """An idle CPU 100× slower than a GPU with one task queued loses to the GPU."""
+    slow_idle, fast_busy = WorkerLoad(0, 0.100, False), WorkerLoad(1, 0.001, True)
+    assert choose_worker("greedy", [slow_idle, fast_busy], 0) == 1
+
+
 def test_ties_go_to_the_gpu_then_the_lowest_index():
-    cpu, gpu = WorkerLoad(1, 0.004, False), WorkerLoad(2, 0.002, True)
-    assert choose_worker("greedy", [cpu, gpu], 0) == 1  # 4 ms each: GPU
+    cpu, gpu = WorkerLoad(1, 0.003, False), WorkerLoad(2, 0.002, True)
+    assert choose_worker("greedy", [cpu, gpu], 0) == 1  # 6 ms each: GPU
     assert choose_worker("load-balanced", [WorkerLoad(0, 1, False), WorkerLoad(0, 1, True)], 0) == 1
     assert choose_worker("greedy", [cpu, cpu, cpu], 0) == 0
     assert [choose_worker("round-robin", [cpu, gpu], t) for t in range(4)] == [0, 1, 0, 1]
@@ -137,6 +144,9 @@ async def test_explicit_plans_on_leases():
         res = await pool.submit_plan(plan, out=lc, keep=(la, lb))
         assert res.out is lc
         np.testing.assert_allclose(lc.array(np.float32, (24, 24)), a @ b.T, rtol=1e-5, atol=1e-5)
+        with pytest.raises(LeaseError, match="still referenced"):
+            la.release()  # our plan still points into it
+        del plan  # the worker has already let go: release now succeeds
 
 
 def test_blocking_compute_and_close():

@@ -100,6 +100,8 @@ int mg_blas_set_threads(int n, int thread_local_only)
         mg_blas.mkl_threads_local(n);
         if (thread_local_only)
             return 0;
+    } else if (thread_local_only) {
+        return -1; /* OpenBLAS has only a process-wide count */
     }
     if (mg_blas.set_threads == NULL)
         return -1;
@@ -114,10 +116,14 @@ int mg_gemm(int dtype, int trans_a, int trans_b, int m, int n, int k, double alp
 {
     if (mg_blas.handle == NULL)
         return MG_GEMM_ENOLIB;
+    trans_a = trans_a != 0;
+    trans_b = trans_b != 0;
     int rc = mg_gemm_check(dtype, trans_a, trans_b, m, n, k, lda, stride_a, a_len, ldb, stride_b,
                            b_len, ldc, stride_c, c_len, batch);
     if (rc != MG_GEMM_OK)
         return rc;
+    if (m == 0 || n == 0)
+        return MG_GEMM_OK; /* nothing to write */
     int ta = trans_a ? MG_CBLAS_TRANS : MG_CBLAS_NO_TRANS;
     int tb = trans_b ? MG_CBLAS_TRANS : MG_CBLAS_NO_TRANS;
     int small = mg_blas.mkl_threads_local != NULL && (int64_t)m * n * k < MG_SMALL_GEMM;

@@ -61,19 +61,21 @@ int mg_xt_open(const char *cuda_path, const char *cublas_path, char *err, size_t
     int count = 0, rc;
     if (cu_init == NULL || cu_count == NULL) {
         snprintf(err, errlen, "CUDA driver %s lacks cuInit/cuDeviceGetCount", cuda_path);
+        dlclose(cuda);
         return -1;
     }
-    if ((rc = cu_init(0)) != 0 || (rc = cu_count(&count)) != 0) {
-        snprintf(err, errlen, "CUDA driver error %d (no usable GPU)", rc);
-        return -1;
-    }
-    if (count < 1) {
-        snprintf(err, errlen, "no CUDA devices");
+    if ((rc = cu_init(0)) != 0 || (rc = cu_count(&count)) != 0 || count < 1) {
+        if (rc != 0)
+            snprintf(err, errlen, "CUDA driver error %d (no usable GPU)", rc);
+        else
+            snprintf(err, errlen, "no CUDA devices");
+        dlclose(cuda);
         return -1;
     }
     void *cublas = dlopen(cublas_path, RTLD_NOW | RTLD_LOCAL);
     if (cublas == NULL) {
         snprintf(err, errlen, "cuBLAS: %s", dlerror());
+        dlclose(cuda);
         return -1;
     }
     mg_xt.create = (mg_xt_create_fn)dlsym(cublas, "cublasXtCreate");
@@ -86,6 +88,7 @@ int mg_xt_open(const char *cuda_path, const char *cublas_path, char *err, size_t
         !mg_xt.dgemm) {
         snprintf(err, errlen, "%s lacks the cublasXt* entry points", cublas_path);
         dlclose(cublas);
+        dlclose(cuda);
         return -1;
     }
     mg_xt.cuda = cuda;
@@ -130,10 +133,14 @@ int mg_xt_gemm(mg_xt_ctx *ctx, int dtype, int trans_a, int trans_b, int m, int n
                const void *b, int ldb, int64_t stride_b, int64_t b_len, double beta, void *c,
                int ldc, int64_t stride_c, int64_t c_len, int64_t batch)
 {
+    trans_a = trans_a != 0; /* cublasOperation_t: 0 = N, 1 = T */
+    trans_b = trans_b != 0;
     int check = mg_gemm_check(dtype, trans_a, trans_b, m, n, k, lda, stride_a, a_len, ldb,
                               stride_b, b_len, ldc, stride_c, c_len, batch);
     if (check != MG_GEMM_OK)
         return check;
+    if (m == 0 || n == 0)
+        return MG_GEMM_OK;
     const float falpha = (float)alpha, fbeta = (float)beta;
     for (int64_t p = 0; p < batch; p++) {
         int rc;

@@ -19,6 +19,7 @@ enum {
     MG_GEMM_EC = 7,
     MG_GEMM_EDTYPE = 8,
     MG_GEMM_ENOLIB = 9,
+    MG_GEMM_EOVERLAP = 10,
 };
 
 static int64_t mg_max64(int64_t a, int64_t b) { return a > b ? a : b; }
@@ -49,6 +50,8 @@ static int mg_gemm_check(int dtype, int trans_a, int trans_b, int m, int n, int 
         return MG_GEMM_EDTYPE;
     if (m < 0 || n < 0 || k < 0 || batch < 0)
         return MG_GEMM_EDIMS;
+    if (stride_a < 0 || stride_b < 0 || stride_c < 0)
+        return stride_a < 0 ? MG_GEMM_EA : stride_b < 0 ? MG_GEMM_EB : MG_GEMM_EC;
     int64_t item = dtype == 0 ? 4 : 8;
     /* Stored shapes: op(A) is m x k, so A is stored k x m when transposed. */
     int64_t a_rows = trans_a ? k : m, a_cols = trans_a ? m : k;
@@ -68,5 +71,11 @@ static int mg_gemm_check(int dtype, int trans_a, int trans_b, int m, int n, int 
         return MG_GEMM_EB;
     if (ec < 0 || ec > c_len)
         return MG_GEMM_EC;
+    /* Output pivots must not overlap: stacked (stride past a whole matrix) or
+     * interleaved within the rows (stride past a row's n, all inside ldc).
+     * With stride_c >= n >= 1 inside c_len, batch is bounded by the buffer. */
+    if (batch > 1 && m > 0 && n > 0 && stride_c < (int64_t)(m - 1) * ldc + n &&
+        !(stride_c >= n && (batch - 1) * stride_c + n <= ldc))
+        return MG_GEMM_EOVERLAP;
     return MG_GEMM_OK;
 }
