@@ -62,10 +62,6 @@ def cublasxt_status() -> str:
     return _status
 
 
-def device_count() -> int:
-    return lib.mg_xt_device_count() if cublasxt_status() == "available" else 0
-
-
 class CublasXt:
     """One cuBLASXt handle over a set of GPUs (default: all), with a block dimension.
 

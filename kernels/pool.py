@@ -136,7 +136,7 @@ class Lease:
                 )
             buf, self._buf = self._buf, None
             self._exports.clear()
-            self._pool._release(buf)
+            self._pool._release_locked(buf)
 
     def __del__(self) -> None:
         # A lease dropped without release() gives its buffer back, unless memory
@@ -212,9 +212,13 @@ class BufferPool:
         return MemoryError(f"cannot allocate {self.bucket_size(nbytes)} bytes")
 
     def _release(self, buf: object) -> None:
-        with self._lock:  # a lease keeps its pool open, so _pool is set here
-            if lib.mg_pool_release(self._pool, buf) != lib.MG_POOL_OK:
-                raise LeaseError("buffer is not leased")
+        with self._lock:
+            self._release_locked(buf)
+
+    def _release_locked(self, buf: object) -> None:
+        # The caller holds _lock; a lease keeps its pool open, so _pool is set.
+        if lib.mg_pool_release(self._pool, buf) != lib.MG_POOL_OK:
+            raise LeaseError("buffer is not leased")
 
     def stats(self) -> PoolStats:
         st = ffi.new("mg_pool_stats *")
