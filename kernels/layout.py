@@ -91,11 +91,12 @@ _new_plan = tuple.__new__
 def _buffer(x: Any, name: str, writable: bool = False) -> tuple[Any, int]:
     """(pointer, byte length) of a lease or any contiguous buffer.
 
-    A lease's pointer comes from a tracked export, so the lease cannot be
-    released while a plan (or a queued task holding one) still points at it.
+    A lease's pointer is the one it tracks, so the lease cannot be released
+    while a plan (or a queued task holding one) still points at it.
     """
     if type(x) is Lease:
-        x = x.export()
+        ptr = x.pointer()
+        return ptr, len(ptr)
     try:
         ptr = ffi.from_buffer(x, require_writable=writable)
     except (BufferError, TypeError) as exc:

@@ -11,6 +11,7 @@ queued write), is still alive, so a buffer is never reused under a reader.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import sys
 import threading
@@ -53,29 +54,21 @@ class PoolStats:
 _STAT_FIELDS = tuple(f.name for f in fields(PoolStats))
 
 
-def _own_refs() -> int:
-    """References ``Lease._referenced`` sees for an export nobody else holds.
-
-    Measured with the same expression rather than assumed, since CPython
-    versions count the list slot, the loop variable and the argument differently.
-    """
-    owner = ffi.new("char[1]")
-    probe = [ffi.buffer(owner, 1)]
-    return max(sys.getrefcount(e) for e in probe)
-
-
-_OWN_REFS = _own_refs()
-
-
 class Lease:
-    """One leased pool buffer of ``nbytes`` (its bucket, ``capacity``, may be larger)."""
+    """One leased pool buffer of ``nbytes`` (its bucket, ``capacity``, may be larger).
 
-    __slots__ = ("_buf", "_exports", "_pool", "nbytes")
+    All memory handed out derives from one cached export (a cffi buffer) and
+    one cached pointer over it, so "is anything still using this buffer?" is
+    two reference counts, however many views or plans were made.
+    """
+
+    __slots__ = ("_buf", "_export", "_pointer", "_pool", "nbytes")
 
     def __init__(self, pool: BufferPool, buf: object, nbytes: int) -> None:
         self._pool = pool
         self._buf = buf
-        self._exports: list[object] = []
+        self._export: object = None
+        self._pointer: object = None
         self.nbytes = nbytes
 
     def _live(self):
@@ -84,15 +77,23 @@ class Lease:
         return self._buf
 
     def export(self) -> object:
-        """A buffer object over the lease's bytes that ``release()`` tracks.
+        """The buffer object over the lease's bytes that ``release()`` tracks.
 
         Every memoryview, slice, array or cffi pointer made from it keeps it
         referenced (through the managed buffer or the cdata), and ``release()``
-        refuses while any export is referenced from outside.
+        refuses while it is referenced from outside the lease.
         """
-        exported = ffi.buffer(self._live().ptr, self.nbytes)
-        self._exports.append(exported)
+        exported = self._export
+        if exported is None:
+            exported = self._export = ffi.buffer(self._live().ptr, self.nbytes)
         return exported
+
+    def pointer(self) -> object:
+        """A cffi ``char[]`` over the lease's bytes, for GEMM plans (tracked like ``export``)."""
+        pointer = self._pointer
+        if pointer is None:
+            pointer = self._pointer = ffi.from_buffer(self.export())
+        return pointer
 
     @property
     def capacity(self) -> int:
@@ -123,11 +124,18 @@ class Lease:
         return np.frombuffer(self.export(), dtype=dtype, count=count).reshape(shape)
 
     def _referenced(self) -> bool:
-        return any(sys.getrefcount(e) > _OWN_REFS for e in self._exports)
+        if self._export is None:
+            return False
+        if self._pointer is None:
+            return sys.getrefcount(self._export) > _UNSHARED_EXPORT
+        return (
+            sys.getrefcount(self._pointer) > _UNSHARED_POINTER
+            or sys.getrefcount(self._export) > _UNSHARED_EXPORT_AND_POINTER
+        )
 
     def release(self) -> None:
         """Give the buffer back. Raises ``LeaseError`` while a view of it is alive."""
-        with self._pool._lock:  # one release wins, even from two threads
+        with self._pool._release_lock:  # one release wins, even from two threads
             self._live()
             if self._referenced():
                 raise LeaseError(
@@ -135,15 +143,15 @@ class Lease:
                     "plan or transport holds its memory); drop those references first"
                 )
             buf, self._buf = self._buf, None
-            self._exports.clear()
-            self._pool._release_locked(buf)
+            self._export = self._pointer = None
+            self._pool._give_back(buf)
 
     def __del__(self) -> None:
         # A lease dropped without release() gives its buffer back, unless memory
         # derived from it is still alive elsewhere (then it is leaked, not reused).
         if getattr(self, "_buf", None) is not None and not self._referenced():
             with contextlib.suppress(Exception):  # interpreter shutdown
-                self._pool._release(self._buf)
+                self._pool._give_back(self._buf)
 
     def __enter__(self) -> Lease:
         return self
@@ -152,6 +160,24 @@ class Lease:
         self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.release()
+
+
+def _unshared_counts() -> tuple[int, int, int]:
+    """What ``Lease._referenced`` counts on an export (alone, then with the cached
+    pointer) and the pointer when nothing else holds them.
+
+    Measured with the same expressions on a probe rather than assumed, since
+    CPython versions and cffi count arguments and internal references differently.
+    """
+    probe = Lease.__new__(Lease)
+    probe._export = ffi.buffer(ffi.new("char[1]"), 1)
+    probe._pointer = None
+    alone = sys.getrefcount(probe._export)
+    probe._pointer = ffi.from_buffer(probe._export)
+    return alone, sys.getrefcount(probe._export), sys.getrefcount(probe._pointer)
+
+
+_UNSHARED_EXPORT, _UNSHARED_EXPORT_AND_POINTER, _UNSHARED_POINTER = _unshared_counts()
 
 
 class BufferPool:
@@ -166,13 +192,15 @@ class BufferPool:
         if max_free_per_bucket < 0:
             raise ValueError(f"max_free_per_bucket={max_free_per_bucket}: must be >= 0")
         self.require_mlock = require_mlock
-        self._pool = lib.mg_pool_create(max_free_per_bucket, int(require_mlock))
-        if self._pool == ffi.NULL:
+        pool = lib.mg_pool_create(max_free_per_bucket, int(require_mlock))
+        if pool == ffi.NULL:
             raise MemoryError("could not create buffer pool")
-        self._out = ffi.new("mg_buffer **")  # reused: acquire is serialised below
-        # Serialises every call into the C pool with close(), so the C object is
-        # never freed under a caller (cffi releases the GIL during C calls).
-        self._lock = threading.RLock()
+        # The C pool locks itself and outlives close(): it is freed only when
+        # this object (which every lease references) is collected.
+        self._pool = ffi.gc(pool, lib.mg_pool_free)
+        # Makes the check-and-clear of a lease atomic, so a lease released from
+        # two threads at once goes back to the pool once.
+        self._release_lock = threading.Lock()
         self._warned = False
 
     @staticmethod
@@ -184,14 +212,10 @@ class BufferPool:
         """Lease a buffer of at least ``nbytes``."""
         if nbytes < 0:
             raise ValueError(f"nbytes={nbytes}: must be >= 0")
-        with self._lock:
-            if self._pool is None:
-                raise LeaseError("pool is closed")
-            rc = lib.mg_pool_acquire(self._pool, nbytes, self._out)
-            buf = self._out[0]
-        if rc < 0:
-            raise self._error(rc, nbytes)
-        if rc == lib.MG_POOL_UNLOCKED and not self._warned:
+        buf = lib.mg_pool_acquire(self._pool, nbytes)
+        if not buf:
+            raise self._error(ffi.errno, nbytes)
+        if not self._warned and not buf.locked:
             self._warned = True
             log.warning(
                 "buffer pool: RLIMIT_MEMLOCK (%s bytes) exhausted; further buffers are not "
@@ -200,44 +224,29 @@ class BufferPool:
             )
         return Lease(self, buf, nbytes)
 
-    def _error(self, rc: int, nbytes: int) -> Exception:
-        if rc == lib.MG_POOL_EMLOCK:
+    def _error(self, err: int, nbytes: int) -> Exception:
+        if err == errno.EBADF:
+            return LeaseError("pool is closed")
+        if err == errno.EAGAIN:
             limit = self.stats().memlock_limit
             return MlockError(
                 f"cannot lock {self.bucket_size(nbytes)} bytes: RLIMIT_MEMLOCK is {limit} bytes "
                 "and require_mlock is set"
             )
-        if rc == lib.MG_POOL_EINVAL:
+        if err == errno.EINVAL:
             return ValueError(f"nbytes={nbytes}: larger than the largest bucket")
         return MemoryError(f"cannot allocate {self.bucket_size(nbytes)} bytes")
 
-    def _release(self, buf: object) -> None:
-        with self._lock:
-            self._release_locked(buf)
-
-    def _release_locked(self, buf: object) -> None:
-        # The caller holds _lock; a lease keeps its pool open, so _pool is set.
+    def _give_back(self, buf: object) -> None:
         if lib.mg_pool_release(self._pool, buf) != lib.MG_POOL_OK:
             raise LeaseError("buffer is not leased")
 
     def stats(self) -> PoolStats:
         st = ffi.new("mg_pool_stats *")
-        with self._lock:
-            if self._pool is None:
-                raise LeaseError("pool is closed")
-            lib.mg_pool_get_stats(self._pool, st)
+        lib.mg_pool_get_stats(self._pool, st)
         return PoolStats(*(int(getattr(st, name)) for name in _STAT_FIELDS))
 
     def close(self) -> None:
-        """Free the pool; refuses while leases are outstanding."""
-        with self._lock:
-            if self._pool is None:
-                return
-            if lib.mg_pool_destroy(self._pool) != lib.MG_POOL_OK:
-                raise LeaseError(f"{self.stats().leased_count} buffers are still leased")
-            self._pool = None
-
-    def __del__(self) -> None:
-        # Best effort; outstanding leases keep the pool object alive.
-        if getattr(self, "_pool", None) is not None:
-            lib.mg_pool_destroy(self._pool)
+        """Free the cached buffers and refuse new leases; refuses while leases are outstanding."""
+        if lib.mg_pool_close(self._pool) != lib.MG_POOL_OK:
+            raise LeaseError(f"{self.stats().leased_count} buffers are still leased")

@@ -174,3 +174,81 @@ def test_concurrent_threads_never_share_a_buffer():
     assert stats.leased_count == 0
     assert stats.releases == 6 * rounds
     assert stats.allocations + stats.reuses == 6 * rounds
+
+
+def test_plans_pin_a_lease_until_the_last_one_goes():
+    """Every plan over a lease shares its one tracked pointer, however many are made."""
+    from morphling.kernels import plan_explicit, run_plan
+
+    pool = BufferPool()
+    la, lb, lc = (pool.acquire(16 * 16 * 4) for _ in range(3))
+    for lease in (la, lb):
+        lease.array(np.float32, (16, 16))[:] = 1.0
+    plans = [
+        plan_explicit(np.float32, False, False, 16, 16, 16, la, 16, lb, 16, lc, 16)
+        for _ in range(1000)
+    ]
+    run_plans = plans[::100]
+    for plan in run_plans:
+        run_plan(plan)
+    assert (lc.array(np.float32, (16, 16)) == 16.0).all()
+    del plans, plan
+    with pytest.raises(LeaseError, match="still referenced"):
+        la.release()  # run_plans still point at it
+    del run_plans
+    for lease in (la, lb, lc):
+        lease.release()
+    assert pool.stats().leased_count == 0
+
+
+def test_a_lease_released_from_two_threads_goes_back_once():
+    pool = BufferPool()
+    for _ in range(200):
+        lease = pool.acquire(4096)
+        outcomes: list[str] = []
+
+        def release(lease=lease, outcomes=outcomes) -> None:
+            try:
+                lease.release()
+                outcomes.append("released")
+            except LeaseError:
+                outcomes.append("refused")
+
+        threads = [threading.Thread(target=release) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sorted(outcomes) == ["refused", "released"]
+    stats = pool.stats()
+    assert stats.releases == 200
+    assert stats.leased_count == 0
+
+
+def test_close_racing_acquire_never_crashes():
+    """close() and acquire() in two threads: each acquire either leases or says closed."""
+    for _ in range(50):
+        pool = BufferPool()
+        results: list[str] = []
+
+        def grab(pool=pool, results=results) -> None:
+            for _ in range(200):
+                try:
+                    pool.acquire(4096).release()
+                    results.append("ok")
+                except LeaseError as exc:
+                    results.append(str(exc))
+
+        thread = threading.Thread(target=grab)
+        thread.start()
+        while True:
+            try:
+                pool.close()
+                break
+            except LeaseError:  # a lease was out at that moment
+                continue
+        thread.join()
+        assert set(results) <= {"ok", "pool is closed"}
+        assert pool.stats().leased_count == 0
+        with pytest.raises(LeaseError, match="closed"):
+            pool.acquire(1)

@@ -7,6 +7,12 @@
  * that cannot be locked is still handed out, unlocked and counted, unless the
  * pool was created with require_mlock. A buffer is either leased or on a free
  * list, never both, and the state flips only under the pool mutex.
+ *
+ * Every entry point takes the pool mutex, so callers need no lock of their
+ * own. Closing frees the free lists and refuses new leases, but the pool
+ * object itself lives until mg_pool_free, which its owner calls once nobody
+ * can reach it any more; a call racing with close therefore never touches
+ * freed memory. Errors are reported through errno (see mg_pool_acquire).
  */
 #include <errno.h>
 #include <pthread.h>
@@ -22,10 +28,6 @@
 
 enum {
     MG_POOL_OK = 0,
-    MG_POOL_UNLOCKED = 1,
-    MG_POOL_EINVAL = -1,
-    MG_POOL_ENOMEM = -2,
-    MG_POOL_EMLOCK = -3,
     MG_POOL_ENOTLEASED = -4,
     MG_POOL_EBUSY = -5,
 };
@@ -58,6 +60,7 @@ typedef struct mg_pool {
     pthread_mutex_t mu;
     size_t max_free;
     int require_mlock;
+    int closed;
     mg_buffer *free_list[MG_POOL_BUCKETS];
     size_t free_len[MG_POOL_BUCKETS];
     mg_pool_stats st;
@@ -118,12 +121,22 @@ static int mg_try_lock(mg_pool *p, mg_buffer *buf)
     return 0;
 }
 
-int mg_pool_acquire(mg_pool *p, size_t nbytes, mg_buffer **out)
+/* A leased buffer of at least nbytes, or NULL with errno set: EINVAL (larger
+ * than the largest bucket), ENOMEM, EAGAIN (it could not be locked and the
+ * pool requires locking) or EBADF (the pool is closed). */
+mg_buffer *mg_pool_acquire(mg_pool *p, size_t nbytes)
 {
     int b = mg_bucket_of(nbytes);
-    if (b >= MG_POOL_BUCKETS)
-        return MG_POOL_EINVAL;
+    if (b >= MG_POOL_BUCKETS) {
+        errno = EINVAL;
+        return NULL;
+    }
     pthread_mutex_lock(&p->mu);
+    if (p->closed) {
+        pthread_mutex_unlock(&p->mu);
+        errno = EBADF;
+        return NULL;
+    }
     mg_buffer *buf = p->free_list[b];
     if (buf != NULL) {
         p->free_list[b] = buf->next;
@@ -137,7 +150,8 @@ int mg_pool_acquire(mg_pool *p, size_t nbytes, mg_buffer **out)
         if (buf == NULL || posix_memalign(&buf->ptr, MG_POOL_PAGE, cap) != 0) {
             free(buf);
             pthread_mutex_unlock(&p->mu);
-            return MG_POOL_ENOMEM;
+            errno = ENOMEM;
+            return NULL;
         }
         buf->capacity = cap;
         buf->bucket = b;
@@ -146,7 +160,8 @@ int mg_pool_acquire(mg_pool *p, size_t nbytes, mg_buffer **out)
             free(buf->ptr);
             free(buf);
             pthread_mutex_unlock(&p->mu);
-            return MG_POOL_EMLOCK;
+            errno = EAGAIN;
+            return NULL;
         }
         if (buf->locked)
             p->st.locked_bytes += cap;
@@ -158,10 +173,8 @@ int mg_pool_acquire(mg_pool *p, size_t nbytes, mg_buffer **out)
     buf->leased = 1;
     p->st.leased_bytes += buf->capacity;
     p->st.leased_count++;
-    int locked = buf->locked;
     pthread_mutex_unlock(&p->mu);
-    *out = buf;
-    return locked ? MG_POOL_OK : MG_POOL_UNLOCKED;
+    return buf;
 }
 
 int mg_pool_release(mg_pool *p, mg_buffer *buf)
@@ -196,24 +209,40 @@ void mg_pool_get_stats(mg_pool *p, mg_pool_stats *out)
     pthread_mutex_unlock(&p->mu);
 }
 
-/* Frees the free lists; refuses while buffers are still leased, since their
- * memory may be in use by a kernel or a transport. */
-int mg_pool_destroy(mg_pool *p)
+static void mg_pool_drain(mg_pool *p)
 {
-    pthread_mutex_lock(&p->mu);
-    if (p->st.leased_count != 0) {
-        pthread_mutex_unlock(&p->mu);
-        return MG_POOL_EBUSY;
-    }
     for (int b = 0; b < MG_POOL_BUCKETS; b++) {
         while (p->free_list[b] != NULL) {
             mg_buffer *buf = p->free_list[b];
             p->free_list[b] = buf->next;
             mg_buffer_free(p, buf);
         }
+        p->free_len[b] = 0;
     }
+}
+
+/* Frees the free lists and refuses further leases; refuses while buffers are
+ * still leased, since their memory may be in use by a kernel or a transport. */
+int mg_pool_close(mg_pool *p)
+{
+    pthread_mutex_lock(&p->mu);
+    if (p->st.leased_count != 0) {
+        pthread_mutex_unlock(&p->mu);
+        return MG_POOL_EBUSY;
+    }
+    mg_pool_drain(p);
+    p->closed = 1;
+    pthread_mutex_unlock(&p->mu);
+    return MG_POOL_OK;
+}
+
+/* Frees the pool object and its free lists. Buffers still leased are left
+ * alone: memory derived from them may still be read, so they leak instead. */
+void mg_pool_free(mg_pool *p)
+{
+    pthread_mutex_lock(&p->mu);
+    mg_pool_drain(p);
     pthread_mutex_unlock(&p->mu);
     pthread_mutex_destroy(&p->mu);
     free(p);
-    return MG_POOL_OK;
 }
