@@ -210,6 +210,21 @@ class BufferPool:
 
     def acquire(self, nbytes: int) -> Lease:
         """Lease a buffer of at least ``nbytes``."""
+        return Lease(self, self._acquire(nbytes), nbytes)
+
+    def acquire_buffer(self, nbytes: int) -> memoryview:
+        """A writable memoryview of pool memory that goes back to the pool by itself.
+
+        For buffers whose users cannot be enumerated (received frames whose
+        segments are sliced, viewed as arrays and queued on transports): the
+        buffer returns when the last view derived from it is collected, so it
+        is never reused under a reader and never leaked.
+        """
+        buf = self._acquire(nbytes)
+        owner = ffi.gc(ffi.cast("char *", buf.ptr), lambda _: self._give_back(buf))
+        return memoryview(ffi.buffer(owner, nbytes))
+
+    def _acquire(self, nbytes: int) -> object:
         if nbytes < 0:
             raise ValueError(f"nbytes={nbytes}: must be >= 0")
         buf = lib.mg_pool_acquire(self._pool, nbytes)
@@ -222,7 +237,7 @@ class BufferPool:
                 "locked in RAM (raise the limit, e.g. LimitMEMLOCK=infinity, to lock them)",
                 self.stats().memlock_limit,
             )
-        return Lease(self, buf, nbytes)
+        return buf
 
     def _error(self, err: int, nbytes: int) -> Exception:
         if err == errno.EBADF:

@@ -252,3 +252,21 @@ def test_close_racing_acquire_never_crashes():
         assert pool.stats().leased_count == 0
         with pytest.raises(LeaseError, match="closed"):
             pool.acquire(1)
+
+
+def test_acquire_buffer_returns_when_the_last_view_goes():
+    pool = BufferPool()
+    view = pool.acquire_buffer(100_000)
+    arr = np.frombuffer(view[8:], dtype=np.uint8)
+    del view
+    arr[:] = 7
+    tail = arr[-10:]
+    del arr
+    assert pool.stats().leased_count == 1  # a slice of a slice still reads it
+    assert (tail == 7).all()
+    del tail
+    stats = pool.stats()
+    assert (stats.leased_count, stats.releases) == (0, 1)
+    again = pool.acquire_buffer(100_000)  # the freed buffer is reused
+    assert pool.stats().reuses == 1
+    del again
