@@ -6,7 +6,7 @@ spells a C type outside the thin wrappers.
 
 from .blas import BlasInfo, blas_info, gemm, run_plan, set_threads
 from .cublasxt import CublasXt, cublasxt_status
-from .layout import GemmPlan, plan_explicit, plan_gemm
+from .layout import GemmPlan, Operand, blas_operand, plan_explicit, plan_gemm
 from .pool import BufferPool, Lease, LeaseError, MlockError, PoolStats
 from .workers import (
     POLICIES,
@@ -31,11 +31,13 @@ __all__ = [
     "Lease",
     "LeaseError",
     "MlockError",
+    "Operand",
     "PoolStats",
     "WorkerLoad",
     "WorkerPool",
     "WorkerStats",
     "blas_info",
+    "blas_operand",
     "choose_worker",
     "cublasxt_status",
     "gemm",

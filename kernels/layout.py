@@ -215,6 +215,34 @@ def _matrix_layout(rows: int, cols: int, s0: int, s1: int, name: str) -> tuple[i
     )
 
 
+class Operand(NamedTuple):
+    """A GEMM operand as BLAS (and the wire) takes it: the span of memory it
+    addresses, from its first element to its last, and how to read it."""
+
+    span: np.ndarray  # 1-D over the operand's memory, no copy
+    batch: int  # -1 for a 2-D operand
+    stride: int  # elements between batch pivots
+    rows: int  # of the logical (untransposed) matrix
+    cols: int
+    trans: int  # 1: stored as the row-major transpose
+    ld: int
+
+
+def blas_operand(x: Any, name: str) -> Operand:
+    """Describe a numpy/torch view as an ``Operand``; ``ValueError`` if BLAS cannot read it."""
+    arr = as_array(x, name)
+    batch, stride, rows, cols, s0, s1 = _split(arr, name)
+    trans, ld = _matrix_layout(rows, cols, s0, s1, name)
+    if arr.size == 0:
+        span = np.empty(0, arr.dtype)
+    else:
+        count = 1 + sum(
+            (d - 1) * (s // arr.itemsize) for d, s in zip(arr.shape, arr.strides, strict=True)
+        )
+        span = np.lib.stride_tricks.as_strided(arr, shape=(count,), strides=(arr.itemsize,))
+    return Operand(span, batch, stride, rows, cols, trans, ld)
+
+
 def plan_gemm(
     a: Any, b: Any, out: Any = None, *, alpha: float = 1.0, beta: float = 0.0
 ) -> tuple[GemmPlan, np.ndarray]:

@@ -1,0 +1,216 @@
+"""The device side of the protocol: register, answer probes, compute tiles.
+
+A ``DeviceAgent`` is one device — a physical board (``morphling device``) or
+one of many virtual ones sharing a process, a worker pool and a buffer pool
+(``morphling fleet``). Tiles are computed for real on the worker pool, off the
+event loop, and each result reports the measured compute time and, from the
+device's profile, the modelled one. ``run()`` keeps the device connected:
+lost connections are retried with exponential backoff and jitter, and only
+refusals that retrying cannot fix (authentication, version) end it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+import uuid as uuidlib
+
+import numpy as np
+
+from ..kernels import BufferPool, GemmResult, WorkerPool, plan_explicit
+from ..proxy import challenge
+from ..proxy.auth import expected_mac
+from ..proxy.connection import FrameConnection, pool_allocator
+from ..proxy.messages import (
+    Heartbeat,
+    Hello,
+    Message,
+    MsgType,
+    ProbeAck,
+    ProbeEcho,
+    ProbeFlops,
+    ProbeFlopsResult,
+    ProbePulled,
+    Tile,
+    TileResult,
+)
+from ..proxy.states import Conversation
+from .profiles import DeviceProfile
+
+log = logging.getLogger(__name__)
+
+FATAL_CODES = frozenset({"auth", "bad_hello", "bad_version"})
+MAX_PULL = 1 << 30
+
+
+class DeviceConnection(FrameConnection):
+    """One connection of a device agent."""
+
+    def __init__(self, agent: DeviceAgent) -> None:
+        super().__init__(Conversation("peer", "device"), allocate=agent.allocate)
+        self.agent = agent
+        self.heartbeat_s = 5.0
+        self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._heartbeat: asyncio.Task | None = None
+
+    def disconnected(self, exc: Exception | None) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+        if not self.closed.done():
+            self.closed.set_result(None)
+
+    def message_received(self, msg: Message) -> None:
+        agent = self.agent
+        t = msg.TYPE
+        if t == MsgType.TILE:
+            self._tile(msg)
+        elif t == MsgType.GREETING:
+            if msg.auth and not agent.token:
+                log.error("%s: the emulator requires a token (--token)", agent.name)
+            mac = expected_mac(agent.token, msg.nonce) if agent.token else b""
+            self.send(Hello(
+                role="device", name=agent.name, uuid=agent.uuid, mac=mac,
+                profile=agent.profile.to_wire(), caps={"virtual": agent.virtual},
+            ))  # fmt: skip
+        elif t == MsgType.WELCOME:
+            agent.device_id = msg.peer_id
+            self.heartbeat_s = msg.heartbeat_s
+            self._heartbeat = asyncio.get_running_loop().create_task(self._beat())
+            log.info("%s registered as device %d", agent.name, msg.peer_id)
+        elif t == MsgType.PROBE_ECHO and not msg.reply:
+            self.send(ProbeEcho(probe=msg.probe, reply=True, segments=msg.segments))
+        elif t == MsgType.PROBE_PUSH:
+            self.send(ProbeAck(probe=msg.probe, nbytes=msg.segments[0].nbytes))
+        elif t == MsgType.PROBE_PULL:
+            if not 0 <= msg.nbytes <= MAX_PULL:
+                self.fail("bad_probe", f"PROBE_PULL.nbytes={msg.nbytes} is out of range")
+                return
+            self.send(ProbePulled(probe=msg.probe, segments=(np.zeros(msg.nbytes, np.uint8),)))
+        elif t == MsgType.PROBE_FLOPS:
+            self._challenge(msg)
+        elif t == MsgType.PROBE_VERDICT:
+            level = logging.INFO if msg.ok else logging.ERROR
+            log.log(level, "%s: FLOPS challenge %s (%.3g GFLOP/s) %s", agent.name,
+                    "passed" if msg.ok else "FAILED", msg.flops / 1e9, msg.reason)  # fmt: skip
+        elif t == MsgType.ERROR:
+            log.error("%s: emulator says %s: %s", agent.name, msg.code, msg.reason)
+            agent.last_error = (msg.code, msg.reason)
+            self.close()
+        elif t == MsgType.BYE:
+            log.info("%s: emulator said goodbye: %s", agent.name, msg.reason)
+            self.close()
+
+    def _tile(self, msg: Tile) -> None:
+        agent = self.agent
+        dtype = np.dtype(msg.dtype)
+        out = agent.output(msg.m * msg.n * dtype.itemsize, dtype, (msg.m, msg.n))
+        a, b = msg.segments
+        try:
+            plan = plan_explicit(dtype, msg.ta, msg.tb, msg.m, msg.n, msg.k, a, msg.lda,
+                                 b, msg.ldb, out, max(1, msg.n))  # fmt: skip
+        except ValueError as exc:
+            self.fail("bad_tile", f"TILE {msg.tile}: {exc}")
+            return
+        model_ns = int(agent.profile.compute_s(msg.m, msg.n, msg.k) * 1e9)
+        future = agent.workers.submit_plan(plan, out, keep=(a, b))
+        future.add_done_callback(lambda f: self._tile_done(msg.tile, model_ns, f))
+
+    def _tile_done(self, tile: int, model_ns: int, future: asyncio.Future[GemmResult]) -> None:
+        if future.cancelled() or not self.open:
+            return
+        if (exc := future.exception()) is not None:
+            self.fail("compute_failed", f"TILE {tile}: {exc}")
+            return
+        res = future.result()
+        self.send(TileResult(tile=tile, compute_ns=res.compute_ns, model_ns=model_ns,
+                             segments=(res.out,)))  # fmt: skip
+
+    def _challenge(self, msg: ProbeFlops) -> None:
+        if not 1 <= msg.dim <= 4096:
+            self.fail("bad_probe", f"PROBE_FLOPS.dim={msg.dim} outside 1..4096")
+            return
+        a, b = challenge.matrices(msg.seed, msg.dim)
+
+        def done(future: asyncio.Future[GemmResult]) -> None:
+            if not future.cancelled() and future.exception() is None and self.open:
+                res = future.result()
+                self.send(ProbeFlopsResult(probe=msg.probe, compute_ns=res.compute_ns,
+                                           segments=(res.out,)))  # fmt: skip
+
+        self.agent.workers.submit(a, b).add_done_callback(done)
+
+    async def _beat(self) -> None:
+        while self.open:
+            await asyncio.sleep(self.heartbeat_s / 2)
+            now = time.monotonic()
+            if now - self.last_received > 3 * self.heartbeat_s:
+                self.fail("timeout", f"nothing from the emulator for {3 * self.heartbeat_s:.3g} s")
+            elif now - self.last_sent >= self.heartbeat_s and self.open:
+                self.send(Heartbeat())
+
+
+class DeviceAgent:
+    """One device; see the module docstring."""
+
+    def __init__(
+        self,
+        profile: DeviceProfile,
+        workers: WorkerPool,
+        pool: BufferPool,
+        *,
+        name: str = "",
+        token: str = "",
+        virtual: bool = False,
+    ) -> None:
+        self.profile = profile
+        self.workers = workers
+        self.pool = pool
+        self.name = name or profile.name
+        self.token = token
+        self.virtual = virtual
+        self.uuid = uuidlib.uuid4().hex
+        self.device_id: int | None = None
+        self.last_error: tuple[str, str] | None = None
+        self.connection: DeviceConnection | None = None
+        self._stopping = False
+        self.allocate = pool_allocator(pool)
+
+    def output(self, nbytes: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+        return np.frombuffer(self.allocate(nbytes), dtype=dtype).reshape(shape)
+
+    async def connect(self, host: str, port: int) -> DeviceConnection:
+        loop = asyncio.get_running_loop()
+        _, conn = await loop.create_connection(lambda: DeviceConnection(self), host, port)
+        self.connection = conn
+        return conn
+
+    async def run(
+        self, host: str, port: int, *, reconnect: bool = True, max_backoff_s: float = 30.0
+    ) -> int:
+        """Stay connected until ``stop()`` or a fatal refusal; the exit code."""
+        attempt = 0
+        while not self._stopping:
+            try:
+                conn = await self.connect(host, port)
+                await conn.closed
+                if self.device_id is not None:
+                    attempt = 0  # it had registered: a fresh start for the backoff
+            except OSError as exc:
+                log.warning("%s: cannot reach %s:%d: %s", self.name, host, port, exc)
+            if self.last_error and self.last_error[0] in FATAL_CODES:
+                return 2
+            if not reconnect or self._stopping:
+                break
+            delay = min(max_backoff_s, 0.25 * 2**attempt) * random.uniform(0.5, 1.0)
+            attempt += 1
+            log.info("%s: reconnecting in %.2f s", self.name, delay)
+            await asyncio.sleep(delay)
+            self.device_id = None
+        return 0
+
+    def stop(self) -> None:
+        self._stopping = True
+        if self.connection is not None:
+            self.connection.close()

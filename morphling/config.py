@@ -1,0 +1,283 @@
+"""Layered, strictly validated configuration shared by the subcommands.
+
+A subcommand describes its settings once, as a frozen dataclass whose fields all
+have defaults, and gets flags, environment variables and a TOML file from it.
+Precedence, highest first::
+
+    command-line flag  >  MORPHLING_<FIELD>  >  TOML file  >  field default
+
+Field types are ``int``, ``float``, ``bool`` and ``str``. Optional field metadata:
+``help`` (str), ``choices`` (tuple), ``min`` (inclusive lower bound) and
+``aliases`` (extra flag spellings, e.g. ``("--listen_ip",)``).
+
+Values given as text (flags, environment) are parsed: ints accept a plain integer
+or one with a binary size suffix, ``KiB``, ``MiB`` or ``GiB`` (``4MiB`` is
+4194304; the suffix is case-sensitive and decimal ``MB`` is refused as
+ambiguous); bools accept 1/0, true/false, yes/no in any case. TOML values must
+already have the field's type (a float field also takes an integer), so
+``block_size = "4MiB"`` or ``window = true`` in a file are errors.
+
+Every layer that supplies a value is validated, even one a higher layer
+overrides, so a typo in a file or variable fails at start instead of waiting
+for the day the override is dropped. ``choices`` and ``min`` apply to every
+source, defaults included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import math
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, TypeVar, get_type_hints
+
+import tomllib
+
+ENV_PREFIX = "MORPHLING_"
+
+T = TypeVar("T")
+
+_TYPES = (int, float, bool, str)
+_METADATA_KEYS = frozenset({"help", "choices", "min", "aliases"})
+_INT_TEXT = re.compile(r"([+-]?\d+)\s*(KiB|MiB|GiB)?")
+_SIZE_UNITS = {None: 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+_TRUE = frozenset({"1", "true", "yes"})
+_FALSE = frozenset({"0", "false", "no"})
+
+
+class ConfigError(ValueError):
+    """A setting is malformed, out of range or unknown; the message says which and where from."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Field:
+    """One schema field with its metadata resolved, so the rest of the module needn't re-check."""
+
+    name: str
+    type: type
+    default: Any
+    help: str
+    choices: tuple[Any, ...] | None
+    min: float | None
+    aliases: tuple[str, ...]
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+
+def _fields(schema: type) -> list[_Field]:
+    """Resolve and check a schema; mistakes in it are programming errors, hence TypeError."""
+    if not (isinstance(schema, type) and dataclasses.is_dataclass(schema)):
+        raise TypeError(f"{schema!r} is not a dataclass")
+    hints = get_type_hints(schema)  # resolves string annotations (from __future__ import)
+    fields = []
+    for f in dataclasses.fields(schema):
+        where = f"{schema.__name__}.{f.name}"
+        typ = hints[f.name]
+        if typ not in _TYPES:
+            raise TypeError(f"{where}: type {typ!r} is not one of int, float, bool, str")
+        if f.default is dataclasses.MISSING:
+            raise TypeError(f"{where}: every field needs a plain default")
+        if f.name == "config":
+            raise TypeError(f"{where}: the name 'config' is taken by --config")
+        extra = set(f.metadata) - _METADATA_KEYS
+        if extra:
+            raise TypeError(f"{where}: unknown metadata {sorted(extra)}")
+        choices = f.metadata.get("choices")
+        fields.append(
+            _Field(
+                name=f.name,
+                type=typ,
+                default=f.default,
+                help=f.metadata.get("help", ""),
+                choices=None if choices is None else tuple(choices),
+                min=f.metadata.get("min"),
+                aliases=tuple(f.metadata.get("aliases", ())),
+            )
+        )
+    return fields
+
+
+def add_arguments(parser: argparse.ArgumentParser, schema: type) -> None:
+    """Add one flag per field (plus aliases) and ``--config PATH`` to ``parser``.
+
+    Every flag defaults to None so that ``load`` can tell "not given" from a
+    value that happens to equal the default. Non-bool values stay text here
+    and are parsed by ``load``, so bad values raise ConfigError like any other
+    source and size suffixes work on the command line.
+    """
+    for f in _fields(schema):
+        note = f"(default: {f.default!r}; env: {f.env})"
+        text = f"{f.help} {note}" if f.help else note
+        kwargs: dict[str, Any] = {"dest": f.name, "default": None, "help": text.replace("%", "%%")}
+        if f.type is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif f.choices is not None:
+            kwargs["metavar"] = "{" + ",".join(str(c) for c in f.choices) + "}"
+        parser.add_argument(f.flag, *f.aliases, **kwargs)
+    parser.add_argument(
+        "--config",
+        metavar="PATH",
+        default=None,
+        help=f"TOML configuration file (flags > {ENV_PREFIX}* environment > file > defaults)",
+    )
+
+
+def _parse_text(f: _Field, text: str, where: str) -> Any:
+    """Parse a flag or environment string into the field's type."""
+    if f.type is str:
+        return text
+    if f.type is bool:
+        word = text.strip().lower()
+        if word in _TRUE:
+            return True
+        if word in _FALSE:
+            return False
+        raise ConfigError(f"{where}: expected bool (1/0, true/false, yes/no), got {text!r}")
+    if f.type is int:
+        match = _INT_TEXT.fullmatch(text.strip())
+        if match is None:
+            raise ConfigError(
+                f"{where}: expected int (optionally with KiB, MiB, GiB), got {text!r}"
+            )
+        return int(match[1]) * _SIZE_UNITS[match[2]]
+    try:
+        return float(text)
+    except ValueError:
+        raise ConfigError(f"{where}: expected float, got {text!r}") from None
+
+
+def _convert(f: _Field, raw: Any, where: str, *, text_ok: bool) -> Any:
+    """Type-check (or, where ``text_ok``, parse) one value and enforce choices and min."""
+    if text_ok and isinstance(raw, str):
+        value = _parse_text(f, raw, where)
+    elif f.type is float and type(raw) is int:
+        value = float(raw)
+    elif type(raw) is f.type:  # exact: True must not pass as an int
+        value = raw
+    else:
+        raise ConfigError(f"{where}: expected {f.type.__name__}, got {raw!r}")
+    if f.type is float and not math.isfinite(value):
+        raise ConfigError(f"{where}: expected a finite float, got {raw!r}")
+    if f.choices is not None and value not in f.choices:
+        allowed = ", ".join(repr(c) for c in f.choices)
+        raise ConfigError(f"{where}: {raw!r} is not one of {allowed}")
+    if f.min is not None and value < f.min:
+        raise ConfigError(f"{where}: {raw!r} is below the minimum {f.min!r}")
+    return value
+
+
+def _unknown_key(key: str, where: str, names: list[str]) -> ConfigError:
+    close = difflib.get_close_matches(key, names, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return ConfigError(f"unknown key {key!r} in {where} (known: {', '.join(names)}){hint}")
+
+
+def _read_toml(path: Path, section: str | None, names: list[str]) -> tuple[dict[str, Any], str]:
+    """Return the file's settings for this schema and the label used in error messages."""
+    try:
+        with path.open("rb") as fh:
+            data = tomllib.load(fh)
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from exc
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"invalid TOML in config file {path}: {exc}") from exc
+    where = str(path)
+    if section is not None:
+        for key, value in data.items():
+            if not isinstance(value, dict):
+                raise ConfigError(
+                    f"{path}: top-level key {key!r} = {value!r} is not a table; "
+                    f"settings belong under [{section}]"
+                )
+        # Other tables are other roles' sections; a file without ours configures nothing here.
+        data = data.get(section, {})
+        where = f"{path} [{section}]"
+    for key in data:
+        if key not in names:
+            raise _unknown_key(key, where, names)
+    return data, where
+
+
+def _given_flags(
+    args: argparse.Namespace | Mapping[str, Any] | None, names: list[str]
+) -> dict[str, Any]:
+    """Flag values that were actually given (None means "not given").
+
+    A Namespace may carry other attributes (subcommand, --config, ...), so only
+    schema fields are read from it; a Mapping is explicit overrides and must
+    name known fields only.
+    """
+    if args is None:
+        return {}
+    if isinstance(args, argparse.Namespace):
+        given = {name: getattr(args, name, None) for name in names}
+    else:
+        for key in args:
+            if key not in names:
+                raise _unknown_key(key, "args", names)
+        given = dict(args)
+    return {name: value for name, value in given.items() if value is not None}
+
+
+def load(
+    schema: type[T],
+    args: argparse.Namespace | Mapping[str, Any] | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    toml_path: str | Path | None = None,
+    section: str | None = None,
+) -> tuple[T, dict[str, str]]:
+    """Build a ``schema`` instance from flags, environment, TOML file and defaults.
+
+    Returns the config and, per field, where its value came from: "flag",
+    "env", "file" or "default". ``env`` defaults to ``os.environ``; only the
+    ``MORPHLING_<FIELD>`` variables of this schema are read. A Namespace's
+    ``config`` attribute (from ``--config``), when set, replaces ``toml_path``.
+    With ``section``, settings are read from that table of the file and every
+    top-level key must be a table. Raises ConfigError on any invalid value.
+    """
+    fields = _fields(schema)
+    names = [f.name for f in fields]
+    environ = os.environ if env is None else env
+    flags = _given_flags(args, names)
+    if isinstance(args, argparse.Namespace) and getattr(args, "config", None) is not None:
+        toml_path = args.config
+    file_values: dict[str, Any] = {}
+    file_where = ""
+    if toml_path is not None:
+        file_values, file_where = _read_toml(Path(toml_path), section, names)
+
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for f in fields:
+        layers: list[tuple[str, Any, str, bool]] = []
+        if f.name in flags:
+            layers.append(("flag", flags[f.name], f"flag {f.flag}", True))
+        if f.env in environ:
+            layers.append(("env", environ[f.env], f"env {f.env}", True))
+        if f.name in file_values:
+            layers.append(("file", file_values[f.name], f"{file_where} {f.name}", False))
+        layers.append(("default", f.default, f"default {schema.__name__}.{f.name}", False))
+        for source, raw, where, text_ok in layers:
+            value = _convert(f, raw, where, text_ok=text_ok)
+            if f.name not in values:
+                values[f.name], sources[f.name] = value, source
+    return schema(**values), sources
+
+
+def describe(config: Any, sources: Mapping[str, str]) -> str:
+    """The effective configuration, one ``name = value  (source)`` line per field, for logs."""
+    return "\n".join(
+        f"{f.name} = {getattr(config, f.name)!r}  ({sources[f.name]})"
+        for f in dataclasses.fields(config)
+    )

@@ -1,0 +1,299 @@
+"""Frames to bytes and bytes to frames, sans-IO (no sockets: see ``connection.py``).
+
+A frame is a 16-byte little-endian prefix ``magic u16 | version u8 | type u8 |
+header_len u32 | payload_len u64``, a msgpack map (the message's fields plus
+``seg``, the payload's segment descriptors ``[dtype, shape, nbytes]``), then
+``payload_len`` raw bytes: the segments back to back.
+
+``encode`` returns a list of buffers for ``transport.writelines`` (tensor
+memory is referenced, never copied). ``Decoder`` takes bytes in any chunking,
+enforces the limits from the prefix before allocating anything, and can hand
+out the payload's own memory as the receive buffer (``get_buffer`` /
+``buffer_updated``, the ``asyncio.BufferedProtocol`` calls) so large payloads
+land where they stay, without a copy.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from .messages import DTYPES, MESSAGES, Message, from_wire
+
+MAGIC = 0x4D47  # "GM" on the wire
+VERSION = 1
+PREFIX = struct.Struct("<HBBIQ")
+MAX_HEADER = 1 << 20
+DEFAULT_MAX_PAYLOAD = 1 << 30
+_ITEMSIZE = {name: np.dtype(name).itemsize for name in DTYPES}
+_SCRATCH_BYTES = 256 * 1024
+
+
+class ProtocolError(Exception):
+    """The peer broke the protocol; ``code`` is the ERROR frame's code."""
+
+    def __init__(self, reason: str, code: str = "bad_frame") -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.code = code
+
+
+def _segment(seg: Any) -> tuple[list[Any], memoryview]:
+    """(descriptor, bytes view) of one outgoing segment, without copying."""
+    if isinstance(seg, np.ndarray):
+        if seg.dtype.name not in _ITEMSIZE:
+            raise ValueError(f"segment dtype {seg.dtype} is not one of {DTYPES}")
+        if not seg.flags.c_contiguous:
+            raise ValueError(f"segment of shape {seg.shape} is not C-contiguous")
+        view = memoryview(seg.reshape(-1)).cast("B") if seg.size else memoryview(b"")
+        return [seg.dtype.name, list(seg.shape), seg.nbytes], view
+    view = memoryview(seg)
+    if not view.c_contiguous:
+        raise ValueError("segment buffer is not contiguous")
+    view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+    return ["uint8", [view.nbytes], view.nbytes], view
+
+
+def encode(msg: Message) -> list[bytes | memoryview]:
+    """The frame for ``msg`` as buffers for ``writelines``: prefix+header, then segments."""
+    if len(msg.segments) != msg.SEGMENTS:
+        raise ValueError(
+            f"{msg.TYPE.name}: {len(msg.segments)} segments given, expected {msg.SEGMENTS}"
+        )
+    header = msg.header()
+    views = []
+    if msg.segments:
+        described = [_segment(s) for s in msg.segments]
+        header["seg"] = [d for d, _ in described]
+        views = [v for _, v in described]
+    packed = msgpack.packb(header, use_bin_type=True)
+    payload_len = sum(v.nbytes for v in views)
+    prefix = PREFIX.pack(MAGIC, VERSION, msg.TYPE, len(packed), payload_len)
+    return [prefix + packed, *views]
+
+
+def encode_bytes(msg: Message) -> bytes:
+    """The whole frame as one bytes object (tests, blocking sockets)."""
+    return b"".join(encode(msg))
+
+
+_local = threading.local()
+
+
+def _scratch() -> memoryview:
+    """This thread's receive buffer for prefixes, headers and small payloads.
+
+    Shared by every connection on the thread's event loop: ``get_buffer`` and
+    ``buffer_updated`` run back to back, and the decoder copies out what it
+    keeps, so per-connection memory stays small however many peers connect.
+    """
+    view = getattr(_local, "scratch", None)
+    if view is None:
+        view = _local.scratch = memoryview(bytearray(_SCRATCH_BYTES))
+    return view
+
+
+def _bytearray_view(nbytes: int) -> memoryview:
+    return memoryview(bytearray(nbytes))
+
+
+class Decoder:
+    """Incremental frame decoder. Feed bytes, take messages; raises ``ProtocolError``.
+
+    ``allocate(nbytes)`` supplies each payload's memory (a writable memoryview;
+    a pool's ``acquire_buffer`` for zero-copy receives). After a
+    ``ProtocolError`` the decoder stays failed.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_payload: int = DEFAULT_MAX_PAYLOAD,
+        max_header: int = MAX_HEADER,
+        allocate: Callable[[int], memoryview] = _bytearray_view,
+    ) -> None:
+        self.max_payload = max_payload
+        self.max_header = max_header
+        self._allocate = allocate
+        self._pending = bytearray()  # a partial prefix or header
+        self._prefix: tuple[int, int, int, int, int] | None = None
+        self._header: dict[str, Any] | None = None
+        self._payload: memoryview | None = None
+        self._filled = 0
+        self._direct = False
+        self._failed: ProtocolError | None = None
+        self._messages: deque[Message] = deque()
+
+    # -- feeding ---------------------------------------------------------------
+
+    def receive_data(self, data: bytes | bytearray | memoryview) -> None:
+        """Consume ``data`` (copied where it must be kept)."""
+        if self._failed is not None:
+            raise self._failed
+        try:
+            self._consume(memoryview(data).cast("B") if data else memoryview(b""))
+        except ProtocolError as exc:
+            self._failed = exc
+            raise
+
+    def get_buffer(self, sizehint: int = -1) -> memoryview:
+        """Where the next received bytes should go: the payload itself, or scratch."""
+        if self._failed is not None:
+            raise self._failed
+        if self._payload is not None:
+            self._direct = True
+            return self._payload[self._filled :]
+        self._direct = False
+        return _scratch()
+
+    def buffer_updated(self, nbytes: int) -> None:
+        """``nbytes`` were written into the buffer ``get_buffer`` returned."""
+        if self._direct:
+            self._direct = False
+            self._filled += nbytes
+            if self._filled == len(self._payload):
+                self._finish()
+            return
+        self.receive_data(_scratch()[:nbytes])
+
+    def next_message(self) -> Message | None:
+        """The next complete message, or ``None`` until more bytes arrive."""
+        return self._messages.popleft() if self._messages else None
+
+    @property
+    def idle(self) -> bool:
+        """No partial frame is buffered (a peer may stop here without losing anything)."""
+        return self._prefix is None and not self._pending
+
+    # -- parsing -----------------------------------------------------------------
+
+    def _consume(self, data: memoryview) -> None:
+        while data:
+            if self._payload is not None:
+                take = min(len(data), len(self._payload) - self._filled)
+                self._payload[self._filled : self._filled + take] = data[:take]
+                self._filled += take
+                data = data[take:]
+                if self._filled == len(self._payload):
+                    self._finish()
+                continue
+            want = PREFIX.size if self._prefix is None else self._prefix[3]
+            take = min(len(data), want - len(self._pending))
+            self._pending += data[:take]
+            data = data[take:]
+            if len(self._pending) < want:
+                return
+            block, self._pending = bytes(self._pending), bytearray()
+            if self._prefix is None:
+                self._parse_prefix(block)
+            else:
+                self._parse_header(block)
+
+    def _parse_prefix(self, block: bytes) -> None:
+        magic, version, msg_type, header_len, payload_len = PREFIX.unpack(block)
+        if magic != MAGIC:
+            raise ProtocolError(f"bad magic 0x{magic:04x} (expected 0x{MAGIC:04x})", "bad_magic")
+        if version != VERSION:
+            raise ProtocolError(
+                f"protocol version {version} is not supported (this side speaks {VERSION})",
+                "bad_version",
+            )
+        if msg_type not in MESSAGES:
+            raise ProtocolError(f"unknown message type {msg_type}", "unknown_type")
+        if not 0 < header_len <= self.max_header:
+            raise ProtocolError(
+                f"header length {header_len} outside 1..{self.max_header}", "too_large"
+            )
+        if payload_len > self.max_payload:
+            raise ProtocolError(
+                f"payload length {payload_len} exceeds the limit of {self.max_payload} bytes",
+                "too_large",
+            )
+        self._prefix = (magic, version, msg_type, header_len, payload_len)
+
+    def _parse_header(self, block: bytes) -> None:
+        assert self._prefix is not None
+        msg_type, payload_len = self._prefix[2], self._prefix[4]
+        name = MESSAGES[msg_type].TYPE.name
+        try:
+            header = msgpack.unpackb(block, raw=False, strict_map_key=True)
+        except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+            raise ProtocolError(f"{name}: header is not valid msgpack ({exc})") from None
+        if not isinstance(header, dict):
+            raise ProtocolError(f"{name}: header is a {type(header).__name__}, not a map")
+        seg = header.get("seg", [])
+        if _segments_total(seg, name) != payload_len:
+            raise ProtocolError(
+                f"{name}: segments add up to {_segments_total(seg, name)} bytes, "
+                f"payload_len is {payload_len}"
+            )
+        self._header = header
+        if payload_len:
+            self._payload = self._allocate(payload_len)
+            self._filled = 0
+        else:
+            self._finish()
+
+    def _finish(self) -> None:
+        assert self._prefix is not None and self._header is not None
+        msg_type = self._prefix[2]
+        header, payload = self._header, self._payload
+        self._prefix = self._header = self._payload = None
+        if payload is None:
+            payload = memoryview(b"")
+        segments = []
+        offset = 0
+        for _dtype, _shape, nbytes in header.pop("seg", []):
+            segments.append(payload[offset : offset + nbytes])
+            offset += nbytes
+        try:
+            message = from_wire(msg_type, header, tuple(segments))
+        except ValueError as exc:
+            raise ProtocolError(str(exc), "bad_header") from None
+        self._messages.append(message)
+
+
+def _segments_total(seg: Any, name: str) -> int:
+    """Validate the segment descriptors; their total byte length."""
+    if not isinstance(seg, list):
+        raise ProtocolError(f"{name}: 'seg' must be a list of [dtype, shape, nbytes]")
+    total = 0
+    for i, desc in enumerate(seg):
+        if not (isinstance(desc, list) and len(desc) == 3):
+            raise ProtocolError(f"{name}: seg[{i}] must be [dtype, shape, nbytes]")
+        dtype, shape, nbytes = desc
+        if dtype not in _ITEMSIZE:
+            raise ProtocolError(f"{name}: seg[{i}] dtype {dtype!r} is not one of {DTYPES}")
+        if not (isinstance(shape, list) and all(_natural(d) for d in shape)):
+            raise ProtocolError(f"{name}: seg[{i}] shape {shape!r} is not a list of sizes >= 0")
+        count = 1
+        for d in shape:
+            count *= d
+        if not _natural(nbytes) or nbytes != count * _ITEMSIZE[dtype]:
+            raise ProtocolError(
+                f"{name}: seg[{i}] nbytes {nbytes!r} does not match {dtype} of shape {shape}"
+            )
+        total += nbytes
+    return total
+
+
+def _natural(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def segment_array(msg: Message, index: int, dtype: str, count: int | None = None) -> np.ndarray:
+    """Segment ``index`` of a received message as a 1-D numpy array of ``dtype`` (no copy)."""
+    view = msg.segments[index]
+    item = _ITEMSIZE[dtype]
+    if view.nbytes % item:
+        raise ProtocolError(
+            f"{msg.TYPE.name}: segment {index} of {view.nbytes} bytes is not whole {dtype}s",
+            "bad_shape",
+        )
+    return np.frombuffer(view, dtype=dtype, count=-1 if count is None else count)

@@ -1,0 +1,154 @@
+"""The asyncio layer under every connection: bytes in and out, nothing else.
+
+``FrameConnection`` is an ``asyncio.BufferedProtocol``: the event loop reads
+straight into the decoder's buffer (for large payloads, the payload's own
+pool memory), complete messages are checked against the conversation's
+state table and handed to ``message_received``, and outgoing messages go to
+``transport.writelines`` as the codec's buffers. A protocol error is answered
+with an ERROR frame naming it, then the connection is closed; other
+connections never notice. Subclasses (the emulator's peers, the device
+agent, the job client) implement the ``message_received`` hook.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .codec import DEFAULT_MAX_PAYLOAD, Decoder, ProtocolError, encode
+from .messages import Error, Message
+from .states import Conversation
+
+log = logging.getLogger(__name__)
+
+DEFAULT_HIGH_WATER = 4 << 20
+SMALL_PAYLOAD = 64 * 1024  # below this a received payload is a plain bytearray
+
+
+def pool_allocator(pool: Any) -> Callable[[int], memoryview]:
+    """Receive buffers from ``pool`` (``acquire_buffer``) for payloads worth receiving in place."""
+
+    def allocate(nbytes: int) -> memoryview:
+        if nbytes < SMALL_PAYLOAD:
+            return memoryview(bytearray(nbytes))
+        return pool.acquire_buffer(nbytes)
+
+    return allocate
+
+
+class FrameConnection(asyncio.BufferedProtocol):
+    """One framed connection; see the module docstring."""
+
+    def __init__(
+        self,
+        conversation: Conversation,
+        *,
+        max_payload: int = DEFAULT_MAX_PAYLOAD,
+        allocate: Callable[[int], memoryview] | None = None,
+        high_water: int = DEFAULT_HIGH_WATER,
+    ) -> None:
+        kwargs = {} if allocate is None else {"allocate": allocate}
+        self.decoder = Decoder(max_payload=max_payload, **kwargs)
+        self.conversation = conversation
+        self.high_water = high_water
+        self.transport: asyncio.Transport | None = None
+        self.peername = "?"
+        self.last_received = self.last_sent = time.monotonic()
+        self.writable = True
+        self._drained: asyncio.Event | None = None
+
+    # -- asyncio.BufferedProtocol ------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        transport.set_write_buffer_limits(high=self.high_water)
+        peer = transport.get_extra_info("peername")
+        self.peername = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+        self.last_received = self.last_sent = time.monotonic()
+        self.connected()
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.decoder.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.last_received = time.monotonic()
+        try:
+            self.decoder.buffer_updated(nbytes)
+            while self.transport is not None and (msg := self.decoder.next_message()):
+                self.conversation.received(msg)
+                self.message_received(msg)
+        except ProtocolError as exc:
+            self.fail(exc.code, exc.reason)
+        except Exception:
+            log.exception("%s: internal error while handling a message", self.peername)
+            self.fail("internal", "internal error (see the other side's log)")
+
+    def eof_received(self) -> bool:
+        return False  # close our side too
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        if self._drained is not None:
+            self._drained.set()
+        self.disconnected(exc)
+
+    def pause_writing(self) -> None:
+        self.writable = False
+        self.writability_changed()
+
+    def resume_writing(self) -> None:
+        self.writable = True
+        if self._drained is not None:
+            self._drained.set()
+        self.writability_changed()
+
+    # -- sending -------------------------------------------------------------------
+
+    @property
+    def open(self) -> bool:
+        return self.transport is not None and not self.transport.is_closing()
+
+    def send(self, msg: Message) -> None:
+        """Queue ``msg``; its segments are referenced, not copied, until written."""
+        if not self.open:
+            raise ConnectionError(f"{self.peername}: connection is closed")
+        self.transport.writelines(encode(msg))
+        self.last_sent = time.monotonic()
+
+    async def drain(self) -> None:
+        """Wait until the transport's buffer is below the high-water mark."""
+        while self.open and not self.writable:
+            self._drained = self._drained or asyncio.Event()
+            self._drained.clear()
+            await self._drained.wait()
+
+    def fail(self, code: str, reason: str) -> None:
+        """Tell the peer what went wrong (if it is still there) and close."""
+        log.warning("%s: %s: %s; closing the connection", self.peername, code, reason)
+        if self.open:
+            self.transport.writelines(encode(Error(code=code, reason=reason)))
+            self.transport.close()
+        self.conversation.state = "closed"
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    # -- hooks for subclasses ------------------------------------------------------
+
+    def connected(self) -> None:
+        """The transport is up."""
+
+    def message_received(self, msg: Message) -> None:
+        """A legal message arrived (already checked against the state table)."""
+        raise NotImplementedError
+
+    def disconnected(self, exc: Exception | None) -> None:
+        """The connection is gone, for whatever reason."""
+
+    def writability_changed(self) -> None:
+        """``writable`` flipped (the send buffer crossed the high-water mark)."""

@@ -1,0 +1,340 @@
+"""The messages of the Morphling wire protocol: one small class per message.
+
+A message is a frozen dataclass whose fields are its msgpack header; its raw
+payload travels beside the header as ``segments`` (numpy arrays or byte
+buffers out, read-only-agnostic memoryviews in). ``docs/PROTOCOL.md`` is the
+specification; this module is its executable form. Nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any, ClassVar
+
+
+class MsgType(IntEnum):
+    """The frame ``type`` byte."""
+
+    GREETING = 1
+    HELLO = 2
+    WELCOME = 3
+    ERROR = 4
+    BYE = 5
+    HEARTBEAT = 6
+    PROBE_ECHO = 10
+    PROBE_PUSH = 11
+    PROBE_ACK = 12
+    PROBE_PULL = 13
+    PROBE_PULLED = 14
+    PROBE_FLOPS = 15
+    PROBE_FLOPS_RESULT = 16
+    PROBE_VERDICT = 17
+    PROBE_FLOPS_REQUEST = 18
+    TILE = 20
+    TILE_RESULT = 21
+    OPEN = 30
+    GEMM = 31
+    RESULT = 32
+    STEP = 33
+    CLOSE = 34
+
+
+ROLES = ("device", "job", "probe")
+DTYPES = ("float32", "float64", "uint8")
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """Base of all messages. ``SEGMENTS`` is how many payload segments it carries."""
+
+    TYPE: ClassVar[MsgType]
+    SEGMENTS: ClassVar[int] = 0
+    segments: tuple[Any, ...] = field(default=(), kw_only=True, repr=False, compare=False)
+
+    def header(self) -> dict[str, Any]:
+        """The msgpack header fields (everything but the segments)."""
+        return {f.name: getattr(self, f.name) for f in _header_fields(type(self))}
+
+
+def _header_fields(cls: type[Message]) -> tuple[dataclasses.Field, ...]:
+    return tuple(f for f in dataclasses.fields(cls) if f.name != "segments")
+
+
+@dataclass(frozen=True, slots=True)
+class Greeting(Message):
+    """Server → peer, first frame on every connection: what to authenticate against."""
+
+    TYPE = MsgType.GREETING
+    version: int
+    nonce: bytes
+    auth: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Hello(Message):
+    """Peer → server: who I am. ``mac`` is HMAC-SHA256(token, nonce), empty without a token."""
+
+    TYPE = MsgType.HELLO
+    role: str
+    name: str = ""
+    uuid: str = ""
+    mac: bytes = b""
+    profile: dict = field(default_factory=dict)
+    caps: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Welcome(Message):
+    """Server → peer: accepted; the server-assigned id and the heartbeat period."""
+
+    TYPE = MsgType.WELCOME
+    peer_id: int
+    heartbeat_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Error(Message):
+    """Either way: what went wrong. The sender closes the connection after it."""
+
+    TYPE = MsgType.ERROR
+    code: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Bye(Message):
+    """Either way: an orderly goodbye; the sender closes after it."""
+
+    TYPE = MsgType.BYE
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat(Message):
+    """Either way, when nothing else was sent for a heartbeat period."""
+
+    TYPE = MsgType.HEARTBEAT
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeEcho(Message):
+    """Either way, with a payload: the receiver sends it back with ``reply`` set."""
+
+    TYPE = MsgType.PROBE_ECHO
+    SEGMENTS = 1
+    probe: int
+    reply: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ProbePush(Message):
+    """Either way: bytes to time the sender → receiver direction; answered by PROBE_ACK."""
+
+    TYPE = MsgType.PROBE_PUSH
+    SEGMENTS = 1
+    probe: int
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeAck(Message):
+    """The PROBE_PUSH payload arrived whole."""
+
+    TYPE = MsgType.PROBE_ACK
+    probe: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class ProbePull(Message):
+    """Either way: send ``nbytes`` back in a PROBE_PULLED, to time the other direction."""
+
+    TYPE = MsgType.PROBE_PULL
+    probe: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class ProbePulled(Message):
+    """The payload a PROBE_PULL asked for."""
+
+    TYPE = MsgType.PROBE_PULLED
+    SEGMENTS = 1
+    probe: int
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeFlops(Message):
+    """Server → peer: regenerate A and B from ``seed`` (``challenge.py``) and compute A·B."""
+
+    TYPE = MsgType.PROBE_FLOPS
+    probe: int
+    seed: int
+    dim: int
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeFlopsResult(Message):
+    """Peer → server: C = A·B (float32, dim×dim) and the peer's own compute time."""
+
+    TYPE = MsgType.PROBE_FLOPS_RESULT
+    SEGMENTS = 1
+    probe: int
+    compute_ns: int
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeVerdict(Message):
+    """Server → peer: whether C was right, and the FLOPS it stands for."""
+
+    TYPE = MsgType.PROBE_VERDICT
+    probe: int
+    ok: bool
+    reason: str
+    flops: float
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeFlopsRequest(Message):
+    """Peer → server: challenge me (``morphling-bench``); answered by PROBE_FLOPS."""
+
+    TYPE = MsgType.PROBE_FLOPS_REQUEST
+    dim: int
+
+
+@dataclass(frozen=True, slots=True)
+class Tile(Message):
+    """Server → device: compute the [m, n] tile ``op(A)·op(B)``; segments are A and B.
+
+    A is op(A)'s rows as stored: [m, k] row-major with leading dimension
+    ``lda`` (``ta`` false) or [k, m] with ``lda`` (``ta`` true); B likewise
+    [k, n] or [n, k] with ``ldb``.
+    """
+
+    TYPE = MsgType.TILE
+    SEGMENTS = 2
+    tile: int
+    dtype: str
+    ta: bool
+    tb: bool
+    m: int
+    n: int
+    k: int
+    lda: int
+    ldb: int
+
+
+@dataclass(frozen=True, slots=True)
+class TileResult(Message):
+    """Device → server: the tile, [m, n] row-major; measured and modelled compute time."""
+
+    TYPE = MsgType.TILE_RESULT
+    SEGMENTS = 1
+    tile: int
+    compute_ns: int
+    model_ns: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Open(Message):
+    """Job → server: start a job. ``block`` overrides the tile size (0: server default)."""
+
+    TYPE = MsgType.OPEN
+    name: str = ""
+    block: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Gemm(Message):
+    """Job → server: C = op(A)·op(B), [batch, m, n]; segments are A's and B's spans.
+
+    Each operand is ``batch`` pivots (``stride_*`` elements apart; 0 shares
+    one pivot) of a row-major matrix with leading dimension ``ld*``, stored
+    transposed when ``t*`` is set, exactly as BLAS takes it.
+    """
+
+    TYPE = MsgType.GEMM
+    SEGMENTS = 2
+    gemm: int
+    dtype: str
+    ta: bool
+    tb: bool
+    m: int
+    n: int
+    k: int
+    lda: int
+    ldb: int
+    batch: int = 1
+    stride_a: int = 0
+    stride_b: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Result(Message):
+    """Server → job: C of GEMM ``gemm``, [batch, m, n] row-major, and how it was computed."""
+
+    TYPE = MsgType.RESULT
+    SEGMENTS = 1
+    gemm: int
+    tiles: int
+    devices: list = field(default_factory=list)
+    requeued: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Step(Message):
+    """Job → server: a training step ended; the server answers with the same message."""
+
+    TYPE = MsgType.STEP
+    step: int
+    gemms: int = 0
+    tiles: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Close(Message):
+    """Job → server: the job is over; the server answers with totals and closes."""
+
+    TYPE = MsgType.CLOSE
+    gemms: int = 0
+    tiles: int = 0
+
+
+MESSAGES: dict[int, type[Message]] = {
+    cls.TYPE: cls
+    for cls in (
+        Greeting, Hello, Welcome, Error, Bye, Heartbeat, ProbeEcho, ProbePush, ProbeAck,
+        ProbePull, ProbePulled, ProbeFlops, ProbeFlopsResult, ProbeVerdict, ProbeFlopsRequest,
+        Tile, TileResult, Open, Gemm, Result, Step, Close,
+    )
+}  # fmt: skip
+
+_WIRE_TYPES = {"int": (int,), "float": (float, int), "str": (str,), "bytes": (bytes,),
+               "bool": (bool,), "dict": (dict,), "list": (list,)}  # fmt: skip
+
+
+def from_wire(msg_type: int, header: dict[str, Any], segments: tuple[Any, ...]) -> Message:
+    """Build a message from a decoded header, or raise ``ValueError`` naming the field."""
+    cls = MESSAGES[msg_type]
+    name = cls.TYPE.name
+    if len(segments) != cls.SEGMENTS:
+        raise ValueError(f"{name}: {len(segments)} payload segments, expected {cls.SEGMENTS}")
+    known = _header_fields(cls)
+    unknown = set(header) - {f.name for f in known}
+    if unknown:
+        raise ValueError(f"{name}: unknown header field(s) {sorted(unknown)}")
+    values = {}
+    for f in known:
+        if f.name not in header:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ValueError(f"{name}: missing header field {f.name!r}")
+            continue
+        value = header[f.name]
+        allowed = _WIRE_TYPES[f.type]
+        if not isinstance(value, allowed) or (f.type != "bool" and isinstance(value, bool)):
+            raise ValueError(
+                f"{name}.{f.name}: expected {f.type}, got {type(value).__name__} {value!r:.40}"
+            )
+        values[f.name] = float(value) if f.type == "float" else value
+    return cls(**values, segments=segments)

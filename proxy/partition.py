@@ -1,0 +1,169 @@
+"""Cut a GEMM's output into tiles, and find the operand bytes each tile needs.
+
+A job's GEMM arrives as two flat operand spans plus BLAS-style layout
+(``Gemm`` message). ``GemmTask`` checks that layout against the spans (a
+header that lies about shapes or strides is refused, naming the field), owns
+the output — NaN-filled, so a tile that never arrived is visible — and
+produces ``TileTask``s: output blocks of at most ``block × block`` of one
+batch pivot, each with full K (no split-K, no reduction).
+
+The bytes a tile needs are sent as they are stored (the span from its first
+to its last element, with the leading dimension) unless that span is more
+than twice the elements used, in which case the block is packed: a column
+block of a row-major matrix, for instance, would otherwise drag the whole
+matrix along. Packed blocks are cached per GEMM, since every tile in the
+same block row or column needs the same one.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .messages import Gemm
+
+_ids = itertools.count(1)
+
+
+class GemmError(ValueError):
+    """A GEMM request whose header does not describe its operands."""
+
+
+@dataclass(eq=False)
+class TileTask:
+    """One output block of one pivot."""
+
+    id: int
+    gemm: GemmTask
+    pivot: int
+    r0: int
+    r1: int
+    c0: int
+    c1: int
+    attempts: int = 0
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.r1 - self.r0, self.c1 - self.c0
+
+    def operands(self) -> tuple[np.ndarray, int, np.ndarray, int]:
+        """(A block, lda, B block, ldb) as flat arrays to send."""
+        return self.gemm.block("a", self.pivot, self.r0, self.r1) + self.gemm.block(
+            "b", self.pivot, self.c0, self.c1
+        )
+
+
+@dataclass(eq=False)
+class GemmTask:
+    """A validated GEMM, its output and its bookkeeping."""
+
+    request: Gemm
+    a: np.ndarray
+    b: np.ndarray
+    out: np.ndarray
+    owner: Any = None
+    remaining: int = 0
+    done: set[int] = field(default_factory=set)
+    devices: set[int] = field(default_factory=set)
+    requeued: int = 0
+    cancelled: bool = False
+    _packed: dict[tuple[str, int, int, int], tuple[np.ndarray, int]] = field(default_factory=dict)
+
+    @property
+    def id(self) -> int:
+        return self.request.gemm
+
+    def block(self, which: str, pivot: int, lo: int, hi: int) -> tuple[np.ndarray, int]:
+        """Rows ``lo:hi`` of op(A) (``which="a"``) or columns of op(B), as sent."""
+        g = self.request
+        if which == "a":
+            flat, ld, stride, trans, inner = self.a, g.lda, g.stride_a, g.ta, g.k
+        else:  # op(B)'s columns are B's rows when B is stored transposed
+            flat, ld, stride, trans, inner = self.b, g.ldb, g.stride_b, not g.tb, g.k
+        base = pivot * stride
+        if not trans:  # the block is whole stored rows lo:hi
+            start, rows, cols = base + lo * ld, hi - lo, inner
+        else:  # the block is stored columns lo:hi of every row
+            start, rows, cols = base + lo, inner, hi - lo
+        if rows == 0 or cols == 0:
+            return flat[:0], max(1, cols)
+        span = (rows - 1) * ld + cols
+        if span <= 2 * rows * cols:
+            return flat[start : start + span], ld
+        key = (which, pivot, lo, hi)
+        if key not in self._packed:
+            view = np.lib.stride_tricks.as_strided(
+                flat[start:], shape=(rows, cols), strides=(ld * flat.itemsize, flat.itemsize)
+            )
+            self._packed[key] = (np.ascontiguousarray(view).reshape(-1), cols)
+        return self._packed[key]
+
+    def tiles(self, block: int) -> list[TileTask]:
+        """Cut the output into tiles of at most ``block × block`` per pivot."""
+        g = self.request
+        tiles = [
+            TileTask(next(_ids), self, p, r, min(r + block, g.m), c, min(c + block, g.n))
+            for p in range(g.batch)
+            for r in range(0, g.m, block)
+            for c in range(0, g.n, block)
+        ]
+        self.remaining = len(tiles)
+        return tiles
+
+    def put(self, tile: TileTask, values: np.ndarray) -> bool:
+        """Store a tile's result; False when it was already stored (a duplicate)."""
+        if tile.id in self.done:
+            return False
+        self.out[tile.pivot, tile.r0 : tile.r1, tile.c0 : tile.c1] = values
+        self.done.add(tile.id)
+        self.remaining -= 1
+        return True
+
+
+def _extent(name: str, rows: int, cols: int, ld: int, stride: int, batch: int) -> int:
+    """Elements an operand addresses: its last pivot's last element + 1."""
+    if ld < max(1, cols):
+        raise GemmError(f"ld{name}={ld} is smaller than the stored row length {cols}")
+    if stride < 0:
+        raise GemmError(f"stride_{name}={stride} is negative")
+    if rows == 0 or cols == 0:
+        return 0
+    return (batch - 1) * stride + (rows - 1) * ld + cols
+
+
+def make_task(request: Gemm, out: np.ndarray | None = None) -> GemmTask:
+    """Validate a GEMM request against its segments; the task with a NaN-filled output.
+
+    ``out`` may be supplied (pool memory, ``[batch, m, n]`` of the dtype).
+    """
+    g = request
+    if g.dtype not in ("float32", "float64"):
+        raise GemmError(f"dtype {g.dtype!r} is not supported (float32, float64)")
+    for name in ("m", "n", "k"):
+        if getattr(g, name) < 0:
+            raise GemmError(f"{name}={getattr(g, name)} is negative")
+    if g.batch < 1:
+        raise GemmError(f"batch={g.batch} must be >= 1")
+    a_rows, a_cols = (g.k, g.m) if g.ta else (g.m, g.k)
+    b_rows, b_cols = (g.n, g.k) if g.tb else (g.k, g.n)
+    arrays = []
+    for name, seg, rows, cols, ld, stride in (
+        ("a", g.segments[0], a_rows, a_cols, g.lda, g.stride_a),
+        ("b", g.segments[1], b_rows, b_cols, g.ldb, g.stride_b),
+    ):
+        need = _extent(name, rows, cols, ld, stride, g.batch)
+        item = np.dtype(g.dtype).itemsize
+        if len(seg) % item or len(seg) // item < need:
+            raise GemmError(
+                f"operand {name}: {len(seg)} bytes, but its layout (rows {rows}, cols {cols}, "
+                f"ld {ld}, stride {stride}, batch {g.batch}) addresses {need} {g.dtype} elements"
+            )
+        arrays.append(np.frombuffer(seg, dtype=g.dtype))
+    shape = (g.batch, g.m, g.n)
+    if out is None:
+        out = np.empty(shape, dtype=g.dtype)
+    out[...] = np.nan
+    return GemmTask(g, arrays[0], arrays[1], out)

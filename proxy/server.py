@@ -1,0 +1,402 @@
+"""The emulator: accepts devices and jobs, tiles GEMMs, schedules and reassembles them.
+
+One ``PeerConnection`` per TCP connection speaks the protocol for whichever
+role the peer announces in its HELLO; the ``Emulator`` holds what they share
+(registry, scheduler, buffer pool) and a housekeeping task for heartbeats
+and timeouts. A misbehaving peer is answered with an ERROR and dropped; its
+tiles go back to the queue, and everyone else carries on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import zlib
+from typing import Any
+
+import numpy as np
+
+from ..devices.profiles import DeviceProfile
+from ..kernels import BufferPool
+from . import probes
+from .auth import mac_matches
+from .codec import ProtocolError
+from .connection import FrameConnection, pool_allocator
+from .messages import (
+    Bye,
+    Close,
+    Gemm,
+    Greeting,
+    Heartbeat,
+    Hello,
+    Message,
+    MsgType,
+    Open,
+    ProbeAck,
+    ProbeEcho,
+    ProbeFlopsRequest,
+    ProbePull,
+    ProbePulled,
+    ProbeVerdict,
+    Result,
+    Step,
+    Tile,
+    TileResult,
+    Welcome,
+)
+from .partition import GemmError, GemmTask, TileTask, make_task
+from .registry import DeviceRecord, Registry
+from .scheduler import Scheduler
+from .settings import EmulatorConfig
+from .states import Conversation
+
+log = logging.getLogger(__name__)
+
+_REPLIES = (MsgType.PROBE_ACK, MsgType.PROBE_PULLED, MsgType.PROBE_FLOPS_RESULT)
+
+
+class PeerConnection(FrameConnection):
+    """The emulator's side of one connection."""
+
+    def __init__(self, emulator: Emulator) -> None:
+        cfg = emulator.config
+        super().__init__(
+            Conversation("server"),
+            max_payload=cfg.max_payload_bytes,
+            allocate=emulator.allocate,
+            high_water=cfg.high_water_bytes,
+        )
+        self.emulator = emulator
+        self.nonce = os.urandom(16)
+        self.connected_at = time.monotonic()
+        self.device: DeviceRecord | None = None
+        self.job_name = ""
+        self.block = cfg.block_size
+        self.gemms: dict[int, GemmTask] = {}
+        self.totals = {"gemms": 0, "tiles": 0}
+        self._waiters: dict[int, asyncio.Future[Message]] = {}
+        self._tasks: set[asyncio.Task] = set()
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    def connected(self) -> None:
+        self.connected_at = time.monotonic()
+        self.emulator.peers.add(self)
+        self.send(Greeting(version=1, nonce=self.nonce, auth=bool(self.emulator.config.token)))
+
+    def disconnected(self, exc: Exception | None) -> None:
+        self.emulator.peers.discard(self)
+        for waiter in self._waiters.values():
+            if not waiter.done():
+                waiter.set_exception(ConnectionError(f"{self.peername} disconnected"))
+        for task in self._tasks:
+            task.cancel()
+        scheduler = self.emulator.scheduler
+        if self.device is not None:
+            device, self.device = self.device, None
+            self.emulator.registry.remove(device.id)
+            requeued = scheduler.requeue(device)
+            if requeued:
+                log.warning(
+                    "device %d (%s) lost with %d tiles in flight; re-queued tiles %s",
+                    device.id, device.name, len(requeued), [t.id for t in requeued],
+                )  # fmt: skip
+            else:
+                log.info("device %d (%s) disconnected", device.id, device.name)
+            scheduler.dispatch()
+        for task in self.gemms.values():
+            scheduler.cancel(task)
+        self.gemms.clear()
+
+    def writability_changed(self) -> None:
+        if self.writable and self.device is not None:
+            self.emulator.scheduler.dispatch()
+
+    def spawn(self, coro: Any) -> None:
+        """Run ``coro`` for this connection; cancelled if the connection goes."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def ask(self, msg: Message, timeout: float) -> Message:
+        """Send a probe and wait for the reply with the same probe id."""
+        future: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
+        self._waiters[msg.probe] = future
+        try:
+            self.send(msg)
+            return await asyncio.wait_for(future, timeout)
+        finally:
+            self._waiters.pop(msg.probe, None)
+
+    # -- messages ----------------------------------------------------------------------
+
+    def message_received(self, msg: Message) -> None:
+        t = msg.TYPE
+        if t == MsgType.HELLO:
+            self._hello(msg)
+        elif t == MsgType.TILE_RESULT:
+            self.emulator.tile_result(self.device, msg)
+        elif t == MsgType.GEMM:
+            self._gemm(msg)
+        elif t == MsgType.PROBE_ECHO and not msg.reply:
+            self.send(ProbeEcho(probe=msg.probe, reply=True, segments=msg.segments))
+        elif t == MsgType.PROBE_ECHO or t in _REPLIES:
+            waiter = self._waiters.get(msg.probe)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(msg)
+        elif t == MsgType.PROBE_PUSH:
+            self.send(ProbeAck(probe=msg.probe, nbytes=msg.segments[0].nbytes))
+        elif t == MsgType.PROBE_PULL:
+            self._pull(msg)
+        elif t == MsgType.PROBE_FLOPS_REQUEST:
+            self.spawn(self._challenge(msg))
+        elif t == MsgType.OPEN:
+            self._open(msg)
+        elif t == MsgType.STEP:
+            self.send(Step(step=msg.step, **self.totals))
+        elif t == MsgType.CLOSE:
+            self.send(Close(**self.totals))
+            self.close()
+        elif t == MsgType.ERROR:
+            log.warning("%s reported an error: %s: %s", self.peername, msg.code, msg.reason)
+            self.close()
+        elif t == MsgType.BYE:
+            log.info("%s said goodbye: %s", self.peername, msg.reason or "(no reason)")
+            self.close()
+        # HEARTBEAT: receiving it was the point.
+
+    def _hello(self, msg: Hello) -> None:
+        cfg = self.emulator.config
+        if cfg.token:
+            if not msg.mac:
+                raise ProtocolError("this emulator requires a token; HELLO had none", "auth")
+            if not mac_matches(cfg.token, self.nonce, msg.mac):
+                raise ProtocolError("token does not match (HMAC of the nonce differs)", "auth")
+        if msg.role == "device":
+            try:
+                declared = DeviceProfile.from_wire(msg.profile)
+            except ValueError as exc:
+                raise ProtocolError(f"HELLO.profile: {exc}", "bad_hello") from None
+            virtual = bool(msg.caps.get("virtual", False))
+            self.device = self.emulator.registry.add(
+                msg.name or self.peername, declared, self, virtual=virtual
+            )
+            peer_id = self.device.id
+        elif msg.role in ("job", "probe"):
+            peer_id = self.emulator.next_client_id()
+        else:
+            raise ProtocolError(f"HELLO.role {msg.role!r} is not device, job or probe", "bad_hello")
+        self.send(Welcome(peer_id=peer_id, heartbeat_s=cfg.heartbeat_s))
+        log.info("%s joined as %s %d (%s)", self.peername, msg.role, peer_id, msg.name or "-")
+        if self.device is not None:
+            if cfg.probe:
+                self.spawn(self._probe_device(msg.uuid))
+            else:
+                self._device_ready(None)
+
+    async def _probe_device(self, uuid: str) -> None:
+        device = self.device
+        seed = zlib.crc32(f"{uuid}:{device.id}".encode())
+        try:
+            measured = await probes.probe(self, self.emulator.config, seed)
+        except (TimeoutError, ConnectionError) as exc:
+            log.warning(
+                "device %d (%s): probes did not finish (%s); using its declared profile",
+                device.id, device.name, type(exc).__name__,
+            )  # fmt: skip
+            self._device_ready(None)
+            return
+        log.info("device %d (%s) PROFILE_DELTA %s", device.id, device.name,
+                 probes.describe(device.declared, measured))  # fmt: skip
+        self.send(ProbeVerdict(probe=0, ok=measured.flops_verified, reason=measured.reason,
+                               flops=measured.flops))  # fmt: skip
+        if not measured.flops_verified:
+            self.fail("flops_failed", f"FLOPS challenge result is wrong: {measured.reason}")
+            return
+        self._device_ready(measured)
+
+    def _device_ready(self, measured: probes.Measurement | None) -> None:
+        device = self.device
+        if device is None:
+            return
+        cfg = self.emulator.config
+        device.model, why = probes.choose_profile(
+            device.declared, measured, cfg.profile_source, device.virtual
+        )
+        device.ready = True
+        log.info("device %d (%s) ready; scheduling with the %s profile",
+                 device.id, device.name, why)  # fmt: skip
+        self.emulator.scheduler.dispatch()
+
+    async def _challenge(self, msg: ProbeFlopsRequest) -> None:
+        cfg = self.emulator.config
+        if not 1 <= msg.dim <= 4096:
+            self.fail("bad_probe", f"PROBE_FLOPS_REQUEST.dim={msg.dim} outside 1..4096")
+            return
+        seed = int.from_bytes(os.urandom(4), "little")
+        try:
+            flops, problem = await probes.flops_challenge(
+                self, seed, msg.dim, cfg.probe_tolerance, cfg.probe_timeout_s
+            )
+        except TimeoutError:
+            flops, problem = 0.0, f"no result within {cfg.probe_timeout_s} s"
+        self.send(ProbeVerdict(probe=0, ok=not problem, reason=problem, flops=flops))
+
+    def _pull(self, msg: ProbePull) -> None:
+        if not 0 <= msg.nbytes <= self.emulator.config.max_payload_bytes:
+            raise ProtocolError(f"PROBE_PULL.nbytes={msg.nbytes} is out of range", "bad_probe")
+        self.send(ProbePulled(probe=msg.probe, segments=(np.zeros(msg.nbytes, np.uint8),)))
+
+    def _open(self, msg: Open) -> None:
+        if msg.block < 0:
+            raise ProtocolError(f"OPEN.block={msg.block} is negative", "bad_open")
+        self.job_name = msg.name
+        self.block = msg.block or self.emulator.config.block_size
+
+    def _gemm(self, msg: Gemm) -> None:
+        if msg.gemm in self.gemms:
+            raise ProtocolError(f"GEMM id {msg.gemm} is already in flight", "bad_gemm")
+        out = self.emulator.output(msg)
+        try:
+            task = make_task(msg, out)
+        except GemmError as exc:
+            raise ProtocolError(f"GEMM {msg.gemm}: {exc}", "bad_gemm") from None
+        task.owner = self
+        tiles = task.tiles(self.block)
+        self.totals["gemms"] += 1
+        self.totals["tiles"] += len(tiles)
+        if not tiles:
+            self.finish(task)
+            return
+        self.gemms[task.id] = task
+        self.emulator.scheduler.submit(tiles)
+
+    def finish(self, task: GemmTask) -> None:
+        """All tiles are in: send C to the job."""
+        self.gemms.pop(task.id, None)
+        if self.open:
+            self.send(Result(
+                gemm=task.id, tiles=len(task.done), devices=sorted(task.devices),
+                requeued=task.requeued, segments=(task.out,),
+            ))  # fmt: skip
+
+
+class Emulator:
+    """The server: listen, accept, schedule. ``start()`` then ``serve_forever()`` or ``stop()``."""
+
+    def __init__(self, config: EmulatorConfig, *, pool: BufferPool | None = None) -> None:
+        self.config = config
+        self.pool = pool or BufferPool()
+        self.registry = Registry()
+        self.scheduler = Scheduler(
+            self.registry, self._send_tile, policy=config.policy, window=config.window
+        )
+        self.allocate = pool_allocator(self.pool)
+        self.peers: set[PeerConnection] = set()
+        self._client_ids = 0
+        self._server: asyncio.Server | None = None
+        self._housekeeping: asyncio.Task | None = None
+
+    def next_client_id(self) -> int:
+        self._client_ids += 1
+        return self._client_ids
+
+    def output(self, msg: Gemm) -> np.ndarray | None:
+        """Pool memory for a GEMM's output, or None for an invalid request (refused later)."""
+        if msg.dtype not in ("float32", "float64") or min(msg.m, msg.n, msg.batch) < 0:
+            return None
+        shape = (msg.batch, msg.m, msg.n)
+        nbytes = int(np.prod(shape)) * np.dtype(msg.dtype).itemsize
+        if nbytes > self.config.max_payload_bytes:
+            raise ProtocolError(
+                f"GEMM {msg.gemm}: output of {nbytes} bytes exceeds max_payload_bytes", "bad_gemm"
+            )
+        return np.frombuffer(self.allocate(nbytes), dtype=msg.dtype).reshape(shape)
+
+    # -- tiles ---------------------------------------------------------------------------
+
+    def _send_tile(self, device: DeviceRecord, tile: TileTask) -> None:
+        g = tile.gemm.request
+        a, lda, b, ldb = tile.operands()
+        rows, cols = tile.shape
+        device.conn.send(Tile(
+            tile=tile.id, dtype=g.dtype, ta=g.ta, tb=g.tb, m=rows, n=cols, k=g.k,
+            lda=lda, ldb=ldb, segments=(a, b),
+        ))  # fmt: skip
+
+    def tile_result(self, device: DeviceRecord | None, msg: TileResult) -> None:
+        if device is None:
+            raise ProtocolError("TILE_RESULT before registration", "out_of_order")
+        tile = self.scheduler.finished(device, msg.tile)
+        if tile is None:
+            log.debug("device %d: result for tile %d not expected (late or duplicate); "
+                      "ignored", device.id, msg.tile)  # fmt: skip
+        elif not tile.gemm.cancelled:
+            rows, cols = tile.shape
+            item = tile.gemm.out.itemsize
+            seg = msg.segments[0]
+            if seg.nbytes != rows * cols * item:
+                self.scheduler.queue.appendleft(tile)
+                raise ProtocolError(
+                    f"TILE_RESULT {msg.tile}: {seg.nbytes} bytes, expected {rows}×{cols}×{item}",
+                    "bad_result",
+                )
+            values = np.frombuffer(seg, dtype=tile.gemm.out.dtype).reshape(rows, cols)
+            if tile.gemm.put(tile, values) and tile.gemm.remaining == 0:
+                tile.gemm.owner.finish(tile.gemm)
+        self.scheduler.dispatch()
+
+    # -- serving ---------------------------------------------------------------------------
+
+    async def start(self) -> tuple[str, int]:
+        """Bind and start accepting; the (host, port) actually bound."""
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            lambda: PeerConnection(self),
+            self.config.listen_ip,
+            self.config.listen_port,
+            reuse_address=True,
+        )
+        self._housekeeping = loop.create_task(self._keep_house())
+        host, port = self._server.sockets[0].getsockname()[:2]
+        log.info("emulator listening on %s:%d (policy %s, block %d, window %d)",
+                 host, port, self.config.policy, self.config.block_size,
+                 self.config.window)  # fmt: skip
+        return host, port
+
+    async def serve_forever(self) -> None:
+        assert self._server is not None
+        await self._server.serve_forever()
+
+    async def stop(self) -> None:
+        """Stop accepting, say goodbye to every peer, close."""
+        if self._server is not None:
+            self._server.close()
+        if self._housekeeping is not None:
+            self._housekeeping.cancel()
+        for peer in list(self.peers):
+            if peer.open:
+                peer.send(Bye(reason="emulator shutting down"))
+                peer.close()
+        if self._server is not None:
+            await self._server.wait_closed()
+        await asyncio.sleep(0)
+
+    async def _keep_house(self) -> None:
+        cfg = self.config
+        period = min(cfg.heartbeat_s, cfg.hello_timeout_s, cfg.heartbeat_timeout_s) / 2
+        while True:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            for peer in list(self.peers):
+                if not peer.open:
+                    continue
+                if peer.conversation.state == "hello":
+                    if now - peer.connected_at > cfg.hello_timeout_s:
+                        peer.fail("timeout", f"no HELLO within {cfg.hello_timeout_s} s")
+                elif now - peer.last_received > cfg.heartbeat_timeout_s:
+                    peer.fail("timeout", f"nothing received for {cfg.heartbeat_timeout_s} s")
+                elif now - peer.last_sent >= cfg.heartbeat_s:
+                    peer.send(Heartbeat())

@@ -1,0 +1,45 @@
+"""The emulator's configuration schema (loaded by ``morphling.config``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .scheduler import POLICIES
+
+PROFILE_SOURCES = ("auto", "declared", "measured")
+
+
+def _opt(default, help: str, **meta):
+    return field(default=default, metadata={"help": help, **meta})
+
+
+@dataclass(frozen=True)
+class EmulatorConfig:
+    """Every emulator setting; flags > MORPHLING_* environment > TOML [emulator] > these."""
+
+    listen_ip: str = _opt("0.0.0.0", "address to listen on", aliases=("--listen_ip",))
+    listen_port: int = _opt(39000, "TCP port to listen on", min=0, aliases=("--listen_port",))
+    token: str = _opt("", "shared secret peers must prove (HMAC); empty: no authentication")
+    block_size: int = _opt(256, "tile edge: output blocks of at most N×N", min=1,
+                           aliases=("--block_size",))  # fmt: skip
+    policy: str = _opt("greedy", "tile scheduling policy", choices=POLICIES,
+                       aliases=("--sched_policy",))  # fmt: skip
+    window: int = _opt(4, "tiles in flight per device", min=1, aliases=("--max_inflight",))
+    high_water_bytes: int = _opt(4 << 20, "per-device send buffer above which no tile is sent",
+                                 min=1, aliases=("--send_high_water_mark",))  # fmt: skip
+    max_payload_bytes: int = _opt(1 << 30, "largest frame payload accepted", min=1)
+    heartbeat_s: float = _opt(5.0, "send a heartbeat after this long without traffic", min=0.01)
+    heartbeat_timeout_s: float = _opt(15.0, "drop a peer silent for this long", min=0.01)
+    hello_timeout_s: float = _opt(10.0, "drop a connection that sends no HELLO in time", min=0.01)
+    probe: bool = _opt(True, "probe latency, bandwidth and FLOPS of each device on arrival")
+    probe_latency_bytes: int = _opt(64, "latency probe payload", min=1)
+    probe_bandwidth_bytes: int = _opt(4 << 20, "bandwidth probe payload, each direction", min=1)
+    probe_flops_dim: int = _opt(256, "FLOPS challenge matrix size", min=1)
+    probe_timeout_s: float = _opt(5.0, "time limit of each probe", min=0.01)
+    probe_tolerance: float = _opt(1e-3, "FLOPS check: |ref - c| <= tol + tol*|ref|", min=0.0)
+    profile_source: str = _opt(
+        "auto",
+        "which profile plans the schedule: declared, measured, or auto (measured for physical "
+        "devices, declared for virtual ones, whose host is not the board they model)",
+        choices=PROFILE_SOURCES,
+    )
