@@ -1,8 +1,8 @@
 """The ``morphling`` command: one entry point, one subcommand per role.
 
 Each subcommand registers its parser here and runs a function that returns
-an exit code. Later roles (emulator, device, fleet, run, ...) add themselves
-to ``SUBCOMMANDS``.
+an exit code; ``_subcommands`` lists them. Role modules are imported only
+when the parser is built, so ``morphling --version`` stays fast.
 """
 
 from __future__ import annotations
@@ -43,7 +43,11 @@ def _add_version(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_version)
 
 
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_version]
+def _subcommands() -> list[Callable[[argparse._SubParsersAction], None]]:
+    from .devices.cli import add_device_parser, add_fleet_parser
+    from .proxy.cli import add_parser as add_emulator_parser
+
+    return [_add_version, add_emulator_parser, add_device_parser, add_fleet_parser]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-level", choices=LOG_LEVELS, default="info", help="logging level (default: info)"
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for add in SUBCOMMANDS:
+    for add in _subcommands():
         add(sub)
     return parser
 

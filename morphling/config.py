@@ -31,11 +31,10 @@ import difflib
 import math
 import os
 import re
+import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeVar, get_type_hints
-
-import tomllib
 
 ENV_PREFIX = "MORPHLING_"
 

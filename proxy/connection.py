@@ -62,8 +62,7 @@ class FrameConnection(asyncio.BufferedProtocol):
 
     # -- asyncio.BufferedProtocol ------------------------------------------------
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:  # uvloop: not a subclass
         self.transport = transport
         transport.set_write_buffer_limits(high=self.high_water)
         peer = transport.get_extra_info("peername")

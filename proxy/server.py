@@ -358,6 +358,7 @@ class Emulator:
             self.config.listen_ip,
             self.config.listen_port,
             reuse_address=True,
+            backlog=1024,
         )
         self._housekeeping = loop.create_task(self._keep_house())
         host, port = self._server.sockets[0].getsockname()[:2]

@@ -1,0 +1,117 @@
+"""``morphling device`` (one physical board) and ``morphling fleet`` (many virtual ones)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from dataclasses import dataclass, field
+
+from .. import config as configuration
+from ..kernels import BufferPool, CpuBackend, WorkerPool
+from ..runtime import parse_server, serve
+from .agent import DeviceAgent
+from .fleet import Fleet
+from .profiles import DEFAULT_PROFILE, expand_fleet, load_profile
+
+log = logging.getLogger("morphling.devices")
+
+
+def _opt(default, help: str, **meta):
+    return field(default=default, metadata={"help": help, **meta})
+
+
+_SERVER = "emulator address, HOST:PORT (hostnames are resolved)"
+_THREADS = "BLAS threads per kernel worker"
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    server: str = _opt("127.0.0.1:39000", _SERVER, aliases=("--proxy_host",))
+    profile: str = _opt(DEFAULT_PROFILE, "built-in profile name or a profile TOML file")
+    name: str = _opt("", "device name in the emulator's logs (default: the host name)")
+    token: str = _opt("", "shared secret, if the emulator requires one")
+    threads: int = _opt(os.cpu_count() or 1, _THREADS, min=1)
+    reconnect: bool = _opt(True, "reconnect with backoff when the connection is lost")
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    server: str = _opt("127.0.0.1:39000", _SERVER)
+    devices: str = _opt("4", "fleet SPEC: NAME:COUNT,... (e.g. rpi4:12,orin-nano:4) or a count")
+    token: str = _opt("", "shared secret, if the emulator requires one")
+    threads: int = _opt(os.cpu_count() or 1, _THREADS, min=1)
+
+
+def add_device_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "device",
+        help="run a device agent (on a Jetson, a Pi, ...)",
+        description="Register with the emulator and compute tiles on the local "
+        "kernels. Settings: flags > MORPHLING_* > --config [device] > defaults.",
+    )
+    configuration.add_arguments(p, DeviceConfig)
+    p.set_defaults(func=run_device)
+
+
+def add_fleet_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "fleet",
+        help="run many virtual devices in one process",
+        description="Virtual devices over real sockets, sharing one worker pool. "
+        "Settings: flags > MORPHLING_* > --config [fleet] > defaults.",
+    )
+    configuration.add_arguments(p, FleetConfig)
+    p.set_defaults(func=run_fleet)
+
+
+def _load(schema: type, args: argparse.Namespace, section: str):
+    cfg, sources = configuration.load(schema, args, section=section)
+    host, port = parse_server(cfg.server)
+    log.info("effective configuration:\n%s", configuration.describe(cfg, sources))
+    return cfg, host, port
+
+
+def run_device(args: argparse.Namespace) -> int:
+    try:
+        cfg, host, port = _load(DeviceConfig, args, "device")
+        profile = load_profile(cfg.profile)
+    except ValueError as exc:
+        print(f"morphling device: {exc}", file=sys.stderr)
+        return 2
+
+    async def main(stop: asyncio.Event) -> int:
+        with WorkerPool([CpuBackend(threads=cfg.threads)]) as workers:
+            name = cfg.name or os.uname().nodename
+            agent = DeviceAgent(profile, workers, BufferPool(), name=name, token=cfg.token)
+            task = asyncio.ensure_future(agent.run(host, port, reconnect=cfg.reconnect))
+            stopper = asyncio.ensure_future(stop.wait())
+            await asyncio.wait([task, stopper], return_when=asyncio.FIRST_COMPLETED)
+            agent.stop()
+            stopper.cancel()
+            return await task
+
+    return serve(main)
+
+
+def run_fleet(args: argparse.Namespace) -> int:
+    try:
+        cfg, host, port = _load(FleetConfig, args, "fleet")
+        profiles = expand_fleet(cfg.devices)
+    except ValueError as exc:
+        print(f"morphling fleet: {exc}", file=sys.stderr)
+        return 2
+
+    async def main(stop: asyncio.Event) -> int:
+        with WorkerPool([CpuBackend(threads=cfg.threads)]) as workers:
+            fleet = Fleet(profiles, workers, BufferPool(), token=cfg.token)
+            task = asyncio.ensure_future(fleet.run(host, port))
+            stopper = asyncio.ensure_future(stop.wait())
+            await asyncio.wait([task, stopper], return_when=asyncio.FIRST_COMPLETED)
+            fleet.stop()
+            stopper.cancel()
+            return await task
+
+    return serve(main)

@@ -1,0 +1,50 @@
+"""Running an asyncio service from a subcommand: uvloop, signals, exit codes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+
+import uvloop
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PORT = 39000
+
+
+def parse_server(text: str) -> tuple[str, int]:
+    """``HOST:PORT``, ``HOST`` (port 39000), ``[v6]:PORT`` or a bare IPv6 address.
+
+    Hostnames are kept as given and resolved when connecting.
+    """
+    port = str(DEFAULT_PORT)
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        if rest:
+            if not rest.startswith(":"):
+                raise ValueError(f"--server {text!r}: expected [ADDRESS]:PORT")
+            port = rest[1:]
+    elif text.count(":") == 1:
+        host, port = text.split(":")
+    else:
+        host = text
+    if not host:
+        raise ValueError(f"--server {text!r}: no host")
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"--server {text!r}: port {port!r} is not 1..65535")
+    return host, int(port)
+
+
+def serve(main: Callable[[asyncio.Event], Awaitable[int]]) -> int:
+    """Run ``main(stop)`` on uvloop; SIGINT/SIGTERM set ``stop`` for a clean shutdown."""
+
+    async def wrapper() -> int:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        return await main(stop)
+
+    return uvloop.run(wrapper())

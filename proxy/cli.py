@@ -1,0 +1,56 @@
+"""``morphling emulator`` (alias ``morphling-emulator``): run the emulator until stopped."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from .. import config as configuration
+from ..runtime import serve
+from .server import Emulator
+from .settings import EmulatorConfig
+
+log = logging.getLogger("morphling.emulator")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "emulator",
+        help="run the emulator (devices and jobs connect to it)",
+        description="Accept devices and jobs, tile GEMMs and schedule them on the devices. "
+        "Settings: flags > MORPHLING_* environment > --config TOML [emulator] > defaults.",
+    )
+    configuration.add_arguments(p, EmulatorConfig)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cfg, sources = configuration.load(EmulatorConfig, args, section="emulator")
+    except configuration.ConfigError as exc:
+        print(f"morphling emulator: {exc}", file=sys.stderr)
+        return 2
+    log.info("effective configuration:\n%s", configuration.describe(cfg, sources))
+
+    async def main(stop: asyncio.Event) -> int:
+        emulator = Emulator(cfg)
+        try:
+            await emulator.start()
+        except OSError as exc:
+            log.error("cannot listen on %s:%d: %s", cfg.listen_ip, cfg.listen_port, exc)
+            return 1
+        await stop.wait()
+        log.info("stopping: saying goodbye to %d peers", len(emulator.peers))
+        await emulator.stop()
+        return 0
+
+    return serve(main)
+
+
+def main() -> int:
+    """The ``morphling-emulator`` console script."""
+    from ..cli import main as morphling_main
+
+    return morphling_main(["emulator", *sys.argv[1:]])
