@@ -25,4 +25,4 @@ RUN python -m pip install --no-cache-dir --upgrade pip setuptools wheel cffi \
 # Buffer pools mlock what RLIMIT_MEMLOCK allows; run with --ulimit memlock=-1 to lock all.
 EXPOSE 39000
 ENTRYPOINT ["morphling"]
-CMD ["version", "-v"]
+CMD ["emulator"]

@@ -16,6 +16,7 @@ land where they stay, without a copy.
 from __future__ import annotations
 
 import struct
+import sys
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -49,6 +50,8 @@ def _segment(seg: Any) -> tuple[list[Any], memoryview]:
     if isinstance(seg, np.ndarray):
         if seg.dtype.name not in _ITEMSIZE:
             raise ValueError(f"segment dtype {seg.dtype} is not one of {DTYPES}")
+        if seg.dtype.byteorder == ">" or (seg.dtype.byteorder == "=" and sys.byteorder != "little"):
+            raise ValueError(f"segment dtype {seg.dtype.str} is not little-endian, as the wire is")
         if not seg.flags.c_contiguous:
             raise ValueError(f"segment of shape {seg.shape} is not C-contiguous")
         view = memoryview(seg.reshape(-1)).cast("B") if seg.size else memoryview(b"")
@@ -268,8 +271,8 @@ def _segments_total(seg: Any, name: str) -> int:
         if not (isinstance(desc, list) and len(desc) == 3):
             raise ProtocolError(f"{name}: seg[{i}] must be [dtype, shape, nbytes]")
         dtype, shape, nbytes = desc
-        if dtype not in _ITEMSIZE:
-            raise ProtocolError(f"{name}: seg[{i}] dtype {dtype!r} is not one of {DTYPES}")
+        if not isinstance(dtype, str) or dtype not in _ITEMSIZE:
+            raise ProtocolError(f"{name}: seg[{i}] dtype {dtype!r:.40} is not one of {DTYPES}")
         if not (isinstance(shape, list) and all(_natural(d) for d in shape)):
             raise ProtocolError(f"{name}: seg[{i}] shape {shape!r} is not a list of sizes >= 0")
         count = 1
