@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import time
 import uuid as uuidlib
 
 import numpy as np
@@ -24,7 +23,6 @@ from ..proxy import challenge
 from ..proxy.auth import expected_mac
 from ..proxy.connection import FrameConnection, pool_allocator
 from ..proxy.messages import (
-    Heartbeat,
     Hello,
     Message,
     MsgType,
@@ -51,13 +49,9 @@ class DeviceConnection(FrameConnection):
     def __init__(self, agent: DeviceAgent) -> None:
         super().__init__(Conversation("peer", "device"), allocate=agent.allocate)
         self.agent = agent
-        self.heartbeat_s = 5.0
         self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._heartbeat: asyncio.Task | None = None
 
     def disconnected(self, exc: Exception | None) -> None:
-        if self._heartbeat is not None:
-            self._heartbeat.cancel()
         if not self.closed.done():
             self.closed.set_result(None)
 
@@ -76,8 +70,7 @@ class DeviceConnection(FrameConnection):
             ))  # fmt: skip
         elif t == MsgType.WELCOME:
             agent.device_id = msg.peer_id
-            self.heartbeat_s = msg.heartbeat_s
-            self._heartbeat = asyncio.get_running_loop().create_task(self._beat())
+            self.start_heartbeats(msg.heartbeat_s, 3 * msg.heartbeat_s)
             log.info("%s registered as device %d", agent.name, msg.peer_id)
         elif t == MsgType.PROBE_ECHO and not msg.reply:
             self.send(ProbeEcho(probe=msg.probe, reply=True, segments=msg.segments))
@@ -142,15 +135,6 @@ class DeviceConnection(FrameConnection):
         if self.open:
             self.send(ProbeFlopsResult(probe=msg.probe, compute_ns=best.compute_ns,
                                        segments=(best.out,)))  # fmt: skip
-
-    async def _beat(self) -> None:
-        while self.open:
-            await asyncio.sleep(self.heartbeat_s / 2)
-            now = time.monotonic()
-            if now - self.last_received > 3 * self.heartbeat_s:
-                self.fail("timeout", f"nothing from the emulator for {3 * self.heartbeat_s:.3g} s")
-            elif now - self.last_sent >= self.heartbeat_s and self.open:
-                self.send(Heartbeat())
 
 
 class DeviceAgent:

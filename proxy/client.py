@@ -61,6 +61,7 @@ class JobConnection(FrameConnection):
             self.send(Hello(role="job", name=self.name, mac=mac))
         elif t == MsgType.WELCOME:
             self.send(Open(name=self.name, block=self.block))
+            self.start_heartbeats(msg.heartbeat_s, 3 * msg.heartbeat_s)
             self.welcomed.set_result(msg.peer_id)
         elif t == MsgType.ERROR:
             self.error = EmulatorError(msg.code, msg.reason)

@@ -161,7 +161,11 @@ class Decoder:
             self._direct = False
             self._filled += nbytes
             if self._filled == len(self._payload):
-                self._finish()
+                try:
+                    self._finish()
+                except ProtocolError as exc:
+                    self._failed = exc
+                    raise
             return
         self.receive_data(_scratch()[:nbytes])
 
@@ -217,6 +221,12 @@ class Decoder:
             raise ProtocolError(
                 f"payload length {payload_len} exceeds the limit of {self.max_payload} bytes",
                 "too_large",
+            )
+        if payload_len and not MESSAGES[msg_type].SEGMENTS:
+            raise ProtocolError(
+                f"{MESSAGES[msg_type].TYPE.name} carries no payload, but payload_len is "
+                f"{payload_len}",
+                "bad_frame",
             )
         self._prefix = (magic, version, msg_type, header_len, payload_len)
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .codec import DEFAULT_MAX_PAYLOAD, Decoder, ProtocolError, encode
-from .messages import Error, Message
+from .messages import Error, Heartbeat, Message
 from .states import Conversation
 
 log = logging.getLogger(__name__)
@@ -59,6 +59,7 @@ class FrameConnection(asyncio.BufferedProtocol):
         self.last_received = self.last_sent = time.monotonic()
         self.writable = True
         self._drained: asyncio.Event | None = None
+        self._heartbeat: asyncio.Task | None = None
 
     # -- asyncio.BufferedProtocol ------------------------------------------------
 
@@ -91,6 +92,8 @@ class FrameConnection(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
         if self._drained is not None:
             self._drained.set()
         self.disconnected(exc)
@@ -124,6 +127,21 @@ class FrameConnection(asyncio.BufferedProtocol):
             self._drained = self._drained or asyncio.Event()
             self._drained.clear()
             await self._drained.wait()
+
+    def start_heartbeats(self, period_s: float, silence_s: float) -> None:
+        """Peer side: send HEARTBEAT after ``period_s`` without sending, and give up on
+        an emulator silent for ``silence_s`` (the emulator keeps its own clock)."""
+
+        async def beat() -> None:
+            while self.open:
+                await asyncio.sleep(period_s / 2)
+                now = time.monotonic()
+                if now - self.last_received > silence_s:
+                    self.fail("timeout", f"nothing from the emulator for {silence_s:.3g} s")
+                elif self.open and now - self.last_sent >= period_s:
+                    self.send(Heartbeat())
+
+        self._heartbeat = asyncio.get_running_loop().create_task(beat())
 
     def fail(self, code: str, reason: str) -> None:
         """Tell the peer what went wrong (if it is still there) and close."""

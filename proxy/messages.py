@@ -323,7 +323,7 @@ def from_wire(msg_type: int, header: dict[str, Any], segments: tuple[Any, ...]) 
     known = _header_fields(cls)
     unknown = set(header) - {f.name for f in known}
     if unknown:
-        raise ValueError(f"{name}: unknown header field(s) {sorted(unknown)}")
+        raise ValueError(f"{name}: unknown header field(s) {sorted(map(repr, unknown))}")
     values = {}
     for f in known:
         if f.name not in header:

@@ -101,6 +101,10 @@ class GemmTask:
             self._packed[key] = (np.ascontiguousarray(view).reshape(-1), cols)
         return self._packed[key]
 
+    def tile_count(self, block: int) -> int:
+        g = self.request
+        return g.batch * -(-g.m // block) * -(-g.n // block)
+
     def tiles(self, block: int) -> list[TileTask]:
         """Cut the output into tiles of at most ``block × block`` per pivot."""
         g = self.request

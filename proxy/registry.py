@@ -31,7 +31,9 @@ class DeviceRecord:
         return sum(self.predicted_s.values())
 
     def can_take(self, window: int) -> bool:
-        return self.ready and self.conn.writable and len(self.outstanding) < window
+        return (
+            self.ready and self.conn.open and self.conn.writable and len(self.outstanding) < window
+        )
 
 
 class Registry:

@@ -90,10 +90,10 @@ class Scheduler:
 
     def dispatch(self) -> None:
         """Assign queued tiles while some device may take one."""
+        ready = self.registry.ready()
+        if not ready:
+            return
         while self.queue:
-            ready = self.registry.ready()
-            if not ready:
-                return
             tile = self.queue[0]
             if tile.gemm.cancelled:
                 self.queue.popleft()

@@ -54,6 +54,7 @@ from .states import Conversation
 
 log = logging.getLogger(__name__)
 
+MAX_TILES = 1 << 20  # per GEMM: bounds the bookkeeping a request can cost
 _REPLIES = (MsgType.PROBE_ACK, MsgType.PROBE_PULLED, MsgType.PROBE_FLOPS_RESULT)
 
 
@@ -69,6 +70,9 @@ class PeerConnection(FrameConnection):
             high_water=cfg.high_water_bytes,
         )
         self.emulator = emulator
+        # Until HELLO is accepted no frame may carry a payload, so a peer that has not
+        # authenticated cannot make the emulator allocate anything sizeable.
+        self.decoder.max_payload = 0
         self.nonce = os.urandom(16)
         self.connected_at = time.monotonic()
         self.device: DeviceRecord | None = None
@@ -188,6 +192,7 @@ class PeerConnection(FrameConnection):
             peer_id = self.emulator.next_client_id()
         else:
             raise ProtocolError(f"HELLO.role {msg.role!r} is not device, job or probe", "bad_hello")
+        self.decoder.max_payload = cfg.max_payload_bytes
         self.send(Welcome(peer_id=peer_id, heartbeat_s=cfg.heartbeat_s))
         log.info("%s joined as %s %d (%s)", self.peername, msg.role, peer_id, msg.name or "-")
         if self.device is not None:
@@ -264,6 +269,10 @@ class PeerConnection(FrameConnection):
         except GemmError as exc:
             raise ProtocolError(f"GEMM {msg.gemm}: {exc}", "bad_gemm") from None
         task.owner = self
+        count = task.tile_count(self.block)
+        if count > MAX_TILES:
+            raise ProtocolError(f"GEMM {msg.gemm}: {count} tiles of {self.block}² exceed "
+                                f"{MAX_TILES}; use a larger block", "bad_gemm")  # fmt: skip
         tiles = task.tiles(self.block)
         self.totals["gemms"] += 1
         self.totals["tiles"] += len(tiles)
@@ -308,7 +317,7 @@ class Emulator:
         if msg.dtype not in ("float32", "float64") or min(msg.m, msg.n, msg.batch) < 0:
             return None
         shape = (msg.batch, msg.m, msg.n)
-        nbytes = int(np.prod(shape)) * np.dtype(msg.dtype).itemsize
+        nbytes = msg.batch * msg.m * msg.n * np.dtype(msg.dtype).itemsize
         if nbytes > self.config.max_payload_bytes:
             raise ProtocolError(
                 f"GEMM {msg.gemm}: output of {nbytes} bytes exceeds max_payload_bytes", "bad_gemm"
