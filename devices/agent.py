@@ -211,5 +211,8 @@ class DeviceAgent:
 
     def stop(self) -> None:
         self._stopping = True
-        if self.connection is not None:
-            self.connection.close()
+        conn = self.connection
+        if conn is not None:
+            conn.close()
+            if not conn.closed.done():  # do not wait on a transport that never came up
+                conn.closed.set_result(None)

@@ -1,0 +1,554 @@
+"""End to end: real emulator, device and fleet processes talking over loopback sockets.
+
+Nothing is mocked. Each test starts ``python -m morphling`` processes with their
+stderr in a log file under ``tmp_path``, waits for readiness by polling those
+logs, drives jobs through ``morphling.proxy.client`` and reads what happened from
+the logs and from the ``Result`` messages (which say which devices computed
+tiles and how many were re-queued). A fixture finalizer stops every child.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+from morphling.proxy.client import AsyncClient, Client, EmulatorError
+from morphling.proxy.messages import Gemm, Result
+
+try:
+    import torch
+except ImportError:  # torch is optional; its cases are simply left out
+    torch = None
+
+MORPHLING = [sys.executable, "-m", "morphling"]
+JOINED = "joined as device"
+
+
+# -- processes ---------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child_env() -> dict[str, str]:
+    """The environment minus MORPHLING_* settings, which would override test defaults."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("MORPHLING_")}
+
+
+@dataclass
+class Proc:
+    label: str
+    popen: subprocess.Popen
+    log: Path
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def count(self, needle: str) -> int:
+        return self.text().count(needle)
+
+    @property
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def signal(self, sig: int) -> None:
+        self.popen.send_signal(sig)
+
+    def wait(self, timeout: float) -> int:
+        return self.popen.wait(timeout=timeout)
+
+
+class Procs:
+    """The child processes of one test; ``stop_all`` runs in the fixture's finalizer."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp = tmp_path
+        self.procs: list[Proc] = []
+
+    def start(self, label: str, *args: str, preexec_fn=None) -> Proc:
+        log = self.tmp / f"{label}.log"
+        with log.open("wb") as fh:
+            popen = subprocess.Popen(
+                [*MORPHLING, *args],
+                stdin=subprocess.DEVNULL,
+                stdout=fh,
+                stderr=fh,
+                env=_child_env(),
+                preexec_fn=preexec_fn,
+            )
+        proc = Proc(label, popen, log)
+        self.procs.append(proc)
+        return proc
+
+    def emulator(self, *args: str, preexec_fn=None) -> tuple[Proc, int]:
+        """Start an emulator on a free loopback port and wait until it listens."""
+        for attempt in range(3):
+            port = free_port()
+            proc = self.start(
+                f"emulator-{attempt}",
+                "emulator", "--listen-ip", "127.0.0.1", "--listen-port", str(port), *args,
+                preexec_fn=preexec_fn,
+            )  # fmt: skip
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                if "emulator listening on" in proc.text():
+                    return proc, port
+                if not proc.alive:
+                    break
+                time.sleep(0.05)
+            if proc.alive or "cannot listen" not in proc.text():
+                self.fail(f"emulator did not start listening on port {port}")
+        self.fail("emulator could not bind a free port in three attempts")
+        raise AssertionError  # unreachable
+
+    def device(self, port: int, name: str, profile: str = "rpi4") -> Proc:
+        return self.start(
+            name, "device", "--server", f"127.0.0.1:{port}", "--profile", profile,
+            "--name", name, "--threads", "1",
+        )  # fmt: skip
+
+    def fleet(self, port: int, devices: str, label: str = "fleet", preexec_fn=None) -> Proc:
+        return self.start(
+            label, "fleet", "--server", f"127.0.0.1:{port}", "--devices", devices,
+            "--threads", "1", preexec_fn=preexec_fn,
+        )  # fmt: skip
+
+    def wait_for(self, proc: Proc, needle: str, count: int = 1, timeout: float = 30.0) -> str:
+        """Poll ``proc``'s log until ``needle`` occurs ``count`` times; the log text."""
+        deadline = time.monotonic() + timeout
+        while True:
+            text = proc.text()
+            if text.count(needle) >= count:
+                return text
+            if not proc.alive:
+                self.fail(f"{proc.label} exited ({proc.popen.returncode}) before {count}× "
+                          f"{needle!r}")  # fmt: skip
+            if time.monotonic() > deadline:
+                self.fail(f"{proc.label}: {text.count(needle)} of {count}× {needle!r} "
+                          f"after {timeout} s")  # fmt: skip
+            time.sleep(0.05)
+
+    def fail(self, why: str) -> None:
+        tails = "\n".join(
+            f"--- {p.label} (rc {p.popen.poll()}) ---\n" + "\n".join(p.text().splitlines()[-15:])
+            for p in self.procs
+        )
+        pytest.fail(f"{why}\n{tails}", pytrace=False)
+
+    def stop_all(self) -> None:
+        for p in self.procs:
+            if p.alive:
+                p.popen.terminate()
+        for p in self.procs:
+            try:
+                p.popen.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                p.popen.kill()
+                p.popen.wait(timeout=5)
+
+
+@pytest.fixture
+def procs(tmp_path: Path):
+    group = Procs(tmp_path)
+    try:
+        yield group
+    finally:
+        group.stop_all()
+
+
+# -- jobs ----------------------------------------------------------------------------------
+
+
+class RecordingClient(AsyncClient):
+    """An ``AsyncClient`` that remembers what every ``Result`` said."""
+
+    def __init__(self, conn, job_id: int) -> None:
+        super().__init__(conn, job_id)
+        self.devices: set[int] = set()
+        self.requeued = 0
+        self.tiles = 0
+        self.results: list[Result] = []
+
+    async def submit(self, request: Gemm, *, timeout: float | None = None) -> Result:
+        result = await super().submit(request, timeout=timeout)
+        self.devices.update(result.devices)
+        self.requeued += result.requeued
+        self.tiles += result.tiles
+        self.results.append(result)
+        return result
+
+
+def reference(a, b) -> np.ndarray:
+    """``a @ b`` in float64 with numpy, for numpy arrays or torch tensors."""
+    a = a.numpy() if torch is not None and isinstance(a, torch.Tensor) else a
+    b = b.numpy() if torch is not None and isinstance(b, torch.Tensor) else b
+    return np.matmul(a.astype(np.float64), b.astype(np.float64))
+
+
+def check(c: np.ndarray, a, b) -> None:
+    ref = reference(a, b)
+    assert c.shape == ref.shape
+    assert not np.isnan(c).any(), "a tile never arrived"
+    if c.dtype == np.float32:
+        np.testing.assert_allclose(c, ref, rtol=1e-4, atol=1e-4)
+    else:
+        assert c.dtype == np.float64
+        np.testing.assert_allclose(c, ref, rtol=1e-10, atol=1e-10)
+
+
+def random_cases(rng: np.random.Generator, count: int) -> list[tuple[str, object, object]]:
+    """``count`` GEMM operand pairs: 2-D, batched, transposed, strided, fp32/fp64, torch."""
+
+    def mat(rows, cols, dtype):
+        return rng.uniform(-1, 1, (rows, cols)).astype(dtype)
+
+    def bat(batch, rows, cols, dtype):
+        return rng.uniform(-1, 1, (batch, rows, cols)).astype(dtype)
+
+    def strided(rows, cols, dtype):  # a window of a larger array: ld > cols, offset start
+        big = mat(rows + 5, cols + 7, dtype)
+        return big[2 : 2 + rows, 3 : 3 + cols]
+
+    def dims():
+        sizes = (1, 7, 31, 32, 33, 45, 64, 65, 80, 97)
+        m, n = rng.choice(sizes), rng.choice(sizes)
+        if m * n < 32 * 33:  # keep most GEMMs at several tiles
+            m = max(m, 40)
+        return int(m), int(n), int(rng.integers(1, 70))
+
+    kinds = [
+        "plain", "a.T", "b.T", "both.T", "strided", "strided.T", "batch-a", "batch-b",
+        "batch-both", "batch.T", "batch-strided", "batch-step",
+    ] + (["torch", "torch.T"] if torch is not None else [])  # fmt: skip
+    cases = []
+    for i in range(count):
+        kind = kinds[i % len(kinds)]
+        dtype = np.float64 if i % 4 == 3 else np.float32
+        m, n, k = dims()
+        batch = int(rng.integers(2, 5))
+        if kind == "plain":
+            a, b = mat(m, k, dtype), mat(k, n, dtype)
+        elif kind == "a.T":
+            a, b = mat(k, m, dtype).T, mat(k, n, dtype)
+        elif kind == "b.T":
+            a, b = mat(m, k, dtype), mat(n, k, dtype).T
+        elif kind == "both.T":
+            a, b = mat(k, m, dtype).T, mat(n, k, dtype).T
+        elif kind == "strided":
+            a, b = strided(m, k, dtype), strided(k, n, dtype)
+        elif kind == "strided.T":
+            a, b = strided(k, m, dtype).T, strided(n, k, dtype)[:, ::1].T
+        elif kind == "batch-a":  # 3-D A, one 2-D B shared by every pivot
+            a, b = bat(batch, m, k, dtype), mat(k, n, dtype)
+        elif kind == "batch-b":
+            a, b = mat(m, k, dtype), bat(batch, k, n, dtype)
+        elif kind == "batch-both":
+            a, b = bat(batch, m, k, dtype), bat(batch, k, n, dtype)
+        elif kind == "batch.T":
+            a = bat(batch, k, m, dtype).transpose(0, 2, 1)
+            b = bat(batch, n, k, dtype).transpose(0, 2, 1)
+        elif kind == "batch-strided":  # padded pivots: ld and pivot stride both larger
+            a = bat(batch, m + 3, k + 5, dtype)[:, 1 : 1 + m, 2 : 2 + k]
+            b = mat(n + 4, k + 2, dtype)[3 : 3 + n, :k].T
+        elif kind == "batch-step":  # every other pivot of a larger batch
+            a = bat(2 * batch, m, k, dtype)[::2]
+            b = bat(2 * batch - 1, k, n, dtype)[::2]
+        elif kind == "torch":
+            a = torch.from_numpy(bat(batch, m, k, dtype))
+            b = torch.from_numpy(mat(k, n, dtype))
+        else:  # torch.T
+            a = torch.from_numpy(mat(k, m, dtype)).T
+            b = torch.from_numpy(mat(n + 3, k, dtype))[1 : 1 + n].T
+        cases.append((kind, a, b))
+    return cases
+
+
+async def run_all(client: AsyncClient, cases, concurrency: int = 16) -> None:
+    """Compute every case (``concurrency`` GEMMs in flight) and check each result."""
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(kind, a, b):
+        async with sem:
+            c = await client.matmul(a, b, timeout=60)
+        try:
+            check(c, a, b)
+        except AssertionError as exc:
+            raise AssertionError(f"{kind} {tuple(a.shape)} @ {tuple(b.shape)}: {exc}") from None
+
+    await asyncio.gather(*(one(*case) for case in cases))
+
+
+def joined_ids(emulator_log: str) -> list[int]:
+    return [int(m) for m in re.findall(r"joined as device (\d+)", emulator_log)]
+
+
+# -- 1. a mixed fleet computes GEMMs of every layout correctly ----------------------------
+
+
+async def test_eight_devices_compute_many_layouts_correctly(procs: Procs):
+    emulator, port = procs.emulator(
+        "--block-size", "32", "--policy", "round-robin", "--probe-bandwidth-bytes", "64KiB",
+        "--probe-flops-dim", "64",
+    )  # fmt: skip
+    devices = [
+        procs.device(port, f"dev-{i}", profile)
+        for i, profile in enumerate(("rpi4", "rpi5", "jetson-nano", "orin-nano"))
+    ]
+    fleet = procs.fleet(port, "rpi4:2,orin-nano:2")
+    text = procs.wait_for(emulator, JOINED, 8)
+    assert sorted(joined_ids(text)) == list(range(8))
+    procs.wait_for(emulator, "ready; scheduling with", 8)
+    for device in devices:
+        assert re.search(rf"{device.label} registered as device [0-7]\b", device.text())
+    assert fleet.count("registered as device") == 4
+
+    cases = random_cases(np.random.default_rng(20240611), 120)
+    client = await RecordingClient.connect("127.0.0.1", port, name="layouts")
+    try:
+        await run_all(client, cases)
+        totals = await client.close()
+    finally:
+        await client.close()
+    assert len(client.results) == len(cases)
+    assert totals.gemms == len(cases) and totals.tiles == client.tiles
+    assert client.tiles > 4 * len(cases)  # several tiles per GEMM on average
+    assert client.requeued == 0
+    assert len(client.devices) > 4, f"tiles went only to devices {sorted(client.devices)}"
+    assert client.devices <= set(range(8))
+    assert all(p.alive for p in [emulator, *devices, fleet])
+
+
+# -- 2. a device killed mid-run: its tiles are re-queued, every GEMM still right ----------
+
+
+async def test_device_killed_mid_run_tiles_requeued(procs: Procs):
+    emulator, port = procs.emulator("--block-size", "32", "--window", "2", "--no-probe")
+    devices = [procs.device(port, f"dev-{i}") for i in range(3)]
+    procs.wait_for(emulator, JOINED, 3)
+    ids = {}
+    for device in devices:
+        text = procs.wait_for(device, "registered as device")
+        ids[int(re.search(r"registered as device (\d+)", text)[1])] = device
+
+    rng = np.random.default_rng(7)
+    cases = [
+        (rng.standard_normal((256, 96), np.float32), rng.standard_normal((96, 256), np.float32))
+        for _ in range(24)
+    ]  # 64 tiles each: ~1,500 queued at once, so every device always has tiles in flight
+    client = await RecordingClient.connect("127.0.0.1", port, name="killer")
+    try:
+        tasks = [asyncio.ensure_future(client.matmul(a, b, timeout=60)) for a, b in cases]
+        while len(client.results) < 2:
+            await asyncio.sleep(0.005)
+        assert not all(t.done() for t in tasks), "the run finished before the kill"
+        victim_id = min(client.devices & set(ids))
+        victim = ids[victim_id]
+        victim.signal(signal.SIGKILL)
+        results = await asyncio.gather(*tasks)
+        for (a, b), c in zip(cases, results, strict=True):
+            check(c, a, b)
+        # More work after the loss: only the survivors compute it.
+        before = len(client.results)
+        more = [(rng.standard_normal((128, 64)), rng.standard_normal((64, 100))) for _ in range(4)]
+        for a, b in more:
+            check(await client.matmul(a, b, timeout=30), a, b)
+        late = set().union(*(r.devices for r in client.results[before:]))
+    finally:
+        await client.close()
+    assert victim.wait(timeout=5) == -signal.SIGKILL
+
+    text = procs.wait_for(emulator, "re-queued tiles")
+    name = victim.label
+    match = re.search(
+        rf"device {victim_id} \({name}\) lost with (\d+) tiles in flight; "
+        r"re-queued tiles \[([\d, ]+)\]",
+        text,
+    )
+    assert match, f"no re-queue line for device {victim_id} ({name})"
+    requeued = [int(t) for t in match[2].split(",")]
+    assert int(match[1]) == len(requeued) >= 1
+    assert client.requeued == len(requeued), "Result.requeued disagrees with the server log"
+    assert victim_id not in late and late
+
+    # The emulator survived and serves a new job.
+    assert emulator.alive
+    with Client("127.0.0.1", port, name="after") as job:
+        a, b = rng.standard_normal((70, 50), np.float32), rng.standard_normal((50, 40), np.float32)
+        check(job.matmul(a, b, timeout=30), a, b)
+
+
+# -- 3. a thousand virtual devices in one fleet all get tiles -----------------------------
+
+
+FLEET_SIZE = 1000
+NOFILE_NEEDED = 2100
+
+
+def _raise_nofile() -> None:
+    """preexec_fn: raise the soft RLIMIT_NOFILE to 4096 (or the hard limit, if lower)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 4096 if hard == resource.RLIM_INFINITY else min(4096, hard)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+
+
+async def test_thousand_virtual_devices_all_receive_tiles(procs: Procs):
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < NOFILE_NEEDED:
+        pytest.skip(f"RLIMIT_NOFILE hard limit {hard} < {NOFILE_NEEDED}: cannot hold "
+                    f"{FLEET_SIZE} sockets per process")  # fmt: skip
+    started = time.monotonic()
+    emulator, port = procs.emulator(
+        "--no-probe", "--heartbeat-s", "5", "--heartbeat-timeout-s", "60", "--block-size", "8",
+        "--policy", "load-balanced", preexec_fn=_raise_nofile,
+    )  # fmt: skip
+    fleet = procs.fleet(port, str(FLEET_SIZE), preexec_fn=_raise_nofile)
+    text = procs.wait_for(emulator, JOINED, FLEET_SIZE, timeout=60)
+    assert sorted(joined_ids(text)) == list(range(FLEET_SIZE))
+    procs.wait_for(emulator, "ready; scheduling with", FLEET_SIZE, timeout=20)
+
+    m, n, k = 256, 256, 16  # 32 × 32 = 1,024 tiles of 8 × 8 per GEMM
+    rng = np.random.default_rng(1000)
+    client = await AsyncClient.connect("127.0.0.1", port, name="thousand")
+    seen: set[int] = set()
+    tiles = 0
+    gemm = 0
+    try:
+        while (seen != set(range(FLEET_SIZE)) or tiles < 4000) and gemm < 40:
+            assert time.monotonic() - started < 90, f"only {len(seen)} devices got tiles"
+            batch = []
+            for _ in range(2):
+                gemm += 1
+                a = rng.standard_normal((m, k), np.float32)
+                b = rng.standard_normal((k, n), np.float32)
+                request = Gemm(
+                    gemm=gemm, dtype="float32", ta=False, tb=False, m=m, n=n, k=k, lda=k,
+                    ldb=n, segments=(a.reshape(-1), b.reshape(-1)),
+                )  # fmt: skip
+                batch.append((a, b, client.submit(request, timeout=60)))
+            results = await asyncio.gather(*(sub for _, _, sub in batch))
+            for (a, b, _), result in zip(batch, results, strict=True):
+                assert result.tiles == (m // 8) * (n // 8)
+                assert result.requeued == 0
+                c = np.frombuffer(result.segments[0], np.float32).reshape(m, n)
+                check(c, a, b)
+                seen.update(result.devices)
+                tiles += result.tiles
+    finally:
+        await client.close()
+    assert seen == set(range(FLEET_SIZE)), f"{FLEET_SIZE - len(seen)} devices got no tile"
+    assert tiles >= 4000
+    assert emulator.alive and fleet.alive
+    assert fleet.count("registered as device") == FLEET_SIZE
+
+
+# -- 4. clean shutdown on signals -----------------------------------------------------------
+
+
+async def test_sigterm_emulator_and_sigint_device_exit_cleanly(procs: Procs):
+    emulator, port = procs.emulator("--no-probe")
+    device = procs.device(port, "dev-0")
+    fleet = procs.fleet(port, "2")
+    procs.wait_for(emulator, JOINED, 3)
+    client = await AsyncClient.connect("127.0.0.1", port, name="bystander")
+    a = np.ones((40, 30), np.float32)
+    np.testing.assert_array_equal(await client.matmul(a, a.T, timeout=30), a @ a.T)
+
+    emulator.signal(signal.SIGTERM)
+    assert emulator.wait(timeout=5) == 0
+    assert "stopping: saying goodbye to 4 peers" in emulator.text()
+    procs.wait_for(device, "dev-0: emulator said goodbye: emulator shutting down", timeout=5)
+    procs.wait_for(fleet, "emulator said goodbye: emulator shutting down", 2, timeout=5)
+    with pytest.raises(EmulatorError) as info:
+        await client.matmul(a, a.T, timeout=5)
+    assert info.value.code in ("bye", "disconnected")
+    await client.close()
+
+    # The agents outlive the emulator (they retry); a signal still ends them cleanly.
+    procs.wait_for(device, "reconnecting in", timeout=5)
+    device.signal(signal.SIGINT)
+    assert device.wait(timeout=5) == 0
+    fleet.signal(signal.SIGTERM)
+    assert fleet.wait(timeout=5) == 0
+
+
+async def test_sigint_connected_device_exits_0_and_emulator_sees_it_leave(procs: Procs):
+    emulator, port = procs.emulator("--no-probe")
+    device = procs.device(port, "dev-0")
+    procs.wait_for(emulator, "device 0 (dev-0) ready")
+    device.signal(signal.SIGINT)
+    assert device.wait(timeout=5) == 0
+    procs.wait_for(emulator, "device 0 (dev-0) disconnected", timeout=5)
+    assert emulator.alive
+
+
+# -- 5. configuration errors --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "toml", "expect"),
+    [
+        (["--window", "0"], {}, None, "flag --window: '0' is below the minimum 1"),
+        (["--policy", "nope"], {}, None, "flag --policy: 'nope' is not one of"),
+        (["--block-size", "big"], {}, None, "flag --block-size: expected int"),
+        ([], {"MORPHLING_WINDOW": "0"}, None, "env MORPHLING_WINDOW: '0' is below the minimum"),
+        ([], {}, "[emulator]\nwindoww = 3\n", "unknown key 'windoww'"),
+        ([], {}, "[emulator]\nwindow = true\n", "window: expected int, got True"),
+    ],
+    ids=[
+        "window-0",
+        "policy-nope",
+        "block-size-text",
+        "env-window-0",
+        "toml-unknown-key",
+        "toml-bool-window",
+    ],
+)
+def test_bad_configuration_exits_2_naming_the_key(tmp_path, args, env, toml, expect):
+    cmd = [*MORPHLING, "emulator", "--listen-ip", "127.0.0.1", "--listen-port", "0", *args]
+    if toml is not None:
+        path = tmp_path / "emulator.toml"
+        path.write_text(toml)
+        cmd += ["--config", str(path)]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=30, env={**_child_env(), **env}
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert expect in proc.stderr
+    if toml is not None and "unknown key" in expect:
+        assert "did you mean 'window'?" in proc.stderr
+    assert "listening" not in proc.stderr
+
+
+# -- jobs stay connected while idle ---------------------------------------------------------
+
+
+async def test_idle_job_outlives_heartbeat_timeout(procs: Procs):
+    """PROTOCOL.md: each side heartbeats when idle, so an idle job is not dropped."""
+    emulator, port = procs.emulator(
+        "--no-probe", "--heartbeat-s", "0.2", "--heartbeat-timeout-s", "1"
+    )
+    procs.device(port, "dev-0")
+    procs.wait_for(emulator, "device 0 (dev-0) ready")
+    client = await AsyncClient.connect("127.0.0.1", port, name="idle")
+    try:
+        a = np.eye(3, dtype=np.float32)
+        await client.matmul(a, a, timeout=10)
+        await asyncio.sleep(2.0)  # idle, as a job between steps: only heartbeats flow
+        np.testing.assert_array_equal(await client.matmul(a, a, timeout=10), a)
+    finally:
+        await client.close()
