@@ -108,6 +108,9 @@ class GemmTask:
     def tiles(self, block: int) -> list[TileTask]:
         """Cut the output into tiles of at most ``block × block`` per pivot."""
         g = self.request
+        if self.tile_count(block) == 0:  # an empty output: nothing to walk, however large
+            self.remaining = 0
+            return []
         tiles = [
             TileTask(next(_ids), self, p, r, min(r + block, g.m), c, min(c + block, g.n))
             for p in range(g.batch)
