@@ -14,11 +14,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 import uuid as uuidlib
 
 import numpy as np
 
-from ..kernels import BufferPool, GemmResult, WorkerPool, plan_explicit
+from ..kernels import BufferPool, GemmResult, WorkerPool, plan_explicit, run_plan
 from ..proxy import challenge
 from ..proxy.auth import expected_mac
 from ..proxy.connection import FrameConnection, pool_allocator
@@ -41,6 +42,9 @@ log = logging.getLogger(__name__)
 
 FATAL_CODES = frozenset({"auth", "bad_hello", "bad_version"})
 MAX_PULL = 1 << 30
+# Tiles this small are computed on the event loop: handing them to a worker thread
+# and back costs ~100 µs, twenty times their compute.
+INLINE_FLOPS = 1 << 20
 
 
 class DeviceConnection(FrameConnection):
@@ -107,6 +111,12 @@ class DeviceConnection(FrameConnection):
             self.fail("bad_tile", f"TILE {msg.tile}: {exc}")
             return
         model_ns = int(agent.profile.compute_s(msg.m, msg.n, msg.k) * 1e9)
+        if 2 * msg.m * msg.n * msg.k <= agent.inline_flops:
+            start = time.perf_counter_ns()
+            run_plan(plan)
+            self.send(TileResult(tile=msg.tile, compute_ns=time.perf_counter_ns() - start,
+                                 model_ns=model_ns, segments=(out,)))  # fmt: skip
+            return
         future = agent.workers.submit_plan(plan, out, keep=(a, b))
         future.add_done_callback(lambda f: self._tile_done(msg.tile, model_ns, f))
 
@@ -149,6 +159,7 @@ class DeviceAgent:
         name: str = "",
         token: str = "",
         virtual: bool = False,
+        inline_flops: int = INLINE_FLOPS,
     ) -> None:
         self.profile = profile
         self.workers = workers
@@ -156,6 +167,7 @@ class DeviceAgent:
         self.name = name or profile.name
         self.token = token
         self.virtual = virtual
+        self.inline_flops = inline_flops  # tiles up to this many FLOPs skip the worker pool
         self.uuid = uuidlib.uuid4().hex
         self.device_id: int | None = None
         self.last_error: tuple[str, str] | None = None

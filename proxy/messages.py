@@ -9,6 +9,7 @@ specification; this module is its executable form. Nothing here does I/O.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any, ClassVar
@@ -58,6 +59,7 @@ class Message:
         return {f.name: getattr(self, f.name) for f in _header_fields(type(self))}
 
 
+@functools.cache
 def _header_fields(cls: type[Message]) -> tuple[dataclasses.Field, ...]:
     return tuple(f for f in dataclasses.fields(cls) if f.name != "segments")
 

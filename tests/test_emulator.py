@@ -22,7 +22,7 @@ from typing import Any
 import msgpack
 import numpy as np
 import pytest
-from morphling.devices.agent import DeviceAgent
+from morphling.devices.agent import INLINE_FLOPS, DeviceAgent
 from morphling.devices.profiles import BUILTIN
 from morphling.kernels import BufferPool, CpuBackend, WorkerPool
 from morphling.proxy import challenge, codec
@@ -97,6 +97,7 @@ class Fleet:
         agent = DeviceAgent(
             BUILTIN[profile], workers or self.workers, self.pool,
             name=name or f"{profile}-{len(self.agents)}", token=token, virtual=virtual,
+            inline_flops=0 if workers is not None else INLINE_FLOPS,  # gated workers see all
         )  # fmt: skip
         self.agents.append(agent)
         return agent
