@@ -27,11 +27,8 @@ from ..proxy.messages import (
     Hello,
     Message,
     MsgType,
-    ProbeAck,
-    ProbeEcho,
     ProbeFlops,
     ProbeFlopsResult,
-    ProbePulled,
     Tile,
     TileResult,
 )
@@ -41,7 +38,6 @@ from .profiles import DeviceProfile
 log = logging.getLogger(__name__)
 
 FATAL_CODES = frozenset({"auth", "bad_hello", "bad_version"})
-MAX_PULL = 1 << 30
 # Tiles this small are computed on the event loop: handing them to a worker thread
 # and back costs ~100 µs, twenty times their compute.
 INLINE_FLOPS = 1 << 20
@@ -76,15 +72,8 @@ class DeviceConnection(FrameConnection):
             agent.device_id = msg.peer_id
             self.start_heartbeats(msg.heartbeat_s, 3 * msg.heartbeat_s)
             log.info("%s registered as device %d", agent.name, msg.peer_id)
-        elif t == MsgType.PROBE_ECHO and not msg.reply:
-            self.send(ProbeEcho(probe=msg.probe, reply=True, segments=msg.segments))
-        elif t == MsgType.PROBE_PUSH:
-            self.send(ProbeAck(probe=msg.probe, nbytes=msg.segments[0].nbytes))
-        elif t == MsgType.PROBE_PULL:
-            if not 0 <= msg.nbytes <= MAX_PULL:
-                self.fail("bad_probe", f"PROBE_PULL.nbytes={msg.nbytes} is out of range")
-                return
-            self.send(ProbePulled(probe=msg.probe, segments=(np.zeros(msg.nbytes, np.uint8),)))
+        elif self.answer_probe(msg):
+            pass
         elif t == MsgType.PROBE_FLOPS:
             self._challenge(msg)
         elif t == MsgType.PROBE_VERDICT:

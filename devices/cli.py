@@ -7,7 +7,9 @@ import asyncio
 import logging
 import os
 import sys
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from .. import config as configuration
 from ..kernels import BufferPool, CpuBackend, WorkerPool
@@ -82,18 +84,13 @@ def run_device(args: argparse.Namespace) -> int:
         print(f"morphling device: {exc}", file=sys.stderr)
         return 2
 
-    async def main(stop: asyncio.Event) -> int:
-        with WorkerPool([CpuBackend(threads=cfg.threads)]) as workers:
-            name = cfg.name or os.uname().nodename
-            agent = DeviceAgent(profile, workers, BufferPool(), name=name, token=cfg.token)
-            task = asyncio.ensure_future(agent.run(host, port, reconnect=cfg.reconnect))
-            stopper = asyncio.ensure_future(stop.wait())
-            await asyncio.wait([task, stopper], return_when=asyncio.FIRST_COMPLETED)
-            agent.stop()
-            stopper.cancel()
-            return await task
+    def make(workers: WorkerPool) -> DeviceAgent:
+        name = cfg.name or os.uname().nodename
+        return DeviceAgent(profile, workers, BufferPool(), name=name, token=cfg.token)
 
-    return serve(main)
+    return _run_until_stopped(
+        cfg.threads, make, lambda a: a.run(host, port, reconnect=cfg.reconnect)
+    )
 
 
 def run_fleet(args: argparse.Namespace) -> int:
@@ -104,13 +101,27 @@ def run_fleet(args: argparse.Namespace) -> int:
         print(f"morphling fleet: {exc}", file=sys.stderr)
         return 2
 
+    return _run_until_stopped(
+        cfg.threads,
+        lambda workers: Fleet(profiles, workers, BufferPool(), token=cfg.token),
+        lambda fleet: fleet.run(host, port),
+    )
+
+
+def _run_until_stopped(
+    threads: int,
+    make: Callable[[WorkerPool], DeviceAgent | Fleet],
+    run: Callable[[Any], Awaitable[int]],
+) -> int:
+    """Run devices on one worker pool until they end or SIGINT/SIGTERM stops them."""
+
     async def main(stop: asyncio.Event) -> int:
-        with WorkerPool([CpuBackend(threads=cfg.threads)]) as workers:
-            fleet = Fleet(profiles, workers, BufferPool(), token=cfg.token)
-            task = asyncio.ensure_future(fleet.run(host, port))
+        with WorkerPool([CpuBackend(threads=threads)]) as workers:
+            devices = make(workers)
+            task = asyncio.ensure_future(run(devices))
             stopper = asyncio.ensure_future(stop.wait())
             await asyncio.wait([task, stopper], return_when=asyncio.FIRST_COMPLETED)
-            fleet.stop()
+            devices.stop()
             stopper.cancel()
             return await task
 

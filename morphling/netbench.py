@@ -49,13 +49,11 @@ from .proxy.messages import (
     Hello,
     Message,
     MsgType,
-    ProbeAck,
     ProbeEcho,
     ProbeFlops,
     ProbeFlopsRequest,
     ProbeFlopsResult,
     ProbePull,
-    ProbePulled,
     ProbePush,
 )
 from .proxy.states import Conversation
@@ -162,15 +160,8 @@ class ProbeConnection(FrameConnection):
             waiter = self._waiters.pop(msg.probe, None)
             if waiter is not None and not waiter.done():
                 waiter.set_result((msg, time.perf_counter()))
-        elif t == MsgType.PROBE_ECHO:
-            self.send(ProbeEcho(probe=msg.probe, reply=True, segments=msg.segments))
-        elif t == MsgType.PROBE_PUSH:
-            self.send(ProbeAck(probe=msg.probe, nbytes=msg.segments[0].nbytes))
-        elif t == MsgType.PROBE_PULL:
-            if not 0 <= msg.nbytes <= MAX_SIZE:
-                self.fail("bad_probe", f"PROBE_PULL.nbytes={msg.nbytes} is out of range")
-                return
-            self.send(ProbePulled(probe=msg.probe, segments=(np.zeros(msg.nbytes, np.uint8),)))
+        elif self.answer_probe(msg):
+            pass
         elif t == MsgType.PROBE_FLOPS:
             self._spawn(self._answer_challenge(msg))
         elif t == MsgType.PROBE_VERDICT:

@@ -18,8 +18,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from .codec import DEFAULT_MAX_PAYLOAD, Decoder, ProtocolError, encode
-from .messages import Error, Heartbeat, Message
+from .messages import Error, Heartbeat, Message, MsgType, ProbeAck, ProbeEcho, ProbePulled
 from .states import Conversation
 
 log = logging.getLogger(__name__)
@@ -54,6 +56,7 @@ class FrameConnection(asyncio.BufferedProtocol):
         self.decoder = Decoder(max_payload=max_payload, **kwargs)
         self.conversation = conversation
         self.high_water = high_water
+        self.max_pull = max_payload  # the largest PROBE_PULL answered
         self.transport: asyncio.Transport | None = None
         self.peername = "?"
         self.last_received = self.last_sent = time.monotonic()
@@ -127,6 +130,24 @@ class FrameConnection(asyncio.BufferedProtocol):
             self._drained = self._drained or asyncio.Event()
             self._drained.clear()
             await self._drained.wait()
+
+    def answer_probe(self, msg: Message) -> bool:
+        """Answer the probes either side may send (PROBE_ECHO, PROBE_PUSH, PROBE_PULL);
+        False when ``msg`` is not one of them (or is a reply to one of ours)."""
+        t = msg.TYPE
+        if t == MsgType.PROBE_ECHO and not msg.reply:
+            self.send(ProbeEcho(probe=msg.probe, reply=True, segments=msg.segments))
+        elif t == MsgType.PROBE_PUSH:
+            self.send(ProbeAck(probe=msg.probe, nbytes=msg.segments[0].nbytes))
+        elif t == MsgType.PROBE_PULL:
+            if not 0 <= msg.nbytes <= self.max_pull:
+                raise ProtocolError(
+                    f"PROBE_PULL.nbytes={msg.nbytes} is outside 0..{self.max_pull}", "bad_probe"
+                )
+            self.send(ProbePulled(probe=msg.probe, segments=(np.zeros(msg.nbytes, np.uint8),)))
+        else:
+            return False
+        return True
 
     def start_heartbeats(self, period_s: float, silence_s: float) -> None:
         """Peer side: send HEARTBEAT after ``period_s`` without sending, and give up on

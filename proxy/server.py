@@ -34,11 +34,7 @@ from .messages import (
     Message,
     MsgType,
     Open,
-    ProbeAck,
-    ProbeEcho,
     ProbeFlopsRequest,
-    ProbePull,
-    ProbePulled,
     ProbeVerdict,
     Result,
     Step,
@@ -144,16 +140,12 @@ class PeerConnection(FrameConnection):
             self.emulator.tile_result(self.device, msg)
         elif t == MsgType.GEMM:
             self._gemm(msg)
-        elif t == MsgType.PROBE_ECHO and not msg.reply:
-            self.send(ProbeEcho(probe=msg.probe, reply=True, segments=msg.segments))
+        elif self.answer_probe(msg):
+            pass
         elif t == MsgType.PROBE_ECHO or t in _REPLIES:
             waiter = self._waiters.get(msg.probe)
             if waiter is not None and not waiter.done():
                 waiter.set_result(msg)
-        elif t == MsgType.PROBE_PUSH:
-            self.send(ProbeAck(probe=msg.probe, nbytes=msg.segments[0].nbytes))
-        elif t == MsgType.PROBE_PULL:
-            self._pull(msg)
         elif t == MsgType.PROBE_FLOPS_REQUEST:
             self.spawn(self._challenge(msg))
         elif t == MsgType.OPEN:
@@ -248,11 +240,6 @@ class PeerConnection(FrameConnection):
         except TimeoutError:
             flops, problem = 0.0, f"no result within {cfg.probe_timeout_s} s"
         self.send(ProbeVerdict(probe=0, ok=not problem, reason=problem, flops=flops))
-
-    def _pull(self, msg: ProbePull) -> None:
-        if not 0 <= msg.nbytes <= self.emulator.config.max_payload_bytes:
-            raise ProtocolError(f"PROBE_PULL.nbytes={msg.nbytes} is out of range", "bad_probe")
-        self.send(ProbePulled(probe=msg.probe, segments=(np.zeros(msg.nbytes, np.uint8),)))
 
     def _open(self, msg: Open) -> None:
         if msg.block < 0:
