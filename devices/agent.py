@@ -21,10 +21,10 @@ import numpy as np
 
 from ..kernels import BufferPool, GemmResult, WorkerPool, plan_explicit, run_plan
 from ..proxy import challenge
-from ..proxy.auth import expected_mac
+from ..proxy.auth import hello
 from ..proxy.connection import FrameConnection, pool_allocator
 from ..proxy.messages import (
-    Hello,
+    REFUSALS,
     Message,
     MsgType,
     ProbeFlops,
@@ -37,7 +37,6 @@ from .profiles import DeviceProfile
 
 log = logging.getLogger(__name__)
 
-FATAL_CODES = frozenset({"auth", "bad_hello", "bad_version"})
 # Tiles this small are computed on the event loop: handing them to a worker thread
 # and back costs ~100 µs, twenty times their compute.
 INLINE_FLOPS = 1 << 20
@@ -63,9 +62,8 @@ class DeviceConnection(FrameConnection):
         elif t == MsgType.GREETING:
             if msg.auth and not agent.token:
                 log.error("%s: the emulator requires a token (--token)", agent.name)
-            mac = expected_mac(agent.token, msg.nonce) if agent.token else b""
-            self.send(Hello(
-                role="device", name=agent.name, uuid=agent.uuid, mac=mac,
+            self.send(hello(
+                msg, agent.token, "device", name=agent.name, uuid=agent.uuid,
                 profile=agent.profile.to_wire(), caps={"virtual": agent.virtual},
             ))  # fmt: skip
         elif t == MsgType.WELCOME:
@@ -123,7 +121,7 @@ class DeviceConnection(FrameConnection):
         if not 1 <= msg.dim <= 4096:
             self.fail("bad_probe", f"PROBE_FLOPS.dim={msg.dim} outside 1..4096")
             return
-        asyncio.get_running_loop().create_task(self._answer_challenge(msg))
+        self.spawn(self._answer_challenge(msg))
 
     async def _answer_challenge(self, msg: ProbeFlops) -> None:
         """Compute the challenge twice and report the faster run: the first pays for
@@ -199,7 +197,7 @@ class DeviceAgent:
                     attempt = 0  # it had registered: a fresh start for the backoff
             except OSError as exc:
                 log.warning("%s: cannot reach %s:%d: %s", self.name, host, port, exc)
-            if self.last_error and self.last_error[0] in FATAL_CODES:
+            if self.last_error and self.last_error[0] in REFUSALS:
                 return 2
             if not reconnect or self._stopping:
                 break

@@ -8,10 +8,11 @@ import logging
 import os
 import sys
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from .. import config as configuration
+from ..config import option as _opt
 from ..kernels import BufferPool, CpuBackend, WorkerPool
 from ..runtime import parse_server, serve
 from .agent import DeviceAgent
@@ -19,10 +20,6 @@ from .fleet import Fleet
 from .profiles import DEFAULT_PROFILE, expand_fleet, load_profile
 
 log = logging.getLogger("morphling.devices")
-
-
-def _opt(default, help: str, **meta):
-    return field(default=default, metadata={"help": help, **meta})
 
 
 _SERVER = "emulator address, HOST:PORT (hostnames are resolved)"
@@ -48,25 +45,19 @@ class FleetConfig:
 
 
 def add_device_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "device",
+    configuration.add_command(
+        sub, "device", DeviceConfig, run_device,
         help="run a device agent (on a Jetson, a Pi, ...)",
-        description="Register with the emulator and compute tiles on the local "
-        "kernels. Settings: flags > MORPHLING_* > --config [device] > defaults.",
-    )
-    configuration.add_arguments(p, DeviceConfig)
-    p.set_defaults(func=run_device)
+        description="Register with the emulator and compute tiles on the local kernels.",
+    )  # fmt: skip
 
 
 def add_fleet_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "fleet",
+    configuration.add_command(
+        sub, "fleet", FleetConfig, run_fleet,
         help="run many virtual devices in one process",
-        description="Virtual devices over real sockets, sharing one worker pool. "
-        "Settings: flags > MORPHLING_* > --config [fleet] > defaults.",
-    )
-    configuration.add_arguments(p, FleetConfig)
-    p.set_defaults(func=run_fleet)
+        description="Virtual devices over real sockets, sharing one worker pool.",
+    )  # fmt: skip
 
 
 def _load(schema: type, args: argparse.Namespace, section: str):

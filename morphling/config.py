@@ -11,7 +11,7 @@ Field types are ``int``, ``float``, ``bool`` and ``str``. Optional field metadat
 ``aliases`` (extra flag spellings, e.g. ``("--listen_ip",)``).
 
 Values given as text (flags, environment) are parsed: ints accept a plain integer
-or one with a binary size suffix, ``KiB``, ``MiB`` or ``GiB`` (``4MiB`` is
+or one with a binary size suffix, ``B``, ``KiB``, ``MiB`` or ``GiB`` (``4MiB`` is
 4194304; the suffix is case-sensitive and decimal ``MB`` is refused as
 ambiguous); bools accept 1/0, true/false, yes/no in any case. TOML values must
 already have the field's type (a float field also takes an integer), so
@@ -42,8 +42,8 @@ T = TypeVar("T")
 
 _TYPES = (int, float, bool, str)
 _METADATA_KEYS = frozenset({"help", "choices", "min", "aliases"})
-_INT_TEXT = re.compile(r"([+-]?\d+)\s*(KiB|MiB|GiB)?")
-_SIZE_UNITS = {None: 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+_INT_TEXT = re.compile(r"\s*([+-]?\d+)\s*(B|KiB|MiB|GiB)?\s*")
+SIZE_UNITS = {None: 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 _TRUE = frozenset({"1", "true", "yes"})
 _FALSE = frozenset({"0", "false", "no"})
 
@@ -106,6 +106,31 @@ def _fields(schema: type) -> list[_Field]:
     return fields
 
 
+def option(default: Any, help: str, **metadata: Any) -> Any:
+    """A schema field: its default, help text and metadata (choices, min, aliases)."""
+    return dataclasses.field(default=default, metadata={"help": help, **metadata})
+
+
+def add_command(
+    sub: argparse._SubParsersAction,
+    name: str,
+    schema: type,
+    func: Any,
+    *,
+    help: str,
+    description: str,
+) -> None:
+    """A subcommand whose settings are ``schema``, read from the TOML table ``[name]``."""
+    parser = sub.add_parser(
+        name,
+        help=help,
+        description=f"{description} Settings: flags > {ENV_PREFIX}* environment > "
+        f"--config TOML [{name}] > defaults.",
+    )
+    add_arguments(parser, schema)
+    parser.set_defaults(func=func)
+
+
 def add_arguments(parser: argparse.ArgumentParser, schema: type) -> None:
     """Add one flag per field (plus aliases) and ``--config PATH`` to ``parser``.
 
@@ -131,6 +156,14 @@ def add_arguments(parser: argparse.ArgumentParser, schema: type) -> None:
     )
 
 
+def parse_int(text: str) -> int:
+    """An integer with an optional binary size suffix (``B``, ``KiB``, ``MiB``, ``GiB``)."""
+    match = _INT_TEXT.fullmatch(text)
+    if match is None:
+        raise ValueError(f"{text!r} is not an integer with an optional KiB, MiB or GiB suffix")
+    return int(match[1]) * SIZE_UNITS[match[2]]
+
+
 def _parse_text(f: _Field, text: str, where: str) -> Any:
     """Parse a flag or environment string into the field's type."""
     if f.type is str:
@@ -143,12 +176,12 @@ def _parse_text(f: _Field, text: str, where: str) -> Any:
             return False
         raise ConfigError(f"{where}: expected bool (1/0, true/false, yes/no), got {text!r}")
     if f.type is int:
-        match = _INT_TEXT.fullmatch(text.strip())
-        if match is None:
+        try:
+            return parse_int(text)
+        except ValueError:
             raise ConfigError(
                 f"{where}: expected int (optionally with KiB, MiB, GiB), got {text!r}"
-            )
-        return int(match[1]) * _SIZE_UNITS[match[2]]
+            ) from None
     try:
         return float(text)
     except ValueError:

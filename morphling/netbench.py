@@ -26,7 +26,6 @@ import itertools
 import json
 import logging
 import math
-import re
 import statistics
 import sys
 import time
@@ -39,14 +38,14 @@ import uvloop
 from tqdm import tqdm
 
 from . import __version__
+from .config import SIZE_UNITS, parse_int
 from .kernels import BufferPool, gemm
 from .proxy import challenge
-from .proxy.auth import expected_mac
+from .proxy.auth import hello
 from .proxy.connection import FrameConnection, pool_allocator
 from .proxy.messages import (
+    REFUSALS,
     Bye,
-    Heartbeat,
-    Hello,
     Message,
     MsgType,
     ProbeEcho,
@@ -69,9 +68,6 @@ MAX_FLOPS_DIM = 4096  # the emulator refuses larger challenges
 MAX_SIZE = 1 << 30  # the emulator's default max_payload_bytes
 CHALLENGE_RUNS = 7
 CHALLENGE_BUDGET_NS = 200_000_000
-FATAL_CODES = frozenset({"auth", "bad_hello", "bad_version"})
-_SIZE = re.compile(r"\s*(\d+)\s*(B|KiB|MiB|GiB)?\s*")
-_UNITS = {None: 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 
 
 class BenchError(Exception):
@@ -87,12 +83,12 @@ class BenchError(Exception):
 
 def parse_size(text: str) -> int:
     """``65536``, ``64KiB``, ``4MiB``, ``1GiB`` (binary units; decimal ``MB`` is ambiguous)."""
-    match = _SIZE.fullmatch(text)
-    if match is None:
+    try:
+        nbytes = parse_int(text)
+    except ValueError:
         raise ValueError(
             f"size {text!r}: expected an integer with an optional B, KiB, MiB or GiB suffix"
-        )
-    nbytes = int(match.group(1)) * _UNITS[match.group(2)]
+        ) from None
     if not 1 <= nbytes <= MAX_SIZE:
         raise ValueError(f"size {text!r}: must be 1 B .. 1 GiB")
     return nbytes
@@ -109,7 +105,7 @@ def parse_sizes(text: str) -> list[int]:
 def format_size(nbytes: int) -> str:
     """The shortest exact binary spelling: ``64KiB``, ``4MiB``, ``1000B``."""
     for unit in ("GiB", "MiB", "KiB"):
-        scale = _UNITS[unit]
+        scale = SIZE_UNITS[unit]
         if nbytes >= scale and nbytes % scale == 0:
             return f"{nbytes // scale}{unit}"
     return f"{nbytes}B"
@@ -144,10 +140,8 @@ class ProbeConnection(FrameConnection):
         self.token, self.name = token, name
         self.welcomed: asyncio.Future[int] = loop.create_future()
         self.verdict: asyncio.Future[Verdict] | None = None
-        self.heartbeat_s = 5.0
         self.error: BenchError | None = None
         self._waiters: dict[int, asyncio.Future[tuple[Message, float]]] = {}
-        self._tasks: set[asyncio.Task] = set()
         self._answered = (0, 0, 0)  # (dim, compute_ns, runs) of the challenge we answered
 
     # -- receiving -----------------------------------------------------------------
@@ -163,7 +157,7 @@ class ProbeConnection(FrameConnection):
         elif self.answer_probe(msg):
             pass
         elif t == MsgType.PROBE_FLOPS:
-            self._spawn(self._answer_challenge(msg))
+            self.spawn(self._answer_challenge(msg))
         elif t == MsgType.PROBE_VERDICT:
             if self.verdict is not None and not self.verdict.done():
                 self.verdict.set_result(Verdict(msg.ok, msg.flops, msg.reason, *self._answered))
@@ -171,14 +165,12 @@ class ProbeConnection(FrameConnection):
             if msg.auth and not self.token:
                 self._abort(BenchError("the emulator requires a token (--token)", 2))
                 return
-            mac = expected_mac(self.token, msg.nonce) if self.token else b""
-            self.send(Hello(role="probe", name=self.name, mac=mac))
+            self.send(hello(msg, self.token, "probe", name=self.name))
         elif t == MsgType.WELCOME:
-            self.heartbeat_s = msg.heartbeat_s
-            self._spawn(self._beat())
+            self.start_heartbeats(msg.heartbeat_s, 3 * msg.heartbeat_s)
             self.welcomed.set_result(msg.peer_id)
         elif t == MsgType.ERROR:
-            code = 2 if msg.code in FATAL_CODES else 1
+            code = 2 if msg.code in REFUSALS else 1
             self._abort(BenchError(f"the emulator refused: {msg.code}: {msg.reason}", code))
         elif t == MsgType.BYE:
             self._abort(BenchError(f"the emulator said goodbye: {msg.reason or '-'}"))
@@ -193,24 +185,10 @@ class ProbeConnection(FrameConnection):
             if not future.done():
                 future.set_exception(error)
         self._waiters.clear()
-        for task in self._tasks:
-            task.cancel()
 
     def _abort(self, error: BenchError) -> None:
         self.error = self.error or error
         self.close()
-
-    def _spawn(self, coro: Any) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _beat(self) -> None:
-        """Keep the emulator from timing us out during long transfers or computations."""
-        while self.open:
-            await asyncio.sleep(self.heartbeat_s / 2)
-            if self.open and time.monotonic() - self.last_sent >= self.heartbeat_s:
-                self.send(Heartbeat())
 
     async def _answer_challenge(self, msg: ProbeFlops) -> None:
         if not 1 <= msg.dim <= MAX_FLOPS_DIM:

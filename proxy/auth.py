@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from typing import Any
+
+from .messages import Greeting, Hello
 
 
 def expected_mac(token: str, nonce: bytes) -> bytes:
@@ -13,3 +16,9 @@ def expected_mac(token: str, nonce: bytes) -> bytes:
 
 def mac_matches(token: str, nonce: bytes, mac: bytes) -> bool:
     return hmac.compare_digest(mac, expected_mac(token, nonce))
+
+
+def hello(greeting: Greeting, token: str, role: str, **fields: Any) -> Hello:
+    """The HELLO answering ``greeting``, with the MAC when we hold a token."""
+    mac = expected_mac(token, greeting.nonce) if token else b""
+    return Hello(role=role, mac=mac, **fields)

@@ -16,14 +16,11 @@ log = logging.getLogger("morphling.emulator")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "emulator",
+    configuration.add_command(
+        sub, "emulator", EmulatorConfig, run,
         help="run the emulator (devices and jobs connect to it)",
-        description="Accept devices and jobs, tile GEMMs and schedule them on the devices. "
-        "Settings: flags > MORPHLING_* environment > --config TOML [emulator] > defaults.",
-    )
-    configuration.add_arguments(p, EmulatorConfig)
-    p.set_defaults(func=run)
+        description="Accept devices and jobs, tile GEMMs and schedule them on the devices.",
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:

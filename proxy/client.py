@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 
 from ..kernels import blas_operand
-from .auth import expected_mac
+from .auth import hello
 from .connection import FrameConnection
-from .messages import Close, Gemm, Hello, Message, MsgType, Open, Result, Step
+from .messages import Close, Gemm, Message, MsgType, Open, Result, Step
 from .states import Conversation
 
 DTYPES = ("float32", "float64")
@@ -57,8 +57,7 @@ class JobConnection(FrameConnection):
             if self.replies:
                 self.replies.popleft().set_result(msg)
         elif t == MsgType.GREETING:
-            mac = expected_mac(self.token, msg.nonce) if self.token else b""
-            self.send(Hello(role="job", name=self.name, mac=mac))
+            self.send(hello(msg, self.token, "job", name=self.name))
         elif t == MsgType.WELCOME:
             self.send(Open(name=self.name, block=self.block))
             self.start_heartbeats(msg.heartbeat_s, 3 * msg.heartbeat_s)

@@ -12,6 +12,7 @@ agent, the job client) implement the ``message_received`` hook.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import logging
 import time
@@ -41,7 +42,7 @@ def pool_allocator(pool: Any) -> Callable[[int], memoryview]:
     return allocate
 
 
-class FrameConnection(asyncio.BufferedProtocol):
+class FrameConnection(asyncio.BufferedProtocol, abc.ABC):
     """One framed connection; see the module docstring."""
 
     def __init__(
@@ -62,7 +63,7 @@ class FrameConnection(asyncio.BufferedProtocol):
         self.last_received = self.last_sent = time.monotonic()
         self.writable = True
         self._drained: asyncio.Event | None = None
-        self._heartbeat: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task] = set()  # cancelled when the connection goes
 
     # -- asyncio.BufferedProtocol ------------------------------------------------
 
@@ -95,8 +96,8 @@ class FrameConnection(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
-        if self._heartbeat is not None:
-            self._heartbeat.cancel()
+        for task in list(self._tasks):
+            task.cancel()
         if self._drained is not None:
             self._drained.set()
         self.disconnected(exc)
@@ -149,6 +150,12 @@ class FrameConnection(asyncio.BufferedProtocol):
             return False
         return True
 
+    def spawn(self, coro: Any) -> None:
+        """Run ``coro`` for this connection; it is cancelled when the connection goes."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
     def start_heartbeats(self, period_s: float, silence_s: float) -> None:
         """Peer side: send HEARTBEAT after ``period_s`` without sending, and give up on
         an emulator silent for ``silence_s`` (the emulator keeps its own clock)."""
@@ -162,7 +169,7 @@ class FrameConnection(asyncio.BufferedProtocol):
                 elif self.open and now - self.last_sent >= period_s:
                     self.send(Heartbeat())
 
-        self._heartbeat = asyncio.get_running_loop().create_task(beat())
+        self.spawn(beat())
 
     def fail(self, code: str, reason: str) -> None:
         """Tell the peer what went wrong (if it is still there) and close."""
@@ -181,9 +188,9 @@ class FrameConnection(asyncio.BufferedProtocol):
     def connected(self) -> None:
         """The transport is up."""
 
+    @abc.abstractmethod
     def message_received(self, msg: Message) -> None:
         """A legal message arrived (already checked against the state table)."""
-        raise NotImplementedError
 
     def disconnected(self, exc: Exception | None) -> None:
         """The connection is gone, for whatever reason."""

@@ -43,6 +43,8 @@ class MsgType(IntEnum):
 
 
 ROLES = ("device", "job", "probe")
+# ERROR codes that retrying the same connection cannot fix.
+REFUSALS = frozenset({"auth", "bad_hello", "bad_version"})
 DTYPES = ("float32", "float64", "uint8")
 
 

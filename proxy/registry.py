@@ -23,12 +23,20 @@ class DeviceRecord:
     ready: bool = False
     outstanding: dict[int, TileTask] = field(default_factory=dict)
     predicted_s: dict[int, float] = field(default_factory=dict)
+    backlog_s: float = 0.0  # the sum of predicted_s: the greedy policy's clock
     completed: int = 0
 
-    @property
-    def backlog_s(self) -> float:
-        """Predicted time to finish the tiles it holds (the greedy policy's clock)."""
-        return sum(self.predicted_s.values())
+    def take(self, tile: TileTask, predicted_s: float) -> None:
+        self.outstanding[tile.id] = tile
+        self.predicted_s[tile.id] = predicted_s
+        self.backlog_s += predicted_s
+
+    def give_back(self, tile_id: int) -> TileTask | None:
+        """The tile it no longer holds, or None when it did not hold ``tile_id``."""
+        self.backlog_s -= self.predicted_s.pop(tile_id, 0.0)
+        if not self.predicted_s:
+            self.backlog_s = 0.0  # no drift from float sums once idle
+        return self.outstanding.pop(tile_id, None)
 
     def can_take(self, window: int) -> bool:
         return (

@@ -68,9 +68,8 @@ class Scheduler:
 
     def requeue(self, device: DeviceRecord) -> list[TileTask]:
         """Put a lost device's tiles back at the front of the queue, in their order."""
-        tiles = [t for t in device.outstanding.values() if not t.gemm.cancelled]
-        device.outstanding.clear()
-        device.predicted_s.clear()
+        held = [device.give_back(tile_id) for tile_id in list(device.outstanding)]
+        tiles = [t for t in held if not t.gemm.cancelled]
         for tile in tiles:
             tile.gemm.requeued += 1
         self.queue.extendleft(reversed(tiles))
@@ -82,8 +81,7 @@ class Scheduler:
 
     def finished(self, device: DeviceRecord, tile_id: int) -> TileTask | None:
         """The device returned ``tile_id``: the task, or None when it was not expected."""
-        device.predicted_s.pop(tile_id, None)
-        tile = device.outstanding.pop(tile_id, None)
+        tile = device.give_back(tile_id)
         if tile is not None:
             device.completed += 1
         return tile
@@ -103,8 +101,7 @@ class Scheduler:
                 return
             self.queue.popleft()
             tile.attempts += 1
-            device.outstanding[tile.id] = tile
-            device.predicted_s[tile.id] = predicted_cost_s(device, tile)
+            device.take(tile, predicted_cost_s(device, tile))
             tile.gemm.devices.add(device.id)
             self._send(device, tile)
 

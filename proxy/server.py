@@ -14,7 +14,6 @@ import logging
 import os
 import time
 import zlib
-from typing import Any
 
 import numpy as np
 
@@ -77,7 +76,6 @@ class PeerConnection(FrameConnection):
         self.gemms: dict[int, GemmTask] = {}
         self.totals = {"gemms": 0, "tiles": 0}
         self._waiters: dict[int, asyncio.Future[Message]] = {}
-        self._tasks: set[asyncio.Task] = set()
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -91,8 +89,6 @@ class PeerConnection(FrameConnection):
         for waiter in self._waiters.values():
             if not waiter.done():
                 waiter.set_exception(ConnectionError(f"{self.peername} disconnected"))
-        for task in self._tasks:
-            task.cancel()
         scheduler = self.emulator.scheduler
         if self.device is not None:
             device, self.device = self.device, None
@@ -113,12 +109,6 @@ class PeerConnection(FrameConnection):
     def writability_changed(self) -> None:
         if self.writable and self.device is not None:
             self.emulator.scheduler.dispatch()
-
-    def spawn(self, coro: Any) -> None:
-        """Run ``coro`` for this connection; cancelled if the connection goes."""
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
     async def ask(self, msg: Message, timeout: float) -> Message:
         """Send a probe and wait for the reply with the same probe id."""

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from ..config import option as _opt
 from .scheduler import POLICIES
 
 PROFILE_SOURCES = ("auto", "declared", "measured")
-
-
-def _opt(default, help: str, **meta):
-    return field(default=default, metadata={"help": help, **meta})
 
 
 @dataclass(frozen=True)

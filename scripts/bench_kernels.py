@@ -9,8 +9,6 @@ shared machine hits both alike; medians are reported.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import sys
 import time
@@ -19,10 +17,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from benchlib import run_meta, write_results
 from morphling.kernels import BufferPool, blas_info, gemm, plan_explicit, run_plan
 from tqdm import tqdm
-
-from morphling import __version__
 
 
 def per_call_ns(fn: Callable[[], object], calls: int) -> float:
@@ -126,21 +123,13 @@ def main(argv: list[str] | None = None) -> int:
             "sgemm_64": bench_sgemm_64(args.reps, bar),
             "pool": bench_pool(args.reps, bar),
         }
-    results["meta"] = {
-        "morphling": __version__,
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "host": platform.node(),
-        "cpu": platform.processor() or platform.machine(),
-        "blas": f"{info.name} {info.version}",
-        "blas_threading": info.threading,
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "reps": args.reps,
-        "python": sys.version.split()[0],
-    }
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(results, indent=2) + "\n")
-    print(json.dumps(results, indent=2))
+    results["meta"] = run_meta(
+        args.reps,
+        blas=f"{info.name} {info.version}",
+        blas_threading=info.threading,
+        torch_threads=torch.get_num_threads(),
+    )
+    write_results(results, args.output)
     return 0
 
 

@@ -34,7 +34,6 @@ import contextlib
 import ctypes
 import json
 import os
-import platform
 import re
 import shutil
 import signal
@@ -538,23 +537,14 @@ def bench_fleet_memory(children: Children, bar: Any) -> dict:
 
 
 def meta(args: argparse.Namespace) -> dict:
-    import torch
+    from benchlib import run_meta
 
-    from morphling import __version__
-
-    iperf = shutil.which("iperf3")
-    return {
-        "morphling": __version__,
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "host": platform.node(),
-        "cpu": platform.processor() or platform.machine(),
-        "cpus": os.cpu_count(),
-        "torch": torch.__version__,
-        "iperf3": iperf or "not installed",
-        "pinned_cpus": sorted(args.cpus) if args.cpus else "no (scheduler's choice)",
-        "reps": args.reps,
-        "python": sys.version.split()[0],
-    }
+    return run_meta(
+        args.reps,
+        cpus=os.cpu_count(),
+        iperf3=shutil.which("iperf3") or "not installed",
+        pinned_cpus=sorted(args.cpus) if args.cpus else "no (scheduler's choice)",
+    )
 
 
 @contextlib.contextmanager
@@ -626,10 +616,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.reps < 5:
         parser.error("--reps must be at least 5 (medians of at least 5 repetitions)")
-    results = run(args)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(results, indent=2) + "\n")
-    print(json.dumps(results, indent=2))
+    from benchlib import write_results
+
+    write_results(run(args), args.output)
     return 0
 
 
