@@ -1,7 +1,9 @@
 """The job API: submit ``C = op(A)·op(B)`` to an emulator and get C back.
 
-``AsyncClient`` is the asyncio form; ``Client`` runs one on a background
-event loop for ordinary blocking code (a training script). Operands are
+``AsyncClient`` is the asyncio form. ``Client`` is the blocking form for
+ordinary code (a training script): the calling thread does its own socket
+I/O through the same sans-IO codec, so a GEMM costs no hop to an event-loop
+thread and back; a small daemon thread only sends HEARTBEATs. Operands are
 numpy arrays or CPU torch tensors of any BLAS-readable layout — transposed,
 padded, batched, a 2-D operand broadcast over a batch — and go on the wire as
 the memory they span, with their layout, never made contiguous first.
@@ -11,7 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import socket
 import threading
+import time
 from collections import deque
 from typing import Any
 
@@ -19,11 +23,44 @@ import numpy as np
 
 from ..kernels import blas_operand
 from .auth import hello
+from .codec import Decoder, ProtocolError, encode
 from .connection import FrameConnection
-from .messages import Close, Gemm, Message, MsgType, Open, Result, Step
+from .messages import Close, Gemm, Heartbeat, Message, MsgType, Open, Result, Step
 from .states import Conversation
 
 DTYPES = ("float32", "float64")
+
+
+def gemm_request(gemm: int, a: Any, b: Any) -> tuple[Gemm, tuple[int, ...]]:
+    """The GEMM message for ``a @ b`` and the shape of its result."""
+    oa, ob = blas_operand(a, "a"), blas_operand(b, "b")
+    dtype = oa.span.dtype.name
+    if dtype not in DTYPES or ob.span.dtype.name != dtype:
+        raise ValueError(f"dtypes {dtype} and {ob.span.dtype.name}: need one of {DTYPES}")
+    if oa.cols != ob.rows:
+        raise ValueError(f"inner dimensions differ: a is {oa.rows}×{oa.cols}, "
+                         f"b is {ob.rows}×{ob.cols}")  # fmt: skip
+    if oa.batch >= 0 and ob.batch >= 0 and oa.batch != ob.batch:
+        raise ValueError(f"batch sizes differ: {oa.batch} and {ob.batch}")
+    batch = max(oa.batch, ob.batch)
+    request = Gemm(
+        gemm=gemm, dtype=dtype, ta=bool(oa.trans), tb=bool(ob.trans),
+        m=oa.rows, n=ob.cols, k=oa.cols, lda=oa.ld, ldb=ob.ld, batch=max(batch, 1),
+        stride_a=oa.stride if oa.batch >= 0 else 0,
+        stride_b=ob.stride if ob.batch >= 0 else 0,
+        segments=(oa.span, ob.span),
+    )  # fmt: skip
+    shape = (oa.rows, ob.cols) if batch < 0 else (batch, oa.rows, ob.cols)
+    return request, shape
+
+
+def result_array(request: Gemm, result: Result, shape: tuple[int, ...], out: Any) -> Any:
+    """C from a RESULT: a view of its segment, or copied into ``out`` when given."""
+    c = np.frombuffer(result.segments[0], dtype=request.dtype).reshape(shape)
+    if out is None:
+        return c
+    np.copyto(out if isinstance(out, np.ndarray) else out.numpy(), c)
+    return out
 
 
 class EmulatorError(RuntimeError):
@@ -106,13 +143,8 @@ class AsyncClient:
         Returns ``out`` (filled) when given, else a new array of shape
         ``[m, n]`` or ``[batch, m, n]``.
         """
-        request, shape = self._request(a, b)
-        result = await self.submit(request, timeout=timeout)
-        c = np.frombuffer(result.segments[0], dtype=request.dtype).reshape(shape)
-        if out is None:
-            return c
-        np.copyto(out if isinstance(out, np.ndarray) else out.numpy(), c)
-        return out
+        request, shape = gemm_request(next(self._ids), a, b)
+        return result_array(request, await self.submit(request, timeout=timeout), shape, out)
 
     async def submit(self, request: Gemm, *, timeout: float | None = None) -> Result:
         """Send an explicit GEMM request (the wire contract) and wait for its RESULT."""
@@ -126,27 +158,6 @@ class AsyncClient:
             return await asyncio.wait_for(future, timeout)
         finally:
             conn.results.pop(request.gemm, None)
-
-    def _request(self, a: Any, b: Any) -> tuple[Gemm, tuple[int, ...]]:
-        oa, ob = blas_operand(a, "a"), blas_operand(b, "b")
-        dtype = oa.span.dtype.name
-        if dtype not in DTYPES or ob.span.dtype.name != dtype:
-            raise ValueError(f"dtypes {dtype} and {ob.span.dtype.name}: need one of {DTYPES}")
-        if oa.cols != ob.rows:
-            raise ValueError(f"inner dimensions differ: a is {oa.rows}×{oa.cols}, "
-                             f"b is {ob.rows}×{ob.cols}")  # fmt: skip
-        if oa.batch >= 0 and ob.batch >= 0 and oa.batch != ob.batch:
-            raise ValueError(f"batch sizes differ: {oa.batch} and {ob.batch}")
-        batch = max(oa.batch, ob.batch)
-        request = Gemm(
-            gemm=next(self._ids), dtype=dtype, ta=bool(oa.trans), tb=bool(ob.trans),
-            m=oa.rows, n=ob.cols, k=oa.cols, lda=oa.ld, ldb=ob.ld, batch=max(batch, 1),
-            stride_a=oa.stride if oa.batch >= 0 else 0,
-            stride_b=ob.stride if ob.batch >= 0 else 0,
-            segments=(oa.span, ob.span),
-        )  # fmt: skip
-        shape = (oa.rows, ob.cols) if batch < 0 else (batch, oa.rows, ob.cols)
-        return request, shape
 
     async def _ask(self, msg: Message) -> Message:
         future: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
@@ -171,43 +182,138 @@ class AsyncClient:
 
 
 class Client:
-    """Blocking form of ``AsyncClient``, on its own event-loop thread."""
+    """Blocking job client; the caller's thread reads and writes the socket itself.
 
-    def __init__(self, host: str, port: int, **kwargs: Any) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
-                                        name="morphling-client")  # fmt: skip
-        self._thread.start()
+    One request is in flight at a time (calls from several threads are
+    serialised). A daemon thread sends HEARTBEAT whenever the caller has sent
+    nothing for a heartbeat period, so a script busy elsewhere stays connected.
+    """
+
+    def __init__(
+        self, host: str, port: int, *, token: str = "", name: str = "", block: int = 0,
+        timeout: float = 30.0,
+    ) -> None:  # fmt: skip
+        self._sock = socket.create_connection((host, port), timeout)
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._decoder = Decoder()
+        self._conversation = Conversation("peer", "job")
+        self._call_lock = threading.Lock()  # one request and its reply at a time
+        self._send_lock = threading.Lock()  # the caller and the heartbeat thread
+        self._ids = itertools.count(1)
+        self._last_sent = time.monotonic()
+        self._stopped = threading.Event()
+        self.error: EmulatorError | None = None
         try:
-            self._client: AsyncClient = self._run(AsyncClient.connect(host, port, **kwargs))
+            greeting = self._expect(MsgType.GREETING, timeout)
+            self._send(hello(greeting, token, "job", name=name))
+            welcome = self._expect(MsgType.WELCOME, timeout)
+            self._send(Open(name=name, block=block))
         except BaseException:
-            self._stop_loop()
+            self._sock.close()
             raise
-
-    def _run(self, coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        self.job_id: int = welcome.peer_id
+        threading.Thread(target=self._beat, args=(welcome.heartbeat_s,), daemon=True,
+                         name=f"morphling-heartbeat-{self.job_id}").start()  # fmt: skip
 
     def matmul(self, a: Any, b: Any, out: Any = None, *, timeout: float | None = None) -> Any:
-        return self._run(self._client.matmul(a, b, out, timeout=timeout))
+        """``a @ b`` as in ``AsyncClient.matmul``."""
+        request, shape = gemm_request(next(self._ids), a, b)
+        return result_array(request, self.submit(request, timeout=timeout), shape, out)
+
+    def submit(self, request: Gemm, *, timeout: float | None = None) -> Result:
+        """Send an explicit GEMM request and wait for its RESULT."""
+        with self._call_lock:
+            self._send(request)
+            while True:  # a RESULT for an abandoned (timed-out) request is dropped
+                result = self._expect(MsgType.RESULT, timeout)
+                if result.gemm == request.gemm:
+                    return result
 
     def step(self, step: int) -> Step:
-        return self._run(self._client.step(step))
+        """Mark the end of a training step; the emulator's totals so far."""
+        with self._call_lock:
+            self._send(Step(step=step))
+            return self._expect(MsgType.STEP, None)
 
     def close(self) -> Close | None:
-        if not self._loop.is_running():
+        """End the job; its totals (None when the connection was already gone)."""
+        if self._stopped.is_set():
             return None
         try:
-            return self._run(self._client.close())
+            with self._call_lock:
+                self._send(Close())
+                return self._expect(MsgType.CLOSE, 30.0)
+        except (EmulatorError, OSError):
+            return None
         finally:
-            self._stop_loop()
-
-    def _stop_loop(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        self._loop.close()
+            self._stopped.set()
+            self._sock.close()
 
     def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+    # -- I/O -------------------------------------------------------------------------
+
+    def _send(self, msg: Message) -> None:
+        buffers = [memoryview(b).cast("B") for b in encode(msg)]
+        with self._send_lock:
+            if self.error is not None:
+                raise self.error
+            while buffers:
+                sent = self._sock.sendmsg(buffers)
+                while buffers and sent >= len(buffers[0]):
+                    sent -= len(buffers[0])
+                    buffers.pop(0)
+                if buffers:
+                    buffers[0] = buffers[0][sent:]
+            self._last_sent = time.monotonic()
+
+    def _expect(self, kind: MsgType, timeout: float | None) -> Any:
+        """The next message of type ``kind``; HEARTBEATs are skipped, ERROR and BYE raise."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            msg = self._receive(deadline)
+            if kind == msg.TYPE:
+                return msg
+            if msg.TYPE in (MsgType.ERROR, MsgType.BYE):
+                code = msg.code if msg.TYPE == MsgType.ERROR else "bye"
+                self._fail(EmulatorError(code, msg.reason))
+
+    def _receive(self, deadline: float | None) -> Message:
+        decoder = self._decoder
+        try:
+            while (msg := decoder.next_message()) is None:
+                if deadline is not None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError("no reply from the emulator in time")
+                    self._sock.settimeout(left)
+                else:
+                    self._sock.settimeout(None)
+                nbytes = self._sock.recv_into(decoder.get_buffer())
+                if nbytes == 0:
+                    self._fail(EmulatorError("disconnected", "the emulator closed the connection"))
+                decoder.buffer_updated(nbytes)
+            self._conversation.received(msg)
+        except ProtocolError as exc:
+            self._fail(EmulatorError(exc.code, f"bad frame from the emulator: {exc.reason}"))
+        except ConnectionError as exc:
+            self._fail(EmulatorError("disconnected", f"connection lost ({exc})"))
+        return msg
+
+    def _fail(self, error: EmulatorError) -> None:
+        self.error = error
+        self._stopped.set()
+        self._sock.close()
+        raise error
+
+    def _beat(self, period_s: float) -> None:
+        while not self._stopped.wait(period_s / 2):
+            if time.monotonic() - self._last_sent >= period_s:
+                try:
+                    self._send(Heartbeat())
+                except (EmulatorError, OSError):
+                    return

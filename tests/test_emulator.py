@@ -1070,6 +1070,42 @@ async def test_silent_job_is_dropped_after_heartbeat_timeout(fleet):
     await check_serving(client)
 
 
+async def test_idle_blocking_client_heartbeats_and_stays(fleet):
+    """The blocking client's heartbeat thread keeps a job alive while its script is
+    busy elsewhere for longer than the emulator's heartbeat timeout."""
+    f = await fleet(heartbeat_s=0.1, heartbeat_timeout_s=0.4)
+    await f.add_device()
+    rng = np.random.default_rng(9)
+    a, b = rng.standard_normal((2, 20, 20)).astype(np.float32)
+
+    def job() -> tuple[np.ndarray, np.ndarray]:
+        with Client(f.host, f.port, name="idle") as client:
+            first = client.matmul(a, b, timeout=TIMEOUT)
+            time.sleep(1.2)  # three heartbeat timeouts without a request
+            return first, client.matmul(a, b, timeout=TIMEOUT)
+
+    for c in await asyncio.to_thread(job):
+        assert_gemm_close(c, a, b)
+
+
+async def test_blocking_client_times_out_and_reports_a_closed_emulator(fleet):
+    f = await fleet()  # no devices: a GEMM waits for ever
+    a = np.ones((8, 8), np.float32)
+
+    def job() -> Client:
+        client = Client(f.host, f.port, name="waiting")
+        with pytest.raises(TimeoutError):
+            client.matmul(a, a, timeout=0.3)
+        return client
+
+    client = await asyncio.to_thread(job)
+    await f.emu.stop()
+    with pytest.raises(EmulatorError) as info:
+        await asyncio.to_thread(client.matmul, a, a, timeout=TIMEOUT)
+    assert info.value.code in ("bye", "disconnected"), info.value
+    assert client.close() is None
+
+
 async def test_heartbeating_raw_peer_is_kept_and_heartbeated(fleet):
     f = await fleet(heartbeat_s=0.1, heartbeat_timeout_s=0.4)
     raw = await f.raw_peer()
