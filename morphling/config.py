@@ -119,7 +119,7 @@ def add_command(
     *,
     help: str,
     description: str,
-) -> None:
+) -> argparse.ArgumentParser:
     """A subcommand whose settings are ``schema``, read from the TOML table ``[name]``."""
     parser = sub.add_parser(
         name,
@@ -129,6 +129,7 @@ def add_command(
     )
     add_arguments(parser, schema)
     parser.set_defaults(func=func)
+    return parser
 
 
 def add_arguments(parser: argparse.ArgumentParser, schema: type) -> None:

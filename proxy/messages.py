@@ -276,7 +276,12 @@ class Gemm(Message):
 
 @dataclass(frozen=True, slots=True)
 class Result(Message):
-    """Server → job: C of GEMM ``gemm``, [batch, m, n] row-major, and how it was computed."""
+    """Server → job: C of GEMM ``gemm``, [batch, m, n] row-major, and how it was computed.
+
+    ``model_ns`` is the GEMM's modelled duration on the fleet (the slowest
+    device's sum of its tiles' predicted link and compute time);
+    ``bytes_down``/``bytes_up`` are the tile bytes sent to and received from devices.
+    """
 
     TYPE = MsgType.RESULT
     SEGMENTS = 1
@@ -284,6 +289,9 @@ class Result(Message):
     tiles: int
     devices: list = field(default_factory=list)
     requeued: int = 0
+    model_ns: int = 0
+    bytes_down: int = 0
+    bytes_up: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -294,6 +302,9 @@ class Step(Message):
     step: int
     gemms: int = 0
     tiles: int = 0
+    model_ns: int = 0
+    bytes_down: int = 0
+    bytes_up: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -303,6 +314,9 @@ class Close(Message):
     TYPE = MsgType.CLOSE
     gemms: int = 0
     tiles: int = 0
+    model_ns: int = 0
+    bytes_down: int = 0
+    bytes_up: int = 0
 
 
 MESSAGES: dict[int, type[Message]] = {

@@ -70,11 +70,19 @@ class GemmTask:
     devices: set[int] = field(default_factory=set)
     requeued: int = 0
     cancelled: bool = False
+    device_s: dict[int, float] = field(default_factory=dict)  # predicted busy time per device
+    bytes_down: int = 0
+    bytes_up: int = 0
     _packed: dict[tuple[str, int, int, int], tuple[np.ndarray, int]] = field(default_factory=dict)
 
     @property
     def id(self) -> int:
         return self.request.gemm
+
+    @property
+    def model_ns(self) -> int:
+        """The modelled duration: devices work in parallel, so the busiest one's time."""
+        return int(max(self.device_s.values(), default=0.0) * 1e9)
 
     def block(self, which: str, pivot: int, lo: int, hi: int) -> tuple[np.ndarray, int]:
         """Rows ``lo:hi`` of op(A) (``which="a"``) or columns of op(B), as sent."""

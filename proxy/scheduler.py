@@ -81,9 +81,12 @@ class Scheduler:
 
     def finished(self, device: DeviceRecord, tile_id: int) -> TileTask | None:
         """The device returned ``tile_id``: the task, or None when it was not expected."""
+        predicted_s = device.predicted_s.get(tile_id, 0.0)
         tile = device.give_back(tile_id)
         if tile is not None:
             device.completed += 1
+            busy = tile.gemm.device_s
+            busy[device.id] = busy.get(device.id, 0.0) + predicted_s
         return tile
 
     def dispatch(self) -> None:

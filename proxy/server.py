@@ -74,7 +74,7 @@ class PeerConnection(FrameConnection):
         self.job_name = ""
         self.block = cfg.block_size
         self.gemms: dict[int, GemmTask] = {}
-        self.totals = {"gemms": 0, "tiles": 0}
+        self.totals = dict.fromkeys(("gemms", "tiles", "model_ns", "bytes_down", "bytes_up"), 0)
         self._waiters: dict[int, asyncio.Future[Message]] = {}
 
     # -- lifecycle -------------------------------------------------------------------
@@ -262,10 +262,15 @@ class PeerConnection(FrameConnection):
     def finish(self, task: GemmTask) -> None:
         """All tiles are in: send C to the job."""
         self.gemms.pop(task.id, None)
+        totals = self.totals
+        totals["model_ns"] += task.model_ns
+        totals["bytes_down"] += task.bytes_down
+        totals["bytes_up"] += task.bytes_up
         if self.open:
             self.send(Result(
                 gemm=task.id, tiles=len(task.done), devices=sorted(task.devices),
-                requeued=task.requeued, segments=(task.out,),
+                requeued=task.requeued, model_ns=task.model_ns, bytes_down=task.bytes_down,
+                bytes_up=task.bytes_up, segments=(task.out,),
             ))  # fmt: skip
 
 
@@ -307,6 +312,7 @@ class Emulator:
         g = tile.gemm.request
         a, lda, b, ldb = tile.operands()
         rows, cols = tile.shape
+        tile.gemm.bytes_down += a.nbytes + b.nbytes
         device.conn.send(Tile(
             tile=tile.id, dtype=g.dtype, ta=g.ta, tb=g.tb, m=rows, n=cols, k=g.k,
             lda=lda, ldb=ldb, segments=(a, b),
@@ -329,6 +335,7 @@ class Emulator:
                     f"TILE_RESULT {msg.tile}: {seg.nbytes} bytes, expected {rows}×{cols}×{item}",
                     "bad_result",
                 )
+            tile.gemm.bytes_up += seg.nbytes
             values = np.frombuffer(seg, dtype=tile.gemm.out.dtype).reshape(rows, cols)
             if tile.gemm.put(tile, values) and tile.gemm.remaining == 0:
                 tile.gemm.owner.finish(tile.gemm)

@@ -10,6 +10,10 @@ from .scheduler import POLICIES
 PROFILE_SOURCES = ("auto", "declared", "measured")
 
 
+# A job's GEMMs under 2·32³ FLOPs stay local: their round trip would dwarf their compute.
+DEFAULT_MIN_FLOPS = 2 * 32**3
+
+
 @dataclass(frozen=True)
 class EmulatorConfig:
     """Every emulator setting; flags > MORPHLING_* environment > TOML [emulator] > these."""

@@ -1,0 +1,104 @@
+"""An emulator and a fleet of virtual devices inside the calling process.
+
+``morphling run --embedded`` and ``morphling.emulate(devices=...)`` need a
+whole fleet without starting services. ``EmbeddedFleet`` runs the real
+emulator and real virtual devices on one uvloop thread, talking over
+loopback sockets exactly as separate processes would; the job connects to it
+like to any emulator. The training script keeps the main thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import threading
+
+import uvloop
+
+from ..devices.fleet import Fleet
+from ..devices.profiles import expand_fleet
+from ..kernels import BufferPool, CpuBackend, WorkerPool
+from .server import Emulator
+from .settings import EmulatorConfig
+
+log = logging.getLogger(__name__)
+
+
+class EmbeddedFleet:
+    """``start()`` returns the emulator's (host, port) once every device is ready."""
+
+    def __init__(
+        self, devices: str, config: EmulatorConfig | None = None, *, threads: int | None = None
+    ) -> None:
+        self.profiles = expand_fleet(devices)  # ValueError for a bad SPEC, before any thread
+        self.config = dataclasses.replace(
+            config or EmulatorConfig(), listen_ip="127.0.0.1", listen_port=0
+        )
+        self.threads = threads or os.cpu_count() or 1
+        self.emulator: Emulator | None = None
+        self.address: tuple[str, int] | None = None
+        self._ready = threading.Event()  # set when ready, or when starting failed
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+
+    def start(self, timeout: float = 120.0) -> tuple[str, int]:
+        self._thread = threading.Thread(
+            target=uvloop.run, args=(self._serve(),), name="morphling-embedded", daemon=True
+        )
+        self._thread.start()
+        ready = self._ready.wait(timeout)
+        if self._error is not None or not ready:
+            self.stop()
+            if self._error is not None:
+                raise RuntimeError(f"embedded fleet failed to start: {self._error}")
+            raise TimeoutError(f"embedded fleet: devices not ready within {timeout} s")
+        return self.address
+
+    async def _serve(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        try:
+            with WorkerPool([CpuBackend(threads=self.threads)]) as workers:
+                pool = BufferPool()  # one pool (and one memlock budget) for both sides
+                emulator = self.emulator = Emulator(self.config, pool=pool)
+                host, port = await emulator.start()
+                fleet = Fleet(self.profiles, workers, pool)
+                running = asyncio.ensure_future(fleet.run(host, port))
+                try:
+                    while len(emulator.registry.ready()) < len(self.profiles):
+                        if running.done() or self._stop.is_set():
+                            raise RuntimeError("the fleet stopped before every device was ready")
+                        await asyncio.sleep(0.01)
+                    log.info("embedded emulator on %s:%d with %d ready devices",
+                             host, port, len(self.profiles))  # fmt: skip
+                    self.address = (host, port)
+                    self._ready.set()
+                    await self._stop.wait()
+                finally:
+                    fleet.stop()
+                    await emulator.stop()
+                    await running
+        except BaseException as exc:
+            self._error = exc
+            raise
+        finally:
+            self._ready.set()
+
+    def stop(self) -> None:
+        """Stop the devices and the emulator and join the thread (idempotent)."""
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        thread.join()
+
+    def __enter__(self) -> tuple[str, int]:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()

@@ -1,0 +1,130 @@
+"""Catch a PyTorch program's GEMMs at the aten level and send them to the fleet.
+
+``GemmInterceptor`` is a ``TorchDispatchMode``: it sits below autograd, so it
+sees the GEMMs of the forward *and* the backward pass after PyTorch has
+decomposed ``matmul``, ``linear``, ``nn.Linear`` and GPT-2's ``Conv1D`` into
+``mm``, ``addmm``, ``bmm`` and ``baddbmm``. Fused attention is not a GEMM
+here: the job runtime selects PyTorch's math attention backend, whose
+decomposition is two ``bmm`` forward and four backward, so attention reaches
+the devices too.
+
+A GEMM goes to the fleet when it is worth it and the kernels can compute it
+(float32/float64 CPU tensors, at least ``min_flops``); everything else runs
+locally and is counted with the reason. Operands go as they are laid out
+(transposed views included); only a layout BLAS cannot read (a broadcast
+with stride 0, say) is copied first, and that is counted too. This module
+does no I/O: it calls ``remote(a, b)`` and adds the bias terms itself.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..kernels import blas_operand
+
+aten = torch.ops.aten
+
+REMOTE_DTYPES = (torch.float32, torch.float64)
+
+Remote = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class GemmCounts:
+    """What the interceptor did, for per-step reports."""
+
+    remote: int = 0
+    remote_flops: int = 0
+    copied: int = 0  # remote GEMMs whose operand had to be made BLAS-readable first
+    local: collections.Counter = field(default_factory=collections.Counter)  # by reason
+
+    def snapshot(self) -> GemmCounts:
+        return GemmCounts(self.remote, self.remote_flops, self.copied, self.local.copy())
+
+    def since(self, earlier: GemmCounts) -> GemmCounts:
+        return GemmCounts(
+            self.remote - earlier.remote,
+            self.remote_flops - earlier.remote_flops,
+            self.copied - earlier.copied,
+            self.local - earlier.local,
+        )
+
+
+class GemmInterceptor(TorchDispatchMode):
+    """Route eligible ``mm``/``addmm``/``bmm``/``baddbmm`` calls to ``remote``."""
+
+    def __init__(self, remote: Remote, *, min_flops: int = 0) -> None:
+        super().__init__()
+        self.remote = remote
+        self.min_flops = min_flops
+        self.counts = GemmCounts()
+        self._handlers: dict[Any, Callable[..., torch.Tensor]] = {
+            aten.mm.default: self._mm,
+            aten.bmm.default: self._mm,
+            aten.addmm.default: self._addmm,
+            aten.baddbmm.default: self._addmm,
+        }
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
+        handler = self._handlers.get(func)
+        if handler is None:
+            return func(*args, **(kwargs or {}))
+        return handler(func, *args, **(kwargs or {}))
+
+    # -- handlers (the mode is off inside them, so torch ops here run natively) ----------
+
+    def _mm(self, func: Any, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return self._product(a, b) if self._eligible(a, b) else func(a, b)
+
+    def _addmm(
+        self, func: Any, c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *,
+        beta: float = 1, alpha: float = 1,
+    ) -> torch.Tensor:  # fmt: skip
+        if not self._eligible(a, b) or c.dtype != a.dtype:
+            return func(c, a, b, beta=beta, alpha=alpha)
+        ab = self._product(a, b)
+        if alpha != 1:
+            ab.mul_(alpha)
+        if beta == 0:  # BLAS semantics: C is not read, so NaN in it does not propagate
+            return ab
+        return ab.add_(c if beta == 1 else c * beta)
+
+    def _eligible(self, a: torch.Tensor, b: torch.Tensor) -> bool:
+        reason = self._local_reason(a, b)
+        if reason is None:
+            return True
+        self.counts.local[reason] += 1
+        return False
+
+    def _local_reason(self, a: torch.Tensor, b: torch.Tensor) -> str | None:
+        if a.device.type != "cpu" or b.device.type != "cpu":
+            return "device"
+        if type(a) is not torch.Tensor or type(b) is not torch.Tensor:
+            return "tensor subclass"
+        if a.dtype not in REMOTE_DTYPES or b.dtype != a.dtype:
+            return f"dtype {a.dtype}".replace("torch.", "")
+        if a.numel() == 0 or b.numel() == 0:
+            return "empty"
+        if 2 * a.numel() * b.shape[-1] < self.min_flops:
+            return "small"
+        return None
+
+    def _product(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        a, b = self._readable(a), self._readable(b)
+        self.counts.remote += 1
+        self.counts.remote_flops += 2 * a.numel() * b.shape[-1]
+        return self.remote(a, b)
+
+    def _readable(self, x: torch.Tensor) -> torch.Tensor:
+        try:
+            blas_operand(x, "operand")
+        except ValueError:
+            self.counts.copied += 1
+            return x.contiguous()
+        return x

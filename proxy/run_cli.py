@@ -1,0 +1,126 @@
+"""``morphling run [options] -- python train.py ARGS``: an unmodified script on a fleet.
+
+The script runs in this process (as ``python`` would run it: ``__main__``,
+its ``sys.argv``, its directory first on ``sys.path``) inside
+``session.emulate``, so its GEMMs go to the emulator. At the end the
+per-step report is printed to stderr (the script owns stdout) and, with
+``--json``, written as JSON. The exit code is the script's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import runpy
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+from .. import config as configuration
+from ..config import option as _opt
+from .scheduler import POLICIES
+from .settings import DEFAULT_MIN_FLOPS, EmulatorConfig
+
+log = logging.getLogger("morphling.job")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    server: str = _opt("", "emulator address HOST:PORT (one of --server, --embedded)",
+                       aliases=("--proxy_host",))  # fmt: skip
+    embedded: bool = _opt(False, "start an emulator and a virtual fleet in this process")
+    devices: str = _opt("4", "fleet SPEC for --embedded: NAME:COUNT,... or a count")
+    token: str = _opt("", "shared secret, if the emulator requires one")
+    block_size: int = _opt(0, "tile edge (0: the emulator's default)", min=0)
+    policy: str = _opt("greedy", "tile scheduling policy (--embedded)", choices=POLICIES)
+    min_flops: int = _opt(DEFAULT_MIN_FLOPS, "GEMMs with fewer FLOPs run locally", min=0)
+    json: str = _opt("", "also write the per-step report as JSON to this file")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    parser = configuration.add_command(
+        sub, "run", RunConfig, run,
+        help="run an unmodified PyTorch script with its GEMMs on an emulated fleet",
+        description="Run SCRIPT with its GEMMs (forward and backward) computed by the "
+        "fleet: morphling run --embedded --devices rpi4:4 -- python train.py ARGS.",
+    )  # fmt: skip
+    parser.add_argument(
+        "command", nargs=argparse.REMAINDER, metavar="-- [python] SCRIPT.py|-m MODULE [ARGS]"
+    )
+
+
+def script_target(command: list[str]) -> tuple[str, str, list[str]]:
+    """("path" or "module", what, argv) for a ``[python] script.py ARGS`` command line."""
+    if command and command[0] == "--":
+        command = command[1:]
+    if command and Path(command[0]).name.startswith("python") and not command[0].endswith(".py"):
+        command = command[1:]
+    if not command:
+        raise ValueError("no script given: morphling run [options] -- python train.py ARGS")
+    if command[0] == "-m":
+        if len(command) < 2:
+            raise ValueError("-m needs a module name")
+        return "module", command[1], [command[1], *command[2:]]
+    if command[0].startswith("-"):
+        raise ValueError(f"python option {command[0]!r} is not supported; give a script or -m")
+    if not Path(command[0]).is_file():
+        raise ValueError(f"script {command[0]!r} not found")
+    return "path", command[0], command
+
+
+def _run_script(kind: str, what: str, argv: list[str]) -> int:
+    """Run like ``python`` would; the exit code (SystemExit honoured, a traceback is 1)."""
+    saved_argv, saved_path = sys.argv[:], sys.path[:]
+    sys.argv = argv
+    sys.path.insert(0, str(Path(what).resolve().parent) if kind == "path" else os.getcwd())
+    try:
+        if kind == "path":
+            runpy.run_path(what, run_name="__main__")
+        else:
+            runpy.run_module(what, run_name="__main__", alter_sys=True)
+        return 0
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            return exc.code or 0
+        print(exc.code, file=sys.stderr)
+        return 1
+    except Exception:
+        traceback.print_exc()
+        return 1
+    finally:
+        sys.argv, sys.path[:] = saved_argv, saved_path
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cfg, sources = configuration.load(RunConfig, args, section="run")
+        if cfg.embedded == bool(cfg.server):
+            raise configuration.ConfigError("give exactly one of --server HOST:PORT, --embedded")
+        target = script_target(args.command)
+    except ValueError as exc:
+        print(f"morphling run: {exc}", file=sys.stderr)
+        return 2
+    log.info("effective configuration:\n%s", configuration.describe(cfg, sources))
+
+    from .session import emulate  # torch is imported only now
+
+    emulator = dataclasses.replace(EmulatorConfig(), policy=cfg.policy)
+    if cfg.block_size:
+        emulator = dataclasses.replace(emulator, block_size=cfg.block_size)
+    try:
+        with emulate(
+            cfg.server or None, devices=cfg.devices if cfg.embedded else None, config=emulator,
+            token=cfg.token, block=cfg.block_size, min_flops=cfg.min_flops, name=target[1],
+        ) as session:  # fmt: skip
+            code = _run_script(*target)
+    except (OSError, RuntimeError, ValueError) as exc:
+        print(f"morphling run: {exc}", file=sys.stderr)
+        return 1
+    print(session.table(), file=sys.stderr)
+    if cfg.json:
+        Path(cfg.json).write_text(json.dumps(session.summary(), indent=1) + "\n")
+    return code

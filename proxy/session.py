@@ -1,0 +1,170 @@
+"""The job runtime: a PyTorch program's GEMMs computed by an emulated fleet.
+
+``emulate()`` is the library form of ``morphling run``::
+
+    with morphling.emulate(devices="rpi4:4") as session:   # or server="HOST:PORT"
+        train()                                            # unchanged code
+    print(session.table())
+
+Inside, every eligible GEMM (see ``intercept``) goes to the emulator over a
+blocking socket; attention uses PyTorch's math backend so that its GEMMs are
+visible; each optimizer step closes a *step* whose report says how long it
+would have taken on the fleet. Until the discrete-event engine lands, a
+step's emulated time is the analytic model: each remote GEMM counts its
+modelled fleet duration (``Result.model_ns``) in place of the host's wait for
+it, and everything else the script did (local GEMMs, elementwise work, the
+optimizer) counts as measured coordinator time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from ..runtime import parse_server
+from .client import Client
+from .embedded import EmbeddedFleet
+from .intercept import GemmCounts, GemmInterceptor
+from .settings import DEFAULT_MIN_FLOPS, EmulatorConfig
+
+log = logging.getLogger("morphling.job")
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """One training step (one optimizer step) as the emulation saw it."""
+
+    step: int
+    emulated_s: float  # model_s + the host time not spent waiting for the fleet
+    model_s: float  # modelled fleet time of the step's remote GEMMs
+    host_s: float  # wall time on this host
+    wait_s: float  # of which waiting for the fleet
+    gemms: int  # sent to the fleet
+    local_gemms: int
+    tiles: int
+    bytes_down: int
+    bytes_up: int
+
+
+class Session:
+    """A job connected to an emulator; collects per-step reports."""
+
+    def __init__(self, client: Client, *, min_flops: int = DEFAULT_MIN_FLOPS) -> None:
+        self.client = client
+        self.interceptor = GemmInterceptor(self._remote, min_flops=min_flops)
+        self.steps: list[StepReport] = []
+        self.totals: dict[str, int] = {}
+        self._wait_s = 0.0
+        self._step_start: float | None = None  # step 1 starts at its first GEMM
+        self._counts = GemmCounts()
+        self._server = {"tiles": 0, "model_ns": 0, "bytes_down": 0, "bytes_up": 0}
+
+    @property
+    def counts(self) -> GemmCounts:
+        return self.interceptor.counts
+
+    def _remote(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        start = time.perf_counter()
+        if self._step_start is None:
+            self._step_start = start
+        c = self.client.matmul(a, b)
+        self._wait_s += time.perf_counter() - start
+        return torch.from_numpy(c)
+
+    def end_step(self) -> StepReport:
+        """Close the current step (called after every optimizer step)."""
+        now = time.perf_counter()
+        reply = self.client.step(len(self.steps) + 1)
+        server = {key: getattr(reply, key) for key in self._server}
+        delta = {key: server[key] - self._server[key] for key in server}
+        counts = self.counts.since(self._counts)
+        host_s = now - (self._step_start if self._step_start is not None else now)
+        model_s = delta["model_ns"] / 1e9
+        report = StepReport(
+            step=reply.step,
+            emulated_s=model_s + host_s - self._wait_s,
+            model_s=model_s,
+            host_s=host_s,
+            wait_s=self._wait_s,
+            gemms=counts.remote,
+            local_gemms=sum(counts.local.values()),
+            tiles=delta["tiles"],
+            bytes_down=delta["bytes_down"],
+            bytes_up=delta["bytes_up"],
+        )
+        self.steps.append(report)
+        self._server, self._counts = server, self.counts.snapshot()
+        self._wait_s, self._step_start = 0.0, time.perf_counter()
+        log.debug("step %d: %s", report.step, report)
+        return report
+
+    def close(self) -> None:
+        reply = self.client.close()
+        if reply is not None:
+            self.totals = {k: getattr(reply, k) for k in ("gemms", "tiles", *self._server)}
+
+    def table(self) -> str:
+        """The per-step report as a fixed-width table."""
+        head = (f"{'step':>5} {'emulated s':>11} {'fleet s':>9} {'host s':>8} {'GEMMs':>6} "
+                f"{'local':>6} {'tiles':>7} {'MiB down':>9} {'MiB up':>8}")  # fmt: skip
+        rows = [head, "-" * len(head)]
+        for r in self.steps:
+            rows.append(
+                f"{r.step:>5} {r.emulated_s:>11.4f} {r.model_s:>9.4f} {r.host_s:>8.3f} "
+                f"{r.gemms:>6} {r.local_gemms:>6} {r.tiles:>7} "
+                f"{r.bytes_down / 2**20:>9.1f} {r.bytes_up / 2**20:>8.1f}"
+            )
+        local = ", ".join(f"{n} {why}" for why, n in sorted(self.counts.local.items())) or "none"
+        rows.append(f"GEMMs: {self.counts.remote} on the fleet ({self.counts.copied} copied "
+                    f"to a BLAS layout first); local: {local}")  # fmt: skip
+        return "\n".join(rows)
+
+    def summary(self) -> dict[str, Any]:
+        """Machine-readable: every step, the totals and the local GEMMs by reason."""
+        return {
+            "steps": [asdict(r) for r in self.steps],
+            "totals": self.totals,
+            "gemms_remote": self.counts.remote,
+            "gemms_copied": self.counts.copied,
+            "gemms_local": dict(self.counts.local),
+        }
+
+
+@contextlib.contextmanager
+def emulate(
+    server: str | None = None,
+    *,
+    devices: str | None = None,
+    config: EmulatorConfig | None = None,
+    token: str = "",
+    block: int = 0,
+    min_flops: int = DEFAULT_MIN_FLOPS,
+    name: str = "job",
+) -> Iterator[Session]:
+    """Run the body's GEMMs on a fleet: a running emulator at ``server``
+    (``HOST:PORT``), or an embedded one with the virtual ``devices`` SPEC."""
+    if (server is None) == (devices is None):
+        raise ValueError("give exactly one of server='HOST:PORT' or devices='SPEC' (embedded)")
+    with contextlib.ExitStack() as stack:
+        if devices is not None:
+            embedded = EmbeddedFleet(devices, config)
+            host, port = embedded.start()
+            stack.callback(embedded.stop)
+        else:
+            host, port = parse_server(server)
+        session = Session(Client(host, port, token=token, name=name, block=block),
+                          min_flops=min_flops)  # fmt: skip
+        stack.callback(session.close)
+        hook = register_optimizer_step_post_hook(lambda *_: session.end_step())
+        stack.callback(hook.remove)
+        stack.enter_context(sdpa_kernel([SDPBackend.MATH]))
+        stack.enter_context(session.interceptor)
+        yield session
