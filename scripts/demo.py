@@ -1,117 +1,105 @@
 #!/usr/bin/env python3
-"""Kernel demo (until the emulator lands): one OPT-125m layer's GEMMs cut into tiles.
+"""The main job: a small OPT trained on 16 heterogeneous virtual devices.
 
-Each tile of ``x @ W^T`` (forward) and of the two backward GEMMs is staged in
-pool buffers and computed by the worker pool through the explicit tile
-contract a device uses; the reassembled results are checked against torch.
+An embedded emulator and a fleet (Raspberry Pis and Jetsons, each with its
+own profile) run in this process over loopback sockets; every GEMM of the
+forward and backward pass is cut into tiles that the fleet computes for
+real. Prints one row per optimizer step — the loss, the emulated step time
+(the fleet's modelled GEMM time plus this host's coordinator time), GEMMs
+and bytes moved — and writes ``summary.json`` and ``steps.png`` to the
+output directory. Runs offline: the model is built from a bundled config.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
+import json
 import logging
 import sys
 import time
+from pathlib import Path
 
-import numpy as np
 import torch
-from morphling.kernels import BufferPool, CpuBackend, WorkerPool, blas_info, plan_explicit
-from tqdm import tqdm
+from morphling.proxy.hf_models import build_model, load_config
 
-log = logging.getLogger("morphling.demo")
+import morphling
 
-
-async def tiled_gemm(pool: WorkerPool, mem: BufferPool, a: np.ndarray, b: np.ndarray,
-                     block: int, bar: tqdm) -> tuple[np.ndarray, list[int]]:  # fmt: skip
-    """C = a @ b, one full-K tile per (block x block) output block, like a device would."""
-    m, k = a.shape
-    n = b.shape[1]
-    out = np.empty((m, n), np.float32)
-    bt = np.ascontiguousarray(b.T)  # B's columns as rows: each tile's B block is contiguous
-    workers: list[int] = []
-
-    async def tile(r: int, c: int) -> None:
-        rows, cols = min(block, m - r), min(block, n - c)
-        with mem.acquire(rows * k * 4) as la, mem.acquire(cols * k * 4) as lb, \
-                mem.acquire(rows * cols * 4) as lc:  # fmt: skip
-            la.array(np.float32, (rows, k))[:] = a[r : r + rows]
-            lb.array(np.float32, (cols, k))[:] = bt[c : c + cols]
-            plan = plan_explicit(np.float32, False, True, rows, cols, k, la, k, lb, k, lc, cols)
-            res = await pool.submit_plan(plan, lc, keep=(la, lb))
-            del plan  # it points into the leases, which are released below
-            out[r : r + rows, c : c + cols] = lc.array(np.float32, (rows, cols))
-            workers.append(res.worker)
-            bar.update()
-
-    await asyncio.gather(*(tile(r, c) for r in range(0, m, block) for c in range(0, n, block)))
-    return out, workers
+DEFAULT_FLEET = "rpi4:6,rpi5:4,jetson-nano:2,orin-nano:4"
+# opt-tiny, widened so that the GEMMs are worth tiling: hidden 256, 2 layers.
+MODEL = {"hidden_size": 256, "word_embed_proj_dim": 256, "ffn_dim": 1024}
 
 
-async def run(args: argparse.Namespace) -> int:
-    torch.manual_seed(args.seed)
-    tokens, hidden, ffn = args.batch * args.seq, 768, 3072  # OPT-125m's fc1
-    x = torch.randn(tokens, hidden)
-    w = torch.randn(ffn, hidden) * hidden**-0.5
-    grad_y = torch.randn(tokens, ffn)
-    gemms = {
-        "forward  y = x·Wᵀ": (x.numpy(), w.T.numpy(), x @ w.T),
-        "backward dx = dy·W": (grad_y.numpy(), w.numpy(), grad_y @ w),
-        "backward dW = dyᵀ·x": (grad_y.T.numpy(), x.numpy(), grad_y.T @ x),
-    }
-    mem = BufferPool()
-    backends = [CpuBackend(threads=1) for _ in range(args.workers)]
-    total_tiles = sum(-(-a.shape[0] // args.block) * -(-b.shape[1] // args.block)
-                      for a, b, _ in gemms.values())  # fmt: skip
-    print(f"BLAS: {blas_info().name}; {args.workers} workers; block {args.block}; "
-          f"{tokens} tokens of OPT-125m fc1 ({hidden}→{ffn})")  # fmt: skip
-    rows = []
-    with (
-        WorkerPool(backends, policy=args.policy) as pool,
-        tqdm(total=total_tiles, desc="tiles", unit="tile", file=sys.stderr) as bar,
-    ):
-        for name, (a, b, reference) in gemms.items():
-            start = time.perf_counter()
-            out, workers = await tiled_gemm(pool, mem, a, b, args.block, bar)
-            seconds = time.perf_counter() - start
-            err = float(np.abs(out - reference.numpy()).max())
-            flop = 2 * a.shape[0] * a.shape[1] * b.shape[1]
-            per_worker = np.bincount(workers, minlength=args.workers).tolist()
-            shape = f"{a.shape[0]}×{a.shape[1]}·{b.shape[0]}×{b.shape[1]}"
-            rows.append((name, shape, len(workers), per_worker, seconds * 1e3,
-                         flop / seconds / 1e9, err))  # fmt: skip
-    print(f"\n{'GEMM':<22}{'shape':<22}{'tiles':>6}  {'tiles per worker':<18}"
-          f"{'ms':>8}{'GFLOP/s':>9}{'max |err|':>11}")  # fmt: skip
-    for name, shape, tiles, per_worker, ms, gflops, err in rows:
-        print(f"{name:<22}{shape:<22}{tiles:>6}  {per_worker!s:<18}{ms:>8.1f}{gflops:>9.1f}"
-              f"{err:>11.2e}")  # fmt: skip
-    stats = mem.stats()
-    print(f"\nbuffer pool: {stats.allocations} buffers allocated, {stats.reuses} reuses, "
-          f"{stats.locked_bytes >> 10} KiB locked, {stats.unlocked_bytes >> 10} KiB unlocked "
-          f"(RLIMIT_MEMLOCK {stats.memlock_limit >> 10} KiB)")  # fmt: skip
-    worst = max(r[-1] for r in rows)
-    if worst > 1e-2:
-        log.error("tiled results differ from torch by %.3g", worst)
-        return 1
-    print("all tiles match torch.")
-    return 0
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--devices", default=DEFAULT_FLEET, help=f"fleet SPEC (default {DEFAULT_FLEET})")
+    p.add_argument("--steps", type=int, default=5, help="AdamW steps (default 5)")
+    p.add_argument("--batch", type=int, default=4, help="sequences per step (default 4)")
+    p.add_argument("--seq", type=int, default=64, help="tokens per sequence (default 64)")
+    p.add_argument("--block", type=int, default=128, help="tile edge (default 128)")
+    p.add_argument("--output", type=Path, default=Path("demo-output"), help="where to write")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def plot(steps: list[dict], losses: list[float], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = [s["step"] for s in steps]
+    fleet = [s["model_s"] for s in steps]
+    coordinator = [s["emulated_s"] - s["model_s"] for s in steps]
+    fig, (ax, ax_loss) = plt.subplots(1, 2, figsize=(10, 4))
+    ax.bar(x, fleet, label="fleet GEMMs (modelled)")
+    ax.bar(x, coordinator, bottom=fleet, label="coordinator (measured)")
+    ax.set(xlabel="step", ylabel="emulated seconds", title="Emulated step time")
+    ax.legend()
+    ax_loss.plot(x, losses, marker="o")
+    ax_loss.set(xlabel="step", ylabel="loss", title="Training loss")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--block", type=int, default=256, help="tile edge (default 256)")
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--policy", default="greedy",
-                        choices=["round-robin", "greedy", "load-balanced"])  # fmt: skip
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    for name in ("batch", "seq", "block", "workers"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name} must be >= 1")
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    return asyncio.run(run(args))
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    torch.manual_seed(args.seed)
+    config = load_config("opt-tiny")
+    config.update(MODEL)
+    model = build_model(config, seed=args.seed)
+    params = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batch = torch.randint(0, config["vocab_size"], (args.batch, args.seq))  # one batch, learnt
+
+    print(f"OPT ({params / 1e6:.1f} M parameters), batch {args.batch}×{args.seq} tokens, "
+          f"on {args.devices}")  # fmt: skip
+    start = time.perf_counter()
+    losses: list[float] = []
+    with morphling.emulate(devices=args.devices, block=args.block) as session:
+        print(f"fleet ready in {time.perf_counter() - start:.1f} s\n")
+        head = (f"{'step':>4} {'loss':>8} {'emulated s':>11} {'GEMMs':>6} {'tiles':>6} "
+                f"{'MiB down':>9} {'MiB up':>7}")  # fmt: skip
+        print(head, "-" * len(head), sep="\n")
+        for _ in range(args.steps):
+            loss = model(input_ids=batch, labels=batch).loss
+            loss.backward()
+            opt.step()  # closes the step: session.steps[-1]
+            opt.zero_grad()
+            losses.append(loss.item())
+            r = session.steps[-1]
+            mib_down, mib_up = r.bytes_down / 2**20, r.bytes_up / 2**20
+            print(f"{r.step:>4} {losses[-1]:>8.4f} {r.emulated_s:>11.4f} {r.gemms:>6} "
+                  f"{r.tiles:>6} {mib_down:>9.1f} {mib_up:>7.1f}")  # fmt: skip
+    summary = session.summary()
+    summary.update(devices=args.devices, losses=losses, parameters=params)
+    args.output.mkdir(parents=True, exist_ok=True)
+    (args.output / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    plot(summary["steps"], losses, args.output / "steps.png")
+    print(f"\n{session.counts.remote} GEMMs on the fleet; wrote {args.output}/summary.json "
+          f"and {args.output}/steps.png in {time.perf_counter() - start:.1f} s")  # fmt: skip
+    return 0
 
 
 if __name__ == "__main__":
