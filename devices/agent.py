@@ -16,6 +16,7 @@ import logging
 import random
 import time
 import uuid as uuidlib
+from typing import Any
 
 import numpy as np
 
@@ -33,6 +34,7 @@ from ..proxy.messages import (
     TileResult,
 )
 from ..proxy.states import Conversation
+from ..proxy.weights import SharedWeights
 from .profiles import DeviceProfile
 
 log = logging.getLogger(__name__)
@@ -49,6 +51,8 @@ class DeviceConnection(FrameConnection):
         super().__init__(Conversation("peer", "device"), allocate=agent.allocate)
         self.agent = agent
         self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.weights: SharedWeights | None = None  # the emulator's, when on this host
+        self.cache: dict[tuple[int, ...], Any] = {}  # weight blocks sent by value, by ref
 
     def disconnected(self, exc: Exception | None) -> None:
         if not self.closed.done():
@@ -62,9 +66,14 @@ class DeviceConnection(FrameConnection):
         elif t == MsgType.GREETING:
             if msg.auth and not agent.token:
                 log.error("%s: the emulator requires a token (--token)", agent.name)
+            caps = {"virtual": agent.virtual}
+            if msg.weights and agent.share_weights:
+                self.weights = SharedWeights.shared(msg.weights)
+                if self.weights is not None:
+                    caps["weights"] = str(self.weights.path)
             self.send(hello(
                 msg, agent.token, "device", name=agent.name, uuid=agent.uuid,
-                profile=agent.profile.to_wire(), caps={"virtual": agent.virtual},
+                profile=agent.profile.to_wire(), caps=caps,
             ))  # fmt: skip
         elif t == MsgType.WELCOME:
             agent.device_id = msg.peer_id
@@ -89,8 +98,15 @@ class DeviceConnection(FrameConnection):
     def _tile(self, msg: Tile) -> None:
         agent = self.agent
         dtype = np.dtype(msg.dtype)
+        for ref in msg.drop:
+            self.cache.pop(tuple(ref), None)
+        try:
+            a = self._operand(msg.segments[0], msg.ref_a, msg.dtype)
+            b = self._operand(msg.segments[1], msg.ref_b, msg.dtype)
+        except (KeyError, ValueError, TypeError) as exc:
+            self.fail("bad_tile", f"TILE {msg.tile}: {exc}")
+            return
         out = agent.output(msg.m * msg.n * dtype.itemsize, dtype, (msg.m, msg.n))
-        a, b = msg.segments
         try:
             plan = plan_explicit(dtype, msg.ta, msg.tb, msg.m, msg.n, msg.k, a, msg.lda,
                                  b, msg.ldb, out, max(1, msg.n))  # fmt: skip
@@ -106,6 +122,25 @@ class DeviceConnection(FrameConnection):
             return
         future = agent.workers.submit_plan(plan, out, keep=(a, b))
         future.add_done_callback(lambda f: self._tile_done(msg.tile, model_ns, f))
+
+    def _operand(self, segment: Any, ref: list, dtype: str) -> Any:
+        """A tile operand: its bytes (kept under ``ref`` if it has one), or the block
+        ``ref`` names, read from the shared weights or from what was kept."""
+        if not ref:
+            return segment
+        key = tuple(ref)
+        if len(key) != 5:
+            raise ValueError(f"weight ref {ref!r}: expected [offset, rows, cols, ld, version]")
+        if segment.nbytes:
+            self.cache[key] = segment
+            return segment
+        if self.weights is not None:
+            offset, rows, cols, ld, _ = key
+            return self.weights.region(offset, (rows - 1) * ld + cols if rows else 0, dtype)
+        try:
+            return self.cache[key]
+        except KeyError:
+            raise KeyError(f"weight reference {ref!r} is neither mapped nor held") from None
 
     def _tile_done(self, tile: int, model_ns: int, future: asyncio.Future[GemmResult]) -> None:
         if future.cancelled() or not self.open:
@@ -147,6 +182,7 @@ class DeviceAgent:
         token: str = "",
         virtual: bool = False,
         inline_flops: int = INLINE_FLOPS,
+        share_weights: bool = True,
     ) -> None:
         self.profile = profile
         self.workers = workers
@@ -155,6 +191,7 @@ class DeviceAgent:
         self.token = token
         self.virtual = virtual
         self.inline_flops = inline_flops  # tiles up to this many FLOPs skip the worker pool
+        self.share_weights = share_weights  # map the emulator's weights when on the same host
         self.uuid = uuidlib.uuid4().hex
         self.device_id: int | None = None
         self.last_error: tuple[str, str] | None = None

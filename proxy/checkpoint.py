@@ -28,6 +28,7 @@ tied copy, so checkpoints converted from them simply lack that name; the stored 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import mmap
@@ -298,11 +299,13 @@ class Checkpoint:
         *,
         config: dict[str, Any] | None,
         source: str,
+        digest: str,
     ) -> None:
         self.path = path
         self.data_path = data_path
         self.config = config
         self.source = source
+        self.digest = digest  # sha256 of index.json: which checkpoint this is
         self._entries = {entry.name: entry for entry in entries}
         self._mmap = data
         # The whole mapping as one uint8 tensor: every view slices it, so the buffer is
@@ -317,9 +320,18 @@ class Checkpoint:
 
     @classmethod
     def open(
-        cls, path: str | os.PathLike[str], verify: bool = True, *, writable: bool = False
+        cls,
+        path: str | os.PathLike[str],
+        verify: bool = True,
+        *,
+        writable: bool = False,
+        data: str | os.PathLike[str] | None = None,
     ) -> Self:
-        """Parse and validate the index, map the data file, and (by default) check checksums."""
+        """Parse and validate the index, map the data file, and (by default) check checksums.
+
+        ``data`` maps another file laid out like the data file instead (the emulator's
+        shared working copy of the weights, see ``weights``).
+        """
         path = Path(path)
         index_path = path / INDEX_NAME
         if not path.is_dir():
@@ -327,10 +339,15 @@ class Checkpoint:
         if not index_path.is_file():
             raise CheckpointError(f"{index_path}: missing (is {path} a Morphling checkpoint?)")
         try:
-            index = json.loads(index_path.read_text(encoding="utf-8"))
+            text = index_path.read_bytes()
+            index = json.loads(text.decode("utf-8"))
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise CheckpointError(f"{index_path}: not valid JSON: {exc}") from exc
         data_path, entries = _parse_index(index_path, index)
+        if data is not None:
+            data_path = Path(data)
+            if not data_path.is_file():
+                raise CheckpointError(f"{data_path}: data file missing")
         size = data_path.stat().st_size
         for entry in entries:
             if entry.offset + entry.nbytes > size:
@@ -338,17 +355,18 @@ class Checkpoint:
                     f"{data_path}: tensor {entry.name!r} (bytes {entry.offset}..."
                     f"{entry.offset + entry.nbytes}) runs past the end of the file ({size} bytes)"
                 )
-        data = None
+        mapping = None
         if size:
             with open(data_path, "r+b" if writable else "rb") as f:
                 access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
-                data = mmap.mmap(f.fileno(), 0, access=access)
+                mapping = mmap.mmap(f.fileno(), 0, access=access)
         config = index.get("config")
         if config is not None and not isinstance(config, dict):
             raise CheckpointError(f"{index_path}: 'config' must be an object")
         ckpt = cls(
-            path, data_path, entries, data, config=config, source=str(index.get("source", ""))
-        )
+            path, data_path, entries, mapping, config=config, source=str(index.get("source", "")),
+            digest=hashlib.sha256(text).hexdigest(),
+        )  # fmt: skip
         if verify:
             try:
                 ckpt.verify()

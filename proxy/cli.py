@@ -35,6 +35,9 @@ def run(args: argparse.Namespace) -> int:
         emulator = Emulator(cfg)
         try:
             await emulator.start()
+        except ValueError as exc:  # CheckpointError: missing or corrupt
+            log.error("cannot share the checkpoint's weights: %s", exc)
+            return 1
         except OSError as exc:
             log.error("cannot listen on %s:%d: %s", cfg.listen_ip, cfg.listen_port, exc)
             return 1

@@ -31,8 +31,14 @@ from .states import Conversation
 DTYPES = ("float32", "float64")
 
 
-def gemm_request(gemm: int, a: Any, b: Any) -> tuple[Gemm, tuple[int, ...]]:
-    """The GEMM message for ``a @ b`` and the shape of its result."""
+def gemm_request(
+    gemm: int, a: Any, b: Any, shared: tuple[int, int] | None = None
+) -> tuple[Gemm, tuple[int, ...]]:
+    """The GEMM message for ``a @ b`` and the shape of its result.
+
+    An operand inside ``shared`` (the address and size of this process's mapping of
+    the emulator's shared weights) goes by reference, with its tensor version.
+    """
     oa, ob = blas_operand(a, "a"), blas_operand(b, "b")
     dtype = oa.span.dtype.name
     if dtype not in DTYPES or ob.span.dtype.name != dtype:
@@ -43,15 +49,27 @@ def gemm_request(gemm: int, a: Any, b: Any) -> tuple[Gemm, tuple[int, ...]]:
     if oa.batch >= 0 and ob.batch >= 0 and oa.batch != ob.batch:
         raise ValueError(f"batch sizes differ: {oa.batch} and {ob.batch}")
     batch = max(oa.batch, ob.batch)
+    ref_a, ref_b = _weight_ref(a, oa.span, shared), _weight_ref(b, ob.span, shared)
     request = Gemm(
         gemm=gemm, dtype=dtype, ta=bool(oa.trans), tb=bool(ob.trans),
         m=oa.rows, n=ob.cols, k=oa.cols, lda=oa.ld, ldb=ob.ld, batch=max(batch, 1),
         stride_a=oa.stride if oa.batch >= 0 else 0,
         stride_b=ob.stride if ob.batch >= 0 else 0,
-        segments=(oa.span, ob.span),
+        ref_a=ref_a, ref_b=ref_b,
+        segments=(oa.span[:0] if ref_a else oa.span, ob.span[:0] if ref_b else ob.span),
     )  # fmt: skip
     shape = (oa.rows, ob.cols) if batch < 0 else (batch, oa.rows, ob.cols)
     return request, shape
+
+
+def _weight_ref(x: Any, span: np.ndarray, shared: tuple[int, int] | None) -> list[int]:
+    """[byte offset, version] when ``span`` lies in the shared weights, else []."""
+    if shared is None or span.size == 0:
+        return []
+    start = span.ctypes.data - shared[0]
+    if start < 0 or start + span.nbytes > shared[1]:
+        return []
+    return [start, getattr(x, "_version", 0)]  # torch bumps _version on in-place updates
 
 
 def result_array(request: Gemm, result: Result, shape: tuple[int, ...], out: Any) -> Any:
@@ -203,8 +221,10 @@ class Client:
         self._last_sent = time.monotonic()
         self._stopped = threading.Event()
         self.error: EmulatorError | None = None
+        self.shared: tuple[int, int] | None = None  # see gemm_request
         try:
             greeting = self._expect(MsgType.GREETING, timeout)
+            self.weights: dict[str, Any] = greeting.weights  # what the emulator shares
             self._send(hello(greeting, token, "job", name=name))
             welcome = self._expect(MsgType.WELCOME, timeout)
             self._send(Open(name=name, block=block))
@@ -217,7 +237,7 @@ class Client:
 
     def matmul(self, a: Any, b: Any, out: Any = None, *, timeout: float | None = None) -> Any:
         """``a @ b`` as in ``AsyncClient.matmul``."""
-        request, shape = gemm_request(next(self._ids), a, b)
+        request, shape = gemm_request(next(self._ids), a, b, self.shared)
         return result_array(request, self.submit(request, timeout=timeout), shape, out)
 
     def submit(self, request: Gemm, *, timeout: float | None = None) -> Result:

@@ -74,6 +74,7 @@ class Greeting(Message):
     version: int
     nonce: bytes
     auth: bool
+    weights: dict = field(default_factory=dict)  # the shared weights: path, digest, nbytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,6 +215,12 @@ class Tile(Message):
     A is op(A)'s rows as stored: [m, k] row-major with leading dimension
     ``lda`` (``ta`` false) or [k, m] with ``lda`` (``ta`` true); B likewise
     [k, n] or [n, k] with ``ldb``.
+
+    A weight block carries ``ref_a``/``ref_b`` = [offset, rows, cols, ld,
+    version]: where it lies in the shared weights. With an empty segment the
+    device reads it from its mapping of the shared weights, or else from its
+    cache; with bytes, it caches them under the ref. ``drop`` lists refs the
+    device may forget.
     """
 
     TYPE = MsgType.TILE
@@ -227,6 +234,9 @@ class Tile(Message):
     k: int
     lda: int
     ldb: int
+    ref_a: list = field(default_factory=list)
+    ref_b: list = field(default_factory=list)
+    drop: list = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,7 +265,9 @@ class Gemm(Message):
 
     Each operand is ``batch`` pivots (``stride_*`` elements apart; 0 shares
     one pivot) of a row-major matrix with leading dimension ``ld*``, stored
-    transposed when ``t*`` is set, exactly as BLAS takes it.
+    transposed when ``t*`` is set, exactly as BLAS takes it. An operand that
+    lies in the shared weights is sent as ``ref_*`` = [byte offset, version]
+    with an empty segment.
     """
 
     TYPE = MsgType.GEMM
@@ -272,6 +284,8 @@ class Gemm(Message):
     batch: int = 1
     stride_a: int = 0
     stride_b: int = 0
+    ref_a: list = field(default_factory=list)
+    ref_b: list = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -292,6 +306,7 @@ class Result(Message):
     model_ns: int = 0
     bytes_down: int = 0
     bytes_up: int = 0
+    oom: int = 0  # tiles whose operands did not fit a device's emulated memory
 
 
 @dataclass(frozen=True, slots=True)
@@ -305,6 +320,7 @@ class Step(Message):
     model_ns: int = 0
     bytes_down: int = 0
     bytes_up: int = 0
+    oom: int = 0  # tiles whose operands did not fit a device's emulated memory
 
 
 @dataclass(frozen=True, slots=True)
@@ -317,6 +333,7 @@ class Close(Message):
     model_ns: int = 0
     bytes_down: int = 0
     bytes_up: int = 0
+    oom: int = 0  # tiles whose operands did not fit a device's emulated memory
 
 
 MESSAGES: dict[int, type[Message]] = {

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from .messages import Gemm
+from .weights import SharedWeights
 
 _ids = itertools.count(1)
 
@@ -49,11 +50,43 @@ class TileTask:
     def shape(self) -> tuple[int, int]:
         return self.r1 - self.r0, self.c1 - self.c0
 
-    def operands(self) -> tuple[np.ndarray, int, np.ndarray, int]:
-        """(A block, lda, B block, ldb) as flat arrays to send."""
-        return self.gemm.block("a", self.pivot, self.r0, self.r1) + self.gemm.block(
-            "b", self.pivot, self.c0, self.c1
-        )
+    def operands(self) -> tuple[Block, Block]:
+        """Op(A)'s rows and op(B)'s columns that this tile needs."""
+        a = self.gemm.block("a", self.pivot, self.r0, self.r1)
+        return a, self.gemm.block("b", self.pivot, self.c0, self.c1)
+
+
+@dataclass(frozen=True)
+class Block:
+    """One operand block of a tile: ``rows × cols`` stored with leading dimension ``ld``.
+
+    ``span`` is its memory as stored; ``offset`` is where that lies in the shared
+    weights (None for a job's own bytes) and ``version`` the weight's version.
+    """
+
+    span: np.ndarray
+    rows: int
+    cols: int
+    ld: int
+    offset: int | None = None
+    version: int = 0
+
+    @property
+    def packs(self) -> bool:
+        """Sending the span would more than double the bytes: pack the block instead."""
+        return self.span.size > 2 * self.rows * self.cols
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.cols * self.span.itemsize
+
+    @property
+    def key(self) -> tuple[int, int, int, int]:
+        return (self.offset, self.rows, self.cols, self.ld)
+
+    @property
+    def ref(self) -> list[int]:
+        return [*self.key, self.version]
 
 
 @dataclass(eq=False)
@@ -70,10 +103,12 @@ class GemmTask:
     devices: set[int] = field(default_factory=set)
     requeued: int = 0
     cancelled: bool = False
+    weights: dict[str, tuple[int, int]] = field(default_factory=dict)  # operand → (offset, ver.)
+    oom: int = 0
     device_s: dict[int, float] = field(default_factory=dict)  # predicted busy time per device
     bytes_down: int = 0
     bytes_up: int = 0
-    _packed: dict[tuple[str, int, int, int], tuple[np.ndarray, int]] = field(default_factory=dict)
+    _packed: dict[int, tuple[np.ndarray, int]] = field(default_factory=dict)
 
     @property
     def id(self) -> int:
@@ -84,8 +119,8 @@ class GemmTask:
         """The modelled duration: devices work in parallel, so the busiest one's time."""
         return int(max(self.device_s.values(), default=0.0) * 1e9)
 
-    def block(self, which: str, pivot: int, lo: int, hi: int) -> tuple[np.ndarray, int]:
-        """Rows ``lo:hi`` of op(A) (``which="a"``) or columns of op(B), as sent."""
+    def block(self, which: str, pivot: int, lo: int, hi: int) -> Block:
+        """Rows ``lo:hi`` of op(A) (``which="a"``) or columns of op(B), as stored."""
         g = self.request
         if which == "a":
             flat, ld, stride, trans, inner = self.a, g.lda, g.stride_a, g.ta, g.k
@@ -97,16 +132,26 @@ class GemmTask:
         else:  # the block is stored columns lo:hi of every row
             start, rows, cols = base + lo, inner, hi - lo
         if rows == 0 or cols == 0:
-            return flat[:0], max(1, cols)
-        span = (rows - 1) * ld + cols
-        if span <= 2 * rows * cols:
-            return flat[start : start + span], ld
-        key = (which, pivot, lo, hi)
+            return Block(flat[:0], rows, cols, max(1, cols))
+        span = flat[start : start + (rows - 1) * ld + cols]
+        weight = self.weights.get(which)
+        if weight is None:
+            return Block(span, rows, cols, ld)
+        offset, version = weight
+        return Block(span, rows, cols, ld, offset + start * flat.itemsize, version)
+
+    def packed(self, block: Block) -> tuple[np.ndarray, int]:
+        """The bytes to send for ``block`` and their leading dimension: the span, or the
+        block packed when the span would more than double them (cached per GEMM)."""
+        if not block.packs:
+            return block.span, block.ld
+        key = block.span.ctypes.data
         if key not in self._packed:
             view = np.lib.stride_tricks.as_strided(
-                flat[start:], shape=(rows, cols), strides=(ld * flat.itemsize, flat.itemsize)
-            )
-            self._packed[key] = (np.ascontiguousarray(view).reshape(-1), cols)
+                block.span, shape=(block.rows, block.cols),
+                strides=(block.ld * block.span.itemsize, block.span.itemsize),
+            )  # fmt: skip
+            self._packed[key] = (np.ascontiguousarray(view).reshape(-1), block.cols)
         return self._packed[key]
 
     def tile_count(self, block: int) -> int:
@@ -149,10 +194,13 @@ def _extent(name: str, rows: int, cols: int, ld: int, stride: int, batch: int) -
     return (batch - 1) * stride + (rows - 1) * ld + cols
 
 
-def make_task(request: Gemm, out: np.ndarray | None = None) -> GemmTask:
+def make_task(
+    request: Gemm, out: np.ndarray | None = None, weights: SharedWeights | None = None
+) -> GemmTask:
     """Validate a GEMM request against its segments; the task with a NaN-filled output.
 
-    ``out`` may be supplied (pool memory, ``[batch, m, n]`` of the dtype).
+    ``out`` may be supplied (pool memory, ``[batch, m, n]`` of the dtype); an operand
+    sent by reference is found in ``weights``.
     """
     g = request
     if g.dtype not in ("float32", "float64"):
@@ -164,13 +212,16 @@ def make_task(request: Gemm, out: np.ndarray | None = None) -> GemmTask:
         raise GemmError(f"batch={g.batch} must be >= 1")
     a_rows, a_cols = (g.k, g.m) if g.ta else (g.m, g.k)
     b_rows, b_cols = (g.n, g.k) if g.tb else (g.k, g.n)
-    arrays = []
-    for name, seg, rows, cols, ld, stride in (
-        ("a", g.segments[0], a_rows, a_cols, g.lda, g.stride_a),
-        ("b", g.segments[1], b_rows, b_cols, g.ldb, g.stride_b),
+    arrays, refs = [], {}
+    for name, seg, rows, cols, ld, stride, ref in (
+        ("a", g.segments[0], a_rows, a_cols, g.lda, g.stride_a, g.ref_a),
+        ("b", g.segments[1], b_rows, b_cols, g.ldb, g.stride_b, g.ref_b),
     ):
         need = _extent(name, rows, cols, ld, stride, g.batch)
         item = np.dtype(g.dtype).itemsize
+        if ref:
+            seg = _referenced(name, seg, ref, need, g.dtype, weights)
+            refs[name] = (ref[0], ref[1])
         if len(seg) % item or len(seg) // item < need:
             raise GemmError(
                 f"operand {name}: {len(seg)} bytes, but its layout (rows {rows}, cols {cols}, "
@@ -181,4 +232,20 @@ def make_task(request: Gemm, out: np.ndarray | None = None) -> GemmTask:
     if out is None:
         out = np.empty(shape, dtype=g.dtype)
     out[...] = np.nan
-    return GemmTask(g, arrays[0], arrays[1], out)
+    return GemmTask(g, arrays[0], arrays[1], out, weights=refs)
+
+
+def _referenced(
+    name: str, seg: Any, ref: list, need: int, dtype: str, weights: SharedWeights | None
+) -> memoryview:
+    """The operand a GEMM sent by reference, as a view of the shared weights."""
+    if weights is None:
+        raise GemmError(f"ref_{name}: this emulator has no shared weights (--ckpt-path)")
+    if len(seg):
+        raise GemmError(f"ref_{name}: an operand sent by reference must have an empty segment")
+    if len(ref) != 2 or not all(type(v) is int for v in ref):
+        raise GemmError(f"ref_{name}={ref!r}: expected [byte offset, version]")
+    try:
+        return memoryview(weights.region(ref[0], need, dtype)).cast("B")
+    except ValueError as exc:
+        raise GemmError(f"ref_{name}: {exc}") from None

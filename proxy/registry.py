@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..devices.profiles import DeviceProfile
+from .memory import DeviceMemory
 from .partition import TileTask
 
 
@@ -25,6 +26,11 @@ class DeviceRecord:
     predicted_s: dict[int, float] = field(default_factory=dict)
     backlog_s: float = 0.0  # the sum of predicted_s: the greedy policy's clock
     completed: int = 0
+    colocated: bool = False  # maps the emulator's shared weights (same host)
+    memory: DeviceMemory = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.memory = DeviceMemory(self.declared.memory_bytes)
 
     def take(self, tile: TileTask, predicted_s: float) -> None:
         self.outstanding[tile.id] = tile
@@ -51,8 +57,12 @@ class Registry:
         self._ids = itertools.count()
         self.devices: dict[int, DeviceRecord] = {}
 
-    def add(self, name: str, declared: DeviceProfile, conn: Any, *, virtual: bool) -> DeviceRecord:
-        record = DeviceRecord(next(self._ids), name, declared, conn, virtual, model=declared)
+    def add(
+        self, name: str, declared: DeviceProfile, conn: Any, *, virtual: bool, colocated: bool
+    ) -> DeviceRecord:
+        record = DeviceRecord(
+            next(self._ids), name, declared, conn, virtual, model=declared, colocated=colocated
+        )
         self.devices[record.id] = record
         return record
 

@@ -35,6 +35,8 @@ class RunConfig:
     embedded: bool = _opt(False, "start an emulator and a virtual fleet in this process")
     devices: str = _opt("4", "fleet SPEC for --embedded: NAME:COUNT,... or a count")
     token: str = _opt("", "shared secret, if the emulator requires one")
+    ckpt: str = _opt("", "checkpoint (morphling save) the emulator shares: the model's "
+                     "parameters become views of it, sent to devices by reference")
     block_size: int = _opt(0, "tile edge (0: the emulator's default)", min=0)
     policy: str = _opt("greedy", "tile scheduling policy (--embedded)", choices=POLICIES)
     min_flops: int = _opt(DEFAULT_MIN_FLOPS, "GEMMs with fewer FLOPs run locally", min=0)
@@ -115,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
         with emulate(
             cfg.server or None, devices=cfg.devices if cfg.embedded else None, config=emulator,
             token=cfg.token, block=cfg.block_size, min_flops=cfg.min_flops, name=target[1],
+            ckpt=cfg.ckpt or None,
         ) as session:  # fmt: skip
             code = _run_script(*target)
     except (OSError, RuntimeError, ValueError) as exc:

@@ -46,6 +46,7 @@ from .registry import DeviceRecord, Registry
 from .scheduler import Scheduler
 from .settings import EmulatorConfig
 from .states import Conversation
+from .weights import SharedWeights
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,9 @@ class PeerConnection(FrameConnection):
         self.job_name = ""
         self.block = cfg.block_size
         self.gemms: dict[int, GemmTask] = {}
-        self.totals = dict.fromkeys(("gemms", "tiles", "model_ns", "bytes_down", "bytes_up"), 0)
+        self.totals = dict.fromkeys(
+            ("gemms", "tiles", "model_ns", "bytes_down", "bytes_up", "oom"), 0
+        )
         self._waiters: dict[int, asyncio.Future[Message]] = {}
 
     # -- lifecycle -------------------------------------------------------------------
@@ -82,7 +85,9 @@ class PeerConnection(FrameConnection):
     def connected(self) -> None:
         self.connected_at = time.monotonic()
         self.emulator.peers.add(self)
-        self.send(Greeting(version=1, nonce=self.nonce, auth=bool(self.emulator.config.token)))
+        weights = self.emulator.weights
+        self.send(Greeting(version=1, nonce=self.nonce, auth=bool(self.emulator.config.token),
+                           weights=weights.announce() if weights else {}))  # fmt: skip
 
     def disconnected(self, exc: Exception | None) -> None:
         self.emulator.peers.discard(self)
@@ -165,10 +170,12 @@ class PeerConnection(FrameConnection):
                 declared = DeviceProfile.from_wire(msg.profile)
             except ValueError as exc:
                 raise ProtocolError(f"HELLO.profile: {exc}", "bad_hello") from None
-            virtual = bool(msg.caps.get("virtual", False))
+            weights = self.emulator.weights
             self.device = self.emulator.registry.add(
-                msg.name or self.peername, declared, self, virtual=virtual
-            )
+                msg.name or self.peername, declared, self,
+                virtual=bool(msg.caps.get("virtual", False)),
+                colocated=weights is not None and msg.caps.get("weights") == str(weights.path),
+            )  # fmt: skip
             peer_id = self.device.id
         elif msg.role in ("job", "probe"):
             peer_id = self.emulator.next_client_id()
@@ -242,7 +249,7 @@ class PeerConnection(FrameConnection):
             raise ProtocolError(f"GEMM id {msg.gemm} is already in flight", "bad_gemm")
         out = self.emulator.output(msg)
         try:
-            task = make_task(msg, out)
+            task = make_task(msg, out, self.emulator.weights)
         except GemmError as exc:
             raise ProtocolError(f"GEMM {msg.gemm}: {exc}", "bad_gemm") from None
         task.owner = self
@@ -266,11 +273,12 @@ class PeerConnection(FrameConnection):
         totals["model_ns"] += task.model_ns
         totals["bytes_down"] += task.bytes_down
         totals["bytes_up"] += task.bytes_up
+        totals["oom"] += task.oom
         if self.open:
             self.send(Result(
                 gemm=task.id, tiles=len(task.done), devices=sorted(task.devices),
                 requeued=task.requeued, model_ns=task.model_ns, bytes_down=task.bytes_down,
-                bytes_up=task.bytes_up, segments=(task.out,),
+                bytes_up=task.bytes_up, oom=task.oom, segments=(task.out,),
             ))  # fmt: skip
 
 
@@ -286,6 +294,7 @@ class Emulator:
         )
         self.allocate = pool_allocator(self.pool)
         self.peers: set[PeerConnection] = set()
+        self.weights: SharedWeights | None = None  # the checkpoint's, once started
         self._client_ids = 0
         self._server: asyncio.Server | None = None
         self._housekeeping: asyncio.Task | None = None
@@ -309,13 +318,39 @@ class Emulator:
     # -- tiles ---------------------------------------------------------------------------
 
     def _send_tile(self, device: DeviceRecord, tile: TileTask) -> None:
-        g = tile.gemm.request
-        a, lda, b, ldb = tile.operands()
+        """Send a tile: weight blocks the device can map or already holds go by reference,
+        everything else as bytes; the device's emulated memory is charged on the way."""
+        task = tile.gemm
+        g = task.request
         rows, cols = tile.shape
-        tile.gemm.bytes_down += a.nbytes + b.nbytes
+        blocks = tile.operands()
+        weights = [b for b in blocks if b.offset is not None]
+        # the tile's own operands and output live only while it runs
+        transient = rows * cols * task.out.itemsize
+        transient += sum(b.nbytes for b in blocks if b.offset is None)
+        admission = device.memory.admit([(b.key, b.version, b.nbytes) for b in weights], transient)
+        if not admission.fits:
+            task.oom += 1
+            log.warning("emulated OOM: device %d (%s, %d bytes) cannot hold tile %d of GEMM %d "
+                        "(%d bytes of operands and output)", device.id, device.name,
+                        device.memory.capacity, tile.id, task.id,
+                        transient + sum(b.nbytes for b in weights))  # fmt: skip
+        sent: list[tuple[np.ndarray, int, list[int]]] = []
+        for block in blocks:
+            if block.offset is None:
+                sent.append((*task.packed(block), []))
+            elif device.colocated:  # it reads the span from its own mapping
+                sent.append((block.span[:0], block.ld, block.ref))
+            elif block.key in admission.held:  # it holds the bytes sent before
+                sent.append((block.span[:0], task.packed(block)[1], block.ref))
+            else:  # bytes, to be kept under the ref if they fit
+                sent.append((*task.packed(block), block.ref if admission.fits else []))
+        (a, lda, ref_a), (b, ldb, ref_b) = sent
+        task.bytes_down += a.nbytes + b.nbytes
         device.conn.send(Tile(
             tile=tile.id, dtype=g.dtype, ta=g.ta, tb=g.tb, m=rows, n=cols, k=g.k,
-            lda=lda, ldb=ldb, segments=(a, b),
+            lda=lda, ldb=ldb, ref_a=ref_a, ref_b=ref_b,
+            drop=[] if device.colocated else admission.evicted, segments=(a, b),
         ))  # fmt: skip
 
     def tile_result(self, device: DeviceRecord | None, msg: TileResult) -> None:
@@ -344,8 +379,14 @@ class Emulator:
     # -- serving ---------------------------------------------------------------------------
 
     async def start(self) -> tuple[str, int]:
-        """Bind and start accepting; the (host, port) actually bound."""
+        """Bind and start accepting; the (host, port) actually bound.
+
+        With ``ckpt_path``, the checkpoint is verified and its weights shared first
+        (``CheckpointError`` when it is missing or corrupt).
+        """
         loop = asyncio.get_running_loop()
+        if self.config.ckpt_path and self.weights is None:
+            self.weights = await asyncio.to_thread(SharedWeights.create, self.config.ckpt_path)
         self._server = await loop.create_server(
             lambda: PeerConnection(self),
             self.config.listen_ip,
@@ -376,6 +417,8 @@ class Emulator:
                 peer.close()
         if self._server is not None:
             await self._server.wait_closed()
+        if self.weights is not None:
+            self.weights.close()
         await asyncio.sleep(0)
 
     async def _keep_house(self) -> None:

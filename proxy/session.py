@@ -19,6 +19,7 @@ optimizer) counts as measured coordinator time.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Iterator
@@ -27,9 +28,11 @@ from typing import Any
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..runtime import parse_server
+from .checkpoint import Checkpoint, CheckpointError
 from .client import Client
 from .embedded import EmbeddedFleet
 from .intercept import GemmCounts, GemmInterceptor
@@ -59,6 +62,7 @@ class Session:
 
     def __init__(self, client: Client, *, min_flops: int = DEFAULT_MIN_FLOPS) -> None:
         self.client = client
+        self.checkpoint: Checkpoint | None = None
         self.interceptor = GemmInterceptor(self._remote, min_flops=min_flops)
         self.steps: list[StepReport] = []
         self.totals: dict[str, int] = {}
@@ -66,6 +70,45 @@ class Session:
         self._step_start: float | None = None  # step 1 starts at its first GEMM
         self._counts = GemmCounts()
         self._server = {"tiles": 0, "model_ns": 0, "bytes_down": 0, "bytes_up": 0}
+
+    def share_weights(self, ckpt: str) -> None:
+        """Map the emulator's shared copy of checkpoint ``ckpt``; see ``bind``."""
+        announced = self.client.weights
+        if not announced:
+            raise CheckpointError("the emulator shares no weights (start it with --ckpt-path)")
+        try:
+            checkpoint = Checkpoint.open(ckpt, verify=False, writable=True, data=announced["path"])
+        except CheckpointError as exc:
+            raise CheckpointError(f"cannot map the emulator's shared weights (they must be on "
+                                  f"this host): {exc}") from exc  # fmt: skip
+        if checkpoint.digest != announced["digest"]:
+            raise CheckpointError(f"{ckpt} is not the checkpoint the emulator shares")
+        self.checkpoint = checkpoint
+        buffer = checkpoint.buffer
+        self.client.shared = (buffer.data_ptr(), buffer.numel())
+
+    def bind(self, module: torch.nn.Module) -> int:
+        """Make ``module``'s parameters views of the shared weights, by name; how many.
+
+        The Parameter objects stay (an optimizer built on them keeps working); their
+        data becomes the checkpoint's, so GEMMs on them go to devices by reference.
+        """
+        if self.checkpoint is None:
+            raise RuntimeError("bind() needs shared weights (emulate(ckpt=...))")
+        bound, skipped = 0, []
+        names = set(self.checkpoint.names())
+        for name, param in module.named_parameters():
+            view = self.checkpoint.tensor(name) if name in names else None
+            if view is None or view.shape != param.shape or view.dtype != param.dtype:
+                skipped.append(name)
+                continue
+            param.data = view
+            bound += 1
+        log.info("%d parameters of %s are views of the shared weights; %d are not%s",
+                 bound, type(module).__name__, len(skipped),
+                 f" ({', '.join(skipped[:5])}{', ...' if len(skipped) > 5 else ''})"
+                 if skipped else "")  # fmt: skip
+        return bound
 
     @property
     def counts(self) -> GemmCounts:
@@ -148,13 +191,20 @@ def emulate(
     block: int = 0,
     min_flops: int = DEFAULT_MIN_FLOPS,
     name: str = "job",
+    ckpt: str | None = None,
 ) -> Iterator[Session]:
     """Run the body's GEMMs on a fleet: a running emulator at ``server``
-    (``HOST:PORT``), or an embedded one with the virtual ``devices`` SPEC."""
+    (``HOST:PORT``), or an embedded one with the virtual ``devices`` SPEC.
+
+    With ``ckpt``, the first module the body calls gets its parameters bound to the
+    emulator's shared copy of that checkpoint (an embedded emulator loads it).
+    """
     if (server is None) == (devices is None):
         raise ValueError("give exactly one of server='HOST:PORT' or devices='SPEC' (embedded)")
     with contextlib.ExitStack() as stack:
         if devices is not None:
+            if ckpt is not None:
+                config = dataclasses.replace(config or EmulatorConfig(), ckpt_path=str(ckpt))
             embedded = EmbeddedFleet(devices, config)
             host, port = embedded.start()
             stack.callback(embedded.stop)
@@ -163,8 +213,22 @@ def emulate(
         session = Session(Client(host, port, token=token, name=name, block=block),
                           min_flops=min_flops)  # fmt: skip
         stack.callback(session.close)
+        if ckpt is not None:
+            session.share_weights(ckpt)
+            stack.callback(_bind_first_module(session).remove)
         hook = register_optimizer_step_post_hook(lambda *_: session.end_step())
         stack.callback(hook.remove)
         stack.enter_context(sdpa_kernel([SDPBackend.MATH]))
         stack.enter_context(session.interceptor)
         yield session
+
+
+def _bind_first_module(session: Session) -> Any:
+    """Bind the first module called (the model, when the script calls it) once."""
+
+    def hook(module: torch.nn.Module, args: Any) -> None:
+        handle.remove()
+        session.bind(module)
+
+    handle = register_module_forward_pre_hook(hook)
+    return handle

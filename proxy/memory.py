@@ -1,0 +1,71 @@
+"""Each device's emulated memory: what it holds, and whether a tile fits.
+
+A device's declared memory bounds what it can hold at once: the operands and
+output of the tile it computes, plus the weight blocks it keeps between
+tiles so that they are not sent again. ``DeviceMemory`` is that model, kept
+by the emulator for every device. It decides which weight blocks a device
+already holds (a physical board then gets a reference instead of the bytes),
+evicts the least recently used blocks to make room, and reports a tile whose
+operands cannot fit at all: an emulated out-of-memory event, logged and
+counted, never a failure of the host (the tile is still computed).
+
+A weight block's key is where it lies in the shared weights; its version
+changes when the optimizer updates the weight, so a stale block is never
+treated as held.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+Key = tuple[int, int, int, int]  # offset, rows, cols, ld
+
+
+@dataclass
+class Admission:
+    """The outcome of placing one tile in a device's memory."""
+
+    fits: bool
+    held: set[Key] = field(default_factory=set)  # weight blocks already resident, current
+    evicted: list[list[int]] = field(default_factory=list)  # refs the device may drop
+
+
+class DeviceMemory:
+    """LRU residency of weight blocks within ``capacity`` bytes."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.resident: OrderedDict[Key, tuple[int, int]] = OrderedDict()  # → (version, bytes)
+        self.used = 0
+        self.oom_events = 0
+
+    def admit(self, blocks: list[tuple[Key, int, int]], transient: int) -> Admission:
+        """Place a tile: weight ``blocks`` as (key, version, bytes), plus ``transient``
+        bytes (its other operands and its output) that live only while it runs."""
+        if transient + sum(nbytes for _, _, nbytes in blocks) > self.capacity:
+            self.oom_events += 1
+            return Admission(fits=False)
+        admission = Admission(fits=True)
+        wanted = {key for key, _, _ in blocks}
+        for key, version, nbytes in blocks:
+            held = self.resident.get(key)
+            if held is not None and held[0] == version:
+                self.resident.move_to_end(key)
+                admission.held.add(key)
+                continue
+            if held is not None:  # an older version: useless now
+                self._evict(key, admission)
+            self.resident[key] = (version, nbytes)
+            self.used += nbytes
+        for key in list(self.resident):  # least recently used first
+            if self.used + transient <= self.capacity:
+                break
+            if key not in wanted:
+                self._evict(key, admission)
+        return admission
+
+    def _evict(self, key: Key, admission: Admission) -> None:
+        version, nbytes = self.resident.pop(key)
+        self.used -= nbytes
+        admission.evicted.append([*key, version])
