@@ -35,8 +35,11 @@ class RunConfig:
     embedded: bool = _opt(False, "start an emulator and a virtual fleet in this process")
     devices: str = _opt("4", "fleet SPEC for --embedded: NAME:COUNT,... or a count")
     token: str = _opt("", "shared secret, if the emulator requires one")
-    ckpt: str = _opt("", "checkpoint (morphling save) the emulator shares: the model's "
-                     "parameters become views of it, sent to devices by reference")
+    ckpt: str = _opt(
+        "",
+        "checkpoint (morphling save) the emulator shares: the model's "
+        "parameters become views of it, sent to devices by reference",
+    )
     block_size: int = _opt(0, "tile edge (0: the emulator's default)", min=0)
     policy: str = _opt("greedy", "tile scheduling policy (--embedded)", choices=POLICIES)
     min_flops: int = _opt(DEFAULT_MIN_FLOPS, "GEMMs with fewer FLOPs run locally", min=0)

@@ -21,8 +21,12 @@ class EmulatorConfig:
     listen_ip: str = _opt("0.0.0.0", "address to listen on", aliases=("--listen_ip",))
     listen_port: int = _opt(39000, "TCP port to listen on", min=0, aliases=("--listen_port",))
     token: str = _opt("", "shared secret peers must prove (HMAC); empty: no authentication")
-    ckpt_path: str = _opt("", "checkpoint (morphling save) whose weights jobs and devices "
-                          "on this host share; empty: none", aliases=("--ckpt_path",))
+    ckpt_path: str = _opt(
+        "",
+        "checkpoint (morphling save) whose weights jobs and devices "
+        "on this host share; empty: none",
+        aliases=("--ckpt_path",),
+    )
     block_size: int = _opt(256, "tile edge: output blocks of at most N×N", min=1,
                            aliases=("--block_size",))  # fmt: skip
     policy: str = _opt("greedy", "tile scheduling policy", choices=POLICIES,

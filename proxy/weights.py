@@ -115,4 +115,3 @@ class SharedWeights:
         if self.owner:
             self.path.unlink(missing_ok=True)
             self.owner = False
-

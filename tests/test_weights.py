@@ -1,0 +1,216 @@
+"""Shared weights over real sockets: references, caching, invalidation, emulated memory.
+
+A checkpoint holds one weight ``w`` [96, 64]. The emulator shares it; the job
+maps the shared copy and sends GEMMs on views of it by reference. Devices on
+this host read weight blocks from their own mapping (no weight bytes on the
+wire); a device that does not map it (``share_weights=False``, as a board on
+another host) gets each block once and then a reference, until the weight
+changes. Bytes are counted from each RESULT's ``bytes_down``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from morphling.devices.agent import DeviceAgent
+from morphling.devices.profiles import BUILTIN
+from morphling.kernels import BufferPool, CpuBackend, WorkerPool
+from morphling.proxy.checkpoint import Checkpoint, CheckpointError, write_checkpoint
+from morphling.proxy.client import Client, EmulatorError
+from morphling.proxy.memory import DeviceMemory
+from morphling.proxy.server import Emulator
+from morphling.proxy.session import Session
+from morphling.proxy.settings import EmulatorConfig
+
+M, N, K, BLOCK = 40, 96, 64, 32
+X_BYTES = 3 * M * K * 4  # op(A) rows go to each of the 3 column blocks of C
+W_BYTES = N * K * 4
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("weights") / "ckpt"
+    w = torch.from_numpy(np.random.default_rng(0).standard_normal((N, K)).astype(np.float32))
+    write_checkpoint(path, [("w", w)], source="test")
+    return path
+
+
+class Setup:
+    """An emulator sharing ``ckpt``, devices, and a blocking job mapping the weights."""
+
+    def __init__(self, emulator: Emulator, host: str, port: int, ckpt: Path) -> None:
+        self.emulator, self.host, self.port, self.ckpt = emulator, host, port, ckpt
+        self.workers = WorkerPool([CpuBackend(1)])
+        self.pool = BufferPool()
+        self.tasks: list[asyncio.Task] = []
+        self.agents: list[DeviceAgent] = []
+
+    async def add_device(self, *, share_weights: bool = True, memory: int = 0) -> DeviceAgent:
+        profile = BUILTIN["rpi4"]
+        if memory:
+            profile = dataclasses.replace(profile, memory_bytes=memory)
+        agent = DeviceAgent(profile, self.workers, self.pool, name=f"d{len(self.agents)}",
+                            virtual=True, share_weights=share_weights)  # fmt: skip
+        self.agents.append(agent)
+        self.tasks.append(asyncio.create_task(agent.run(self.host, self.port, reconnect=False)))
+        for _ in range(1000):
+            record = self.emulator.registry.devices.get(agent.device_id)
+            if record is not None and record.ready:
+                return agent
+            await asyncio.sleep(0.005)
+        raise AssertionError("device not ready")
+
+    async def job(self) -> tuple[Client, torch.Tensor]:
+        """A job whose ``w`` is a view of the shared weights."""
+        client = await asyncio.to_thread(Client, self.host, self.port, name="job")
+        mapped = Checkpoint.open(self.ckpt, verify=False, writable=True,
+                                 data=client.weights["path"])  # fmt: skip
+        client.shared = (mapped.buffer.data_ptr(), mapped.buffer.numel())
+        return client, mapped.tensor("w")
+
+    def ckpt_tensor(self) -> torch.Tensor:
+        return Checkpoint.open(self.ckpt).tensor("w")
+
+    async def close(self) -> None:
+        for agent in self.agents:
+            agent.stop()
+        await self.emulator.stop()
+        if self.tasks:
+            await asyncio.wait(self.tasks, timeout=5)
+        self.workers.close()
+
+
+@pytest.fixture
+async def setup(ckpt: Path):
+    made: list[Setup] = []
+
+    async def make(**config: Any) -> Setup:
+        emu = Emulator(EmulatorConfig(listen_ip="127.0.0.1", listen_port=0, probe=False,
+                                      block_size=BLOCK, ckpt_path=str(ckpt), **config))  # fmt: skip
+        host, port = await emu.start()
+        made.append(Setup(emu, host, port, ckpt))
+        return made[-1]
+
+    yield make
+    for s in made:
+        await s.close()
+
+
+def product(client: Client, a: torch.Tensor, b: torch.Tensor) -> tuple[np.ndarray, Any]:
+    """``a @ b`` through the client, and its RESULT (for the byte counts)."""
+    from morphling.proxy.client import gemm_request, result_array
+
+    request, shape = gemm_request(1000 + client.job_id, a, b, client.shared)
+    result = client.submit(request, timeout=30)
+    return result_array(request, result, shape, None), result
+
+
+def assert_product(c: np.ndarray, a: torch.Tensor, b: torch.Tensor) -> None:
+    np.testing.assert_allclose(c, (a.double() @ b.double()).numpy(), rtol=1e-4, atol=1e-4)
+
+
+async def test_colocated_devices_read_weights_by_reference(setup):
+    s = await setup()
+    await s.add_device()
+    await s.add_device()
+    client, w = await s.job()
+    x = torch.randn(M, K)
+    c, result = await asyncio.to_thread(product, client, x, w.t())  # a Linear's forward
+    assert_product(c, x, w.t())
+    assert result.bytes_down == X_BYTES, "no weight bytes on the wire"
+    g = torch.randn(M, N)  # grad_input = grad @ w: column blocks of w, strided in the mapping
+    c, result = await asyncio.to_thread(product, client, g, w)
+    assert_product(c, g, w)
+    assert result.bytes_down == 2 * M * N * 4, "only grad's rows, once per column block of C"
+    with torch.no_grad():
+        w.mul_(-2.0)  # an optimizer step, in place in the shared mapping
+    c, _ = await asyncio.to_thread(product, client, x, w.t())
+    assert_product(c, x, w.t())
+    await asyncio.to_thread(client.close)
+
+
+async def test_remote_device_gets_weight_bytes_once_until_they_change(setup):
+    s = await setup()
+    await s.add_device(share_weights=False)
+    client, w = await s.job()
+    x = torch.randn(M, K)
+    first = await asyncio.to_thread(product, client, x, w.t())
+    again = await asyncio.to_thread(product, client, x, w.t())
+    assert first[1].bytes_down == X_BYTES + W_BYTES, "each weight block once"
+    assert again[1].bytes_down == X_BYTES, "then only references"
+    assert_product(again[0], x, w.t())
+    with torch.no_grad():
+        w.add_(1.0)  # a new version: the device's copy is stale
+    after = await asyncio.to_thread(product, client, x, w.t())
+    assert after[1].bytes_down == X_BYTES + W_BYTES, "changed weights are sent again"
+    assert_product(after[0], x, w.t())  # a stale block would fail this
+    g = torch.randn(M, N)  # grad_input = grad @ w: strided column blocks of w, then held
+    c1, r1 = await asyncio.to_thread(product, client, g, w)
+    c2, r2 = await asyncio.to_thread(product, client, g, w)
+    assert_product(c1, g, w)
+    assert_product(c2, g, w)
+    assert r2.bytes_down == 2 * M * N * 4 < r1.bytes_down, "the second time, only grad's rows"
+    await asyncio.to_thread(client.close)
+
+
+async def test_operands_that_do_not_fit_are_an_emulated_oom(setup, caplog):
+    s = await setup()
+    await s.add_device(share_weights=False, memory=8 << 10)  # the smallest tile needs 11 KiB
+    client, w = await s.job()
+    x = torch.randn(M, K)
+    with caplog.at_level(logging.WARNING, logger="morphling.proxy.server"):
+        c, result = await asyncio.to_thread(product, client, x, w.t())
+    assert_product(c, x, w.t())  # computed anyway: the OOM is emulated, not real
+    assert result.oom == result.tiles == 6
+    assert "emulated OOM: device" in caplog.text
+    again = await asyncio.to_thread(product, client, x, w.t())
+    assert again[1].bytes_down == result.bytes_down == X_BYTES + 2 * W_BYTES, (
+        "nothing is kept when it does not fit: each w block goes to both row blocks, every time"
+    )
+    await asyncio.to_thread(client.close)
+
+
+async def test_reference_without_shared_weights_is_refused(setup):
+    s = await setup()
+    await s.add_device()
+    client, w = await s.job()
+    s.emulator.weights = None  # as an emulator started without --ckpt-path would be
+    with pytest.raises(EmulatorError) as info:
+        await asyncio.to_thread(product, client, torch.randn(M, K), w.t())
+    assert info.value.code == "bad_gemm" and "no shared weights" in info.value.reason
+
+
+async def test_job_refuses_a_different_checkpoint(setup, tmp_path):
+    s = await setup()
+    other = tmp_path / "other"
+    write_checkpoint(other, [("w", torch.zeros(N, K))], source="test")
+    client = await asyncio.to_thread(Client, s.host, s.port, name="job")
+    session = Session(client)
+    with pytest.raises(CheckpointError, match="not the checkpoint the emulator shares"):
+        session.share_weights(str(other))
+    session.share_weights(str(s.ckpt))
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(torch.zeros(N, K))  # named as in the checkpoint
+    model.other = torch.nn.Parameter(torch.zeros(3))  # not in it: left alone
+    assert session.bind(model) == 1
+    np.testing.assert_array_equal(model.w.detach().numpy(), s.ckpt_tensor().numpy())
+    await asyncio.to_thread(client.close)
+
+
+def test_device_memory_keeps_recent_blocks_and_forgets_stale_ones():
+    mem = DeviceMemory(1000)
+    a, b, c = (0, 1, 100, 100), (400, 1, 100, 100), (800, 1, 100, 100)
+    assert mem.admit([(a, 0, 400), (b, 0, 400)], 100).held == set()
+    assert mem.admit([(a, 0, 400)], 100).held == {a}
+    third = mem.admit([(c, 0, 400)], 100)  # a is newer than b: b goes
+    assert third.evicted == [[*b, 0]] and set(mem.resident) == {a, c}
+    newer = mem.admit([(a, 1, 400)], 100)  # a changed: the old copy is useless
+    assert newer.held == set() and [*a, 0] in newer.evicted
+    assert not mem.admit([(a, 1, 400)], 700).fits and mem.oom_events == 1
