@@ -34,6 +34,8 @@ class DeviceConfig:
     token: str = _opt("", "shared secret, if the emulator requires one")
     threads: int = _opt(os.cpu_count() or 1, _THREADS, min=1)
     reconnect: bool = _opt(True, "reconnect with backoff when the connection is lost")
+    share_weights: bool = _opt(True, "read the emulator's shared weights from memory when on "
+                               "its host (off: receive them as bytes, like a remote board)")
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,8 @@ def run_device(args: argparse.Namespace) -> int:
 
     def make(workers: WorkerPool) -> DeviceAgent:
         name = cfg.name or os.uname().nodename
-        return DeviceAgent(profile, workers, BufferPool(), name=name, token=cfg.token)
+        return DeviceAgent(profile, workers, BufferPool(), name=name, token=cfg.token,
+                           share_weights=cfg.share_weights)  # fmt: skip
 
     return _run_until_stopped(
         cfg.threads, make, lambda a: a.run(host, port, reconnect=cfg.reconnect)

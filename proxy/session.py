@@ -55,6 +55,7 @@ class StepReport:
     tiles: int
     bytes_down: int
     bytes_up: int
+    oom: int  # tiles that did not fit a device's emulated memory
 
 
 class Session:
@@ -69,7 +70,7 @@ class Session:
         self._wait_s = 0.0
         self._step_start: float | None = None  # step 1 starts at its first GEMM
         self._counts = GemmCounts()
-        self._server = {"tiles": 0, "model_ns": 0, "bytes_down": 0, "bytes_up": 0}
+        self._server = dict.fromkeys(("tiles", "model_ns", "bytes_down", "bytes_up", "oom"), 0)
 
     def share_weights(self, ckpt: str) -> None:
         """Map the emulator's shared copy of checkpoint ``ckpt``; see ``bind``."""
@@ -142,6 +143,7 @@ class Session:
             tiles=delta["tiles"],
             bytes_down=delta["bytes_down"],
             bytes_up=delta["bytes_up"],
+            oom=delta["oom"],
         )
         self.steps.append(report)
         self._server, self._counts = server, self.counts.snapshot()
@@ -157,13 +159,13 @@ class Session:
     def table(self) -> str:
         """The per-step report as a fixed-width table."""
         head = (f"{'step':>5} {'emulated s':>11} {'fleet s':>9} {'host s':>8} {'GEMMs':>6} "
-                f"{'local':>6} {'tiles':>7} {'MiB down':>9} {'MiB up':>8}")  # fmt: skip
+                f"{'local':>6} {'tiles':>7} {'MiB down':>9} {'MiB up':>8} {'OOM':>5}")  # fmt: skip
         rows = [head, "-" * len(head)]
         for r in self.steps:
             rows.append(
                 f"{r.step:>5} {r.emulated_s:>11.4f} {r.model_s:>9.4f} {r.host_s:>8.3f} "
                 f"{r.gemms:>6} {r.local_gemms:>6} {r.tiles:>7} "
-                f"{r.bytes_down / 2**20:>9.1f} {r.bytes_up / 2**20:>8.1f}"
+                f"{r.bytes_down / 2**20:>9.1f} {r.bytes_up / 2**20:>8.1f} {r.oom:>5}"
             )
         local = ", ".join(f"{n} {why}" for why, n in sorted(self.counts.local.items())) or "none"
         rows.append(f"GEMMs: {self.counts.remote} on the fleet ({self.counts.copied} copied "

@@ -56,7 +56,8 @@ class SharedWeights:
         with Checkpoint.open(ckpt, verify=True) as checkpoint:
             source, digest = checkpoint.data_path, checkpoint.digest
         where = _SHM if _SHM.is_dir() else Path(tempfile.gettempdir())
-        fd, name = tempfile.mkstemp(prefix="morphling-weights-", dir=where)
+        _remove_orphans(where)
+        fd, name = tempfile.mkstemp(prefix=f"morphling-weights-{os.getpid()}-", dir=where)
         try:
             with os.fdopen(fd, "wb") as out, open(source, "rb") as src:
                 shutil.copyfileobj(src, out, 16 << 20)
@@ -115,3 +116,13 @@ class SharedWeights:
         if self.owner:
             self.path.unlink(missing_ok=True)
             self.owner = False
+
+
+def _remove_orphans(where: Path) -> None:
+    """Delete working copies left by emulators that died without cleaning up (SIGKILL);
+    the creator's pid is in the name."""
+    for path in where.glob("morphling-weights-*-*"):
+        pid = path.name.split("-")[2]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            path.unlink(missing_ok=True)
+            log.info("removed %s, left by an emulator that is gone", path)

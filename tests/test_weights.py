@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -181,9 +182,12 @@ async def test_reference_without_shared_weights_is_refused(setup):
     s = await setup()
     await s.add_device()
     client, w = await s.job()
-    s.emulator.weights = None  # as an emulator started without --ckpt-path would be
-    with pytest.raises(EmulatorError) as info:
-        await asyncio.to_thread(product, client, torch.randn(M, K), w.t())
+    shared, s.emulator.weights = s.emulator.weights, None  # as without --ckpt-path
+    try:
+        with pytest.raises(EmulatorError) as info:
+            await asyncio.to_thread(product, client, torch.randn(M, K), w.t())
+    finally:
+        s.emulator.weights = shared  # for stop() to remove it
     assert info.value.code == "bad_gemm" and "no shared weights" in info.value.reason
 
 
@@ -214,3 +218,14 @@ def test_device_memory_keeps_recent_blocks_and_forgets_stale_ones():
     newer = mem.admit([(a, 1, 400)], 100)  # a changed: the old copy is useless
     assert newer.held == set() and [*a, 0] in newer.evicted
     assert not mem.admit([(a, 1, 400)], 700).fits and mem.oom_events == 1
+
+
+def test_working_copies_of_dead_emulators_are_removed(tmp_path):
+    from morphling.proxy.weights import _remove_orphans
+
+    dead = tmp_path / "morphling-weights-999999999-abc"  # no such pid
+    alive = tmp_path / f"morphling-weights-{os.getpid()}-abc"
+    dead.write_bytes(b"x")
+    alive.write_bytes(b"x")
+    _remove_orphans(tmp_path)
+    assert not dead.exists() and alive.exists()

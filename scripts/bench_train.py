@@ -1,0 +1,188 @@
+#!/usr/bin/env python3
+"""Training benchmarks: emulation overhead, memory per device, weight references.
+
+Writes ``bench-results/train.json`` with three groups, on OPT (opt-125m's
+architecture cut to 2 layers: hidden 768, vocab 50272), batch 4 × 128 tokens,
+AdamW:
+
+- ``step_overhead``: wall seconds of a training step run natively, under
+  ``morphling run --embedded --devices 8``, and with the emulator and an
+  8-device fleet in other processes (``--server``); each the median of the
+  steps after the first (warm-up), runs alternating; ratios to native.
+- ``fleet_rss_mib``: peak RSS (VmHWM) of a ``morphling fleet`` process after
+  a job ran two steps on it with shared weights (``--ckpt``), with 10 and with
+  1,000 virtual devices; the difference.
+- ``weight_refs``: bytes sent to devices per step (``--json`` report) under
+  ``--embedded --devices 8`` with and without ``--ckpt``, and their ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from bench_net import (
+    ChildFailed,
+    Children,
+    morphling_cmd,
+    ready_devices,
+    sigterm_unwinds,
+    start_emulator,
+    wait_for,
+)
+
+STEP_SCRIPT = """\
+import json, sys, time, torch
+from morphling.proxy.hf_models import build_model, load_config
+torch.manual_seed(0)
+cfg = load_config("opt-125m")
+cfg["num_hidden_layers"] = 2
+model = build_model(cfg, seed=0)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+x = torch.randint(0, cfg["vocab_size"], (4, 128))
+times = []
+for _ in range(int(sys.argv[1])):
+    start = time.perf_counter()
+    model(input_ids=x, labels=x).loss.backward()
+    opt.step()
+    opt.zero_grad()
+    times.append(time.perf_counter() - start)
+print(json.dumps(times))
+"""
+
+
+def step_times(cmd: list[str], timeout: float = 900) -> list[float]:
+    """The step times the script printed (its last stdout line)."""
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise ChildFailed(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run_cmd(script: Path, steps: int, *options: str) -> list[str]:
+    return morphling_cmd("run", *options, "--", "python", str(script), str(steps),
+                         log_level="warning")  # fmt: skip
+
+
+def bench_overhead(children: Children, script: Path, steps: int, reps: int) -> dict:
+    _, port = start_emulator(children, "emulator")
+    children.start("fleet", morphling_cmd("fleet", "--server", f"127.0.0.1:{port}",
+                                          "--devices", "8", log_level="warning"))  # fmt: skip
+    wait_for("8 devices", lambda: ready_devices(children, "emulator") >= 8, children, 120)
+    native, embedded, socket = [], [], []
+    for _ in range(reps):  # alternating, so load from elsewhere hits all alike
+        native += step_times([sys.executable, str(script), str(steps)])[1:]
+        embedded += step_times(run_cmd(script, steps, "--embedded", "--devices", "8"))[1:]
+        socket += step_times(run_cmd(script, steps, "--server", f"127.0.0.1:{port}"))[1:]
+    children.stop_named("fleet", "emulator")
+    n, e, s = (statistics.median(x) for x in (native, embedded, socket))
+    return {
+        "native_s": round(n, 3), "embedded_s": round(e, 3), "socket_s": round(s, 3),
+        "embedded_ratio": round(e / n, 3), "socket_ratio": round(s / n, 3),
+        "target_embedded_ratio_max": 1.5, "target_socket_ratio_max": 3.0,
+        "met": e / n <= 1.5 and s / n <= 3.0,
+    }  # fmt: skip
+
+
+def peak_rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmHWM in /proc/{pid}/status")
+
+
+def bench_fleet_rss(children: Children, script: Path, ckpt: Path) -> dict:
+    peaks = {}
+    for count in (10, 1000):
+        name = f"emulator-{count}"
+        _, port = start_emulator(children, name, "--ckpt-path", str(ckpt))
+        fleet = children.start(f"fleet-{count}", morphling_cmd(
+            "fleet", "--server", f"127.0.0.1:{port}", "--devices", str(count),
+            log_level="warning"))  # fmt: skip
+        wait_for(f"{count} devices", lambda n=name, c=count: ready_devices(children, n) >= c,
+                 children, 600)  # fmt: skip
+        step_times(run_cmd(script, 2, "--server", f"127.0.0.1:{port}", "--ckpt", str(ckpt)))
+        peaks[count] = peak_rss_mib(fleet.pid)
+        children.stop_named(f"fleet-{count}", name)
+    delta = peaks[1000] - peaks[10]
+    return {
+        "rss_10_mib": round(peaks[10], 1), "rss_1000_mib": round(peaks[1000], 1),
+        "delta_10_to_1000": round(delta, 1), "target_delta_max": 100, "met": delta <= 100,
+    }  # fmt: skip
+
+
+def bench_weight_refs(script: Path, ckpt: Path, workdir: Path) -> dict:
+    down = {}
+    for label, extra in (("without", []), ("with", ["--ckpt", str(ckpt)])):
+        report = workdir / f"refs-{label}.json"
+        step_times(run_cmd(script, 2, "--embedded", "--devices", "8", "--json", str(report),
+                           *extra))  # fmt: skip
+        down[label] = json.loads(report.read_text())["steps"][-1]["bytes_down"]
+    return {
+        "bytes_down_per_step_without": down["without"], "bytes_down_per_step_with": down["with"],
+        "bytes_ratio": round(down["with"] / down["without"], 3),
+    }  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> dict:
+    from benchlib import run_meta
+    from tqdm import tqdm
+
+    with (
+        sigterm_unwinds(),
+        tempfile.TemporaryDirectory(prefix="bench-train-") as tmp,
+        tqdm(total=3, desc="train benchmarks", unit="group") as bar,
+    ):
+        workdir = Path(tmp)
+        script = workdir / "step.py"
+        script.write_text(STEP_SCRIPT)
+        config = workdir / "opt-2l.json"
+        from morphling.proxy.hf_models import load_config
+
+        config.write_text(json.dumps({**load_config("opt-125m"), "num_hidden_layers": 2}))
+        ckpt = workdir / "ckpt"
+        subprocess.run(morphling_cmd("save", "--model", str(config), "--random-init", "--seed",
+                                     "0", "--output", str(ckpt), "--no-progress"),
+                       check=True, capture_output=True)  # fmt: skip
+        children = Children(workdir)
+        results = {}
+        try:
+            bar.set_description("step_overhead")
+            results["step_overhead"] = bench_overhead(children, script, args.steps, args.reps)
+            bar.update()
+            bar.set_description("weight_refs")
+            results["weight_refs"] = bench_weight_refs(script, ckpt, workdir)
+            bar.update()
+            bar.set_description("fleet_rss_mib")
+            results["fleet_rss_mib"] = bench_fleet_rss(children, script, ckpt)
+            bar.update()
+        except ChildFailed as exc:
+            raise SystemExit(f"bench_train: {exc}") from None
+        finally:
+            children.close()
+    results["meta"] = run_meta(args.reps, steps=args.steps, model="opt-125m, 2 layers",
+                               batch="4 x 128 tokens", devices=8)  # fmt: skip
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=2, help="alternating runs of each (>= 1)")
+    parser.add_argument("--steps", type=int, default=4, help="steps per run, first dropped")
+    parser.add_argument("--output", type=Path, default=Path("bench-results/train.json"))
+    args = parser.parse_args(argv)
+    if args.reps < 1 or args.steps < 2:
+        parser.error("--reps must be >= 1 and --steps >= 2")
+    from benchlib import write_results
+
+    write_results(run(args), args.output)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
