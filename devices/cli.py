@@ -34,8 +34,11 @@ class DeviceConfig:
     token: str = _opt("", "shared secret, if the emulator requires one")
     threads: int = _opt(os.cpu_count() or 1, _THREADS, min=1)
     reconnect: bool = _opt(True, "reconnect with backoff when the connection is lost")
-    share_weights: bool = _opt(True, "read the emulator's shared weights from memory when on "
-                               "its host (off: receive them as bytes, like a remote board)")
+    share_weights: bool = _opt(
+        True,
+        "read the emulator's shared weights from memory when on "
+        "its host (off: receive them as bytes, like a remote board)",
+    )
 
 
 @dataclass(frozen=True)

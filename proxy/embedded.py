@@ -10,6 +10,7 @@ like to any emulator. The training script keeps the main thread.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -66,7 +67,7 @@ class EmbeddedFleet:
                 pool = BufferPool()  # one pool (and one memlock budget) for both sides
                 emulator = self.emulator = Emulator(self.config, pool=pool)
                 host, port = await emulator.start()
-                fleet = Fleet(self.profiles, workers, pool)
+                fleet = Fleet(self.profiles, workers, pool, token=self.config.token)
                 running = asyncio.ensure_future(fleet.run(host, port))
                 try:
                     while len(emulator.registry.ready()) < len(self.profiles):
@@ -94,7 +95,8 @@ class EmbeddedFleet:
         if thread is None:
             return
         if self._loop is not None and self._stop is not None:
-            self._loop.call_soon_threadsafe(self._stop.set)
+            with contextlib.suppress(RuntimeError):  # the loop already ended (a failed start)
+                self._loop.call_soon_threadsafe(self._stop.set)
         thread.join()
 
     def __enter__(self) -> tuple[str, int]:

@@ -31,6 +31,7 @@ from ..kernels import blas_operand
 aten = torch.ops.aten
 
 REMOTE_DTYPES = (torch.float32, torch.float64)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # other subclasses may mean anything: run locally
 
 Remote = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -105,7 +106,7 @@ class GemmInterceptor(TorchDispatchMode):
     def _local_reason(self, a: torch.Tensor, b: torch.Tensor) -> str | None:
         if a.device.type != "cpu" or b.device.type != "cpu":
             return "device"
-        if type(a) is not torch.Tensor or type(b) is not torch.Tensor:
+        if type(a) not in _PLAIN or type(b) not in _PLAIN:
             return "tensor subclass"
         if a.dtype not in REMOTE_DTYPES or b.dtype != a.dtype:
             return f"dtype {a.dtype}".replace("torch.", "")

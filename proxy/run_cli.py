@@ -22,6 +22,8 @@ from pathlib import Path
 
 from .. import config as configuration
 from ..config import option as _opt
+from ..devices.profiles import expand_fleet
+from ..runtime import parse_server
 from .scheduler import POLICIES
 from .settings import DEFAULT_MIN_FLOPS, EmulatorConfig
 
@@ -84,7 +86,7 @@ def _run_script(kind: str, what: str, argv: list[str]) -> int:
     sys.path.insert(0, str(Path(what).resolve().parent) if kind == "path" else os.getcwd())
     try:
         if kind == "path":
-            runpy.run_path(what, run_name="__main__")
+            runpy.run_path(what, run_name="__main__")  # sets argv[0] = what, as python does
         else:
             runpy.run_module(what, run_name="__main__", alter_sys=True)
         return 0
@@ -105,6 +107,10 @@ def run(args: argparse.Namespace) -> int:
         cfg, sources = configuration.load(RunConfig, args, section="run")
         if cfg.embedded == bool(cfg.server):
             raise configuration.ConfigError("give exactly one of --server HOST:PORT, --embedded")
+        if cfg.embedded:
+            expand_fleet(cfg.devices)
+        else:
+            parse_server(cfg.server)
         target = script_target(args.command)
     except ValueError as exc:
         print(f"morphling run: {exc}", file=sys.stderr)

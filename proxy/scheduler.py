@@ -10,7 +10,10 @@ depends only on the scheduler's state, never on which socket answered first.
 
 A device takes at most ``window`` tiles at once and none while its send
 buffer is above the high-water mark, so a slow device never makes the
-server buffer without bound.
+server buffer without bound. Across all devices, at most ``inflight_bytes``
+of tile operands are out at once (a single tile always may go): a window
+per device alone would let a fleet of a thousand virtual devices in one
+process hold a thousand windows of operands.
 """
 
 from __future__ import annotations
@@ -27,6 +30,12 @@ log = logging.getLogger(__name__)
 POLICIES = ("round-robin", "greedy", "load-balanced")
 
 
+def operand_bytes(tile: TileTask) -> int:
+    """The bytes of the operand blocks a tile needs (op(A)'s rows, op(B)'s columns)."""
+    rows, cols = tile.shape
+    return (rows + cols) * tile.gemm.request.k * tile.gemm.out.itemsize
+
+
 def predicted_cost_s(device: DeviceRecord, tile: TileTask) -> float:
     """The plain analytic model: operands down, 2·m·n·k of compute, the tile up."""
     rows, cols = tile.shape
@@ -34,7 +43,7 @@ def predicted_cost_s(device: DeviceRecord, tile: TileTask) -> float:
     item = tile.gemm.out.itemsize
     model = device.model
     return (
-        model.download_s((rows + cols) * g.k * item)
+        model.download_s(operand_bytes(tile))
         + model.compute_s(rows, cols, g.k)
         + model.upload_s(rows * cols * item)
     )
@@ -50,6 +59,7 @@ class Scheduler:
         *,
         policy: str = "greedy",
         window: int = 4,
+        inflight_bytes: int = 64 << 20,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy={policy!r}: expected one of {', '.join(POLICIES)}")
@@ -58,6 +68,8 @@ class Scheduler:
         self.registry = registry
         self.policy = policy
         self.window = window
+        self.max_inflight_bytes = inflight_bytes
+        self.inflight_bytes = 0
         self._send = send
         self.queue: deque[TileTask] = deque()
         self._cursor = -1  # round-robin: the id of the device served last
@@ -69,6 +81,7 @@ class Scheduler:
     def requeue(self, device: DeviceRecord) -> list[TileTask]:
         """Put a lost device's tiles back at the front of the queue, in their order."""
         held = [device.give_back(tile_id) for tile_id in list(device.outstanding)]
+        self.inflight_bytes -= sum(operand_bytes(t) for t in held)
         tiles = [t for t in held if not t.gemm.cancelled]
         for tile in tiles:
             tile.gemm.requeued += 1
@@ -84,6 +97,7 @@ class Scheduler:
         predicted_s = device.predicted_s.get(tile_id, 0.0)
         tile = device.give_back(tile_id)
         if tile is not None:
+            self.inflight_bytes -= operand_bytes(tile)
             device.completed += 1
             busy = tile.gemm.device_s
             busy[device.id] = busy.get(device.id, 0.0) + predicted_s
@@ -99,10 +113,14 @@ class Scheduler:
             if tile.gemm.cancelled:
                 self.queue.popleft()
                 continue
+            nbytes = operand_bytes(tile)
+            if self.inflight_bytes and self.inflight_bytes + nbytes > self.max_inflight_bytes:
+                return  # results coming back will dispatch again
             device = self._choose(ready, tile)
             if device is None:
                 return
             self.queue.popleft()
+            self.inflight_bytes += nbytes
             tile.attempts += 1
             device.take(tile, predicted_cost_s(device, tile))
             tile.gemm.devices.add(device.id)

@@ -290,8 +290,9 @@ class Emulator:
         self.pool = pool or BufferPool()
         self.registry = Registry()
         self.scheduler = Scheduler(
-            self.registry, self._send_tile, policy=config.policy, window=config.window
-        )
+            self.registry, self._send_tile, policy=config.policy, window=config.window,
+            inflight_bytes=config.inflight_bytes,
+        )  # fmt: skip
         self.allocate = pool_allocator(self.pool)
         self.peers: set[PeerConnection] = set()
         self.weights: SharedWeights | None = None  # the checkpoint's, once started

@@ -32,6 +32,13 @@ class EmulatorConfig:
     policy: str = _opt("greedy", "tile scheduling policy", choices=POLICIES,
                        aliases=("--sched_policy",))  # fmt: skip
     window: int = _opt(4, "tiles in flight per device", min=1, aliases=("--max_inflight",))
+    inflight_bytes: int = _opt(
+        64 << 20,
+        "tile operand bytes in flight over all devices (one "
+        "tile always may go): bounds what a fleet process holds however "
+        "many devices it runs",
+        min=1,
+    )
     high_water_bytes: int = _opt(4 << 20, "per-device send buffer above which no tile is sent",
                                  min=1, aliases=("--send_high_water_mark",))  # fmt: skip
     max_payload_bytes: int = _opt(1 << 30, "largest frame payload accepted", min=1)

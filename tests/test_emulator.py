@@ -1381,3 +1381,25 @@ async def test_empty_output_gemm_does_not_stall_the_server(fleet):
     await ticker
     assert c.shape == (1 << 23, 0)
     assert max(gaps) < 0.2, f"the event loop stalled for {max(gaps):.2f} s on an empty GEMM"
+
+
+async def test_inflight_bytes_bound_all_devices_together(fleet):
+    """With room for one tile's operands, one tile is out at a time over all devices."""
+    f = await fleet(block_size=8, inflight_bytes=1, window=4)
+    for _ in range(3):
+        await f.add_device()
+    most = 0
+    send = f.emu.scheduler._send
+
+    def counting(device: DeviceRecord, tile: Any) -> None:
+        nonlocal most
+        most = max(most, sum(len(d.outstanding) for d in f.emu.registry.devices.values()))
+        send(device, tile)
+
+    f.emu.scheduler._send = counting
+    client = await f.client()
+    rng = np.random.default_rng(3)
+    a, b = rng.standard_normal((2, 32, 32)).astype(np.float32)
+    assert_gemm_close(await client.matmul(a, b, timeout=TIMEOUT), a, b)
+    assert most == 1
+    assert f.emu.scheduler.inflight_bytes == 0

@@ -22,7 +22,9 @@ class Block(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.norm1, self.norm2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
-        self.qkv, self.out = nn.Linear(DIM, 3 * DIM), nn.Linear(DIM, DIM)
+        # No bias on Q, K, V: softmax ignores a key bias, so its gradient is rounding noise
+        # that AdamW (which normalises the update) would turn into a random walk.
+        self.qkv, self.out = nn.Linear(DIM, 3 * DIM, bias=False), nn.Linear(DIM, DIM)
         self.fc1, self.fc2 = nn.Linear(DIM, 4 * DIM), nn.Linear(4 * DIM, DIM)
         self.drop = nn.Dropout(0.1)
 
