@@ -19,7 +19,7 @@ COPY scripts ./scripts
 RUN python -m pip install --no-cache-dir --upgrade pip setuptools wheel cffi \
     && python -m pip install --no-cache-dir torch==2.13.0 \
         --index-url https://download.pytorch.org/whl/cpu \
-    && python -m pip install --no-cache-dir --no-build-isolation . \
+    && python -m pip install --no-cache-dir --no-build-isolation ".[torch]" \
     && morphling version -v
 
 # Buffer pools mlock what RLIMIT_MEMLOCK allows; run with --ulimit memlock=-1 to lock all.

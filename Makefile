@@ -28,6 +28,7 @@ test: setup
 bench: setup
 	$(PY) scripts/bench_kernels.py
 	$(PY) scripts/bench_net.py
+	$(PY) scripts/bench_train.py
 	$(PY) scripts/bench_report.py
 
 lint: setup

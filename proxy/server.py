@@ -194,7 +194,8 @@ class PeerConnection(FrameConnection):
         device = self.device
         seed = zlib.crc32(f"{uuid}:{device.id}".encode())
         try:
-            measured = await probes.probe(self, self.emulator.config, seed)
+            async with self.emulator.probing:
+                measured = await probes.probe(self, self.emulator.config, seed)
         except (TimeoutError, ConnectionError) as exc:
             log.warning(
                 "device %d (%s): probes did not finish (%s); using its declared profile",
@@ -296,6 +297,7 @@ class Emulator:
         self.allocate = pool_allocator(self.pool)
         self.peers: set[PeerConnection] = set()
         self.weights: SharedWeights | None = None  # the checkpoint's, once started
+        self.probing = asyncio.Semaphore(config.probe_concurrency)
         self._client_ids = 0
         self._server: asyncio.Server | None = None
         self._housekeeping: asyncio.Task | None = None
