@@ -11,6 +11,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from . import __version__
 
@@ -55,23 +56,32 @@ def _subcommands() -> list[Callable[[argparse._SubParsersAction], None]]:
     ]  # fmt: skip
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="morphling",
-        description="Emulate distributed ML training on fleets of edge devices.",
-    )
-    parser.add_argument("--version", action="version", version=f"morphling {__version__}")
+def command_parser(prog: str, description: str) -> tuple[argparse.ArgumentParser, Any]:
+    """A parser with ``--log-level`` and an empty set of subcommands (``add_parser(sub)``)."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument(
         "--log-level", choices=LOG_LEVELS, default="info", help="logging level (default: info)"
     )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    return parser, parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser, sub = command_parser(
+        "morphling", "Emulate distributed ML training on fleets of edge devices."
+    )
+    parser.add_argument("--version", action="version", version=f"morphling {__version__}")
     for add in _subcommands():
         add(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    return run_command(build_parser(), argv)
+
+
+def run_command(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
+    """Parse, set up logging at the chosen level, run the subcommand; its exit code."""
+    args = parser.parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

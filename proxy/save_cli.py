@@ -8,7 +8,6 @@ dependency, and ``morphling --help`` builds this parser.
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -114,21 +113,8 @@ def _save(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The ``morphling-cmd`` console script (upstream's ``morphling_cmd``): ``save`` only."""
-    from ..cli import LOG_LEVELS
+    from ..cli import command_parser, run_command
 
-    parser = argparse.ArgumentParser(prog="morphling-cmd", description="Morphling model tools.")
-    parser.add_argument(
-        "--log-level", choices=LOG_LEVELS, default="info", help="logging level (default: info)"
-    )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    parser, sub = command_parser("morphling-cmd", "Morphling model tools.")
     add_parser(sub)
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    try:
-        return args.func(args)
-    except KeyboardInterrupt:
-        return 130
+    return run_command(parser, argv)
