@@ -46,8 +46,12 @@ class EmulatorConfig:
     heartbeat_timeout_s: float = _opt(15.0, "drop a peer silent for this long", min=0.01)
     hello_timeout_s: float = _opt(10.0, "drop a connection that sends no HELLO in time", min=0.01)
     probe: bool = _opt(True, "probe latency, bandwidth and FLOPS of each device on arrival")
-    probe_concurrency: int = _opt(8, "devices probed at once (concurrent bandwidth probes "
-                                  "measure each other, and their buffers add up)", min=1)
+    probe_concurrency: int = _opt(
+        8,
+        "devices probed at once (concurrent bandwidth probes "
+        "measure each other, and their buffers add up)",
+        min=1,
+    )
     probe_latency_bytes: int = _opt(64, "latency probe payload", min=1)
     probe_bandwidth_bytes: int = _opt(4 << 20, "bandwidth probe payload, each direction", min=1)
     probe_flops_dim: int = _opt(256, "FLOPS challenge matrix size", min=1)
