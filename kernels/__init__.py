@@ -6,7 +6,7 @@ spells a C type outside the thin wrappers.
 
 from .blas import BlasInfo, blas_info, gemm, run_plan, set_threads
 from .cublasxt import CublasXt, cublasxt_status
-from .layout import GemmPlan, Operand, blas_operand, plan_explicit, plan_gemm
+from .layout import GemmPlan, LayoutError, Operand, blas_operand, plan_explicit, plan_gemm
 from .pool import BufferPool, Lease, LeaseError, MlockError, PoolStats
 from .workers import (
     POLICIES,
@@ -28,6 +28,7 @@ __all__ = [
     "GemmPlan",
     "GemmResult",
     "GpuBackend",
+    "LayoutError",
     "Lease",
     "LeaseError",
     "MlockError",

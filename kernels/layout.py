@@ -178,14 +178,21 @@ def _pointer(arr: np.ndarray) -> tuple[Any, int]:
     return ffi.cast("void *", arr.ctypes.data), span if arr.size else 0
 
 
+class LayoutError(ValueError):
+    """A view whose strides BLAS cannot read as it is (a broadcast, a double stride):
+    a caller may copy it into a BLAS layout and try again."""
+
+
 def _split(arr: np.ndarray, name: str) -> tuple[int, int, int, int, int, int]:
     """(batch or -1, batch stride, rows, cols, row stride, col stride), strides in elements."""
     if not arr.flags.aligned:
-        raise ValueError(f"{name}: data is not aligned to its {arr.itemsize}-byte element size")
+        raise LayoutError(f"{name}: data is not aligned to its {arr.itemsize}-byte element size")
     item = arr.itemsize
     strides = arr.strides
     if any(s % item or s < 0 for s in strides):
-        raise ValueError(f"{name}: byte strides {strides} must be non-negative multiples of {item}")
+        raise LayoutError(
+            f"{name}: byte strides {strides} must be non-negative multiples of {item}"
+        )
     if arr.ndim == 2:
         return -1, 0, *arr.shape, strides[0] // item, strides[1] // item
     if arr.ndim == 3:
@@ -208,7 +215,7 @@ def _matrix_layout(rows: int, cols: int, s0: int, s1: int, name: str) -> tuple[i
         ld = max(1, rows) if cols <= 1 else s1
         if ld >= max(1, rows):
             return 1, ld
-    raise ValueError(
+    raise LayoutError(
         f"{name}: shape ({rows}, {cols}) with element strides ({s0}, {s1}) is not a BLAS "
         "layout (needs one unit stride and a leading dimension >= the other extent); "
         "pack it explicitly"

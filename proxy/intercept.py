@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..kernels import blas_operand
+from ..kernels import LayoutError, blas_operand
 
 aten = torch.ops.aten
 
@@ -117,15 +117,17 @@ class GemmInterceptor(TorchDispatchMode):
         return None
 
     def _product(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        a, b = self._readable(a), self._readable(b)
         self.counts.remote += 1
         self.counts.remote_flops += 2 * a.numel() * b.shape[-1]
-        return self.remote(a, b)
+        try:  # the layout is checked once, where the request is built
+            return self.remote(a, b)
+        except LayoutError:  # raised before anything was sent: copy what BLAS cannot read
+            return self.remote(self._readable(a), self._readable(b))
 
     def _readable(self, x: torch.Tensor) -> torch.Tensor:
         try:
             blas_operand(x, "operand")
-        except ValueError:
+        except LayoutError:
             self.counts.copied += 1
             return x.contiguous()
         return x

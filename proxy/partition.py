@@ -77,6 +77,11 @@ class Block:
         return self.span.size > 2 * self.rows * self.cols
 
     @property
+    def sent_ld(self) -> int:
+        """The leading dimension of the bytes ``GemmTask.packed`` sends for this block."""
+        return self.cols if self.packs else self.ld
+
+    @property
     def nbytes(self) -> int:
         return self.rows * self.cols * self.span.itemsize
 
@@ -151,7 +156,7 @@ class GemmTask:
                 block.span, shape=(block.rows, block.cols),
                 strides=(block.ld * block.span.itemsize, block.span.itemsize),
             )  # fmt: skip
-            self._packed[key] = (np.ascontiguousarray(view).reshape(-1), block.cols)
+            self._packed[key] = (np.ascontiguousarray(view).reshape(-1), block.sent_ld)
         return self._packed[key]
 
     def tile_count(self, block: int) -> int:

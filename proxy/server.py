@@ -345,7 +345,7 @@ class Emulator:
             elif device.colocated:  # it reads the span from its own mapping
                 sent.append((block.span[:0], block.ld, block.ref))
             elif block.key in admission.held:  # it holds the bytes sent before
-                sent.append((block.span[:0], task.packed(block)[1], block.ref))
+                sent.append((block.span[:0], block.sent_ld, block.ref))
             else:  # bytes, to be kept under the ref if they fit
                 sent.append((*task.packed(block), block.ref if admission.fits else []))
         (a, lda, ref_a), (b, ldb, ref_b) = sent

@@ -186,7 +186,11 @@ def load_script(name: str) -> ModuleType:
     spec = importlib.util.spec_from_file_location(Path(name).stem, SCRIPTS / name)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.path.insert(0, str(SCRIPTS))  # as when run: its directory first, for _training
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(SCRIPTS))
     return module
 
 

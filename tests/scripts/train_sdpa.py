@@ -1,19 +1,16 @@
 """Train a small hand-written causal transformer that calls fused attention directly.
 
-Used by tests/test_run.py, run natively and through ``morphling run``: prints the per-step
-losses as one JSON line on stdout and saves the final state_dict to the path in argv[1].
+Used by tests/test_run.py (see ``_training``).
 Per step the model does LINEARS ``nn.Linear`` calls and ATTENTION calls to
 ``F.scaled_dot_product_attention``; the test derives the expected GEMM count from them.
 """
 
-import json
-import sys
-
 import torch
 import torch.nn.functional as F
+from _training import BATCH, SEQ, train
 from torch import nn
 
-STEPS, BATCH, SEQ, VOCAB, DIM, HEADS, LAYERS = 20, 2, 16, 128, 32, 4, 2
+VOCAB, DIM, HEADS, LAYERS = 128, 32, 4, 2
 LINEARS = 4 * LAYERS + 1  # qkv, out, fc1, fc2 per block, then the head
 ATTENTION = LAYERS
 
@@ -52,18 +49,13 @@ class TinyLM(nn.Module):
 def main() -> None:
     torch.manual_seed(0)
     model = TinyLM()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    losses = []
-    for _ in range(STEPS):
+
+    def step_loss() -> torch.Tensor:
         ids = torch.randint(0, VOCAB, (BATCH, SEQ + 1))
         logits = model(ids[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    torch.save(model.state_dict(), sys.argv[1])
-    print(json.dumps(losses))
+        return F.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+
+    train(model, step_loss)
 
 
 if __name__ == "__main__":

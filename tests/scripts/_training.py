@@ -1,0 +1,44 @@
+"""The training loop the test scripts share: what each prints and saves is the same.
+
+Each script is run natively and through ``morphling run`` (its directory is first on
+``sys.path`` either way): it prints the per-step losses as one JSON line on stdout and
+saves the final state_dict to the path in argv[1].
+"""
+
+import json
+import sys
+from collections.abc import Callable
+
+import torch
+
+STEPS, BATCH, SEQ = 20, 2, 16
+
+
+def train(model: torch.nn.Module, step_loss: Callable[[], torch.Tensor]) -> None:
+    """STEPS AdamW steps on ``step_loss()`` (which draws its own batch); report and save."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for _ in range(STEPS):
+        loss = step_loss()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    torch.save(model.state_dict(), sys.argv[1])
+    print(json.dumps(losses))
+
+
+def train_causal_lm(config: dict) -> None:
+    """A Hugging Face causal LM built from ``config`` (seeded, no hub) on random tokens."""
+    from morphling.proxy.hf_models import build_model
+
+    torch.manual_seed(0)  # dropout draws from the global RNG: both runs must see the same
+    model = build_model(config, seed=0)
+    model.train()
+    vocab = model.config.vocab_size
+
+    def step_loss() -> torch.Tensor:
+        ids = torch.randint(0, vocab, (BATCH, SEQ))
+        return model(input_ids=ids, labels=ids).loss
+
+    train(model, step_loss)
