@@ -1,0 +1,897 @@
+"""Read a run directory the engine wrote and reduce it to what a researcher reads.
+
+The engine logs every tile, GEMM, coordinator span, step, OOM and thermal step in virtual
+time (``docs/REPORTS.md`` has the format and the definitions). ``load_run`` checks the log
+as a whole, not line by line only: a report built on an inconsistent log would be quietly
+wrong, so a contradiction is an error naming the line. ``summarize`` computes the figures
+that ``summary.json``, the text table, the trace and the plots all share.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import math
+import statistics
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import MISSING, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+RUN_FILE, EVENTS_FILE = "run.json", "events.jsonl"
+SUMMARY_FILE, TRACE_FILE = "summary.json", "trace.json"
+FORMAT_VERSION = 1
+# A device straggles when, over the GEMMs it takes part in, it finishes on average this
+# fraction of the GEMM's duration after the median device: each such GEMM would have been
+# that much shorter had it kept pace with the median.
+STRAGGLER_LATENESS = 0.2
+STRAGGLER_DEFINITION = (
+    "mean over the GEMMs a device takes part in (with at least one other device) of "
+    "(its last tile back - the median device's last tile back) / the GEMM's duration, "
+    f">= {STRAGGLER_LATENESS}"
+)
+# The critical tile of a GEMM, from issue to its result back: these sum to the GEMM's time.
+COMPONENTS = (
+    "link_queue_s",
+    "download_s",
+    "compute_queue_s",
+    "compute_s",
+    "upload_queue_s",
+    "upload_s",
+)
+BREAKDOWN = ("coordinator_s", *COMPONENTS, "unattributed_s")
+_SUMMED = (
+    "emulated_s",
+    "coordinator_s",
+    "gemm_s",
+    "gemms",
+    "local_gemms",
+    "tiles",
+    "bytes_down",
+    "bytes_up",
+    "oom",
+)
+
+Interval = tuple[float, float]
+Rate = float  # bytes/s: the ``ideal`` link preset's is infinite
+
+
+class RunError(ValueError):
+    """A directory that is not a run, or a run whose files are garbled or inconsistent."""
+
+
+# -- the log's records -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Device:
+    id: int
+    name: str
+    profile: str
+    kind: str
+    flops: float
+    memory_bytes: int
+    dl_bw: Rate
+    ul_bw: Rate
+    dl_lat_s: float
+    ul_lat_s: float
+    cooling: str
+    source: str
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    id: int
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class Tile:
+    line: int
+    job: int
+    gemm: int
+    step: int
+    tile: int
+    device: int
+    bytes_down: int
+    bytes_up: int
+    down: Interval
+    compute: Interval
+    up: Interval
+    freq_mhz: float | None
+    temp_c: float | None
+    nic_down: Interval | None = None
+    nic_up: Interval | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Gemm:
+    line: int
+    job: int
+    gemm: int
+    step: int
+    issue: float
+    end: float
+    tiles: int
+    last_tile: int
+    last_device: int
+    m: int
+    n: int
+    k: int
+    batch: int
+
+
+@dataclass(frozen=True, slots=True)
+class Coord:
+    line: int
+    job: int
+    step: int
+    t0: float
+    t1: float
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    line: int
+    job: int
+    step: int
+    t0: float
+    t1: float
+    gemms: int
+    local_gemms: int
+
+
+@dataclass(frozen=True, slots=True)
+class Oom:
+    line: int
+    job: int
+    gemm: int
+    step: int
+    tile: int
+    device: int
+    t: float
+    need_bytes: int
+    capacity_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Freq:
+    line: int
+    device: int
+    t: float
+    freq_mhz: float | None
+    temp_c: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """A loaded, checked run directory. Times are virtual seconds from the run's start."""
+
+    path: Path
+    policy: str
+    block: int
+    coordinator_time: str
+    bottleneck: dict[str, float] | None
+    command: tuple[str, ...]
+    fleet: tuple[Device, ...]
+    jobs: tuple[Job, ...]
+    tiles: tuple[Tile, ...]
+    gemms: tuple[Gemm, ...]
+    coords: tuple[Coord, ...]
+    steps: tuple[Step, ...]
+    ooms: tuple[Oom, ...]
+    freqs: tuple[Freq, ...]
+    span_s: float  # the last thing that happened
+
+
+# -- field checks: one per field type, shared by every record ------------------------------
+
+
+def _finite(value: object, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"field {name!r} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _nonnegative(value: object, name: str) -> float:
+    number = _finite(value, name)
+    if number < 0:
+        raise ValueError(f"field {name!r} must be >= 0, got {value!r}")
+    return number
+
+
+def _rate(value: object, name: str) -> float:
+    if value == math.inf:
+        return math.inf
+    return _nonnegative(value, name)
+
+
+def _count(value: object, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"field {name!r} must be an integer >= 0, got {value!r}")
+    return value
+
+
+def _text(value: object, name: str) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"field {name!r} must be a string, got {value!r}")
+    return value
+
+
+def _interval(value: object, name: str) -> Interval:
+    if not isinstance(value, list) or len(value) != 2:
+        raise ValueError(f"field {name!r} must be [start, end], got {value!r}")
+    t0, t1 = (_nonnegative(v, name) for v in value)
+    if t1 < t0:
+        raise ValueError(f"field {name!r} ends before it starts: {value!r}")
+    return t0, t1
+
+
+def _nullable(check: Callable[[object, str], Any]) -> Callable[[object, str], Any]:
+    return lambda value, name: None if value is None else check(value, name)
+
+
+# By the field's annotation (a string, under ``from __future__ import annotations``).
+_CHECKS: dict[str, Callable[[object, str], Any]] = {
+    "int": _count,
+    "str": _text,
+    "float": _nonnegative,
+    "Rate": _rate,
+    "Interval": _interval,
+    "Interval | None": _nullable(_interval),
+    "float | None": _nullable(_finite),
+}
+
+
+def _record(cls: type, obj: object, line: int | None = None) -> Any:
+    """``cls`` from a JSON object: each field checked; fields with a default may be absent."""
+    if not isinstance(obj, dict):
+        raise ValueError(f"expected a JSON object, got {obj!r}")
+    values: dict[str, Any] = {} if line is None else {"line": line}
+    for f in fields(cls):
+        if f.name == "line":
+            continue
+        if f.name in obj:
+            values[f.name] = _CHECKS[str(f.type)](obj[f.name], f.name)
+        elif f.default is MISSING:
+            raise ValueError(f"missing field {f.name!r}")
+    return cls(**values)
+
+
+# -- loading ---------------------------------------------------------------------------------
+
+_KINDS: dict[str, type] = {
+    "tile": Tile,
+    "gemm": Gemm,
+    "coord": Coord,
+    "step": Step,
+    "oom": Oom,
+    "freq": Freq,
+}
+
+
+def load_run(path: str | Path) -> Run:
+    """The run in directory ``path``, checked; RunError (a ValueError) says what is wrong."""
+    root = Path(path)
+    meta_file, events_file = root / RUN_FILE, root / EVENTS_FILE
+    if not root.is_dir():
+        raise RunError(f"{root}: not a directory")
+    if not meta_file.is_file():
+        raise RunError(f"{root} is not a Morphling run directory: it has no {RUN_FILE}")
+    if not events_file.is_file():
+        raise RunError(f"{root} is not a complete run directory: it has no {EVENTS_FILE}")
+    meta = _read_meta(meta_file)
+    try:
+        fleet = tuple(_record(Device, d) for d in _list(meta, "fleet"))
+        jobs = tuple(_record(Job, j) for j in _list(meta, "jobs"))
+        for what, ids in (("fleet", [d.id for d in fleet]), ("jobs", [j.id for j in jobs])):
+            if len(set(ids)) != len(ids):
+                raise ValueError(f"field {what!r} repeats an id: {ids}")
+    except ValueError as exc:
+        raise RunError(f"{meta_file}: {exc}") from exc
+    records = _read_events(events_file, meta)
+    ends = [t.up[1] for t in records[Tile]] + [g.end for g in records[Gemm]]
+    ends += [e.t1 for e in (*records[Coord], *records[Step])]
+    ends += [e.t for e in (*records[Oom], *records[Freq])]
+    run = Run(
+        path=root,
+        policy=meta["policy"],
+        block=meta["block"],
+        coordinator_time=meta["coordinator_time"],
+        bottleneck=meta["bottleneck"],
+        command=tuple(meta["command"]),
+        fleet=fleet,
+        jobs=jobs,
+        tiles=tuple(records[Tile]),
+        gemms=tuple(records[Gemm]),
+        coords=tuple(records[Coord]),
+        steps=tuple(records[Step]),
+        ooms=tuple(records[Oom]),
+        freqs=tuple(records[Freq]),
+        span_s=max(ends, default=0.0),
+    )
+    try:
+        _check(run)
+    except ValueError as exc:
+        raise RunError(f"{events_file} {exc}") from exc
+    return run
+
+
+def _list(meta: dict[str, Any], key: str) -> list[Any]:
+    value = meta.get(key)
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"field {key!r} must be a non-empty list, got {value!r}")
+    return value
+
+
+def _read_meta(meta_file: Path) -> dict[str, Any]:
+    try:
+        meta = json.loads(meta_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise RunError(f"{meta_file}: cannot read it as JSON: {exc}") from exc
+    try:
+        if not isinstance(meta, dict):
+            raise ValueError(f"expected a JSON object, got {type(meta).__name__}")
+        if meta.get("version") != FORMAT_VERSION:
+            raise ValueError(
+                f"field 'version' is {meta.get('version')!r}; this reader knows {FORMAT_VERSION}"
+            )
+        for key, check in (("policy", _text), ("coordinator_time", _text), ("block", _count)):
+            if key not in meta:
+                raise ValueError(f"missing field {key!r}")
+            check(meta[key], key)
+        command = meta.setdefault("command", [])  # descriptive only: may be left out
+        if not isinstance(command, list) or not all(isinstance(a, str) for a in command):
+            raise ValueError(f"field 'command' must be a list of strings, got {command!r}")
+        if "bottleneck" not in meta:
+            raise ValueError("missing field 'bottleneck' (null when there is none)")
+        bottleneck = meta["bottleneck"]
+        if bottleneck is not None:  # its parameters, shown as they are: numbers
+            if not isinstance(bottleneck, dict):
+                raise ValueError(
+                    f"field 'bottleneck' must be null or an object, got {bottleneck!r}"
+                )
+            meta["bottleneck"] = {k: _rate(v, f"bottleneck.{k}") for k, v in bottleneck.items()}
+    except ValueError as exc:
+        raise RunError(f"{meta_file}: {exc}") from exc
+    return meta
+
+
+def _read_events(events_file: Path, meta: dict[str, Any]) -> dict[type, list[Any]]:
+    """Every known event, by record type; unknown kinds are skipped (newer engines). When
+    run.json has the log's line count (``events``) and sha256 (``digest``), they must match:
+    a log cut short by a crash or edited afterwards is not silently reported on."""
+    records: dict[type, list[Any]] = {cls: [] for cls in _KINDS.values()}
+    digest, line = hashlib.sha256(), 0
+    try:
+        with events_file.open("rb") as f:
+            for line, raw in enumerate(f, 1):
+                digest.update(raw)
+                _read_event(raw, f"{events_file} line {line}", line, records)
+    except OSError as exc:
+        raise RunError(f"{events_file}: cannot read it: {exc}") from exc
+    if meta.get("events", line) != line:
+        raise RunError(
+            f"{events_file} has {line} lines but run.json says {meta['events']}: "
+            "the log is incomplete or was appended to"
+        )
+    if meta.get("digest", digest.hexdigest()) != digest.hexdigest():
+        raise RunError(f"{events_file} does not match run.json's digest: it changed after the run")
+    return records
+
+
+def _read_event(raw: bytes, where: str, line: int, records: dict[type, list[Any]]) -> None:
+    if not raw.strip():
+        return
+    try:
+        obj = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise RunError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from exc
+    except UnicodeDecodeError as exc:
+        raise RunError(f"{where}: not UTF-8 ({exc.reason} at byte {exc.start})") from exc
+    if not isinstance(obj, dict) or not isinstance(obj.get("ev"), str):
+        raise RunError(f"{where}: not an event (a JSON object with an 'ev' string)")
+    cls = _KINDS.get(obj["ev"])
+    if cls is None:
+        return
+    try:
+        records[cls].append(_record(cls, obj, line))
+    except ValueError as exc:
+        raise RunError(f"{where}: {obj['ev']} event: {exc}") from exc
+
+
+def _check(run: Run) -> None:
+    """Cross-event consistency; each error starts with ``line N:``."""
+    devices, jobs = {d.id for d in run.fleet}, {j.id for j in run.jobs}
+    for e in (*run.tiles, *run.ooms, *run.freqs):
+        if e.device not in devices:
+            raise ValueError(f"line {e.line}: device {e.device} is not in run.json's fleet")
+    for e in (*run.tiles, *run.gemms, *run.coords, *run.steps, *run.ooms):
+        if e.job not in jobs:
+            raise ValueError(f"line {e.line}: job {e.job} is not in run.json's jobs")
+    for t in run.tiles:
+        if t.compute[0] < t.down[1] or t.up[0] < t.compute[1]:
+            raise ValueError(
+                f"line {t.line}: tile {t.tile} of gemm {t.gemm} is out of order: down {t.down}, "
+                f"compute {t.compute}, up {t.up}"
+            )
+    tiles = _unique(run.tiles, lambda t: (t.job, t.gemm, t.tile), "tile")
+    _unique(run.gemms, lambda g: (g.job, g.gemm), "gemm")
+    steps = _unique(run.steps, lambda s: (s.job, s.step), "step")
+    for g in run.gemms:
+        last = tiles.get((g.job, g.gemm, g.last_tile))
+        if last is None:
+            raise ValueError(
+                f"line {g.line}: gemm {g.gemm}'s last_tile {g.last_tile} is not logged"
+            )
+        if last.device != g.last_device or last.up[1] != g.end or last.down[0] < g.issue:
+            raise ValueError(
+                f"line {g.line}: gemm {g.gemm} (issue {g.issue}, end {g.end}, last_device "
+                f"{g.last_device}) disagrees with its last tile on line {last.line}"
+            )
+    for job in jobs:
+        _no_overlap([s for s in run.steps if s.job == job], lambda s: (s.t0, s.t1), "step")
+        spans = [*(g for g in run.gemms if g.job == job), *(c for c in run.coords if c.job == job)]
+        _no_overlap(spans, _span, "gemm or coord")
+        for e in spans:
+            step = steps.get((e.job, e.step))
+            if step is not None and not step.t0 <= _span(e)[0] <= _span(e)[1] <= step.t1:
+                raise ValueError(
+                    f"line {e.line}: {_span(e)} lies outside step {e.step} {step.t0, step.t1} "
+                    f"(line {step.line})"
+                )
+
+
+def _span(e: Gemm | Coord) -> Interval:
+    return (e.issue, e.end) if isinstance(e, Gemm) else (e.t0, e.t1)
+
+
+def _unique(events: Iterable[Any], key: Callable[[Any], tuple], what: str) -> dict[tuple, Any]:
+    seen: dict[tuple, Any] = {}
+    for e in events:
+        if key(e) in seen:
+            raise ValueError(f"line {e.line}: repeats the {what} of line {seen[key(e)].line}")
+        seen[key(e)] = e
+    return seen
+
+
+def _no_overlap(events: list[Any], span: Callable[[Any], Interval], what: str) -> None:
+    """One job does one thing at a time: its steps, and its GEMMs and coordinator spans."""
+    ordered = sorted(events, key=span)
+    for before, after in itertools.pairwise(ordered):
+        if span(after)[0] < span(before)[1]:
+            raise ValueError(
+                f"line {after.line}: {what} {span(after)} overlaps line {before.line}'s "
+                f"{span(before)} of the same job"
+            )
+
+
+# -- summarising -----------------------------------------------------------------------------
+
+
+def union_s(intervals: Iterable[Interval]) -> float:
+    """Seconds covered by at least one interval: a FIFO's busy time."""
+    total, end = 0.0, -math.inf
+    for t0, t1 in sorted(intervals):
+        if t1 > end:
+            total += t1 - max(t0, end)
+            end = t1
+    return total
+
+
+def thermal_samples(run: Run) -> dict[int, list[tuple[float, float | None, float | None]]]:
+    """Per device with a thermal model, (t, MHz, °C) in time order: the frequency changes,
+    and each tile's state at its compute start (a later sample wins a tie)."""
+    samples: dict[int, list[tuple[float, float | None, float | None]]] = defaultdict(list)
+    for f in run.freqs:
+        samples[f.device].append((f.t, f.freq_mhz, f.temp_c))
+    for t in run.tiles:
+        if t.freq_mhz is not None or t.temp_c is not None:
+            samples[t.device].append((t.compute[0], t.freq_mhz, t.temp_c))
+    return {d: sorted(s, key=lambda x: x[0]) for d, s in sorted(samples.items())}
+
+
+def critical_breakdown(gemm: Gemm, tile: Tile) -> dict[str, float]:
+    """Where a GEMM's time went, following its last tile from the GEMM's issue to its end."""
+    return {
+        "link_queue_s": tile.down[0] - gemm.issue,
+        "download_s": tile.down[1] - tile.down[0],
+        "compute_queue_s": tile.compute[0] - tile.down[1],
+        "compute_s": tile.compute[1] - tile.compute[0],
+        "upload_queue_s": tile.up[0] - tile.compute[1],
+        "upload_s": tile.up[1] - tile.up[0],
+    }
+
+
+def summarize(run: Run) -> dict[str, Any]:
+    """Everything the reports show, as JSON-ready data (``summary.json``)."""
+    jobs = _jobs(run)
+    devices = _devices(run)
+    totals = _sum_rows(jobs, _SUMMED)
+    totals.update(
+        span_s=run.span_s,
+        steps=sum(len(j["steps"]) for j in jobs),
+        devices=len(devices),
+        mean_utilisation=statistics.fmean(d["utilisation"] for d in devices),
+    )
+    names = {d.id: d.name for d in run.fleet}
+    info: dict[str, Any] = {
+        "path": str(run.path),
+        "policy": run.policy,
+        "block": run.block,
+        "coordinator_time": run.coordinator_time,
+        "bottleneck": run.bottleneck,
+        "command": list(run.command),
+    }
+    if run.bottleneck is not None:
+        nic_down = union_s(t.nic_down for t in run.tiles if t.nic_down)
+        nic_up = union_s(t.nic_up for t in run.tiles if t.nic_up)
+        info["bottleneck"] = {
+            "parameters": run.bottleneck,
+            "downlink_utilisation": _share(nic_down, run),
+            "uplink_utilisation": _share(nic_up, run),
+        }
+    stragglers = [d for d in devices if (d["lateness"] or 0.0) >= STRAGGLER_LATENESS]
+    return {
+        "version": FORMAT_VERSION,
+        "run": info,
+        "totals": totals,
+        "jobs": jobs,
+        "devices": devices,
+        "stragglers": {
+            "definition": STRAGGLER_DEFINITION,
+            "threshold": STRAGGLER_LATENESS,
+            "devices": [
+                {k: d[k] for k in ("id", "name", "lateness", "gemms", "last_in", "expected_last")}
+                for d in sorted(stragglers, key=lambda d: -d["lateness"])
+            ],
+        },
+        "ooms": {
+            "count": len(run.ooms),
+            "events": [
+                {
+                    "job": o.job,
+                    "step": o.step,
+                    "gemm": o.gemm,
+                    "tile": o.tile,
+                    "device": o.device,
+                    "device_name": names[o.device],
+                    "t": o.t,
+                    "need_bytes": o.need_bytes,
+                    "capacity_bytes": o.capacity_bytes,
+                }
+                for o in sorted(run.ooms, key=lambda o: (o.t, o.device, o.tile))
+            ],
+        },
+    }
+
+
+def _share(busy_s: float, run: Run) -> float:
+    return busy_s / run.span_s if run.span_s > 0 else 0.0
+
+
+def _sum_rows(rows: list[dict[str, Any]], keys: Iterable[str]) -> dict[str, Any]:
+    return {k: sum(r[k] for r in rows) for k in keys}
+
+
+def _jobs(run: Run) -> list[dict[str, Any]]:
+    """Per job, its steps (with their critical paths) and their sums."""
+    by_step: dict[tuple[int, int], dict[str, list[Any]]] = defaultdict(lambda: defaultdict(list))
+    for kind, events in (
+        ("tiles", run.tiles),
+        ("gemms", run.gemms),
+        ("coords", run.coords),
+        ("steps", run.steps),
+        ("ooms", run.ooms),
+    ):
+        for e in events:
+            by_step[e.job, e.step][kind].append(e)
+    tiles = {(t.job, t.gemm, t.tile): t for t in run.tiles}
+    names = {d.id: d.name for d in run.fleet}
+    jobs = []
+    for job in run.jobs:
+        steps = [
+            _step(job.id, step, by_step[job.id, step], tiles, names)
+            for (j, step) in sorted(by_step)
+            if j == job.id
+        ]
+        jobs.append({"id": job.id, "name": job.name, **_sum_rows(steps, _SUMMED), "steps": steps})
+    return jobs
+
+
+def _step(
+    job: int,
+    step: int,
+    events: dict[str, list[Any]],
+    tiles: dict[tuple[int, int, int], Tile],
+    names: dict[int, str],
+) -> dict[str, Any]:
+    """One step's row. A step the engine did not close (the script stopped inside it) spans
+    its logged events and is marked incomplete."""
+    segments = sorted((*events["gemms"], *events["coords"]), key=_span)
+    if events["steps"]:
+        (closed,) = events["steps"]
+        t0, t1, local = closed.t0, closed.t1, closed.local_gemms
+    else:
+        spans = [_span(s) for s in segments] + [(t.down[0], t.up[1]) for t in events["tiles"]]
+        spans += [(o.t, o.t) for o in events["ooms"]]
+        t0, t1, local = min(s[0] for s in spans), max(s[1] for s in spans), 0
+    breakdown = dict.fromkeys(BREAKDOWN, 0.0)
+    path, critical = [], Counter[str]()
+    for seg in segments:
+        if isinstance(seg, Coord):
+            breakdown["coordinator_s"] += seg.t1 - seg.t0
+            path.append({"kind": "coordinator", "t0": seg.t0, "t1": seg.t1})
+            continue
+        tile = tiles[seg.job, seg.gemm, seg.last_tile]
+        parts = critical_breakdown(seg, tile)
+        for k, v in parts.items():
+            breakdown[k] += v
+        critical[names[tile.device]] += 1
+        path.append(
+            {
+                "kind": "gemm",
+                "gemm": seg.gemm,
+                "t0": seg.issue,
+                "t1": seg.end,
+                "tile": tile.tile,
+                "device": tile.device,
+                "device_name": names[tile.device],
+                **parts,
+            }
+        )
+    breakdown["unattributed_s"] = (t1 - t0) - sum(breakdown.values())
+    return {
+        "job": job,
+        "step": step,
+        "complete": bool(events["steps"]),
+        "t0": t0,
+        "t1": t1,
+        "emulated_s": t1 - t0,
+        "coordinator_s": breakdown["coordinator_s"],
+        "gemm_s": sum(g.end - g.issue for g in events["gemms"]),
+        "gemms": len(events["gemms"]),
+        "local_gemms": local,
+        "tiles": len(events["tiles"]),
+        "bytes_down": sum(t.bytes_down for t in events["tiles"]),
+        "bytes_up": sum(t.bytes_up for t in events["tiles"]),
+        "oom": len(events["ooms"]),
+        "critical_path": {
+            "breakdown": breakdown,
+            "devices": dict(critical.most_common()),
+            "segments": path,
+        },
+    }
+
+
+def _devices(run: Run) -> list[dict[str, Any]]:
+    """Per device: work, utilisation of compute and links, thermal state, lateness."""
+    mine: dict[int, list[Tile]] = defaultdict(list)
+    for t in run.tiles:
+        mine[t.device].append(t)
+    thermal = thermal_samples(run)
+    lateness, last_in, expected, gemms = _lateness(run)
+    rows = []
+    for d in run.fleet:
+        tiles = mine[d.id]
+        busy = union_s(t.compute for t in tiles)
+        temps = [temp for _, _, temp in thermal.get(d.id, []) if temp is not None]
+        top, below = _below_top(thermal.get(d.id, []), run.span_s)
+        rows.append(
+            {
+                "id": d.id,
+                "name": d.name,
+                "profile": d.profile,
+                "kind": d.kind,
+                "tiles": len(tiles),
+                "busy_s": busy,
+                "utilisation": _share(busy, run),
+                "downlink_utilisation": _share(union_s(t.down for t in tiles), run),
+                "uplink_utilisation": _share(union_s(t.up for t in tiles), run),
+                "bytes_down": sum(t.bytes_down for t in tiles),
+                "bytes_up": sum(t.bytes_up for t in tiles),
+                "final_temp_c": temps[-1] if temps else None,
+                "top_freq_mhz": top,
+                "below_top_s": below,
+                "gemms": gemms[d.id],
+                "last_in": last_in[d.id],
+                "expected_last": expected[d.id],
+                "lateness": statistics.fmean(lateness[d.id]) if lateness[d.id] else None,
+            }
+        )
+    return rows
+
+
+def _below_top(
+    samples: list[tuple[float, float | None, float | None]], span_s: float
+) -> tuple[float | None, float | None]:
+    """(top MHz, seconds below it): the device starts at its top (highest logged) frequency
+    and holds each logged frequency until the next one."""
+    changes = [(t, mhz) for t, mhz, _ in samples if mhz is not None]
+    if not changes:
+        return None, None
+    top = max(mhz for _, mhz in changes)
+    below, now, mhz_now = 0.0, 0.0, top
+    for t, mhz in [*changes, (span_s, top)]:
+        if mhz_now < top:
+            below += t - now
+        now, mhz_now = t, mhz
+    return top, below
+
+
+def _lateness(
+    run: Run,
+) -> tuple[dict[int, list[float]], Counter[int], dict[int, float], Counter[int]]:
+    """Per device: its lateness in each shared GEMM, how often it was last, how often it
+    would be last by chance (1/participants per GEMM), and how many GEMMs it took part in."""
+    finish: dict[tuple[int, int], dict[int, float]] = defaultdict(dict)
+    for t in run.tiles:
+        mine = finish[t.job, t.gemm]
+        mine[t.device] = max(mine.get(t.device, 0.0), t.up[1])
+    lateness: dict[int, list[float]] = defaultdict(list)
+    last_in, gemms = Counter[int](), Counter[int]()
+    expected: dict[int, float] = defaultdict(float)
+    for g in run.gemms:
+        done = finish[g.job, g.gemm]
+        last_in[g.last_device] += 1
+        for device in done:
+            gemms[device] += 1
+            expected[device] += 1 / len(done)
+        if len(done) >= 2 and g.end > g.issue:
+            median = statistics.median(done.values())
+            for device, t in done.items():
+                lateness[device].append((t - median) / (g.end - g.issue))
+    return lateness, last_in, expected, gemms
+
+
+# -- text ------------------------------------------------------------------------------------
+
+
+def format_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB': binary units, as memory and link sizes are quoted."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _maybe(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _percent(x: float | None) -> str:
+    return _maybe(None if x is None else 100 * x, ".1f")
+
+
+TOP_DEVICES = 10
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """The summary as text: steps, busiest devices, stragglers, the slowest step's critical
+    path, OOMs."""
+    run, totals = summary["run"], summary["totals"]
+    out = [
+        f"run {run['path']}: policy {run['policy']}, block {run['block']}, coordinator time "
+        f"{run['coordinator_time']}, {totals['devices']} devices, "
+        f"{totals['span_s']:.4f} s emulated in all",
+    ]
+    if run["bottleneck"]:
+        b = run["bottleneck"]
+        parameters = ", ".join(f"{k} {v:.4g}" for k, v in b["parameters"].items())
+        out.append(
+            f"shared bottleneck ({parameters}): downlink {_percent(b['downlink_utilisation'])}%, "
+            f"uplink {_percent(b['uplink_utilisation'])}% busy"
+        )
+    out += ["", *_steps_table(summary), "", *_devices_table(summary), ""]
+    out += _stragglers_text(summary)
+    steps = [s for j in summary["jobs"] for s in j["steps"]]
+    if steps:
+        out += ["", *_critical_text(max(steps, key=lambda s: s["emulated_s"]))]
+    ooms = summary["ooms"]
+    out += ["", f"OOM events: {ooms['count']}"]
+    out += [
+        f"  job {o['job']} step {o['step']} gemm {o['gemm']} tile {o['tile']} on "
+        f"{o['device_name']} at {o['t']:.4f} s: needs {format_bytes(o['need_bytes'])} of "
+        f"{format_bytes(o['capacity_bytes'])}"
+        for o in ooms["events"][:TOP_DEVICES]
+    ]
+    if ooms["count"] > TOP_DEVICES:
+        out.append(f"  ... and {ooms['count'] - TOP_DEVICES} more (summary.json lists all)")
+    return "\n".join(out)
+
+
+def _steps_table(summary: dict[str, Any]) -> list[str]:
+    head = (
+        f"{'job':>4} {'step':>5} {'emulated s':>11} {'coord s':>9} {'GEMM s':>9} "
+        f"{'GEMMs':>6} {'local':>6} {'tiles':>7} {'down':>10} {'up':>10} {'OOM':>4}"
+    )
+    rows = [head, "-" * len(head)]
+    for job in summary["jobs"]:
+        for s in job["steps"]:
+            mark = "" if s["complete"] else "  (incomplete)"
+            rows.append(
+                f"{s['job']:>4} {s['step']:>5} {s['emulated_s']:>11.4f} "
+                f"{s['coordinator_s']:>9.4f} {s['gemm_s']:>9.4f} {s['gemms']:>6} "
+                f"{s['local_gemms']:>6} {s['tiles']:>7} {format_bytes(s['bytes_down']):>10} "
+                f"{format_bytes(s['bytes_up']):>10} {s['oom']:>4}{mark}"
+            )
+    t = summary["totals"]
+    rows.append(
+        f"{'all':>10} {t['emulated_s']:>11.4f} {t['coordinator_s']:>9.4f} {t['gemm_s']:>9.4f} "
+        f"{t['gemms']:>6} {t['local_gemms']:>6} {t['tiles']:>7} "
+        f"{format_bytes(t['bytes_down']):>10} {format_bytes(t['bytes_up']):>10} {t['oom']:>4}"
+    )
+    return rows
+
+
+def _devices_table(summary: dict[str, Any]) -> list[str]:
+    devices = sorted(summary["devices"], key=lambda d: (-d["utilisation"], d["id"]))
+    shown = devices[:TOP_DEVICES]
+    rows = [
+        f"devices by compute utilisation ({len(shown)} of {len(devices)}; mean "
+        f"{_percent(summary['totals']['mean_utilisation'])}%):",
+        f"{'id':>5} {'name':<16} {'profile':<12} {'tiles':>7} {'compute%':>9} {'down%':>6} "
+        f"{'up%':>6} {'°C end':>7} {'MHz top':>8} {'below s':>8} {'lateness':>9} {'last in':>9}",
+    ]
+    for d in shown:
+        rows.append(
+            f"{d['id']:>5} {d['name']:<16} {d['profile']:<12} {d['tiles']:>7} "
+            f"{_percent(d['utilisation']):>9} {_percent(d['downlink_utilisation']):>6} "
+            f"{_percent(d['uplink_utilisation']):>6} {_maybe(d['final_temp_c'], '.1f'):>7} "
+            f"{_maybe(d['top_freq_mhz'], '.0f'):>8} {_maybe(d['below_top_s'], '.3f'):>8} "
+            f"{_maybe(d['lateness'], '+.3f'):>9} {'{}/{}'.format(d['last_in'], d['gemms']):>9}"
+        )
+    return rows
+
+
+def _stragglers_text(summary: dict[str, Any]) -> list[str]:
+    stragglers = summary["stragglers"]["devices"]
+    head = f"stragglers (lateness >= {STRAGGLER_LATENESS} of a GEMM's duration):"
+    if not stragglers:
+        return [f"{head} none"]
+    return [head] + [
+        f"  {s['name']}: {s['lateness']:+.3f}, last in {s['last_in']} of its {s['gemms']} "
+        f"GEMMs ({s['expected_last']:.1f} expected by chance)"
+        for s in stragglers
+    ]
+
+
+def _critical_text(step: dict[str, Any]) -> list[str]:
+    total = step["emulated_s"]
+    path = step["critical_path"]
+    rows = [
+        f"critical path of the slowest step (job {step['job']} step {step['step']}, {total:.4f} s):"
+    ]
+    for key, seconds in path["breakdown"].items():
+        share = f"{100 * seconds / total:6.1f}%" if total > 0 else ""
+        rows.append(f"  {key.removesuffix('_s').replace('_', ' '):<16} {seconds:>10.4f} s {share}")
+    devices = ", ".join(f"{name} ({n})" for name, n in list(path["devices"].items())[:TOP_DEVICES])
+    rows.append(f"  last tile on: {devices or 'no GEMM'}")
+    return rows
+
+
+# -- files -----------------------------------------------------------------------------------
+
+
+def write_reports(run_dir: str | Path, *, plots: bool = True) -> list[Path]:
+    """Load and summarise the run in ``run_dir`` and write its reports there; their paths."""
+    run = load_run(run_dir)
+    return write_report_files(run, summarize(run), plots=plots)
+
+
+def write_report_files(run: Run, summary: dict[str, Any], *, plots: bool = True) -> list[Path]:
+    """``summary.json``, ``trace.json`` and (with ``plots``) the PNGs, in the run directory."""
+    from .chrome_trace import write_trace
+
+    summary_path, trace_path = run.path / SUMMARY_FILE, run.path / TRACE_FILE
+    summary_path.write_text(json.dumps(summary, indent=1) + "\n")
+    write_trace(run, trace_path)
+    paths = [summary_path, trace_path]
+    if plots:
+        from .plots import write_plots
+
+        paths += write_plots(run, summary, run.path)
+    return paths
