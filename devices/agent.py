@@ -77,6 +77,7 @@ class DeviceConnection(FrameConnection):
             ))  # fmt: skip
         elif t == MsgType.WELCOME:
             agent.device_id = msg.peer_id
+            agent.joined.set()
             self.start_heartbeats(msg.heartbeat_s, 3 * msg.heartbeat_s)
             log.info("%s registered as device %d", agent.name, msg.peer_id)
         elif self.answer_probe(msg):
@@ -196,6 +197,7 @@ class DeviceAgent:
         self.device_id: int | None = None
         self.last_error: tuple[str, str] | None = None
         self.connection: DeviceConnection | None = None
+        self.joined = asyncio.Event()  # registered once, or gave up trying
         self._stopping = False
         self.allocate = pool_allocator(pool)
 
@@ -216,11 +218,25 @@ class DeviceAgent:
         reconnect: bool = True,
         max_backoff_s: float = 30.0,
         gate: asyncio.Semaphore | None = None,
+        after: asyncio.Event | None = None,
     ) -> int:
         """Stay connected until ``stop()`` or a fatal refusal; the exit code.
 
-        ``gate`` bounds how many devices of a fleet connect at the same moment.
+        ``gate`` bounds how many devices of a fleet connect at the same moment;
+        the first connection waits for ``after`` (the previous device's ``joined``),
+        so a fleet's devices get their ids in its order.
         """
+        try:
+            return await self._run(host, port, reconnect, max_backoff_s, gate, after)
+        finally:
+            self.joined.set()
+
+    async def _run(
+        self, host: str, port: int, reconnect: bool, max_backoff_s: float,
+        gate: asyncio.Semaphore | None, after: asyncio.Event | None,
+    ) -> int:  # fmt: skip
+        if after is not None:
+            await after.wait()
         attempt = 0
         while not self._stopping:
             try:

@@ -17,7 +17,9 @@ from ..kernels import BufferPool, CpuBackend, WorkerPool
 from ..runtime import parse_server, serve
 from .agent import DeviceAgent
 from .fleet import Fleet
+from .links import LINKS
 from .profiles import DEFAULT_PROFILE, expand_fleet, load_profile
+from .thermal import COOLING
 
 log = logging.getLogger("morphling.devices")
 
@@ -45,6 +47,10 @@ class DeviceConfig:
 class FleetConfig:
     server: str = _opt("127.0.0.1:39000", _SERVER)
     devices: str = _opt("4", "fleet SPEC: NAME:COUNT,... (e.g. rpi4:12,orin-nano:4) or a count")
+    link: str = _opt("", "link preset for every device (empty: the profiles' own)",
+                     choices=("", *LINKS))  # fmt: skip
+    cooling: str = _opt("", "cooling of every device (empty: the profiles' own)",
+                        choices=("", *COOLING))  # fmt: skip
     token: str = _opt("", "shared secret, if the emulator requires one")
     threads: int = _opt(os.cpu_count() or 1, _THREADS, min=1)
 
@@ -93,7 +99,9 @@ def run_device(args: argparse.Namespace) -> int:
 def run_fleet(args: argparse.Namespace) -> int:
     try:
         cfg, host, port = _load(FleetConfig, args, "fleet")
-        profiles = expand_fleet(cfg.devices)
+        profiles = expand_fleet(
+            cfg.devices, link_name=cfg.link or None, cooling=cfg.cooling or None
+        )
     except ValueError as exc:
         print(f"morphling fleet: {exc}", file=sys.stderr)
         return 2

@@ -2,7 +2,9 @@
 
 Every device has its own connection, profile and registration, but they
 share one kernel worker pool and one buffer pool, so host memory grows with
-the number of devices only by a connection's small cost.
+the number of devices only by a connection's small cost. Devices register
+one after another, in the fleet's order, so the emulator gives them the
+same ids on every run: the virtual timeline breaks ties by device id.
 """
 
 from __future__ import annotations
@@ -39,7 +41,12 @@ class Fleet:
         """Run every device; the worst exit code among them."""
         gate = asyncio.Semaphore(CONNECT_CONCURRENCY)
         log.info("fleet: %d virtual devices connecting to %s:%d", len(self.agents), host, port)
-        codes = await asyncio.gather(*(a.run(host, port, gate=gate) for a in self.agents))
+        previous: asyncio.Event | None = None
+        runs = []
+        for agent in self.agents:
+            runs.append(agent.run(host, port, gate=gate, after=previous))
+            previous = agent.joined
+        codes = await asyncio.gather(*runs)
         return max(codes, default=0)
 
     def stop(self) -> None:

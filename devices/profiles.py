@@ -12,14 +12,20 @@ import dataclasses
 import math
 import re
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from .compute_model import ComputeModel
+from .links import LINKS, link
+from .thermal import COOLING, ThermalParams, thermal_for
 
 _KINDS = ("cpu", "gpu")
 _FLOAT_FIELDS = ("flops", "dl_bw", "ul_bw", "dl_lat_s", "ul_lat_s")
 _LATENCY_FIELDS = ("dl_lat_s", "ul_lat_s")
-_STR_FIELDS = ("name", "kind", "blas", "source")
+_BANDWIDTH_FIELDS = ("dl_bw", "ul_bw")  # may be infinite: an ideal link
+_STR_FIELDS = ("name", "kind", "blas", "source", "cooling")
+_MODEL_FIELDS = {"compute": ComputeModel, "thermal": ThermalParams}  # optional, {} = none
 _REPR_LIMIT = 60  # error messages quote untrusted values; keep them short
 
 
@@ -33,8 +39,11 @@ def _short(value: object) -> str:
 class DeviceProfile:
     """One device's analytic model; validated on construction so a bad one never runs.
 
-    Bandwidths are bytes/s, latencies one-way seconds (zero allowed: an ideal link is a
-    legitimate what-if); downlink is emulator→device, uplink device→emulator.
+    Bandwidths are bytes/s, latencies one-way seconds (zero latency and infinite
+    bandwidth allowed: an ideal link is a legitimate what-if); downlink is
+    emulator→device, uplink device→emulator. ``compute`` is a fitted compute model
+    (``ComputeModel.to_dict``; empty: the analytic 2·m·n·k/flops) and ``thermal`` a
+    thermal model (``ThermalParams.to_dict``, with ``cooling`` applied; empty: none).
     """
 
     name: str
@@ -47,6 +56,9 @@ class DeviceProfile:
     kind: str
     blas: str
     source: str
+    cooling: str = "none"
+    compute: dict = field(default_factory=dict)
+    thermal: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for key in _STR_FIELDS:
@@ -73,14 +85,29 @@ class DeviceProfile:
             except OverflowError:  # an int past float range, e.g. from a hostile peer
                 value = math.inf
             floor_ok = value >= 0 if key in _LATENCY_FIELDS else value > 0
-            if not (math.isfinite(value) and floor_ok):
-                bound = "finite and >= 0" if key in _LATENCY_FIELDS else "finite and > 0"
+            finite_ok = math.isfinite(value) or (key in _BANDWIDTH_FIELDS and value > 0)
+            if not (finite_ok and floor_ok):
+                bound = "finite and >= 0" if key in _LATENCY_FIELDS else "> 0"
+                bound += "" if key in _LATENCY_FIELDS or key in _BANDWIDTH_FIELDS else " and finite"
                 raise ValueError(f"profile field {key!r} must be {bound}, got {_short(value)}")
             # TOML and msgpack may carry whole numbers as ints; store one type.
             object.__setattr__(self, key, value)
+        if self.cooling not in COOLING:
+            raise ValueError(f"profile field 'cooling' must be one of {tuple(COOLING)}, "
+                             f"got {_short(self.cooling)}")  # fmt: skip
+        for key, model in _MODEL_FIELDS.items():
+            value = getattr(self, key)
+            if not isinstance(value, dict):
+                raise ValueError(f"profile field {key!r} must be a table, got {_short(value)}")
+            if value:
+                try:
+                    model.from_dict(value)
+                except ValueError as exc:
+                    raise ValueError(f"profile field {key!r}: {exc}") from None
 
     def compute_s(self, m: int, n: int, k: int, batch: int = 1) -> float:
-        """Seconds for ``batch`` GEMMs of (m×k)·(k×n) at the sustained rate (2·m·n·k FLOPs each)."""
+        """Seconds for ``batch`` GEMMs of (m×k)·(k×n) at the sustained rate (2·m·n·k FLOPs
+        each): the plain analytic model, for planning before the fitted one applies."""
         if min(m, n, k, batch) < 0:
             raise ValueError(f"GEMM dimensions must be >= 0, got m={m} n={n} k={k} batch={batch}")
         return 2.0 * m * n * k * batch / self.flops
@@ -110,22 +137,24 @@ class DeviceProfile:
         if unknown:
             shown = ", ".join(sorted(_short(key) for key in unknown))
             raise ValueError(f"profile has unknown key(s): {shown}")
-        missing = [key for key in _FIELD_NAMES if key not in d]
+        missing = [key for key in _REQUIRED if key not in d]
         if missing:
             raise ValueError(f"profile is missing key(s): {', '.join(map(repr, missing))}")
         return cls(**d)
 
 
 _FIELD_NAMES = tuple(f.name for f in dataclasses.fields(DeviceProfile))
+_REQUIRED = tuple(
+    f.name
+    for f in dataclasses.fields(DeviceProfile)
+    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+)
 
 GIB = 1 << 30
 
-# Links: every built-in defaults to a wired LAN. All of these boards have a gigabit Ethernet
-# port; TCP goodput on gigabit is 1448 payload bytes per 1538 bytes on the wire (1500 MTU less
-# 20 B IP, 20 B TCP, 12 B timestamps; plus 14 B header, 4 B FCS, 8 B preamble, 12 B gap), the
-# ~940 Mbit/s iperf reports. One-way delay is REFERENCE.md's LAN figure.
-_GIGABIT_TCP_BW = 125e6 * 1448 / 1538  # ≈ 117.7 MB/s, each direction
-_LAN_ONE_WAY_S = 0.15e-3
+# Links: every built-in defaults to a wired LAN (all of these boards have a gigabit
+# Ethernet port); ``--link`` swaps in another preset.
+_LAN = LINKS["lan"]
 
 # CPU boards: REFERENCE.md gives HPL (FP64). HPL is dominated by DGEMM, and NEON holds twice
 # as many fp32 lanes as fp64, so fp32 GEMM ≈ 2 × the HPL figure. This is an estimate, not a
@@ -139,7 +168,6 @@ _FP32_PER_FP64_SIMD = 2.0
 _CUBLAS_SGEMM_FRACTION = 0.75
 
 _PUBLISHED = "derived from published figures: "
-_LAN_CITE = "; LAN gigabit Ethernet, 0.15 ms one-way (REFERENCE.md, Links)"
 
 
 def _lan_profile(
@@ -150,13 +178,13 @@ def _lan_profile(
         name=name,
         flops=flops,
         memory_bytes=memory_bytes,
-        dl_bw=_GIGABIT_TCP_BW,
-        ul_bw=_GIGABIT_TCP_BW,
-        dl_lat_s=_LAN_ONE_WAY_S,
-        ul_lat_s=_LAN_ONE_WAY_S,
+        dl_bw=_LAN.dl_bw,
+        ul_bw=_LAN.ul_bw,
+        dl_lat_s=_LAN.dl_lat_s,
+        ul_lat_s=_LAN.ul_lat_s,
         kind=kind,
         blas=blas,
-        source=_PUBLISHED + cite + _LAN_CITE,
+        source=f"{_PUBLISHED}{cite}; LAN: {_LAN.source}",
     )
 
 
@@ -236,14 +264,35 @@ BUILTIN: dict[str, DeviceProfile] = {
     ),
 }
 
+# Each built-in carries its thermal model (devices/thermal.py, also from REFERENCE.md).
+BUILTIN = {
+    name: dataclasses.replace(p, thermal=params.to_dict())
+    if (params := thermal_for(name, "none")) is not None
+    else p
+    for name, p in BUILTIN.items()
+}
+
 DEFAULT_PROFILE = "rpi4"
 
 
-def _load_toml(path: Path) -> DeviceProfile:
-    """Read the ``[profile]`` table of a TOML file.
+def with_cooling(profile: DeviceProfile, cooling: str) -> DeviceProfile:
+    """``profile`` with another cooling (``COOLING``): its thermal model changes with it."""
+    if cooling not in COOLING:
+        raise ValueError(f"unknown cooling {cooling!r}; choose from {', '.join(COOLING)}")
+    if cooling == profile.cooling:
+        return profile
+    thermal = profile.thermal
+    if thermal:
+        thermal = ThermalParams.from_dict(thermal).with_cooling(cooling).to_dict()
+    return dataclasses.replace(profile, cooling=cooling, thermal=thermal)
 
-    Other top-level tables (fitted performance or thermal models) belong to their own readers
-    and are left alone here; inside ``[profile]`` every key must be a field.
+
+def _load_toml(path: Path) -> DeviceProfile:
+    """Read a profile file: its ``[profile]`` table, and the fitted models that
+    ``morphling profile`` writes beside it (``[compute]``, ``[thermal]``).
+
+    Other top-level tables (provenance, the trace summary) are for people; inside
+    ``[profile]`` every key must be a field.
     """
     try:
         with path.open("rb") as f:
@@ -255,8 +304,9 @@ def _load_toml(path: Path) -> DeviceProfile:
     table = doc.get("profile")
     if not isinstance(table, dict):
         raise ValueError(f"profile file {str(path)!r} has no [profile] table")
+    models = {key: doc[key] for key in _MODEL_FIELDS if key in doc}
     try:
-        return DeviceProfile.from_wire({"source": str(path), **table})
+        return DeviceProfile.from_wire({"source": str(path), **table, **models})
     except ValueError as exc:
         raise ValueError(f"profile file {str(path)!r}: {exc}") from exc
 
@@ -287,12 +337,25 @@ def _parse_count(text: str, entry: str) -> int:
     return count
 
 
-def parse_fleet_spec(spec: str) -> list[tuple[DeviceProfile, int]]:
-    """Parse ``"rpi4:12,orin-nano:4"``, ``"16"`` (of ``DEFAULT_PROFILE``) or ``"rpi4"`` (one).
+def parse_fleet_spec(
+    spec: str, *, link_name: str | None = None, cooling: str | None = None
+) -> list[tuple[DeviceProfile, int]]:
+    """Parse ``"rpi4:12,orin-nano:4"``, ``"16"`` (of ``DEFAULT_PROFILE``) or ``"rpi4"`` (one),
+    every device on link preset ``link_name`` and with ``cooling`` when given.
 
     Entries may be TOML profile paths (``lab/pi.toml:3``); the count is after the last ``:``.
     Every error quotes the offending entry, since specs are typed by hand.
     """
+    fleet = _parse_entries(spec)
+    preset = link(link_name) if link_name is not None else None
+    if cooling is not None:
+        fleet = [(with_cooling(p, cooling), n) for p, n in fleet]
+    if preset is not None:
+        fleet = [(preset.apply(p), n) for p, n in fleet]
+    return fleet
+
+
+def _parse_entries(spec: str) -> list[tuple[DeviceProfile, int]]:
     stripped = spec.strip()
     if not stripped:
         raise ValueError("empty fleet spec: give e.g. 'rpi4:12,orin-nano:4' or a count")
@@ -318,6 +381,9 @@ def parse_fleet_spec(spec: str) -> list[tuple[DeviceProfile, int]]:
     return fleet
 
 
-def expand_fleet(spec: str) -> list[DeviceProfile]:
+def expand_fleet(
+    spec: str, *, link_name: str | None = None, cooling: str | None = None
+) -> list[DeviceProfile]:
     """One profile per device, in spec order: what a fleet instantiates."""
-    return [profile for profile, count in parse_fleet_spec(spec) for _ in range(count)]
+    fleet = parse_fleet_spec(spec, link_name=link_name, cooling=cooling)
+    return [profile for profile, count in fleet for _ in range(count)]

@@ -32,12 +32,14 @@ DTYPES = ("float32", "float64")
 
 
 def gemm_request(
-    gemm: int, a: Any, b: Any, shared: tuple[int, int] | None = None
-) -> tuple[Gemm, tuple[int, ...]]:
+    gemm: int, a: Any, b: Any, shared: tuple[int, int] | None = None, *, after: int = 0,
+    host_ns: int = 0,
+) -> tuple[Gemm, tuple[int, ...]]:  # fmt: skip
     """The GEMM message for ``a @ b`` and the shape of its result.
 
     An operand inside ``shared`` (the address and size of this process's mapping of
     the emulator's shared weights) goes by reference, with its tensor version.
+    ``after`` and ``host_ns`` place it in virtual time (see ``Gemm``).
     """
     oa, ob = blas_operand(a, "a"), blas_operand(b, "b")
     dtype = oa.span.dtype.name
@@ -55,7 +57,7 @@ def gemm_request(
         m=oa.rows, n=ob.cols, k=oa.cols, lda=oa.ld, ldb=ob.ld, batch=max(batch, 1),
         stride_a=oa.stride if oa.batch >= 0 else 0,
         stride_b=ob.stride if ob.batch >= 0 else 0,
-        ref_a=ref_a, ref_b=ref_b,
+        ref_a=ref_a, ref_b=ref_b, after=after, host_ns=host_ns,
         segments=(oa.span[:0] if ref_a else oa.span, ob.span[:0] if ref_b else ob.span),
     )  # fmt: skip
     shape = (oa.rows, ob.cols) if batch < 0 else (batch, oa.rows, ob.cols)
@@ -184,7 +186,7 @@ class AsyncClient:
         return await future
 
     async def step(self, step: int) -> Step:
-        """Mark the end of a training step; the emulator's totals so far."""
+        """Mark the end of a training step; the emulator's account of it."""
         return await self._ask(Step(step=step))
 
     async def close(self) -> Close | None:
@@ -205,6 +207,11 @@ class Client:
     One request is in flight at a time (calls from several threads are
     serialised). A daemon thread sends HEARTBEAT whenever the caller has sent
     nothing for a heartbeat period, so a script busy elsewhere stays connected.
+
+    Each GEMM and step mark says how long the caller computed on the host since
+    its last result (``elapsed_ns``, or the ``host_ns`` it passes): the
+    coordinator time between GEMMs in the emulator's virtual timeline. The job's
+    first GEMM counts none (setting up the script is not emulated).
     """
 
     def __init__(
@@ -222,6 +229,8 @@ class Client:
         self._stopped = threading.Event()
         self.error: EmulatorError | None = None
         self.shared: tuple[int, int] | None = None  # see gemm_request
+        self._after = 0  # the GEMM whose result came last (0: a step mark, or none yet)
+        self._since_ns: int | None = None  # when it came (perf_counter_ns)
         try:
             greeting = self._expect(MsgType.GREETING, timeout)
             self.weights: dict[str, Any] = greeting.weights  # what the emulator shares
@@ -235,25 +244,42 @@ class Client:
         threading.Thread(target=self._beat, args=(welcome.heartbeat_s,), daemon=True,
                          name=f"morphling-heartbeat-{self.job_id}").start()  # fmt: skip
 
-    def matmul(self, a: Any, b: Any, out: Any = None, *, timeout: float | None = None) -> Any:
-        """``a @ b`` as in ``AsyncClient.matmul``."""
-        request, shape = gemm_request(next(self._ids), a, b, self.shared)
+    def elapsed_ns(self) -> int:
+        """Host time since the last result (0 before the first GEMM)."""
+        return 0 if self._since_ns is None else time.perf_counter_ns() - self._since_ns
+
+    def matmul(
+        self, a: Any, b: Any, out: Any = None, *, timeout: float | None = None,
+        host_ns: int | None = None,
+    ) -> Any:  # fmt: skip
+        """``a @ b`` as in ``AsyncClient.matmul``; ``host_ns`` overrides the measured
+        coordinator time since the last result."""
+        request, shape = gemm_request(
+            next(self._ids), a, b, self.shared, after=self._after,
+            host_ns=self.elapsed_ns() if host_ns is None else host_ns,
+        )  # fmt: skip
         return result_array(request, self.submit(request, timeout=timeout), shape, out)
 
     def submit(self, request: Gemm, *, timeout: float | None = None) -> Result:
-        """Send an explicit GEMM request and wait for its RESULT."""
+        """Send an explicit GEMM request (its ``after``/``host_ns`` as the caller set
+        them) and wait for its RESULT."""
         with self._call_lock:
             self._send(request)
             while True:  # a RESULT for an abandoned (timed-out) request is dropped
                 result = self._expect(MsgType.RESULT, timeout)
                 if result.gemm == request.gemm:
+                    self._after, self._since_ns = result.gemm, time.perf_counter_ns()
                     return result
 
-    def step(self, step: int) -> Step:
-        """Mark the end of a training step; the emulator's totals so far."""
+    def step(self, step: int, *, host_ns: int | None = None, local_gemms: int = 0) -> Step:
+        """Mark the end of a training step (``local_gemms`` computed on the host in it);
+        the emulator's account of it, once the step is settled in virtual time."""
         with self._call_lock:
-            self._send(Step(step=step))
-            return self._expect(MsgType.STEP, None)
+            host = self.elapsed_ns() if host_ns is None else host_ns
+            self._send(Step(step=step, host_ns=host, local_gemms=local_gemms))
+            reply = self._expect(MsgType.STEP, None)
+            self._after, self._since_ns = 0, time.perf_counter_ns()
+            return reply
 
     def close(self) -> Close | None:
         """End the job; its totals (None when the connection was already gone)."""

@@ -31,9 +31,12 @@ class EmbeddedFleet:
     """``start()`` returns the emulator's (host, port) once every device is ready."""
 
     def __init__(
-        self, devices: str, config: EmulatorConfig | None = None, *, threads: int | None = None
-    ) -> None:
-        self.profiles = expand_fleet(devices)  # ValueError for a bad SPEC, before any thread
+        self, devices: str, config: EmulatorConfig | None = None, *, threads: int | None = None,
+        link: str | None = None, cooling: str | None = None, run_info: dict | None = None,
+    ) -> None:  # fmt: skip
+        # ValueError for a bad SPEC, link or cooling, before any thread starts
+        self.profiles = expand_fleet(devices, link_name=link, cooling=cooling)
+        self.run_info = run_info or {}  # extra keys for the run directory's run.json
         self.config = dataclasses.replace(
             config or EmulatorConfig(), listen_ip="127.0.0.1", listen_port=0
         )
@@ -66,6 +69,7 @@ class EmbeddedFleet:
             with WorkerPool([CpuBackend(threads=self.threads)]) as workers:
                 pool = BufferPool()  # one pool (and one memlock budget) for both sides
                 emulator = self.emulator = Emulator(self.config, pool=pool)
+                emulator.run_info.update(self.run_info)
                 host, port = await emulator.start()
                 fleet = Fleet(self.profiles, workers, pool, token=self.config.token)
                 running = asyncio.ensure_future(fleet.run(host, port))

@@ -14,6 +14,10 @@ locally and is counted with the reason. Operands go as they are laid out
 (transposed views included); only a layout BLAS cannot read (a broadcast
 with stride 0, say) is copied first, and that is counted too. This module
 does no I/O: it calls ``remote(a, b)`` and adds the bias terms itself.
+
+Given a ``HostWork``, it also counts the work that stays on the host (every
+other aten op, the bytes it writes, local GEMMs' FLOPs): what the modelled
+coordinator time is made of.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..kernels import LayoutError, blas_operand
+from .coordinator import HostWork
 
 aten = torch.ops.aten
 
@@ -60,10 +65,13 @@ class GemmCounts:
 class GemmInterceptor(TorchDispatchMode):
     """Route eligible ``mm``/``addmm``/``bmm``/``baddbmm`` calls to ``remote``."""
 
-    def __init__(self, remote: Remote, *, min_flops: int = 0) -> None:
+    def __init__(
+        self, remote: Remote, *, min_flops: int = 0, host_work: HostWork | None = None
+    ) -> None:
         super().__init__()
         self.remote = remote
         self.min_flops = min_flops
+        self.host_work = host_work
         self.counts = GemmCounts()
         self._handlers: dict[Any, Callable[..., torch.Tensor]] = {
             aten.mm.default: self._mm,
@@ -75,8 +83,18 @@ class GemmInterceptor(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
         handler = self._handlers.get(func)
         if handler is None:
-            return func(*args, **(kwargs or {}))
+            out = func(*args, **(kwargs or {}))
+            if self.host_work is not None:
+                self._count_local(out)
+            return out
         return handler(func, *args, **(kwargs or {}))
+
+    def _count_local(self, out: Any) -> None:
+        work = self.host_work
+        work.ops += 1
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                work.bytes += t.numel() * t.element_size()
 
     # -- handlers (the mode is off inside them, so torch ops here run natively) ----------
 
@@ -101,6 +119,9 @@ class GemmInterceptor(TorchDispatchMode):
         if reason is None:
             return True
         self.counts.local[reason] += 1
+        if self.host_work is not None:
+            self.host_work.ops += 1
+            self.host_work.flops += 2 * a.numel() * b.shape[-1]
         return False
 
     def _local_reason(self, a: torch.Tensor, b: torch.Tensor) -> str | None:

@@ -268,6 +268,10 @@ class Gemm(Message):
     transposed when ``t*`` is set, exactly as BLAS takes it. An operand that
     lies in the shared weights is sent as ``ref_*`` = [byte offset, version]
     with an empty segment.
+
+    Virtual time: the GEMM is issued ``host_ns`` (coordinator time on the host)
+    after GEMM ``after`` of the same job ended — the one whose result the job
+    last waited for; 0: after the job's last settled event.
     """
 
     TYPE = MsgType.GEMM
@@ -286,15 +290,18 @@ class Gemm(Message):
     stride_b: int = 0
     ref_a: list = field(default_factory=list)
     ref_b: list = field(default_factory=list)
+    after: int = 0
+    host_ns: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class Result(Message):
     """Server → job: C of GEMM ``gemm``, [batch, m, n] row-major, and how it was computed.
 
-    ``model_ns`` is the GEMM's modelled duration on the fleet (the slowest
-    device's sum of its tiles' predicted link and compute time);
-    ``bytes_down``/``bytes_up`` are the tile bytes sent to and received from devices.
+    ``model_ns`` is the GEMM's duration in virtual time, from its issue to its
+    last tile back (0 when the timeline has not settled it yet: other jobs may
+    still issue GEMMs before its end); ``bytes_down``/``bytes_up`` are the tile
+    bytes sent to and received from devices over this emulator's sockets.
     """
 
     TYPE = MsgType.RESULT
@@ -311,13 +318,25 @@ class Result(Message):
 
 @dataclass(frozen=True, slots=True)
 class Step(Message):
-    """Job → server: a training step ended; the server answers with the same message."""
+    """Job → server: training step ``step`` ended ``host_ns`` after the job's last GEMM
+    result. The server answers, once the step is settled in virtual time, with the
+    same message describing it: its emulated span (``emulated_ns``) and the part
+    that was coordinator time, its GEMMs and tiles, the bytes the fleet's links
+    would carry (``link_*``, not counting weight blocks resident on devices),
+    the bytes that crossed this emulator's sockets since the last STEP
+    (``bytes_*``), and its emulated out-of-memory events.
+    """
 
     TYPE = MsgType.STEP
     step: int
+    host_ns: int = 0
+    local_gemms: int = 0  # job → server: GEMMs it computed itself in the step (reported)
+    emulated_ns: int = 0
+    coord_ns: int = 0
     gemms: int = 0
     tiles: int = 0
-    model_ns: int = 0
+    link_down: int = 0
+    link_up: int = 0
     bytes_down: int = 0
     bytes_up: int = 0
     oom: int = 0  # tiles whose operands did not fit a device's emulated memory

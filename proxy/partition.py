@@ -110,7 +110,7 @@ class GemmTask:
     cancelled: bool = False
     weights: dict[str, tuple[int, int]] = field(default_factory=dict)  # operand → (offset, ver.)
     oom: int = 0
-    device_s: dict[int, float] = field(default_factory=dict)  # predicted busy time per device
+    virtual_ns: int = 0  # issue to end in virtual time, once the timeline settled it
     bytes_down: int = 0
     bytes_up: int = 0
     _packed: dict[int, tuple[np.ndarray, int]] = field(default_factory=dict)
@@ -118,11 +118,6 @@ class GemmTask:
     @property
     def id(self) -> int:
         return self.request.gemm
-
-    @property
-    def model_ns(self) -> int:
-        """The modelled duration: devices work in parallel, so the busiest one's time."""
-        return int(max(self.device_s.values(), default=0.0) * 1e9)
 
     def block(self, which: str, pivot: int, lo: int, hi: int) -> Block:
         """Rows ``lo:hi`` of op(A) (``which="a"``) or columns of op(B), as stored."""

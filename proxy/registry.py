@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..devices.profiles import DeviceProfile
-from .memory import DeviceMemory
 from .partition import TileTask
 
 
 @dataclass(eq=False)
 class DeviceRecord:
-    """A registered device. ``model`` is the profile the scheduler plans with."""
+    """A registered device. ``model`` is the profile its virtual twin runs on; ``queue``
+    holds the tiles placed on it and not yet sent (with their memory admission)."""
 
     id: int
     name: str
@@ -23,25 +24,15 @@ class DeviceRecord:
     model: DeviceProfile
     ready: bool = False
     outstanding: dict[int, TileTask] = field(default_factory=dict)
-    predicted_s: dict[int, float] = field(default_factory=dict)
-    backlog_s: float = 0.0  # the sum of predicted_s: the greedy policy's clock
+    queue: deque = field(default_factory=deque)
     completed: int = 0
     colocated: bool = False  # maps the emulator's shared weights (same host)
-    memory: DeviceMemory = field(init=False)
 
-    def __post_init__(self) -> None:
-        self.memory = DeviceMemory(self.declared.memory_bytes)
-
-    def take(self, tile: TileTask, predicted_s: float) -> None:
+    def take(self, tile: TileTask) -> None:
         self.outstanding[tile.id] = tile
-        self.predicted_s[tile.id] = predicted_s
-        self.backlog_s += predicted_s
 
     def give_back(self, tile_id: int) -> TileTask | None:
         """The tile it no longer holds, or None when it did not hold ``tile_id``."""
-        self.backlog_s -= self.predicted_s.pop(tile_id, 0.0)
-        if not self.predicted_s:
-            self.backlog_s = 0.0  # no drift from float sums once idle
         return self.outstanding.pop(tile_id, None)
 
     def can_take(self, window: int) -> bool:

@@ -4,7 +4,9 @@ The script runs in this process (as ``python`` would run it: ``__main__``,
 its ``sys.argv``, its directory first on ``sys.path``) inside
 ``session.emulate``, so its GEMMs go to the emulator. At the end the
 per-step report is printed to stderr (the script owns stdout) and, with
-``--json``, written as JSON. The exit code is the script's.
+``--json``, written as JSON. With ``--embedded`` the virtual timeline is
+written to a run directory and reported on (``morphling report`` reads it
+again). The exit code is the script's.
 """
 
 from __future__ import annotations
@@ -16,15 +18,19 @@ import logging
 import os
 import runpy
 import sys
+import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
 from .. import config as configuration
 from ..config import option as _opt
+from ..devices.links import LINKS
 from ..devices.profiles import expand_fleet
+from ..devices.thermal import COOLING
 from ..runtime import parse_server
-from .scheduler import POLICIES
+from .coordinator import MODES
+from .placement import POLICIES
 from .settings import DEFAULT_MIN_FLOPS, EmulatorConfig
 
 log = logging.getLogger("morphling.job")
@@ -43,8 +49,30 @@ class RunConfig:
         "parameters become views of it, sent to devices by reference",
     )
     block_size: int = _opt(0, "tile edge (0: the emulator's default)", min=0)
-    policy: str = _opt("greedy", "tile scheduling policy (--embedded)", choices=POLICIES)
+    policy: str = _opt("greedy", "tile placement policy (--embedded)", choices=POLICIES)
+    link: str = _opt("", "link preset for every device (--embedded; empty: the profiles' own)",
+                     choices=("", *LINKS))  # fmt: skip
+    cooling: str = _opt("", "cooling of every device (--embedded; empty: the profiles' own)",
+                        choices=("", *COOLING))  # fmt: skip
+    bottleneck_bw: float = _opt(
+        0.0,
+        "bytes/s of a FIFO all transfers share, e.g. the access point (--embedded; 0: none)",
+        min=0.0,
+    )
+    coordinator_time: str = _opt(
+        "measured",
+        "host time between GEMMs: measured (wall time x --coordinator-scale) or model "
+        "(counted work: the same timeline on any host, however loaded)",
+        choices=MODES,
+    )
+    coordinator_scale: float = _opt(1.0, "multiplies measured coordinator time", min=0.0)
     min_flops: int = _opt(DEFAULT_MIN_FLOPS, "GEMMs with fewer FLOPs run locally", min=0)
+    run_dir: str = _opt(
+        "",
+        "where the virtual timeline and its reports go (--embedded; empty: "
+        "morphling-runs/SCRIPT-TIME)",
+    )
+    report: bool = _opt(True, "write the reports (summary, trace, plots) into the run directory")
     json: str = _opt("", "also write the per-step report as JSON to this file")
 
 
@@ -119,14 +147,21 @@ def run(args: argparse.Namespace) -> int:
 
     from .session import emulate  # torch is imported only now
 
-    emulator = dataclasses.replace(EmulatorConfig(), policy=cfg.policy)
+    run_dir = ""
+    if cfg.embedded:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        run_dir = cfg.run_dir or str(Path("morphling-runs") / f"{Path(target[1]).stem}-{stamp}")
+    emulator = dataclasses.replace(
+        EmulatorConfig(), policy=cfg.policy, run_dir=run_dir, bottleneck_dl_bw=cfg.bottleneck_bw
+    )
     if cfg.block_size:
         emulator = dataclasses.replace(emulator, block_size=cfg.block_size)
     try:
         with emulate(
             cfg.server or None, devices=cfg.devices if cfg.embedded else None, config=emulator,
             token=cfg.token, block=cfg.block_size, min_flops=cfg.min_flops, name=target[1],
-            ckpt=cfg.ckpt or None,
+            ckpt=cfg.ckpt or None, coordinator=cfg.coordinator_time,
+            scale=cfg.coordinator_scale, link=cfg.link or None, cooling=cfg.cooling or None,
         ) as session:  # fmt: skip
             code = _run_script(*target)
     except (OSError, RuntimeError, ValueError) as exc:
@@ -135,4 +170,21 @@ def run(args: argparse.Namespace) -> int:
     print(session.table(), file=sys.stderr)
     if cfg.json:
         Path(cfg.json).write_text(json.dumps(session.summary(), indent=1) + "\n")
+    if run_dir and cfg.report:
+        _report(Path(run_dir))
     return code
+
+
+def _report(run_dir: Path) -> None:
+    """Summarise the run directory on stderr and write its reports beside it."""
+    from .report import format_summary, load_run, summarize, write_report_files
+
+    try:
+        run = load_run(run_dir)
+        summary = summarize(run)
+        written = write_report_files(run, summary)
+    except ValueError as exc:
+        print(f"morphling run: no report: {exc}", file=sys.stderr)
+        return
+    print(format_summary(summary), file=sys.stderr)
+    print(f"run directory {run_dir}: " + ", ".join(p.name for p in written), file=sys.stderr)

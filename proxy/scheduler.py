@@ -1,12 +1,8 @@
-"""Which device computes which tile, with a per-device window.
+"""Sending placed tiles to their devices, with flow control.
 
-Policies (``POLICIES``): ``round-robin`` cycles through ready devices from
-where it last stopped; ``load-balanced`` picks the fewest tiles in flight;
-``greedy`` picks the earliest predicted finish — the device's predicted
-backlog plus the tile's download, compute and upload under the device's
-model — and, when that device's window is full, holds the tile for it rather
-than giving it to a worse one. Ties go to the lowest device id, so a decision
-depends only on the scheduler's state, never on which socket answered first.
+Which device computes a tile is decided in virtual time (``placement``,
+through the ``Timeline``); this module only moves the real tiles: a queue
+per device, in placement order, drained while the device has room.
 
 A device takes at most ``window`` tiles at once and none while its send
 buffer is above the high-water mark, so a slow device never makes the
@@ -14,20 +10,25 @@ server buffer without bound. Across all devices, at most ``inflight_bytes``
 of tile operands are out at once (a single tile always may go): a window
 per device alone would let a fleet of a thousand virtual devices in one
 process hold a thousand windows of operands.
+
+A device that leaves has its queued and outstanding tiles sent to the
+device with the least work waiting (ties: lowest id), as bytes: the virtual
+timeline keeps them where they were placed, and the log says they moved.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
+from .memory import Admission
 from .partition import GemmTask, TileTask
 from .registry import DeviceRecord, Registry
 
 log = logging.getLogger(__name__)
 
-POLICIES = ("round-robin", "greedy", "load-balanced")
+Placed = tuple[TileTask, Admission | None]  # None: moved off its device, send as bytes
 
 
 def operand_bytes(tile: TileTask) -> int:
@@ -36,106 +37,110 @@ def operand_bytes(tile: TileTask) -> int:
     return (rows + cols) * tile.gemm.request.k * tile.gemm.out.itemsize
 
 
-def predicted_cost_s(device: DeviceRecord, tile: TileTask) -> float:
-    """The plain analytic model: operands down, 2·m·n·k of compute, the tile up."""
-    rows, cols = tile.shape
-    g = tile.gemm.request
-    item = tile.gemm.out.itemsize
-    model = device.model
-    return (
-        model.download_s(operand_bytes(tile))
-        + model.compute_s(rows, cols, g.k)
-        + model.upload_s(rows * cols * item)
-    )
-
-
 class Scheduler:
-    """Queues tiles and hands them to devices through ``send(device, tile)``."""
+    """Per-device queues; sends through ``send(device, tile, admission)``."""
 
     def __init__(
         self,
         registry: Registry,
-        send: Callable[[DeviceRecord, TileTask], None],
+        send: Callable[[DeviceRecord, TileTask, Admission | None], None],
         *,
-        policy: str = "greedy",
         window: int = 4,
         inflight_bytes: int = 64 << 20,
     ) -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"policy={policy!r}: expected one of {', '.join(POLICIES)}")
         if window < 1:
             raise ValueError(f"window={window}: must be >= 1")
         self.registry = registry
-        self.policy = policy
         self.window = window
         self.max_inflight_bytes = inflight_bytes
         self.inflight_bytes = 0
         self._send = send
-        self.queue: deque[TileTask] = deque()
-        self._cursor = -1  # round-robin: the id of the device served last
+        self.orphans: deque[Placed] = deque()  # moved tiles waiting for any device
+        self._waiting: dict[int, DeviceRecord] = {}  # devices with queued tiles
 
-    def submit(self, tiles: Iterable[TileTask]) -> None:
-        self.queue.extend(tiles)
+    @property
+    def queued(self) -> int:
+        """Tiles placed and not yet sent."""
+        return len(self.orphans) + sum(len(d.queue) for d in self._waiting.values())
+
+    def submit(self, placed: list[tuple[TileTask, int, Admission]]) -> None:
+        """Queue tiles on the devices they were placed on."""
+        devices = self.registry.devices
+        for tile, device_id, admission in placed:
+            device = devices.get(device_id)
+            if device is None:  # it left since: like any tile of a lost device
+                self.orphans.append((tile, None))
+            else:
+                device.queue.append((tile, admission))
+                self._waiting[device.id] = device
         self.dispatch()
 
     def requeue(self, device: DeviceRecord) -> list[TileTask]:
-        """Put a lost device's tiles back at the front of the queue, in their order."""
+        """Move a lost device's tiles, outstanding first, to the other devices."""
         held = [device.give_back(tile_id) for tile_id in list(device.outstanding)]
         self.inflight_bytes -= sum(operand_bytes(t) for t in held)
-        tiles = [t for t in held if not t.gemm.cancelled]
-        for tile in tiles:
+        moved = [t for t in held + [t for t, _ in device.queue] if not t.gemm.cancelled]
+        device.queue.clear()
+        self._waiting.pop(device.id, None)
+        for tile in moved:
             tile.gemm.requeued += 1
-        self.queue.extendleft(reversed(tiles))
-        return tiles
+        self.orphans.extend((t, None) for t in moved)
+        return moved
 
     def cancel(self, gemm: GemmTask) -> None:
+        """Drop the tiles of a GEMM whose job is gone (those out come back ignored)."""
         gemm.cancelled = True
-        self.queue = deque(t for t in self.queue if t.gemm is not gemm)
+        self.orphans = deque(p for p in self.orphans if p[0].gemm is not gemm)
+        for device in list(self._waiting.values()):
+            device.queue = deque(p for p in device.queue if p[0].gemm is not gemm)
+            if not device.queue:
+                del self._waiting[device.id]
 
     def finished(self, device: DeviceRecord, tile_id: int) -> TileTask | None:
         """The device returned ``tile_id``: the task, or None when it was not expected."""
-        predicted_s = device.predicted_s.get(tile_id, 0.0)
         tile = device.give_back(tile_id)
         if tile is not None:
             self.inflight_bytes -= operand_bytes(tile)
             device.completed += 1
-            busy = tile.gemm.device_s
-            busy[device.id] = busy.get(device.id, 0.0) + predicted_s
         return tile
 
     def dispatch(self) -> None:
-        """Assign queued tiles while some device may take one."""
+        """Send queued tiles while their devices have room."""
+        if self.orphans:
+            self._adopt()
+        for device in list(self._waiting.values()):
+            if not self._drain(device):
+                return  # the byte budget is spent: results coming back dispatch again
+
+    def _adopt(self) -> None:
         ready = self.registry.ready()
         if not ready:
             return
-        while self.queue:
-            tile = self.queue[0]
+        while self.orphans:
+            device = min(ready, key=lambda d: (len(d.queue) + len(d.outstanding), d.id))
+            tile, _ = self.orphans.popleft()
+            log.debug("tile %d of GEMM %d moves to device %d", tile.id, tile.gemm.id, device.id)
+            device.queue.append((tile, None))
+            self._waiting[device.id] = device
+
+    def _drain(self, device: DeviceRecord) -> bool:
+        """Send from ``device``'s queue while it may take more; False when the global
+        byte budget stopped it."""
+        queue = device.queue
+        while queue and device.can_take(self.window):
+            tile, admission = queue[0]
             if tile.gemm.cancelled:
-                self.queue.popleft()
+                queue.popleft()
                 continue
             nbytes = operand_bytes(tile)
             if self.inflight_bytes and self.inflight_bytes + nbytes > self.max_inflight_bytes:
-                return  # results coming back will dispatch again
-            device = self._choose(ready, tile)
-            if device is None:
-                return
-            self.queue.popleft()
+                return False
+            queue.popleft()
             self.inflight_bytes += nbytes
             tile.attempts += 1
-            device.take(tile, predicted_cost_s(device, tile))
+            device.take(tile)
             tile.gemm.devices.add(device.id)
-            self._send(device, tile)
-
-    def _choose(self, ready: list[DeviceRecord], tile: TileTask) -> DeviceRecord | None:
-        if self.policy == "greedy":
-            best = min(ready, key=lambda d: (d.backlog_s + predicted_cost_s(d, tile), d.id))
-            return best if best.can_take(self.window) else None
-        open_ = [d for d in ready if d.can_take(self.window)]
-        if not open_:
-            return None
-        if self.policy == "load-balanced":
-            return min(open_, key=lambda d: (len(d.outstanding), d.id))
-        after = [d for d in open_ if d.id > self._cursor]
-        device = after[0] if after else open_[0]
-        self._cursor = device.id
-        return device
+            self._send(device, tile, admission)
+        if not queue:
+            self._waiting.pop(device.id, None)
+        return True

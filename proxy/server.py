@@ -10,10 +10,14 @@ tiles go back to the queue, and everyone else carries on.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import time
 import zlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO
 
 import numpy as np
 
@@ -23,6 +27,7 @@ from . import probes
 from .auth import mac_matches
 from .codec import ProtocolError
 from .connection import FrameConnection, pool_allocator
+from .memory import Admission
 from .messages import (
     Bye,
     Close,
@@ -46,6 +51,7 @@ from .registry import DeviceRecord, Registry
 from .scheduler import Scheduler
 from .settings import EmulatorConfig
 from .states import Conversation
+from .timeline import Bottleneck, EventLog, StepTimes, Timeline
 from .weights import SharedWeights
 
 log = logging.getLogger(__name__)
@@ -72,12 +78,14 @@ class PeerConnection(FrameConnection):
         self.nonce = os.urandom(16)
         self.connected_at = time.monotonic()
         self.device: DeviceRecord | None = None
+        self.job_id = 0  # set by OPEN: the job's id in the timeline
         self.job_name = ""
         self.block = cfg.block_size
         self.gemms: dict[int, GemmTask] = {}
         self.totals = dict.fromkeys(
             ("gemms", "tiles", "model_ns", "bytes_down", "bytes_up", "oom"), 0
         )
+        self._wire_at_step = (0, 0)  # totals' bytes at the last STEP
         self._waiters: dict[int, asyncio.Future[Message]] = {}
 
     # -- lifecycle -------------------------------------------------------------------
@@ -95,14 +103,19 @@ class PeerConnection(FrameConnection):
             if not waiter.done():
                 waiter.set_exception(ConnectionError(f"{self.peername} disconnected"))
         scheduler = self.emulator.scheduler
+        if self.job_id:
+            self.emulator.timeline.close_job(self.job_id)
         if self.device is not None:
             device, self.device = self.device, None
             self.emulator.registry.remove(device.id)
+            self.emulator.timeline.remove_device(device.id)
+            in_flight, queued = len(device.outstanding), len(device.queue)
             requeued = scheduler.requeue(device)
             if requeued:
                 log.warning(
-                    "device %d (%s) lost with %d tiles in flight; re-queued tiles %s",
-                    device.id, device.name, len(requeued), [t.id for t in requeued],
+                    "device %d (%s) lost with %d tiles in flight and %d queued; re-queued "
+                    "tiles %s", device.id, device.name, in_flight, queued,
+                    [t.id for t in requeued],
                 )  # fmt: skip
             else:
                 log.info("device %d (%s) disconnected", device.id, device.name)
@@ -146,7 +159,13 @@ class PeerConnection(FrameConnection):
         elif t == MsgType.OPEN:
             self._open(msg)
         elif t == MsgType.STEP:
-            self.send(Step(step=msg.step, **self.totals))
+            self.emulator.timeline.mark_step(
+                self.job_id,
+                msg.step,
+                host_s=msg.host_ns / 1e9,
+                local_gemms=msg.local_gemms,
+                done=self._step_done,
+            )
         elif t == MsgType.CLOSE:
             self.send(Close(**self.totals))
             self.close()
@@ -178,7 +197,7 @@ class PeerConnection(FrameConnection):
             )  # fmt: skip
             peer_id = self.device.id
         elif msg.role in ("job", "probe"):
-            peer_id = self.emulator.next_client_id()
+            peer_id = self.job_id = self.emulator.next_client_id()
         else:
             raise ProtocolError(f"HELLO.role {msg.role!r} is not device, job or probe", "bad_hello")
         self.decoder.max_payload = cfg.max_payload_bytes
@@ -223,6 +242,7 @@ class PeerConnection(FrameConnection):
         device.ready = True
         log.info("device %d (%s) ready; scheduling with the %s profile",
                  device.id, device.name, why)  # fmt: skip
+        self.emulator.timeline.add_device(device.id, device.name, device.model)
         self.emulator.scheduler.dispatch()
 
     async def _challenge(self, msg: ProbeFlopsRequest) -> None:
@@ -244,6 +264,7 @@ class PeerConnection(FrameConnection):
             raise ProtocolError(f"OPEN.block={msg.block} is negative", "bad_open")
         self.job_name = msg.name
         self.block = msg.block or self.emulator.config.block_size
+        self.emulator.timeline.open_job(self.job_id, msg.name or f"job-{self.job_id}")
 
     def _gemm(self, msg: Gemm) -> None:
         if msg.gemm in self.gemms:
@@ -265,22 +286,46 @@ class PeerConnection(FrameConnection):
             self.finish(task)
             return
         self.gemms[task.id] = task
-        self.emulator.scheduler.submit(tiles)
+        self.emulator.timeline.submit(
+            self.job_id, task, tiles, after=msg.after, host_s=msg.host_ns / 1e9,
+            place=self.emulator.scheduler.submit, done=_settled(task),
+        )  # fmt: skip
+
+    def _step_done(self, times: StepTimes) -> None:
+        """The step is settled in virtual time: answer the job's STEP."""
+        wire = (self.totals["bytes_down"], self.totals["bytes_up"])
+        (down0, up0), self._wire_at_step = self._wire_at_step, wire
+        if self.open:
+            self.send(Step(
+                step=times.step, emulated_ns=round(times.emulated_s * 1e9),
+                coord_ns=round(times.coord_s * 1e9), gemms=times.gemms, tiles=times.tiles,
+                link_down=times.link_down, link_up=times.link_up, bytes_down=wire[0] - down0,
+                bytes_up=wire[1] - up0, oom=times.oom,
+            ))  # fmt: skip
 
     def finish(self, task: GemmTask) -> None:
         """All tiles are in: send C to the job."""
         self.gemms.pop(task.id, None)
         totals = self.totals
-        totals["model_ns"] += task.model_ns
+        totals["model_ns"] += task.virtual_ns
         totals["bytes_down"] += task.bytes_down
         totals["bytes_up"] += task.bytes_up
         totals["oom"] += task.oom
         if self.open:
             self.send(Result(
                 gemm=task.id, tiles=len(task.done), devices=sorted(task.devices),
-                requeued=task.requeued, model_ns=task.model_ns, bytes_down=task.bytes_down,
+                requeued=task.requeued, model_ns=task.virtual_ns, bytes_down=task.bytes_down,
                 bytes_up=task.bytes_up, oom=task.oom, segments=(task.out,),
             ))  # fmt: skip
+
+
+def _settled(task: GemmTask) -> Callable[[float, float], None]:
+    """What the timeline calls when ``task`` ends in virtual time."""
+
+    def done(issue: float, end: float) -> None:
+        task.virtual_ns = round((end - issue) * 1e9)
+
+    return done
 
 
 class Emulator:
@@ -291,9 +336,19 @@ class Emulator:
         self.pool = pool or BufferPool()
         self.registry = Registry()
         self.scheduler = Scheduler(
-            self.registry, self._send_tile, policy=config.policy, window=config.window,
+            self.registry, self._send_tile, window=config.window,
             inflight_bytes=config.inflight_bytes,
         )  # fmt: skip
+        self._events: IO[str] | None = None
+        if config.run_dir:
+            Path(config.run_dir).mkdir(parents=True, exist_ok=True)
+            self._events = open(Path(config.run_dir) / "events.jsonl", "w")  # noqa: SIM115
+        bottleneck = None
+        if config.bottleneck_dl_bw:
+            up = config.bottleneck_ul_bw or config.bottleneck_dl_bw
+            bottleneck = Bottleneck(config.bottleneck_dl_bw, up)
+        self.timeline = Timeline(config.policy, log=EventLog(self._events), bottleneck=bottleneck)
+        self.run_info: dict = {}  # extra keys for run.json (the command, the job's settings)
         self.allocate = pool_allocator(self.pool)
         self.peers: set[PeerConnection] = set()
         self.weights: SharedWeights | None = None  # the checkpoint's, once started
@@ -301,6 +356,7 @@ class Emulator:
         self._client_ids = 0
         self._server: asyncio.Server | None = None
         self._housekeeping: asyncio.Task | None = None
+        self._sync: asyncio.Task | None = None
 
     def next_client_id(self) -> int:
         self._client_ids += 1
@@ -320,40 +376,31 @@ class Emulator:
 
     # -- tiles ---------------------------------------------------------------------------
 
-    def _send_tile(self, device: DeviceRecord, tile: TileTask) -> None:
+    def _send_tile(self, device: DeviceRecord, tile: TileTask, admission: Admission | None) -> None:
         """Send a tile: weight blocks the device can map or already holds go by reference,
-        everything else as bytes; the device's emulated memory is charged on the way."""
+        everything else as bytes. ``admission`` is the device's emulated memory's say
+        (from the timeline); None for a tile moved off a lost device: all bytes."""
         task = tile.gemm
         g = task.request
         rows, cols = tile.shape
-        blocks = tile.operands()
-        weights = [b for b in blocks if b.offset is not None]
-        # the tile's own operands and output live only while it runs
-        transient = rows * cols * task.out.itemsize
-        transient += sum(b.nbytes for b in blocks if b.offset is None)
-        admission = device.memory.admit([(b.key, b.version, b.nbytes) for b in weights], transient)
-        if not admission.fits:
-            task.oom += 1
-            log.warning("emulated OOM: device %d (%s, %d bytes) cannot hold tile %d of GEMM %d "
-                        "(%d bytes of operands and output)", device.id, device.name,
-                        device.memory.capacity, tile.id, task.id,
-                        transient + sum(b.nbytes for b in weights))  # fmt: skip
         sent: list[tuple[np.ndarray, int, list[int]]] = []
-        for block in blocks:
+        for block in tile.operands():
             if block.offset is None:
                 sent.append((*task.packed(block), []))
             elif device.colocated:  # it reads the span from its own mapping
                 sent.append((block.span[:0], block.ld, block.ref))
+            elif admission is None:
+                sent.append((*task.packed(block), []))
             elif block.key in admission.held:  # it holds the bytes sent before
                 sent.append((block.span[:0], block.sent_ld, block.ref))
             else:  # bytes, to be kept under the ref if they fit
                 sent.append((*task.packed(block), block.ref if admission.fits else []))
         (a, lda, ref_a), (b, ldb, ref_b) = sent
         task.bytes_down += a.nbytes + b.nbytes
+        drop = admission.evicted if admission is not None and not device.colocated else []
         device.conn.send(Tile(
             tile=tile.id, dtype=g.dtype, ta=g.ta, tb=g.tb, m=rows, n=cols, k=g.k,
-            lda=lda, ldb=ldb, ref_a=ref_a, ref_b=ref_b,
-            drop=[] if device.colocated else admission.evicted, segments=(a, b),
+            lda=lda, ldb=ldb, ref_a=ref_a, ref_b=ref_b, drop=drop, segments=(a, b),
         ))  # fmt: skip
 
     def tile_result(self, device: DeviceRecord | None, msg: TileResult) -> None:
@@ -368,7 +415,7 @@ class Emulator:
             item = tile.gemm.out.itemsize
             seg = msg.segments[0]
             if seg.nbytes != rows * cols * item:
-                self.scheduler.queue.appendleft(tile)
+                self.scheduler.orphans.appendleft((tile, None))
                 raise ProtocolError(
                     f"TILE_RESULT {msg.tile}: {seg.nbytes} bytes, expected {rows}×{cols}×{item}",
                     "bad_result",
@@ -398,6 +445,7 @@ class Emulator:
             backlog=1024,
         )
         self._housekeeping = loop.create_task(self._keep_house())
+        self._sync = loop.create_task(self._keep_time())
         host, port = self._server.sockets[0].getsockname()[:2]
         log.info("emulator listening on %s:%d (policy %s, block %d, window %d)",
                  host, port, self.config.policy, self.config.block_size,
@@ -412,8 +460,9 @@ class Emulator:
         """Stop accepting, say goodbye to every peer, close."""
         if self._server is not None:
             self._server.close()
-        if self._housekeeping is not None:
-            self._housekeeping.cancel()
+        for task in (self._housekeeping, self._sync):
+            if task is not None:
+                task.cancel()
         for peer in list(self.peers):
             if peer.open:
                 peer.send(Bye(reason="emulator shutting down"))
@@ -422,7 +471,46 @@ class Emulator:
             await self._server.wait_closed()
         if self.weights is not None:
             self.weights.close()
+        self.write_run()
+        if self._events is not None:
+            self._events.close()
+            self._events = None
         await asyncio.sleep(0)
+
+    def write_run(self) -> None:
+        """Write ``run.json`` beside the event log: the fleet, the jobs, the settings."""
+        if not self.config.run_dir or self._events is None:
+            return
+        self._events.flush()
+        cfg = self.config
+        bottleneck = self.timeline.bottleneck
+        fleet = [
+            {"id": d.id, **{k: v for k, v in d.profile.to_wire().items()
+                            if k not in ("compute", "thermal")},
+             "name": d.name, "profile": d.profile.name, "thermal": bool(d.profile.thermal)}
+            for d in self.timeline.devices.values()
+        ]  # fmt: skip
+        info = {
+            "version": 1, "policy": cfg.policy, "block": cfg.block_size,
+            "bottleneck": None if bottleneck is None
+            else {"dl_bw": bottleneck.dl_bw, "ul_bw": bottleneck.ul_bw},
+            "fleet": fleet, "jobs": self.timeline.job_names(),
+            "events": self.timeline.log.count, "digest": self.timeline.log.digest(),
+            **self.run_info,
+        }  # fmt: skip
+        path = Path(cfg.run_dir) / "run.json"
+        path.write_text(json.dumps(info, indent=1) + "\n")
+
+    async def _keep_time(self) -> None:
+        """Release idle jobs that have held the virtual clock back for ``sync_timeout_s``."""
+        timeline = self.timeline
+        seen = -1
+        while True:
+            await asyncio.sleep(self.config.sync_timeout_s)
+            held = timeline.blocked() and timeline.log.count == seen
+            seen = timeline.log.count
+            if held:
+                timeline.release_idle()
 
     async def _keep_house(self) -> None:
         cfg = self.config

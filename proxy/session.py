@@ -9,11 +9,10 @@
 Inside, every eligible GEMM (see ``intercept``) goes to the emulator over a
 blocking socket; attention uses PyTorch's math backend so that its GEMMs are
 visible; each optimizer step closes a *step* whose report says how long it
-would have taken on the fleet. Until the discrete-event engine lands, a
-step's emulated time is the analytic model: each remote GEMM counts its
-modelled fleet duration (``Result.model_ns``) in place of the host's wait for
-it, and everything else the script did (local GEMMs, elementwise work, the
-optimizer) counts as measured coordinator time.
+would have taken on the fleet: the emulator's virtual timeline places every
+GEMM after the coordinator time the script spent on the host since the last
+one (measured, or modelled: see ``coordinator``), and the step ends where
+its last GEMM and the optimizer's work after it end.
 """
 
 from __future__ import annotations
@@ -34,6 +33,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from ..runtime import parse_server
 from .checkpoint import Checkpoint, CheckpointError
 from .client import Client
+from .coordinator import MODES, CoordinatorModel, HostWork
 from .embedded import EmbeddedFleet
 from .intercept import GemmCounts, GemmInterceptor
 from .settings import DEFAULT_MIN_FLOPS, EmulatorConfig
@@ -46,31 +46,43 @@ class StepReport:
     """One training step (one optimizer step) as the emulation saw it."""
 
     step: int
-    emulated_s: float  # model_s + the host time not spent waiting for the fleet
-    model_s: float  # modelled fleet time of the step's remote GEMMs
+    emulated_s: float  # the step's span in virtual time
+    coord_s: float  # of which the script computing on the host (coordinator time)
+    fleet_s: float  # the rest: waiting for the fleet's GEMMs
     host_s: float  # wall time on this host
-    wait_s: float  # of which waiting for the fleet
     gemms: int  # sent to the fleet
     local_gemms: int
     tiles: int
-    bytes_down: int
+    bytes_down: int  # over the emulated links (resident weight blocks do not travel)
     bytes_up: int
+    wire_down: int  # over this host's sockets
+    wire_up: int
     oom: int  # tiles that did not fit a device's emulated memory
 
 
 class Session:
     """A job connected to an emulator; collects per-step reports."""
 
-    def __init__(self, client: Client, *, min_flops: int = DEFAULT_MIN_FLOPS) -> None:
+    def __init__(
+        self, client: Client, *, min_flops: int = DEFAULT_MIN_FLOPS,
+        coordinator: str = "measured", scale: float = 1.0,
+        model: CoordinatorModel | None = None,
+    ) -> None:  # fmt: skip
+        if coordinator not in MODES:
+            raise ValueError(f"coordinator={coordinator!r}: expected one of {', '.join(MODES)}")
+        if not scale > 0:
+            raise ValueError(f"coordinator scale={scale!r}: must be > 0")
         self.client = client
         self.checkpoint: Checkpoint | None = None
-        self.interceptor = GemmInterceptor(self._remote, min_flops=min_flops)
+        self.work = HostWork() if coordinator == "model" else None
+        self.model = model or CoordinatorModel()
+        self.scale = scale
+        self.interceptor = GemmInterceptor(self._remote, min_flops=min_flops,
+                                           host_work=self.work)  # fmt: skip
         self.steps: list[StepReport] = []
         self.totals: dict[str, int] = {}
-        self._wait_s = 0.0
         self._step_start: float | None = None  # step 1 starts at its first GEMM
         self._counts = GemmCounts()
-        self._server = dict.fromkeys(("tiles", "model_ns", "bytes_down", "bytes_up", "oom"), 0)
 
     def share_weights(self, ckpt: str) -> None:
         """Map the emulator's shared copy of checkpoint ``ckpt``; see ``bind``."""
@@ -115,55 +127,61 @@ class Session:
     def counts(self) -> GemmCounts:
         return self.interceptor.counts
 
+    def _host_ns(self) -> int:
+        """Coordinator time since the last result, measured (scaled) or modelled."""
+        if self.work is not None:
+            return round(self.model.seconds(self.work.take()) * 1e9)
+        return round(self.client.elapsed_ns() * self.scale)
+
     def _remote(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        start = time.perf_counter()
         if self._step_start is None:
-            self._step_start = start
-        c = self.client.matmul(a, b)
-        self._wait_s += time.perf_counter() - start
-        return torch.from_numpy(c)
+            self._step_start = time.perf_counter()
+        return torch.from_numpy(self.client.matmul(a, b, host_ns=self._host_ns()))
 
     def end_step(self) -> StepReport:
         """Close the current step (called after every optimizer step)."""
         now = time.perf_counter()
-        reply = self.client.step(len(self.steps) + 1)
-        server = {key: getattr(reply, key) for key in self._server}
-        delta = {key: server[key] - self._server[key] for key in server}
         counts = self.counts.since(self._counts)
-        host_s = now - (self._step_start if self._step_start is not None else now)
-        model_s = delta["model_ns"] / 1e9
+        local = sum(counts.local.values())
+        reply = self.client.step(len(self.steps) + 1, host_ns=self._host_ns(), local_gemms=local)
+        emulated_s, coord_s = reply.emulated_ns / 1e9, reply.coord_ns / 1e9
         report = StepReport(
             step=reply.step,
-            emulated_s=model_s + host_s - self._wait_s,
-            model_s=model_s,
-            host_s=host_s,
-            wait_s=self._wait_s,
+            emulated_s=emulated_s,
+            coord_s=coord_s,
+            fleet_s=emulated_s - coord_s,
+            host_s=now - (self._step_start if self._step_start is not None else now),
             gemms=counts.remote,
-            local_gemms=sum(counts.local.values()),
-            tiles=delta["tiles"],
-            bytes_down=delta["bytes_down"],
-            bytes_up=delta["bytes_up"],
-            oom=delta["oom"],
+            local_gemms=local,
+            tiles=reply.tiles,
+            bytes_down=reply.link_down,
+            bytes_up=reply.link_up,
+            wire_down=reply.bytes_down,
+            wire_up=reply.bytes_up,
+            oom=reply.oom,
         )
         self.steps.append(report)
-        self._server, self._counts = server, self.counts.snapshot()
-        self._wait_s, self._step_start = 0.0, time.perf_counter()
+        self._counts = self.counts.snapshot()
+        self._step_start = time.perf_counter()
         log.debug("step %d: %s", report.step, report)
         return report
 
     def close(self) -> None:
         reply = self.client.close()
         if reply is not None:
-            self.totals = {k: getattr(reply, k) for k in ("gemms", "tiles", *self._server)}
+            keys = ("gemms", "tiles", "model_ns", "bytes_down", "bytes_up", "oom")
+            self.totals = {k: getattr(reply, k) for k in keys}
 
     def table(self) -> str:
         """The per-step report as a fixed-width table."""
-        head = (f"{'step':>5} {'emulated s':>11} {'fleet s':>9} {'host s':>8} {'GEMMs':>6} "
-                f"{'local':>6} {'tiles':>7} {'MiB down':>9} {'MiB up':>8} {'OOM':>5}")  # fmt: skip
+        head = (f"{'step':>5} {'emulated s':>11} {'fleet s':>9} {'coord s':>8} {'host s':>8} "
+                f"{'GEMMs':>6} {'local':>6} {'tiles':>7} {'MiB down':>9} {'MiB up':>8} "
+                f"{'OOM':>5}")  # fmt: skip
         rows = [head, "-" * len(head)]
         for r in self.steps:
             rows.append(
-                f"{r.step:>5} {r.emulated_s:>11.4f} {r.model_s:>9.4f} {r.host_s:>8.3f} "
+                f"{r.step:>5} {r.emulated_s:>11.4f} {r.fleet_s:>9.4f} {r.coord_s:>8.4f} "
+                f"{r.host_s:>8.3f} "
                 f"{r.gemms:>6} {r.local_gemms:>6} {r.tiles:>7} "
                 f"{r.bytes_down / 2**20:>9.1f} {r.bytes_up / 2**20:>8.1f} {r.oom:>5}"
             )
@@ -194,12 +212,20 @@ def emulate(
     min_flops: int = DEFAULT_MIN_FLOPS,
     name: str = "job",
     ckpt: str | None = None,
+    coordinator: str = "measured",
+    scale: float = 1.0,
+    link: str | None = None,
+    cooling: str | None = None,
 ) -> Iterator[Session]:
     """Run the body's GEMMs on a fleet: a running emulator at ``server``
-    (``HOST:PORT``), or an embedded one with the virtual ``devices`` SPEC.
+    (``HOST:PORT``), or an embedded one with the virtual ``devices`` SPEC (the
+    emulator's ``config`` may set its run directory, policy, ...; ``link`` and
+    ``cooling`` override the devices' own).
 
     With ``ckpt``, the first module the body calls gets its parameters bound to the
     emulator's shared copy of that checkpoint (an embedded emulator loads it).
+    ``coordinator`` is how host time between GEMMs counts (``coordinator.MODES``;
+    measured time is multiplied by ``scale``).
     """
     if (server is None) == (devices is None):
         raise ValueError("give exactly one of server='HOST:PORT' or devices='SPEC' (embedded)")
@@ -207,13 +233,18 @@ def emulate(
         if devices is not None:
             if ckpt is not None:
                 config = dataclasses.replace(config or EmulatorConfig(), ckpt_path=str(ckpt))
-            embedded = EmbeddedFleet(devices, config)
+            embedded = EmbeddedFleet(
+                devices, config, link=link, cooling=cooling,
+                run_info={"coordinator_time": coordinator, "coordinator_scale": scale,
+                          "link": link, "cooling": cooling, "devices": devices},
+            )  # fmt: skip
             host, port = embedded.start()
             stack.callback(embedded.stop)
         else:
             host, port = parse_server(server)
         session = Session(Client(host, port, token=token, name=name, block=block),
-                          min_flops=min_flops)  # fmt: skip
+                          min_flops=min_flops, coordinator=coordinator,
+                          scale=scale)  # fmt: skip
         stack.callback(session.close)
         if ckpt is not None:
             session.share_weights(ckpt)

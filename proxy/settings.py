@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import option as _opt
-from .scheduler import POLICIES
+from .placement import POLICIES
 
 PROFILE_SOURCES = ("auto", "declared", "measured")
 
@@ -29,8 +29,8 @@ class EmulatorConfig:
     )
     block_size: int = _opt(256, "tile edge: output blocks of at most N×N", min=1,
                            aliases=("--block_size",))  # fmt: skip
-    policy: str = _opt("greedy", "tile scheduling policy", choices=POLICIES,
-                       aliases=("--sched_policy",))  # fmt: skip
+    policy: str = _opt("greedy", "tile placement policy (decided in virtual time)",
+                       choices=POLICIES, aliases=("--sched_policy",))  # fmt: skip
     window: int = _opt(4, "tiles in flight per device", min=1, aliases=("--max_inflight",))
     inflight_bytes: int = _opt(
         64 << 20,
@@ -57,6 +57,26 @@ class EmulatorConfig:
     probe_flops_dim: int = _opt(256, "FLOPS challenge matrix size", min=1)
     probe_timeout_s: float = _opt(5.0, "time limit of each probe", min=0.01)
     probe_tolerance: float = _opt(1e-3, "FLOPS check: |ref - c| <= tol + tol*|ref|", min=0.0)
+    run_dir: str = _opt(
+        "",
+        "directory for the virtual timeline's event log (events.jsonl, run.json) that "
+        "morphling report reads; empty: keep only its hash",
+    )
+    sync_timeout_s: float = _opt(
+        1.0,
+        "with several jobs, how long virtual time waits for a job computing on the host "
+        "before going on without it",
+        min=0.01,
+    )
+    bottleneck_dl_bw: float = _opt(
+        0.0,
+        "bytes/s of a FIFO every download also crosses (the access point or this "
+        "host's NIC); 0: none",
+        min=0.0,
+    )
+    bottleneck_ul_bw: float = _opt(
+        0.0, "bytes/s of the same shared FIFO for uploads; 0: as downloads", min=0.0
+    )
     profile_source: str = _opt(
         "auto",
         "which profile plans the schedule: declared, measured, or auto (measured for physical "

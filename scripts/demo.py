@@ -5,9 +5,11 @@ An embedded emulator and a fleet (Raspberry Pis and Jetsons, each with its
 own profile) run in this process over loopback sockets; every GEMM of the
 forward and backward pass is cut into tiles that the fleet computes for
 real. Prints one row per optimizer step — the loss, the emulated step time
-(the fleet's modelled GEMM time plus this host's coordinator time), GEMMs
-and bytes moved — and writes ``summary.json`` and ``steps.png`` to the
-output directory. Runs offline: the model is built from a bundled config.
+(from the virtual timeline: the fleet's links and compute queues, plus this
+host's coordinator time), GEMMs and bytes moved — and writes ``summary.json``
+and ``steps.png`` to the output directory, with the run directory (event
+log, Perfetto trace, per-device timeline and utilisation plots) in
+``OUTPUT/run``. Runs offline: the model is built from a bundled config.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from pathlib import Path
 
 import torch
 from morphling.proxy.hf_models import build_model, load_config
+from morphling.proxy.report import format_summary, load_run, summarize, write_report_files
+from morphling.proxy.settings import EmulatorConfig
 
 import morphling
 
@@ -48,10 +52,10 @@ def plot(steps: list[dict], losses: list[float], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     x = [s["step"] for s in steps]
-    fleet = [s["model_s"] for s in steps]
-    coordinator = [s["emulated_s"] - s["model_s"] for s in steps]
+    fleet = [s["fleet_s"] for s in steps]
+    coordinator = [s["coord_s"] for s in steps]
     fig, (ax, ax_loss) = plt.subplots(1, 2, figsize=(10, 4))
-    ax.bar(x, fleet, label="fleet GEMMs (modelled)")
+    ax.bar(x, fleet, label="fleet GEMMs (virtual timeline)")
     ax.bar(x, coordinator, bottom=fleet, label="coordinator (measured)")
     ax.set(xlabel="step", ylabel="emulated seconds", title="Emulated step time")
     ax.legend()
@@ -77,7 +81,9 @@ def main(argv: list[str] | None = None) -> int:
           f"on {args.devices}")  # fmt: skip
     start = time.perf_counter()
     losses: list[float] = []
-    with morphling.emulate(devices=args.devices, block=args.block) as session:
+    run_dir = args.output / "run"
+    emulator = EmulatorConfig(run_dir=str(run_dir))
+    with morphling.emulate(devices=args.devices, block=args.block, config=emulator) as session:
         print(f"fleet ready in {time.perf_counter() - start:.1f} s\n")
         head = (f"{'step':>4} {'loss':>8} {'emulated s':>11} {'GEMMs':>6} {'tiles':>6} "
                 f"{'MiB down':>9} {'MiB up':>7}")  # fmt: skip
@@ -97,8 +103,13 @@ def main(argv: list[str] | None = None) -> int:
     args.output.mkdir(parents=True, exist_ok=True)
     (args.output / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     plot(summary["steps"], losses, args.output / "steps.png")
-    print(f"\n{session.counts.remote} GEMMs on the fleet; wrote {args.output}/summary.json "
-          f"and {args.output}/steps.png in {time.perf_counter() - start:.1f} s")  # fmt: skip
+    run = load_run(run_dir)
+    report = summarize(run)
+    written = write_report_files(run, report)
+    print("\n" + format_summary(report))
+    print(f"\n{session.counts.remote} GEMMs on the fleet; wrote {args.output}/summary.json, "
+          f"{args.output}/steps.png and {run_dir}/ ({', '.join(p.name for p in written)}) "
+          f"in {time.perf_counter() - start:.1f} s")  # fmt: skip
     return 0
 
 

@@ -325,7 +325,7 @@ def test_optimizer_steps_mark_steps(server: Address) -> None:
         assert step.gemms == 3 + 3 + 2
         assert step.local_gemms == 0
         assert step.tiles > 0 and step.bytes_down > 0 and step.bytes_up > 0
-        assert step.emulated_s > 0 and step.model_s > 0 and step.host_s > 0
+        assert step.emulated_s > 0 and step.fleet_s > 0 and step.host_s > 0
     assert session.totals["gemms"] == session.counts.remote == 16
 
     table = session.table()

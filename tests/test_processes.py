@@ -374,13 +374,13 @@ async def test_device_killed_mid_run_tiles_requeued(procs: Procs):
     text = procs.wait_for(emulator, "re-queued tiles")
     name = victim.label
     match = re.search(
-        rf"device {victim_id} \({name}\) lost with (\d+) tiles in flight; "
+        rf"device {victim_id} \({name}\) lost with (\d+) tiles in flight and (\d+) queued; "
         r"re-queued tiles \[([\d, ]+)\]",
         text,
     )
     assert match, f"no re-queue line for device {victim_id} ({name})"
-    requeued = [int(t) for t in match[2].split(",")]
-    assert int(match[1]) == len(requeued) >= 1
+    requeued = [int(t) for t in match[3].split(",")]
+    assert int(match[1]) + int(match[2]) == len(requeued) >= 1
     assert client.requeued == len(requeued), "Result.requeued disagrees with the server log"
     assert victim_id not in late and late
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import msgpack
@@ -60,7 +61,7 @@ def profile_file(tmp_path):
 
 def test_valid_profile_keeps_its_fields():
     p = make()
-    assert p.to_wire() == VALID
+    assert p.to_wire() == {**VALID, "cooling": "none", "compute": {}, "thermal": {}}
     with pytest.raises(dataclasses.FrozenInstanceError):
         p.flops = 2.0  # type: ignore[misc]
 
@@ -256,10 +257,24 @@ def test_toml_source_may_be_given(tmp_path):
     assert load_profile(str(path)).source == "measured"
 
 
-def test_toml_other_tables_are_left_to_their_readers(tmp_path):
+def test_toml_people_tables_are_left_alone(tmp_path):
     path = tmp_path / "p.toml"
-    path.write_text(PROFILE_TOML + "\n[thermal]\nambient_c = 25.0\n")
+    path.write_text(PROFILE_TOML + "\n[provenance]\nhost = 'bench-3'\n")
     assert load_profile(str(path)).name == "lab-pi"
+
+
+def test_toml_thermal_table_is_the_thermal_model_and_is_validated(tmp_path):
+    from morphling.devices.thermal import BUILTIN_THERMAL
+
+    path = tmp_path / "p.toml"
+    params = BUILTIN_THERMAL["rpi4"]
+    lines = [f"{k} = {json.dumps(list(v) if isinstance(v, tuple) else v)}"
+             for k, v in params.to_dict().items()]  # fmt: skip
+    path.write_text(PROFILE_TOML + "\n[thermal]\n" + "\n".join(lines) + "\n")
+    assert load_profile(str(path)).thermal == params.to_dict()
+    path.write_text(PROFILE_TOML + "\n[thermal]\nambient_c = 25.0\n")
+    with pytest.raises(ValueError, match=r"'thermal'.*missing key.*'tau_s'"):
+        load_profile(str(path))
 
 
 def test_path_without_toml_suffix_is_loaded_when_it_has_a_slash(tmp_path):

@@ -166,7 +166,7 @@ async def test_operands_that_do_not_fit_are_an_emulated_oom(setup, caplog):
     await s.add_device(share_weights=False, memory=8 << 10)  # the smallest tile needs 11 KiB
     client, w = await s.job()
     x = torch.randn(M, K)
-    with caplog.at_level(logging.WARNING, logger="morphling.proxy.server"):
+    with caplog.at_level(logging.WARNING, logger="morphling.proxy.timeline"):
         c, result = await asyncio.to_thread(product, client, x, w.t())
     assert_product(c, x, w.t())  # computed anyway: the OOM is emulated, not real
     assert result.oom == result.tiles == 6

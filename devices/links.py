@@ -1,0 +1,74 @@
+"""Link presets: the network between the emulator and a device, each direction apart.
+
+A what-if often changes only the network ("the same fleet on Wi-Fi"), so a
+preset replaces a profile's four link fields. Wired Ethernet figures follow
+from the standard; the wireless ones are typical figures we chose, labelled
+as such in ``source`` — measure your own with ``morphling-bench`` and write
+a profile file when it matters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .profiles import DeviceProfile
+
+MBIT = 1e6 / 8  # bytes/s per Mbit/s
+
+# TCP goodput on gigabit Ethernet: 1448 payload bytes per 1538 bytes on the wire (1500 MTU
+# less 20 B IP, 20 B TCP, 12 B timestamps; plus 14 B header, 4 B FCS, 8 B preamble, 12 B
+# gap): the ~940 Mbit/s iperf reports.
+GIGABIT_TCP_BW = 125e6 * 1448 / 1538
+
+
+@dataclass(frozen=True)
+class Link:
+    """Bandwidth (bytes/s) and one-way latency (s) per direction; down = emulator→device."""
+
+    name: str
+    dl_bw: float
+    ul_bw: float
+    dl_lat_s: float
+    ul_lat_s: float
+    source: str
+
+    def apply(self, profile: DeviceProfile) -> DeviceProfile:
+        """``profile`` on this link instead of its own."""
+        return dataclasses.replace(
+            profile, dl_bw=self.dl_bw, ul_bw=self.ul_bw, dl_lat_s=self.dl_lat_s,
+            ul_lat_s=self.ul_lat_s, source=f"{profile.source}; link preset {self.name!r}",
+        )  # fmt: skip
+
+
+# fmt: off
+LINKS: dict[str, Link] = {
+    link.name: link
+    for link in (
+        Link("lan", GIGABIT_TCP_BW, GIGABIT_TCP_BW, 0.15e-3, 0.15e-3,
+             "gigabit Ethernet TCP goodput; 0.15 ms one-way (REFERENCE.md, Links)"),
+        Link("wifi", 100 * MBIT, 40 * MBIT, 3e-3, 3e-3,
+             "our assumption: a board's 1x1 802.11ac radio indoors, 100 Mbit/s down, "
+             "40 Mbit/s up (uplinks are slower, REFERENCE.md), 3 ms one-way"),
+        Link("lte", 30 * MBIT, 8 * MBIT, 25e-3, 25e-3,
+             "our assumption: typical LTE, 30 Mbit/s down, 8 Mbit/s up, 25 ms one-way"),
+        Link("5g", 300 * MBIT, 40 * MBIT, 12.5e-3, 12.5e-3,
+             "our assumption: mid-band 5G, 300 Mbit/s down, 40 Mbit/s up; 12.5 ms one-way "
+             "(REFERENCE.md's CDN delay)"),
+        Link("cloud", 100 * MBIT, 100 * MBIT, 40e-3, 40e-3,
+             "40 ms one-way (REFERENCE.md's cloud delay); 100 Mbit/s each way is our assumption"),
+        Link("ideal", math.inf, math.inf, 0.0, 0.0,
+             "zero cost: no latency, unbounded bandwidth (to isolate compute)"),
+    )
+}
+# fmt: on
+
+
+def link(name: str) -> Link:
+    try:
+        return LINKS[name]
+    except KeyError:
+        raise ValueError(f"unknown link preset {name!r}; presets are {', '.join(LINKS)}") from None

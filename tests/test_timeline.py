@@ -1,0 +1,328 @@
+"""The virtual clock: FIFOs per device and link, placement, residency, jobs in virtual time.
+
+Every expected time here is worked out by hand from the analytic model
+(2·m·n·k / flops; latency + bytes / bandwidth), so a wrong queueing rule
+shows up as a wrong number, not as a vague inequality.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+import pytest
+from morphling.devices.links import LINKS
+from morphling.devices.profiles import BUILTIN, DeviceProfile
+from morphling.proxy.engine import Clock, Fifo
+from morphling.proxy.messages import Gemm
+from morphling.proxy.partition import GemmTask, make_task
+from morphling.proxy.timeline import Bottleneck, EventLog, Timeline
+
+MB = 1e6
+
+
+def profile(name: str = "t", *, flops: float = 1e9, bw: float = MB, lat: float = 0.001,
+            memory: int = 1 << 30, thermal: dict | None = None) -> DeviceProfile:  # fmt: skip
+    return DeviceProfile(
+        name=name, flops=flops, memory_bytes=memory, dl_bw=bw, ul_bw=bw, dl_lat_s=lat,
+        ul_lat_s=lat, kind="cpu", blas="test", source="test", thermal=thermal or {},
+    )  # fmt: skip
+
+
+def task(gemm: int, m: int, n: int, k: int, *, weight_b: tuple[int, int] | None = None
+         ) -> GemmTask:  # fmt: skip
+    a = np.ones((m, k), np.float32)
+    b = np.ones((k, n), np.float32)
+    request = Gemm(gemm=gemm, dtype="float32", ta=False, tb=False, m=m, n=n, k=k, lda=k, ldb=n,
+                   segments=(memoryview(a).cast("B"), memoryview(b).cast("B")))  # fmt: skip
+    t = make_task(request)
+    if weight_b is not None:  # as if B lay in the shared weights at this offset, version
+        t.weights["b"] = weight_b
+    return t
+
+
+class Recorder:
+    """Collects what the timeline hands out: placements and GEMM ends."""
+
+    def __init__(self) -> None:
+        self.placed: list[tuple[int, int]] = []  # (tile id, device id)
+        self.ended: dict[int, tuple[float, float]] = {}
+
+    def place(self, placed):
+        self.placed.extend((tile.id, device) for tile, device, _ in placed)
+
+    def done_for(self, gemm_id: int):
+        return lambda issue, end: self.ended.__setitem__(gemm_id, (issue, end))
+
+
+def submit(tl: Timeline, rec: Recorder, job: int, t: GemmTask, block: int, *, after: int = 0,
+           host_s: float = 0.0) -> None:  # fmt: skip
+    tl.submit(job, t, t.tiles(block), after=after, host_s=host_s, place=rec.place,
+              done=rec.done_for(t.id))  # fmt: skip
+
+
+def records(sink: io.StringIO, kind: str) -> list[dict]:
+    return [r for r in map(json.loads, sink.getvalue().splitlines()) if r["ev"] == kind]
+
+
+def new_timeline(policy: str = "greedy", **kw) -> tuple[Timeline, io.StringIO]:
+    sink = io.StringIO()
+    return Timeline(policy, log=EventLog(sink), **kw), sink
+
+
+# --- the core ------------------------------------------------------------------------------
+
+
+def test_clock_runs_events_in_time_then_device_then_tile_order():
+    clock, ran = Clock(), []
+    for time, device, tile in [(2.0, 0, 1), (1.0, 5, 1), (1.0, 2, 9), (1.0, 2, 3), (0.5, 9, 9)]:
+        clock.at(time, ran.append, (time, device, tile), device=device, tile=tile)
+    clock.run()
+    assert ran == [(0.5, 9, 9), (1.0, 2, 3), (1.0, 2, 9), (1.0, 5, 1), (2.0, 0, 1)]
+    assert clock.now == 2.0
+
+
+def test_clock_stops_before_the_horizon_and_never_runs_the_past():
+    clock, ran = Clock(), []
+    clock.at(1.0, ran.append, "a")
+    clock.at(2.0, ran.append, "b")
+    clock.run(lambda: 2.0)
+    assert ran == ["a"]
+    clock.at(0.5, ran.append, "late")  # the past is settled: it runs now, not at 0.5
+    clock.run()
+    assert ran == ["a", "late", "b"] and clock.now == 2.0
+
+
+def test_fifo_serves_in_arrival_order():
+    fifo = Fifo()
+    assert fifo.serve(0.0, 2.0) == (0.0, 2.0)
+    assert fifo.serve(1.0, 1.0) == (2.0, 3.0)  # waits for the first
+    assert fifo.serve(5.0, 1.0) == (5.0, 6.0)  # idle in between
+    assert fifo.busy_s == 4.0
+
+
+# --- one device, by hand ----------------------------------------------------------------
+
+
+def test_one_tile_crosses_downlink_compute_uplink():
+    tl, sink = new_timeline()
+    tl.add_device(0, "d0", profile())
+    tl.open_job(1, "job")
+    rec = Recorder()
+    submit(tl, rec, 1, task(1, 100, 100, 100), block=256)
+    down = 0.001 + 2 * 100 * 100 * 4 / MB  # A's rows and B's columns: 80 kB
+    compute = 2 * 100**3 / 1e9
+    up = 0.001 + 100 * 100 * 4 / MB
+    (tile,) = records(sink, "tile")
+    assert tile["down"] == pytest.approx([0, down])
+    assert tile["compute"] == pytest.approx([down, down + compute])
+    assert tile["up"] == pytest.approx([down + compute, down + compute + up])
+    assert rec.ended[1] == pytest.approx((0.0, down + compute + up))
+    assert [device for _, device in rec.placed] == [0]
+
+
+def test_tiles_on_one_device_pipeline_through_its_fifos():
+    """Tile 2 downloads while tile 1 computes, and computes when both are done."""
+    tl, sink = new_timeline()
+    tl.add_device(0, "d0", profile(flops=1e7))  # compute-bound: 0.2 s per 100³ tile, 81 ms down
+    tl.open_job(1, "job")
+    submit(tl, Recorder(), 1, task(1, 200, 100, 100), block=100)  # two tiles
+    t1, t2 = records(sink, "tile")
+    down = 0.001 + 2 * 100 * 100 * 4 / MB
+    compute = 2 * 100**3 / 1e7
+    assert t2["down"] == pytest.approx([down, 2 * down])  # behind tile 1 on the downlink
+    assert t2["compute"] == pytest.approx([down + compute, down + 2 * compute])  # behind it
+    assert t1["up"][0] == pytest.approx(down + compute)
+
+
+def test_greedy_places_on_the_earliest_finish_and_round_robin_cycles():
+    # fast links: compute decides (on a slow link, greedy rightly spreads the transfers)
+    fast, slow = profile("fast", flops=1e10, bw=1e9), profile("slow", flops=1e8, bw=1e9)
+    for policy, expect in [("greedy", [1, 1, 1, 1]), ("round-robin", [0, 1, 0, 1])]:
+        tl, _ = new_timeline(policy)
+        tl.add_device(0, "slow", slow)
+        tl.add_device(1, "fast", fast)
+        tl.open_job(1, "job")
+        rec = Recorder()
+        submit(tl, rec, 1, task(1, 200, 200, 64), block=100)  # four small tiles
+        assert [device for _, device in rec.placed] == expect, policy
+
+
+def test_load_balanced_spreads_by_outstanding_tiles():
+    tl, _ = new_timeline("load-balanced")
+    for i in range(3):
+        tl.add_device(i, f"d{i}", profile())
+    tl.open_job(1, "job")
+    rec = Recorder()
+    submit(tl, rec, 1, task(1, 300, 200, 64), block=100)  # six tiles
+    assert [device for _, device in rec.placed] == [0, 1, 2, 0, 1, 2]
+
+
+def test_resident_weight_blocks_do_not_travel_again():
+    tl, sink = new_timeline()
+    tl.add_device(0, "d0", profile())
+    tl.open_job(1, "job")
+    rec = Recorder()
+    submit(tl, rec, 1, task(1, 100, 100, 100, weight_b=(4096, 1)), block=256)
+    submit(tl, rec, 1, task(2, 100, 100, 100, weight_b=(4096, 1)), block=256, after=1)
+    submit(tl, rec, 1, task(3, 100, 100, 100, weight_b=(4096, 2)), block=256, after=2)
+    first, again, updated = (t["bytes_down"] for t in records(sink, "tile"))
+    assert first == updated == 2 * 100 * 100 * 4  # A's rows + the weight block
+    assert again == 100 * 100 * 4  # only A's rows: the block is resident, same version
+
+
+def test_a_tile_that_does_not_fit_is_an_emulated_oom():
+    tl, sink = new_timeline()
+    tl.add_device(0, "tiny", profile(memory=50_000))
+    tl.open_job(1, "job")
+    t = task(1, 100, 100, 100)
+    submit(tl, Recorder(), 1, t, block=256)
+    (oom,) = records(sink, "oom")
+    assert oom["need_bytes"] == 3 * 100 * 100 * 4 and oom["capacity_bytes"] == 50_000
+    assert t.oom == 1 and len(records(sink, "tile")) == 1  # still computed
+
+
+def test_shared_bottleneck_serialises_transfers_of_different_devices():
+    with_nic, sink = new_timeline("round-robin", bottleneck=Bottleneck(MB, MB))
+    alone, sink_alone = new_timeline("round-robin")
+    for tl in (with_nic, alone):
+        tl.add_device(0, "d0", profile(lat=0.0))
+        tl.add_device(1, "d1", profile(lat=0.0))
+        tl.open_job(1, "job")
+        submit(tl, Recorder(), 1, task(1, 200, 100, 100), block=100)  # a tile each
+    each = 2 * 100 * 100 * 4 / MB
+    assert [t["down"][1] for t in records(sink_alone, "tile")] == pytest.approx([each, each])
+    assert [t["down"][1] for t in records(sink, "tile")] == pytest.approx([each, 2 * each])
+
+
+# --- jobs in virtual time --------------------------------------------------------------------
+
+
+def test_coordinator_time_and_steps():
+    tl, sink = new_timeline()
+    tl.add_device(0, "d0", profile(lat=0.0))
+    tl.open_job(1, "job")
+    rec, steps = Recorder(), []
+    submit(tl, rec, 1, task(1, 100, 100, 100), block=256)
+    submit(tl, rec, 1, task(2, 100, 100, 100), block=256, after=1, host_s=0.5)
+    tl.mark_step(1, 1, host_s=0.25, done=steps.append)
+    submit(tl, rec, 1, task(3, 100, 100, 100), block=256, host_s=0.125)
+    tl.mark_step(1, 2, host_s=0.0, done=steps.append)
+    g = rec.ended[1][1] - rec.ended[1][0]  # each GEMM takes the same time here
+    assert rec.ended[2] == pytest.approx((g + 0.5, 2 * g + 0.5))
+    first, second = steps
+    assert (first.t0, first.t1) == pytest.approx((0.0, 2 * g + 0.75))
+    assert first.coord_s == pytest.approx(0.75) and first.gemms == 2
+    assert (second.t0, second.t1) == pytest.approx((first.t1, first.t1 + 0.125 + g))
+    assert second.coord_s == pytest.approx(0.125)
+    coord = records(sink, "coord")
+    assert [c["step"] for c in coord] == [1, 1, 2]
+
+
+@pytest.mark.parametrize("one_first", [True, False])
+def test_two_jobs_interleave_by_virtual_time_not_by_arrival(one_first):
+    """Each GEMM here takes 0.86 s on the one device (0.8 s down, 20 ms compute, 40 ms
+    up). Job 1 starts at 0, job 2 when it first issues (0.86). Job 1's second GEMM
+    comes 1 s after its first (at 1.86), job 2's right after its own first (at 1.72):
+    job 2's goes first on the device, whichever request reaches the emulator first."""
+    tl, sink = new_timeline()
+    tl.add_device(0, "d0", profile(lat=0.0))
+    tl.open_job(1, "one")
+    tl.open_job(2, "two")
+    rec = Recorder()
+    submit(tl, rec, 1, task(1, 100, 100, 1000), block=256)
+    submit(tl, rec, 2, task(1, 100, 100, 1000), block=256)
+    calls = [
+        lambda: submit(tl, rec, 1, task(2, 100, 100, 1000), block=256, after=1, host_s=1.0),
+        lambda: submit(tl, rec, 2, task(2, 100, 100, 1000), block=256, after=1),
+    ]
+    for call in calls if one_first else reversed(calls):
+        call()
+    for job in (1, 2):  # an open job could still issue before the last tiles
+        tl.close_job(job)
+    tiles = {(t["job"], t["gemm"]): t for t in records(sink, "tile")}
+    each = 0.8 + 0.02 + 0.04
+    assert tiles[1, 1]["down"] == pytest.approx([0.0, 0.8])
+    assert tiles[2, 1]["down"][0] == pytest.approx(each)
+    assert tiles[2, 2]["down"][0] == pytest.approx(2 * each)
+    assert tiles[1, 2]["down"][0] == pytest.approx(2 * each + 0.8)  # queued behind job 2's
+    assert tiles[1, 2]["down"][0] > each + 1.0
+
+
+def test_a_job_that_has_not_issued_yet_holds_nobody_back():
+    tl, _ = new_timeline()
+    tl.add_device(0, "d0", profile())
+    tl.open_job(1, "busy")
+    tl.open_job(2, "loading its model")
+    rec = Recorder()
+    submit(tl, rec, 1, task(1, 100, 100, 100), block=256)
+    assert 1 in rec.ended
+
+
+def test_an_open_idle_job_holds_others_back_until_released():
+    tl, sink = new_timeline()
+    tl.add_device(0, "d0", profile())
+    tl.open_job(1, "busy")
+    tl.open_job(2, "idle")
+    rec = Recorder()
+    submit(tl, rec, 2, task(7, 10, 10, 10), block=256)  # job 2 starts, then computes
+    submit(tl, rec, 1, task(1, 100, 100, 100), block=256)
+    assert 1 not in rec.ended and len(rec.placed) == 1  # job 2 may still issue before it
+    assert tl.blocked()
+    assert tl.release_idle() == [2]
+    assert 1 in rec.ended and not tl.blocked()
+    end = rec.ended[1][1]
+    submit(tl, rec, 2, task(8, 100, 100, 100), block=256, after=7)  # starts at the clock
+    tl.close_job(1)
+    late = records(sink, "gemm")[-1]
+    assert late["job"] == 2 and late["issue"] == pytest.approx(end)
+
+
+def test_same_calls_give_the_same_log_bit_for_bit():
+    digests = set()
+    for _ in range(2):
+        tl, _sink = new_timeline()
+        for i, name in enumerate(["rpi4", "orin-nano", "rpi4", "rpi5"]):
+            tl.add_device(i, f"{name}-{i}", BUILTIN[name])
+        tl.open_job(1, "job")
+        rec = Recorder()
+        for g in range(1, 6):
+            submit(tl, rec, 1, task(g, 300, 500, 200), block=128, after=g - 1, host_s=0.01)
+        digests.add(tl.log.digest())
+    assert len(digests) == 1
+
+
+def test_thermal_throttling_stretches_compute_and_is_logged():
+    rpi4 = LINKS["ideal"].apply(BUILTIN["rpi4"])  # all compute: the board heats fastest
+    assert rpi4.thermal, "the built-in rpi4 carries its thermal model"
+    tl, sink = new_timeline()
+    tl.add_device(0, "rpi4-0", rpi4)
+    tl.open_job(1, "job")
+    # 2000 tiles of 64×64×65536 (22.6 ms each on a Pi 4) back to back: 45 s of full load
+    m = n = 64
+    k, batch = 65536, 2000
+    a, b = np.ones((m, k), np.float32), np.ones((k, n), np.float32)
+    request = Gemm(
+        gemm=1,
+        dtype="float32",
+        ta=False,
+        tb=False,
+        m=m,
+        n=n,
+        k=k,
+        lda=k,
+        ldb=n,
+        batch=batch,
+        segments=(memoryview(a).cast("B"), memoryview(b).cast("B")),
+    )
+    t = make_task(request)
+    submit(tl, Recorder(), 1, t, block=64)
+    tiles = records(sink, "tile")
+    durations = [x["compute"][1] - x["compute"][0] for x in tiles]
+    freqs = [x["freq_mhz"] for x in tiles]
+    assert freqs[0] == 1500 and min(freqs) < 1500
+    slow = durations[freqs.index(min(freqs))]
+    assert slow == pytest.approx(durations[0] * 1500 / min(freqs))
+    changes = records(sink, "freq")
+    assert changes and changes[0]["temp_c"] >= 80 and changes[0]["freq_mhz"] == 1000
