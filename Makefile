@@ -29,6 +29,7 @@ bench: setup
 	$(PY) scripts/bench_kernels.py
 	$(PY) scripts/bench_net.py
 	$(PY) scripts/bench_train.py
+	$(PY) scripts/bench_vtime.py
 	$(PY) scripts/bench_report.py
 
 lint: setup

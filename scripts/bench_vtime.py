@@ -1,0 +1,150 @@
+#!/usr/bin/env python3
+"""Virtual-time benchmarks: the engine's throughput and a 1,000-device what-if.
+
+Writes ``bench-results/vtime.json``:
+
+- ``engine``: tiles placed and settled per wall second by the timeline alone
+  (64 devices of four built-in profiles, greedy placement, 2048×2048 GEMMs
+  with k 256 cut into 128² tiles, the event log hashed but not written).
+  A *tile event* is one stage of a tile's passage settled in virtual time —
+  its download, its compute or its upload — so three per tile. The anchor,
+  measured in the same run, is a bare ``heapq`` push and pop per event: the
+  floor of any Python event queue.
+- ``whatif_1000``: ``morphling run --embedded`` of one training step of the
+  demo model on 1,000 virtual devices (modelled coordinator time): the wall
+  seconds of the whole command, of which the step, beside the same step run
+  natively in this process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from benchlib import run_meta, write_results
+from morphling.devices.profiles import BUILTIN
+from morphling.proxy.messages import Gemm
+from morphling.proxy.partition import make_task
+from morphling.proxy.timeline import EventLog, Timeline
+
+STAGES = 3  # download, compute, upload
+FLEET_1000 = "rpi4:400,rpi5:300,orin-nano:200,jetson-nano:100"
+
+STEP_SCRIPT = """\
+import json, sys, time, torch
+sys.path.insert(0, {scripts!r})
+from demo import MODEL
+from morphling.proxy.hf_models import build_model, load_config
+cfg = load_config("opt-tiny")
+cfg.update(MODEL)
+model = build_model(cfg, seed=0)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+batch = torch.randint(0, cfg["vocab_size"], (4, 64))
+start = time.perf_counter()
+model(input_ids=batch, labels=batch).loss.backward()
+opt.step()
+print(json.dumps({{"step_s": time.perf_counter() - start}}))
+"""
+
+
+def engine_rate(gemms: int, devices: int = 64) -> tuple[float, float]:
+    """(tile events per wall second, tiles per GEMM) for the timeline alone."""
+    names = ["rpi4", "rpi5", "orin-nano", "jetson-nano"]
+    timeline = Timeline("greedy", log=EventLog())
+    for i in range(devices):
+        timeline.add_device(i, f"d{i}", BUILTIN[names[i % len(names)]])
+    timeline.open_job(1, "bench")
+    m = n = 2048
+    k = 256
+    a, b = np.ones((m, k), np.float32), np.ones((k, n), np.float32)
+    work = []
+    for g in range(1, gemms + 1):
+        request = Gemm(gemm=g, dtype="float32", ta=False, tb=False, m=m, n=n, k=k, lda=k, ldb=n,
+                       segments=(memoryview(a).cast("B"), memoryview(b).cast("B")))  # fmt: skip
+        task = make_task(request)
+        work.append((task, task.tiles(128)))
+    start = time.perf_counter()
+    for g, (task, tiles) in enumerate(work, 1):
+        timeline.submit(1, task, tiles, after=g - 1, host_s=1e-3, place=lambda placed: None,
+                        done=lambda issue, end: None)  # fmt: skip
+    elapsed = time.perf_counter() - start
+    count = sum(len(tiles) for _, tiles in work)
+    return count * STAGES / elapsed, count / gemms
+
+
+def heap_rate(events: int) -> float:
+    """Events per second of a bare heapq push and pop with the engine's key shape."""
+    queue: list[tuple[float, int, int, int]] = []
+    start = time.perf_counter()
+    for i in range(events):
+        heapq.heappush(queue, (i * 1e-6, i % 64, i, i))
+    while queue:
+        heapq.heappop(queue)
+    return events / (time.perf_counter() - start)
+
+
+def whatif(devices: str) -> dict[str, float]:
+    """One step of the demo model on ``devices`` through ``morphling run``, and natively."""
+    scripts = str(Path(__file__).resolve().parent)
+    with tempfile.TemporaryDirectory() as tmp:
+        script = Path(tmp) / "step.py"
+        script.write_text(STEP_SCRIPT.format(scripts=scripts))
+        native = json.loads(subprocess.run(
+            [sys.executable, str(script)], check=True, capture_output=True, text=True
+        ).stdout)["step_s"]  # fmt: skip
+        report = Path(tmp) / "report.json"
+        start = time.perf_counter()
+        subprocess.run(
+            [sys.executable, "-m", "morphling", "--log-level", "warning", "run", "--embedded",
+             "--devices", devices, "--coordinator-time", "model", "--run-dir",
+             str(Path(tmp) / "run"), "--no-report", "--json", str(report), "--",
+             str(script)],
+            check=True, capture_output=True, text=True,
+        )  # fmt: skip
+        wall = time.perf_counter() - start
+        step = json.loads(report.read_text())["steps"][0]
+    return {"wall_s": round(wall, 2), "step_wall_s": round(step["host_s"], 2),
+            "native_step_s": round(native, 3), "emulated_step_s": round(step["emulated_s"], 4),
+            "step_ratio_to_native": round(step["host_s"] / native, 1)}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=3, help="engine runs, alternating")
+    parser.add_argument("--gemms", type=int, default=40, help="GEMMs per engine run")
+    parser.add_argument("--devices", default=FLEET_1000, help="the what-if fleet")
+    parser.add_argument("--output", type=Path, default=Path("bench-results/vtime.json"))
+    args = parser.parse_args(argv)
+    engine, heap = [], []
+    tiles_per_gemm = 0.0
+    for _ in range(args.reps):
+        rate, tiles_per_gemm = engine_rate(args.gemms)
+        engine.append(rate)
+        heap.append(heap_rate(int(args.gemms * tiles_per_gemm * STAGES)))
+    events_per_s = statistics.median(engine)
+    results = {
+        "meta": run_meta(args.reps, gemms=args.gemms, tiles_per_gemm=tiles_per_gemm),
+        "engine": {
+            "events_per_s": round(events_per_s),
+            "tiles_per_s": round(events_per_s / STAGES),
+            "heap_events_per_s": round(statistics.median(heap)),
+            "ratio_to_heap": round(events_per_s / statistics.median(heap), 3),
+            "target_events_per_s": 200_000,
+            "met": events_per_s >= 200_000,
+        },
+        "whatif_1000": {"devices": args.devices, **whatif(args.devices)},
+    }
+    write_results(results, args.output)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
