@@ -1,0 +1,462 @@
+"""Measure this host for a device profile: a GEMM shape grid, a held-out set, a sustained load.
+
+``profile`` is what ``morphling profile`` runs: it times a grid of tile shapes with the real
+kernels, fits a ``ComputeModel`` to it, scores the fit on held-out shapes measured in the
+same rounds, records a sustained-load trace for the thermal model, and writes it all as a
+TOML profile that ``devices.profiles.load_profile`` reads.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import math
+import mmap
+import os
+import socket
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..kernels import GemmPlan, blas_info, plan_explicit, run_plan, set_threads
+from .compute_model import ComputeModel, GemmShape, heldout_error
+from .links import LINKS
+from .thermal import Trace
+
+log = logging.getLogger(__name__)
+
+# Shapes of interest: the tiles a transformer training step issues. A tile is at most
+# block × block (blocks of 64-512), an edge tile any size below; K is the full inner
+# dimension; an operand is contiguous or a block of a wider matrix, whose width is a model
+# dimension (GPT-2: 768, 2304, 3072; BERT-large, GPT-2 medium: 1024, 4096).
+WIDTHS = (768, 1024, 2048, 2304, 3072, 4096)
+# (ta, tb): a transformer step issues x·Wᵀ (forward), g·W (input gradient) and gᵀ·x (weight
+# gradient), in attention too; both operands transposed comes only from user code.
+TRANSPOSES = ((False, True), (False, False), (True, False), (True, True))
+TRANSPOSE_SHARES = (0.3, 0.3, 0.3, 0.1)
+MN_RANGE = (1, 512)
+BLOCK_RANGE = (64, 512)
+K_RANGE = (16, 4096)
+FLOAT64_SHARE = 0.25
+
+# Grid levels: four per octave, rounded, so sizes fall on many residues modulo the vector
+# width (the fit must see edge tiles); held-out shapes use only sizes between the levels.
+MN_LEVELS = tuple(sorted({round(2 ** (i / 4)) for i in range(37)}))
+K_LEVELS = tuple(sorted({round(2 ** (i / 4)) for i in range(16, 49)}))
+
+# The large-GEMM rate the profile's ``flops`` reports: a full 512-block of nn.Linear's
+# forward GEMM (x · Wᵀ) with K = 4096, both operands contiguous.
+LARGE_GEMM = GemmShape(512, 512, 4096, False, True, 4096, 4096, "float32")
+# The sustained load: a 256-block tile of the same kind, about 1 ms on one x86 core.
+BURST_GEMM = GemmShape(256, 256, 1024, False, True, 1024, 1024, "float32")
+
+THERMAL_ZONES = Path("/sys/class/thermal")
+MAX_FREQ = Path("/sys/devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq")
+UNKNOWN_CLOCK_MHZ = 1000.0
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """How much to measure: grid and held-out shapes, interleaved rounds, trace seconds."""
+
+    grid: int
+    heldout: int
+    rounds: int
+    duration_s: float
+
+
+FULL = Plan(grid=3000, heldout=300, rounds=5, duration_s=60.0)  # about 2 minutes
+QUICK = Plan(grid=800, heldout=100, rounds=3, duration_s=2.0)  # about 10 s: for tests
+
+
+# --- shapes ----------------------------------------------------------------------------------
+
+
+def _log_uniform(rng: np.random.Generator, lo: int, hi: int) -> int:
+    return round(math.exp(rng.uniform(math.log(lo), math.log(hi))))
+
+
+def _tile_size(rng: np.random.Generator) -> int:
+    """A full block (log-uniform in BLOCK_RANGE) or an edge tile (uniform in MN_RANGE)."""
+    if rng.random() < 0.5:
+        return _log_uniform(rng, *BLOCK_RANGE)
+    return int(rng.integers(MN_RANGE[0], MN_RANGE[1] + 1))
+
+
+def _leading(rng: np.random.Generator, row: int) -> int:
+    """Contiguous half the time, else the width of a wider matrix the operand is a block of."""
+    wider = [w for w in WIDTHS if w >= row]
+    if rng.random() < 0.5 or not wider:
+        return row
+    return int(rng.choice(wider))
+
+
+def _snap(value: int, levels: Sequence[int]) -> int:
+    return min(levels, key=lambda level: abs(math.log(level / value)))
+
+
+def _draw(rng: np.random.Generator, grid: bool) -> GemmShape:
+    while True:
+        m, n, k = _tile_size(rng), _tile_size(rng), _log_uniform(rng, *K_RANGE)
+        if grid:
+            m, n, k = _snap(m, MN_LEVELS), _snap(n, MN_LEVELS), _snap(k, K_LEVELS)
+            break
+        if m not in MN_LEVELS and n not in MN_LEVELS and k not in K_LEVELS:
+            break
+    ta, tb = TRANSPOSES[rng.choice(len(TRANSPOSES), p=TRANSPOSE_SHARES)]
+    dtype = "float64" if rng.random() < FLOAT64_SHARE else "float32"
+    return GemmShape(
+        m, n, k, ta, tb, _leading(rng, m if ta else k), _leading(rng, k if tb else n), dtype
+    )
+
+
+def _distinct(count: int, seed: int, grid: bool) -> list[GemmShape]:
+    if count < 0:
+        raise ValueError(f"count must be >= 0, got {count}")
+    rng = np.random.default_rng(seed)
+    shapes: dict[GemmShape, None] = {}
+    while len(shapes) < count:
+        shapes[_draw(rng, grid)] = None
+    return list(shapes)
+
+
+def grid_shapes(count: int, *, seed: int = 0) -> list[GemmShape]:
+    """``count`` distinct shapes of interest, sizes snapped to the grid levels."""
+    return _distinct(count, seed, grid=True)
+
+
+def heldout_shapes(count: int, *, seed: int = 1) -> list[GemmShape]:
+    """``count`` distinct shapes from the same distribution with no size on a grid level."""
+    return _distinct(count, seed, grid=False)
+
+
+# --- timing ----------------------------------------------------------------------------------
+
+
+def _fresh(nbytes: int) -> np.ndarray:
+    """Anonymous pages as the device's buffer pool gets them (no huge-page advice: with it,
+    page-multiple strides ran 40 % slower or not depending on the allocation), filled with a
+    normal number in both float widths (0x3F bytes) so no denormal slows the kernel."""
+    memory = np.frombuffer(mmap.mmap(-1, max(nbytes, 1)), np.uint8)
+    memory[:] = 0x3F
+    return memory
+
+
+def _buffers(shapes: Sequence[GemmShape]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Fresh A, B and C buffers, each page-aligned and large enough for every shape."""
+
+    def span(rows: int, cols: int, ld: int, itemsize: int) -> int:
+        return ((rows - 1) * ld + cols) * itemsize
+
+    a = max(span(s.a_rows, s.a_cols, s.lda, s.itemsize) for s in shapes)
+    b = max(span(s.b_rows, s.b_cols, s.ldb, s.itemsize) for s in shapes)
+    c = max(s.m * s.n * s.itemsize for s in shapes)
+    return _fresh(a), _fresh(b), _fresh(c)
+
+
+def _plan(s: GemmShape, buffers: tuple[np.ndarray, np.ndarray, np.ndarray]) -> GemmPlan:
+    a, b, c = buffers
+    return plan_explicit(s.dtype, s.ta, s.tb, s.m, s.n, s.k, a, s.lda, b, s.ldb, c, s.n)
+
+
+def _calls_for(plan: GemmPlan, seconds: float, clock: Callable[[], float]) -> int:
+    """Back-to-back calls of ``plan`` that take about ``seconds`` (from one timed call)."""
+    start = clock()
+    run_plan(plan)
+    return math.ceil(seconds / max(clock() - start, 1e-7))
+
+
+def measure(
+    shapes: Sequence[GemmShape],
+    *,
+    threads: int = 1,
+    rounds: int = 5,
+    min_batch_s: float = 2e-4,
+    seed: int = 0,
+    progress: Callable[[int], None] | None = None,
+) -> list[tuple[GemmShape, float]]:
+    """Seconds per GEMM of each shape, timed with the real kernels on ``threads`` threads.
+
+    Each round gets fresh operand buffers and visits the shapes in a new random order; a
+    shape's time in a round is the mean of a batch of back-to-back calls (at least
+    ``min_batch_s``) after one warm-up call, and its result is the fastest round. Other
+    processes on a shared machine only ever slow a round down, and interleaving spreads a
+    slow spell over many shapes instead of ruining a few. ``progress`` is called with 1
+    after each shape in each round. Sets the calling thread's BLAS thread count.
+    """
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    if not shapes:
+        return []
+    set_threads(threads)
+    # One thread computes in the calling thread, so its CPU time leaves out the time the OS
+    # gave other processes; more threads need the wall clock.
+    clock = time.thread_time if threads == 1 else time.perf_counter
+    rng = np.random.default_rng(seed)
+    best = np.full(len(shapes), math.inf)
+    calls = np.zeros(len(shapes), dtype=np.int64)
+    for _ in range(rounds):
+        buffers = _buffers(shapes)
+        for i in rng.permutation(len(shapes)):
+            plan = _plan(shapes[i], buffers)
+            run_plan(plan)  # warm-up: operands into cache, pages faulted in
+            if calls[i] == 0:
+                calls[i] = _calls_for(plan, min_batch_s, clock)
+            count = int(calls[i])
+            start = clock()
+            for _ in range(count):
+                run_plan(plan)
+            best[i] = min(best[i], (clock() - start) / count)
+            if progress is not None:
+                progress(1)
+    return list(zip(shapes, best.tolist(), strict=True))
+
+
+# --- sustained load --------------------------------------------------------------------------
+
+
+def read_temperature_c() -> float | None:
+    """The hottest ``/sys/class/thermal`` zone in °C, or None where there is no sensor."""
+    readings = []
+    for path in sorted(THERMAL_ZONES.glob("thermal_zone*/temp")):
+        try:
+            readings.append(int(path.read_text().strip()) / 1000.0)  # millidegrees
+        except (OSError, ValueError):
+            continue
+    return max(readings) if readings else None
+
+
+def top_clock_mhz() -> float:
+    """The CPU's top clock: cpufreq's maximum, else /proc/cpuinfo's fastest core, else
+    ``UNKNOWN_CLOCK_MHZ`` (then a trace's clocks are ratios scaled to it)."""
+    try:
+        return int(MAX_FREQ.read_text()) / 1000.0  # kHz
+    except (OSError, ValueError):
+        pass
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return UNKNOWN_CLOCK_MHZ
+    clocks = [float(line.split(":")[1]) for line in lines if line.startswith("cpu MHz")]
+    return max(clocks) if clocks else UNKNOWN_CLOCK_MHZ
+
+
+@dataclass(frozen=True, slots=True)
+class Bursts:
+    """What a sustained run recorded, one entry per burst."""
+
+    shape: GemmShape
+    start_s: np.ndarray  # since the run began
+    latency_s: np.ndarray  # seconds per GEMM within the burst
+    temp_c: np.ndarray  # NaN without a sensor
+    top_clock_mhz: float
+    elapsed_s: float
+
+    @property
+    def has_temperatures(self) -> bool:
+        return bool(np.isfinite(self.temp_c).any())
+
+    def trace(self) -> Trace:
+        """The thermal model's input: each burst's clock inferred from its latency,
+        ``f = f_max × fastest / latency``."""
+        freq = self.top_clock_mhz * self.latency_s.min() / self.latency_s
+        busy = np.ones(self.start_s.size, dtype=bool)
+        return Trace(self.start_s, self.temp_c, freq, busy)
+
+
+def run_bursts(
+    duration_s: float, *, burst_shape: GemmShape = BURST_GEMM, threads: int = 1,
+    burst_s: float = 0.1,
+) -> Bursts:  # fmt: skip
+    """Back-to-back bursts of ``burst_shape`` GEMMs (about ``burst_s`` each) for ``duration_s``."""
+    if not (math.isfinite(duration_s) and duration_s > 0):
+        raise ValueError(f"duration_s must be finite and > 0, got {duration_s!r}")
+    if not (math.isfinite(burst_s) and 0 < burst_s <= duration_s):
+        raise ValueError(f"burst_s must be in (0, duration_s], got {burst_s!r}")
+    set_threads(threads)
+    plan = _plan(burst_shape, _buffers([burst_shape]))
+    run_plan(plan)
+    calls = _calls_for(plan, burst_s, time.perf_counter)
+    rows: list[tuple[float, float, float]] = []
+    begin = time.perf_counter()
+    while (now := time.perf_counter()) - begin < duration_s:
+        temp = read_temperature_c()
+        for _ in range(calls):
+            run_plan(plan)
+        latency = (time.perf_counter() - now) / calls
+        rows.append((now - begin, latency, math.nan if temp is None else temp))
+    elapsed = time.perf_counter() - begin
+    start_s, latency_s, temp_c = (np.array(column) for column in zip(*rows, strict=True))
+    return Bursts(burst_shape, start_s, latency_s, temp_c, top_clock_mhz(), elapsed)
+
+
+def sustained_trace(
+    duration_s: float, *, burst_shape: GemmShape = BURST_GEMM, threads: int = 1
+) -> Trace:
+    """A sustained-load ``Trace``: time, clock (from burst latency) and temperature (NaN
+    where the host has no ``/sys/class/thermal`` sensor) per burst."""
+    return run_bursts(duration_s, burst_shape=burst_shape, threads=threads).trace()
+
+
+# --- the profile file ------------------------------------------------------------------------
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return repr(float(value))  # Python's float spellings are TOML's (inf, nan too)
+    if isinstance(value, str):
+        return json.dumps(value)  # JSON string escapes are a subset of TOML's
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        if value and isinstance(value[0], dict):  # a list of records: one per line
+            return "[\n" + "".join(f"  {_toml_value(v)},\n" for v in value) + "]"
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise ValueError(f"cannot write {type(value).__name__} to TOML")
+
+
+def dump_toml(tables: dict[str, dict[str, Any]]) -> str:
+    """TOML for top-level tables of str/int/float/bool values and lists of them or of flat
+    records (the standard library reads TOML but does not write it)."""
+    return "\n".join(
+        f"[{name}]\n" + "".join(f"{key} = {_toml_value(value)}\n" for key, value in table.items())
+        for name, table in tables.items()
+    )
+
+
+def _memory_bytes() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1]) * 1024  # kB
+    raise ValueError("/proc/meminfo has no MemTotal line")
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "Model")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileResult:
+    """What ``profile`` wrote, for the command to report."""
+
+    path: Path
+    model: ComputeModel
+    flops: float
+    heldout: dict[str, float]
+    bursts: Bursts
+
+
+def plan_size(plan: Plan) -> int:
+    """Timed shape-rounds ``profile`` reports to its progress callback."""
+    return (plan.grid + plan.heldout) * plan.rounds
+
+
+def profile(
+    output: str | Path,
+    *,
+    threads: int = 1,
+    quick: bool = False,
+    duration_s: float | None = None,
+    name: str = "host",
+    force: bool = False,
+    progress: Callable[[int], None] | None = None,
+) -> ProfileResult:
+    """Measure, fit and score, trace, and write the profile TOML to ``output``.
+
+    The grid and the held-out set are timed in the same interleaved rounds, so a slow spell
+    on a shared machine hits both alike. The written exact cache holds both sets (the fit
+    and its score use the grid only). ``duration_s`` defaults to the plan's.
+    """
+    plan = QUICK if quick else FULL
+    duration = plan.duration_s if duration_s is None else duration_s
+    path = Path(output)
+    if path.exists() and not force:
+        raise FileExistsError(f"{path} exists (overwrite it with force)")
+    info = blas_info()
+    grid = grid_shapes(plan.grid, seed=0)
+    heldout = heldout_shapes(plan.heldout, seed=1)
+    log.info("timing %d grid and %d held-out GEMM shapes, %d rounds, %d BLAS thread(s)",
+             len(grid), len(heldout), plan.rounds, threads)  # fmt: skip
+    measured = measure(grid + heldout, threads=threads, rounds=plan.rounds, progress=progress)
+    model = ComputeModel.fit(measured[: len(grid)])
+    error = heldout_error(model, measured[len(grid) :])
+    log.info("fitted; held-out error median %.1f %%, p90 %.1f %%",
+             100 * error["median_ape"], 100 * error["p90_ape"])  # fmt: skip
+    model.exact.update(measured[len(grid) :])
+    flops = LARGE_GEMM.flops / model.predict_s(LARGE_GEMM)
+    log.info("sustained load for %g s", duration)
+    bursts = run_bursts(duration, threads=threads)
+    host = socket.gethostname()
+    now = datetime.datetime.now(datetime.UTC).replace(microsecond=0)
+    lan = LINKS["lan"]
+    tables = {
+        "profile": {
+            "name": name,
+            "flops": flops,
+            "memory_bytes": _memory_bytes(),
+            "dl_bw": lan.dl_bw,
+            "ul_bw": lan.ul_bw,
+            "dl_lat_s": lan.dl_lat_s,
+            "ul_lat_s": lan.ul_lat_s,
+            "kind": "cpu",
+            "blas": f"{info.name} {info.version}",
+            "source": f"measured on {host} by morphling profile at {now.isoformat()}",
+        },
+        "compute": model.to_dict(),
+        "provenance": {
+            "host": host,
+            "cpu": _cpu_model(),
+            "blas": info.name,
+            "blas_version": info.version,
+            "blas_path": info.path,
+            "threads": threads,
+            "date": now.isoformat(),
+            "grid_shapes": len(grid),
+            "heldout_shapes": len(heldout),
+            "rounds": plan.rounds,
+            "heldout_median_ape": error["median_ape"],
+            "heldout_p90_ape": error["p90_ape"],
+            "heldout_max_ape": error["max_ape"],
+            "links": f"LAN preset, not measured: {lan.source}",
+        },
+        "trace": _trace_summary(bursts),
+    }
+    with path.open("w" if force else "x") as f:  # "x": never clobber without force
+        f.write(dump_toml(tables))
+    return ProfileResult(path, model, flops, error, bursts)
+
+
+def _trace_summary(bursts: Bursts) -> dict[str, Any]:
+    latency = bursts.latency_s
+    s = bursts.shape
+    summary: dict[str, Any] = {
+        "duration_s": bursts.elapsed_s,
+        "bursts": int(latency.size),
+        "burst_gemm": f"{s.m}x{s.n}x{s.k} {s.dtype} ta={s.ta} tb={s.tb}",
+        "first_latency_s": float(latency[0]),
+        "last_latency_s": float(latency[-1]),
+        "fastest_latency_s": float(latency.min()),
+        "top_clock_mhz": bursts.top_clock_mhz,
+        "temperatures": bursts.has_temperatures,
+    }
+    if not bursts.has_temperatures:
+        summary["note"] = (
+            "no /sys/class/thermal sensor on this host: temperatures not recorded, so the "
+            "thermal model cannot be fitted from this trace (clock-vs-time only)"
+        )
+    return summary
