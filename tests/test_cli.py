@@ -43,3 +43,12 @@ def test_console_script_is_installed():
     assert exe is not None
     proc = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=60)
     assert proc.stdout.strip() == f"morphling {__version__}"
+
+
+def test_profile_refuses_to_overwrite_without_force(tmp_path):
+    existing = tmp_path / "host.toml"
+    existing.write_text("kept")
+    proc = morphling("profile", "--quick", "--output", str(existing))
+    assert proc.returncode == 2 and "--force" in proc.stderr
+    assert existing.read_text() == "kept"
+    assert morphling("profile", "--help").returncode == 0
