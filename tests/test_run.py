@@ -128,7 +128,11 @@ class Trainings:
             command = [*MORPHLING_RUN, *flags, "--json", str(report), "--", "python", *command[1:]]
         with log.open("w") as stderr:  # a file: nobody reads stderr while the run goes on
             popen = subprocess.Popen(  # in tmp: the run directory goes there
-                command, stdout=subprocess.PIPE, stderr=stderr, text=True, env=child_env(),
+                command,
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                text=True,
+                env=child_env(),
                 cwd=self.tmp,
             )
         return popen, state, report, log
