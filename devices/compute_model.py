@@ -15,7 +15,7 @@ log-linear efficiency, ``t = Σ_j W_j · exp(X_j · θ_j)``:
   remainder with 8-, 4-, 2- and 1-wide kernels that each cost about a full panel (n = 255
   takes 20 % longer than n = 256). Efficiency depends on dtype, transposes, path and k;
 - operand traffic for A and for B: bytes × a power law in (m, n, k) per group of
-  (transposed?, stride class, path). The stride class is where REFERENCE.md's "stride
+  (transposed?, stride class, path, dtype). The stride class is where REFERENCE.md's "stride
   matters" lives: rows a page multiple apart map to the same cache sets and defeat the
   prefetcher (pages are fetched one row at a time), sub-page power-of-two strides alias in
   L1, rows more than a page apart defeat the prefetcher only. The penalty is not a constant
@@ -138,7 +138,7 @@ _K_KNOTS = np.array([4.0, 5.0, 6.0, 7.0, 8.0, 10.0, 12.0]) - _LOG2_CENTRE[2]
 # Stride classes of an operand's leading dimension in bytes, and the operand groups.
 _NEAR, _FAR, _POW2, _PAGE = range(4)
 _STRIDE_CLASSES = 4
-_GROUPS = 2 * _STRIDE_CLASSES * 2  # transposed? × stride class × packed path?
+_GROUPS = 2 * _STRIDE_CLASSES * 2 * 2  # transposed? × stride class × packed path? × fp64?
 _COVARIATES = 4  # 1, log2 m, log2 n, log2 k
 
 # Parameter vector layout: name → length; compute's columns are fp32, fp64 (rate per
@@ -251,7 +251,7 @@ class _Form:
         covariates = np.stack([np.ones(c.size), *logs], axis=1)
 
         def traffic(trans: np.ndarray, ld: np.ndarray) -> np.ndarray:
-            group = (trans * _STRIDE_CLASSES + _stride_class(ld, c.item)) * 2 + packed
+            group = ((trans * _STRIDE_CLASSES + _stride_class(ld, c.item)) * 2 + packed) * 2 + fp64
             design = _one_hot(group, _GROUPS)[:, :, None] * covariates[:, None, :]
             return design.reshape(c.size, -1)
 

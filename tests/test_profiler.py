@@ -1,0 +1,174 @@
+"""``morphling profile`` and its parts: shape sets, timing, the sustained trace, the TOML file."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import tomllib
+
+import numpy as np
+import pytest
+from morphling.devices.compute_model import ComputeModel, GemmShape
+from morphling.devices.profile_cli import add_parser
+from morphling.devices.profiler import (
+    K_LEVELS,
+    LARGE_GEMM,
+    MN_LEVELS,
+    QUICK,
+    THERMAL_ZONES,
+    dump_toml,
+    grid_shapes,
+    heldout_shapes,
+    measure,
+    read_temperature_c,
+    sustained_trace,
+    top_clock_mhz,
+)
+from morphling.devices.profiles import DeviceProfile, load_profile
+
+# Off the grid levels (200, 300, 700), so a profile predicts it from its fit, not its cache.
+FRESH = GemmShape(200, 300, 700, False, True, 700, 700, "float32")
+HAS_SENSOR = read_temperature_c() is not None
+
+
+def morphling_profile(*argv: str) -> int:
+    """Run ``morphling profile ARGV`` through the real parser, as ``morphling`` does."""
+    parser = argparse.ArgumentParser(prog="morphling")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["profile", *argv])
+    return args.func(args)
+
+
+@pytest.fixture(scope="module")
+def quick_profile(tmp_path_factory):
+    path = tmp_path_factory.mktemp("profile") / "host.toml"
+    assert (
+        morphling_profile("--quick", "--threads", "1", "--no-progress", "--output", str(path)) == 0
+    )
+    with path.open("rb") as f:
+        return path, tomllib.load(f)
+
+
+# --- the command ---------------------------------------------------------------------------
+
+
+def test_quick_profile_writes_a_profile_the_loaders_accept(quick_profile):
+    path, doc = quick_profile
+    assert set(doc) == {"profile", "compute", "provenance", "trace"}
+    profile = DeviceProfile.from_wire({"source": "test", **doc["profile"]})
+    assert profile.kind == "cpu" and profile.name == "host"
+    assert profile.source.startswith("measured on ") and "by morphling profile at" in profile.source
+    assert profile.memory_bytes > 1 << 20
+    assert profile.dl_lat_s > 0 and math.isfinite(profile.dl_bw)  # a LAN, not loopback
+    loaded = load_profile(str(path))
+    assert loaded.compute == doc["compute"]
+    model = ComputeModel.from_dict(doc["compute"])
+    assert profile.flops == pytest.approx(LARGE_GEMM.flops / model.predict_s(LARGE_GEMM))
+
+
+def test_quick_profile_predicts_a_fresh_measurement_within_20_percent(quick_profile):
+    model = ComputeModel.from_dict(quick_profile[1]["compute"])
+    assert FRESH not in model.exact
+    [(_, seconds)] = measure([FRESH], threads=1, rounds=5)
+    assert model.predict_s(FRESH) == pytest.approx(seconds, rel=0.2)
+
+
+def test_quick_profile_records_provenance_and_the_trace(quick_profile):
+    provenance, trace = quick_profile[1]["provenance"], quick_profile[1]["trace"]
+    assert provenance["threads"] == 1
+    assert provenance["grid_shapes"] == QUICK.grid
+    assert provenance["heldout_shapes"] == QUICK.heldout
+    assert 0 < provenance["heldout_median_ape"] <= provenance["heldout_p90_ape"]
+    assert provenance["blas"] in ("mkl", "openblas")
+    assert trace["bursts"] >= 2 and trace["duration_s"] >= QUICK.duration_s
+    assert trace["fastest_latency_s"] <= min(trace["first_latency_s"], trace["last_latency_s"])
+    assert trace["temperatures"] is HAS_SENSOR
+    assert ("note" in trace) is not HAS_SENSOR
+
+
+def test_refuses_to_overwrite_without_force(tmp_path, capsys):
+    path = tmp_path / "taken.toml"
+    path.write_text("keep me\n")
+    assert morphling_profile("--quick", "--output", str(path)) == 2
+    assert "--force" in capsys.readouterr().err
+    assert path.read_text() == "keep me\n"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--threads", "0"], "--threads"),
+        (["--duration", "-1"], "--duration"),
+        (["--name", ""], "--name"),
+    ],
+)
+def test_usage_errors_exit_2(tmp_path, capsys, argv, message):
+    assert morphling_profile(*argv, "--output", str(tmp_path / "p.toml")) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "p.toml").exists()
+
+
+def test_missing_output_directory_and_flag_exit_2(tmp_path, capsys):
+    assert morphling_profile("--output", str(tmp_path / "no" / "p.toml")) == 2
+    assert "does not exist" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        morphling_profile("--quick")
+    assert exc.value.code == 2
+
+
+# --- shape sets ----------------------------------------------------------------------------
+
+
+def test_grid_is_on_levels_and_heldout_is_off_them():
+    grid = grid_shapes(300, seed=3)
+    held = heldout_shapes(300, seed=4)
+    assert len(set(grid)) == 300 and len(set(held)) == 300
+    assert all(s.m in MN_LEVELS and s.n in MN_LEVELS and s.k in K_LEVELS for s in grid)
+    assert not any(s.m in MN_LEVELS or s.n in MN_LEVELS or s.k in K_LEVELS for s in held)
+    for shapes in (grid, held):
+        assert {(s.ta, s.tb) for s in shapes} == {(a, b) for a in (0, 1) for b in (0, 1)}
+        assert {s.dtype for s in shapes} == {"float32", "float64"}
+        contiguous = [s.lda == s.a_cols for s in shapes]
+        assert 0.2 < np.mean(contiguous) < 0.8  # strided views and contiguous operands
+    assert grid_shapes(50, seed=3) == grid[:50]  # seeded
+
+
+# --- timing and the trace ------------------------------------------------------------------
+
+
+def test_measure_times_each_shape_in_order():
+    small = GemmShape(64, 64, 64, False, False, 64, 64, "float32")
+    large = GemmShape(256, 256, 2048, True, True, 256, 2048, "float64")
+    [(first, t_small), (second, t_large)] = measure([small, large], threads=1, rounds=2)
+    assert (first, second) == (small, large)
+    assert 0 < t_small < t_large
+    with pytest.raises(ValueError, match="rounds"):
+        measure([small], rounds=0)
+
+
+def test_sustained_trace_infers_clocks_from_latency():
+    burst = GemmShape(128, 128, 512, False, True, 512, 512, "float32")
+    trace = sustained_trace(0.5, burst_shape=burst, threads=1)
+    top = top_clock_mhz()
+    assert trace.time_s.size >= 2 and np.all(np.diff(trace.time_s) > 0)
+    assert trace.busy.all()
+    assert trace.freq_mhz.max() == pytest.approx(top)  # the fastest burst ran at the top clock
+    assert np.all(trace.freq_mhz <= top * (1 + 1e-12))
+    assert bool(np.isfinite(trace.temp_c).any()) is HAS_SENSOR
+    if not THERMAL_ZONES.exists():
+        assert np.isnan(trace.temp_c).all()
+
+
+# --- the TOML writer -----------------------------------------------------------------------
+
+
+def test_toml_writer_round_trips_through_tomllib():
+    tables = {
+        "a": {"text": 'quote " backslash \\ newline \n unicode é', "n": -3, "x": 1e-300,
+              "big": 1.5e300, "inf": math.inf, "yes": True, "xs": [1.0, 2.5], "empty": []},
+        "b": {"records": [{"m": 1, "ta": False, "dtype": "float32"}, {"m": 2, "ta": True,
+                                                                      "dtype": "float64"}]},
+    }  # fmt: skip
+    assert tomllib.loads(dump_toml(tables)) == tables
+    with pytest.raises(ValueError, match="NoneType"):
+        dump_toml({"a": {"x": None}})
