@@ -43,6 +43,8 @@ from typing import Any
 import numpy as np
 from scipy.optimize import least_squares
 
+from .strict_map import check_keys
+
 DTYPES = {"float32": 4, "float64": 8}
 PAGE_BYTES = 4096
 _INT_MAX = 2**31 - 1  # the 32-bit BLAS interface
@@ -341,15 +343,6 @@ def _floats(name: str, value: object, length: int) -> tuple[float, ...]:
     return tuple(out)
 
 
-def _check_keys(what: str, d: Mapping[str, Any], keys: Sequence[str]) -> None:
-    unknown = sorted(str(key) for key in d if key not in keys)
-    if unknown:
-        raise ValueError(f"{what} has unknown key(s): {', '.join(map(repr, unknown))}")
-    missing = [key for key in keys if key not in d]
-    if missing:
-        raise ValueError(f"{what} is missing key(s): {', '.join(map(repr, missing))}")
-
-
 def _exact_from(records: object) -> dict[GemmShape, float]:
     if not isinstance(records, list):
         raise ValueError("compute field 'exact' must be a list of records")
@@ -357,7 +350,7 @@ def _exact_from(records: object) -> dict[GemmShape, float]:
     for i, record in enumerate(records):
         if not isinstance(record, dict):
             raise ValueError(f"compute field 'exact'[{i}] must be a table, got {record!r:.60}")
-        _check_keys(f"compute field 'exact'[{i}]", record, _RECORD_KEYS)
+        check_keys(f"compute field 'exact'[{i}]", record, _RECORD_KEYS)
         shape = GemmShape(**{key: record[key] for key in _SHAPE_FIELDS})
         exact[shape] = _positive(f"exact[{i}].seconds", record["seconds"])
     return exact
@@ -511,14 +504,14 @@ class ComputeModel:
             raise ValueError(f"compute model must be a map, got {type(d).__name__}")
         kind = d.get("kind")
         if kind == "analytic":
-            _check_keys("compute model", d, _ANALYTIC_KEYS)
+            check_keys("compute model", d, _ANALYTIC_KEYS)
             return cls(_exact_from(d["exact"]), flops=_positive("flops", d["flops"]),
                        fp64_ratio=_positive("fp64_ratio", d["fp64_ratio"]))  # fmt: skip
         if kind != "fitted":
             raise ValueError(
                 f"compute field 'kind' must be 'analytic' or 'fitted', got {kind!r:.60}"
             )
-        _check_keys("compute model", d, _FITTED_KEYS)
+        check_keys("compute model", d, _FITTED_KEYS)
         vector_bytes, regime_min = d["vector_bytes"], d["regime_min"]
         for name, value in (("vector_bytes", vector_bytes), ("regime_min", regime_min)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:

@@ -18,6 +18,7 @@ from typing import Any
 
 from .compute_model import ComputeModel
 from .links import LINKS, link
+from .strict_map import check_keys, short
 from .thermal import COOLING, ThermalParams, thermal_for
 
 _KINDS = ("cpu", "gpu")
@@ -26,13 +27,6 @@ _LATENCY_FIELDS = ("dl_lat_s", "ul_lat_s")
 _BANDWIDTH_FIELDS = ("dl_bw", "ul_bw")  # may be infinite: an ideal link
 _STR_FIELDS = ("name", "kind", "blas", "source", "cooling")
 _MODEL_FIELDS = {"compute": ComputeModel, "thermal": ThermalParams}  # optional, {} = none
-_REPR_LIMIT = 60  # error messages quote untrusted values; keep them short
-
-
-def _short(value: object) -> str:
-    """``repr`` cut to a length fit for an error message about untrusted input."""
-    text = repr(value)
-    return text if len(text) <= _REPR_LIMIT else text[: _REPR_LIMIT - 3] + "..."
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,21 +59,21 @@ class DeviceProfile:
             value = getattr(self, key)
             if not isinstance(value, str) or not value:
                 raise ValueError(
-                    f"profile field {key!r} must be a non-empty string, got {_short(value)}"
+                    f"profile field {key!r} must be a non-empty string, got {short(value)}"
                 )
         if self.kind not in _KINDS:
             raise ValueError(
-                f"profile field 'kind' must be one of {_KINDS}, got {_short(self.kind)}"
+                f"profile field 'kind' must be one of {_KINDS}, got {short(self.kind)}"
             )
         memory = self.memory_bytes
         if isinstance(memory, bool) or not isinstance(memory, int) or memory <= 0:
             raise ValueError(
-                f"profile field 'memory_bytes' must be a positive integer, got {_short(memory)}"
+                f"profile field 'memory_bytes' must be a positive integer, got {short(memory)}"
             )
         for key in _FLOAT_FIELDS:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"profile field {key!r} must be a number, got {_short(value)}")
+                raise ValueError(f"profile field {key!r} must be a number, got {short(value)}")
             try:
                 value = float(value)
             except OverflowError:  # an int past float range, e.g. from a hostile peer
@@ -89,16 +83,16 @@ class DeviceProfile:
             if not (finite_ok and floor_ok):
                 bound = "finite and >= 0" if key in _LATENCY_FIELDS else "> 0"
                 bound += "" if key in _LATENCY_FIELDS or key in _BANDWIDTH_FIELDS else " and finite"
-                raise ValueError(f"profile field {key!r} must be {bound}, got {_short(value)}")
+                raise ValueError(f"profile field {key!r} must be {bound}, got {short(value)}")
             # TOML and msgpack may carry whole numbers as ints; store one type.
             object.__setattr__(self, key, value)
         if self.cooling not in COOLING:
             raise ValueError(f"profile field 'cooling' must be one of {tuple(COOLING)}, "
-                             f"got {_short(self.cooling)}")  # fmt: skip
+                             f"got {short(self.cooling)}")  # fmt: skip
         for key, model in _MODEL_FIELDS.items():
             value = getattr(self, key)
             if not isinstance(value, dict):
-                raise ValueError(f"profile field {key!r} must be a table, got {_short(value)}")
+                raise ValueError(f"profile field {key!r} must be a table, got {short(value)}")
             if value:
                 try:
                     model.from_dict(value)
@@ -131,16 +125,7 @@ class DeviceProfile:
     @classmethod
     def from_wire(cls, d: object) -> DeviceProfile:
         """Parse a dict from the network; strict, since a peer may send anything."""
-        if not isinstance(d, dict):
-            raise ValueError(f"profile must be a map, got {type(d).__name__}")
-        unknown = [key for key in d if key not in _FIELD_NAMES]
-        if unknown:
-            shown = ", ".join(sorted(_short(key) for key in unknown))
-            raise ValueError(f"profile has unknown key(s): {shown}")
-        missing = [key for key in _REQUIRED if key not in d]
-        if missing:
-            raise ValueError(f"profile is missing key(s): {', '.join(map(repr, missing))}")
-        return cls(**d)
+        return cls(**check_keys("profile", d, _FIELD_NAMES, _REQUIRED))
 
 
 _FIELD_NAMES = tuple(f.name for f in dataclasses.fields(DeviceProfile))
@@ -173,7 +158,9 @@ _PUBLISHED = "derived from published figures: "
 def _lan_profile(
     name: str, flops: float, memory_bytes: int, kind: str, blas: str, cite: str
 ) -> DeviceProfile:
-    """A built-in on the default wired LAN, its provenance spelled out."""
+    """A built-in on the default wired LAN, its provenance spelled out, with its thermal
+    model (``devices/thermal.py``, also from REFERENCE.md) when it has one."""
+    thermal = thermal_for(name, "none")
     return DeviceProfile(
         name=name,
         flops=flops,
@@ -185,6 +172,7 @@ def _lan_profile(
         kind=kind,
         blas=blas,
         source=f"{_PUBLISHED}{cite}; LAN: {_LAN.source}",
+        thermal=thermal.to_dict() if thermal is not None else {},
     )
 
 
@@ -262,14 +250,6 @@ BUILTIN: dict[str, DeviceProfile] = {
         cite="Jetson AGX Orin 2048 CUDA cores, 5.3 TFLOPS FP32 peak (NVIDIA technical brief), "
         "assumed 75% sustained in SGEMM",
     ),
-}
-
-# Each built-in carries its thermal model (devices/thermal.py, also from REFERENCE.md).
-BUILTIN = {
-    name: dataclasses.replace(p, thermal=params.to_dict())
-    if (params := thermal_for(name, "none")) is not None
-    else p
-    for name, p in BUILTIN.items()
 }
 
 DEFAULT_PROFILE = "rpi4"

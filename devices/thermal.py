@@ -22,6 +22,8 @@ from typing import Any
 import numpy as np
 from scipy.optimize import least_squares
 
+from .strict_map import check_keys
+
 # A fan lowers the case-to-air thermal resistance R (forced convection moves several times the
 # heat of natural convection at the same temperature difference). Rises are R × power and the
 # time constant is R × C, so the fan scales both. We take R to a quarter: a Pi 4 at full load
@@ -143,16 +145,7 @@ class ThermalParams:
     @classmethod
     def from_dict(cls, d: object) -> ThermalParams:
         """Strict inverse of ``to_dict``: an unknown or missing key is an error, not a default."""
-        if not isinstance(d, dict):
-            raise ValueError(f"thermal params must be a map, got {type(d).__name__}")
-        unknown = [key for key in d if key not in _FIELD_NAMES]
-        if unknown:
-            shown = ", ".join(sorted(f"{key!r:.60}" for key in unknown))
-            raise ValueError(f"thermal params have unknown key(s): {shown}")
-        missing = [key for key in _FIELD_NAMES if key not in d]
-        if missing:
-            raise ValueError(f"thermal params are missing key(s): {', '.join(map(repr, missing))}")
-        return cls(**d)
+        return cls(**check_keys("thermal params", d, _FIELD_NAMES))
 
 
 _FIELD_NAMES = tuple(f.name for f in dataclasses.fields(ThermalParams))

@@ -45,15 +45,19 @@ class TileTask:
     c0: int
     c1: int
     attempts: int = 0
+    _operands: tuple[Block, Block] | None = field(default=None, repr=False)
 
     @property
     def shape(self) -> tuple[int, int]:
         return self.r1 - self.r0, self.c1 - self.c0
 
     def operands(self) -> tuple[Block, Block]:
-        """Op(A)'s rows and op(B)'s columns that this tile needs."""
-        a = self.gemm.block("a", self.pivot, self.r0, self.r1)
-        return a, self.gemm.block("b", self.pivot, self.c0, self.c1)
+        """Op(A)'s rows and op(B)'s columns that this tile needs (found once: the timeline
+        costs them and the server sends them)."""
+        if self._operands is None:
+            a = self.gemm.block("a", self.pivot, self.r0, self.r1)
+            self._operands = (a, self.gemm.block("b", self.pivot, self.c0, self.c1))
+        return self._operands
 
 
 @dataclass(frozen=True)

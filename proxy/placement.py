@@ -26,11 +26,13 @@ POLICIES = ("round-robin", "greedy", "load-balanced")
 
 
 class Placement:
-    """A policy over the fleet's devices, ordered by id (``reset`` when that changes).
+    """A policy over the fleet's devices, kept ordered by id.
 
     Greedy evaluates every device for every tile, so it works on arrays: each
     device's FIFO free times and link figures, and its compute time for the
-    tile's shape from one device per distinct profile.
+    tile's shape from one device per distinct profile. They are rebuilt when the
+    fleet has changed, at the next placement: a fleet of a thousand joining
+    devices costs one rebuild, not a thousand.
     """
 
     def __init__(self, policy: str) -> None:
@@ -38,13 +40,29 @@ class Placement:
             raise ValueError(f"policy={policy!r}: expected one of {', '.join(POLICIES)}")
         self.policy = policy
         self.devices: list[VirtualDevice] = []
+        self._ids: list[int] = []
+        self._kinds: dict[int, str] = {}  # device id → its profile, as a grouping key
+        self._stale = True
         self._cursor = -1  # round-robin: the id of the device served last
 
-    def reset(self, devices: list[VirtualDevice]) -> None:
-        self.devices = devices
-        self._ids = [d.id for d in devices]
+    def add(self, device: VirtualDevice) -> None:
+        index = bisect.bisect(self._ids, device.id)
+        self._ids.insert(index, device.id)
+        self.devices.insert(index, device)
+        self._kinds[device.id] = repr(device.profile)
+        self._stale = True
+
+    def remove(self, device_id: int) -> None:
+        """No more tiles for it (what it has placed stays placed)."""
+        if self._kinds.pop(device_id, None) is not None:
+            index = self._ids.index(device_id)
+            del self._ids[index], self.devices[index]
+            self._stale = True
+
+    def _rebuild(self) -> None:
+        devices = self.devices
         kinds: dict[str, int] = {}
-        group = [kinds.setdefault(repr(d.profile), len(kinds)) for d in devices]
+        group = [kinds.setdefault(self._kinds[d.id], len(kinds)) for d in devices]
         self._group = np.array(group, dtype=np.intp)
         self._models = [devices[group.index(g)] for g in range(len(kinds))]
         profiles = [d.profile for d in devices]
@@ -54,6 +72,7 @@ class Placement:
         self._ul_inv = 1.0 / np.array([p.ul_bw for p in profiles])
         self._free = np.array([[d.down.free_at, d.compute.free_at, d.up.free_at, d.speed()]
                                for d in devices]).reshape(-1, 4)  # fmt: skip
+        self._stale = False
 
     def placed(self, index: int) -> None:
         """Device ``index`` took a tile: refresh what greedy knows of it."""
@@ -63,8 +82,10 @@ class Placement:
         self._free[index] = (d.down.free_at, d.compute.free_at, d.up.free_at, d.speed())
 
     def choose(self, now: float, work: Work) -> int:
-        """The index (in ``devices``) of the device for one tile."""
+        """The index (in ``devices``, non-empty) of the device for one tile."""
         devices = self.devices
+        if self._stale:
+            self._rebuild()
         if self.policy == "greedy":
             return self._greedy(now, work)
         if self.policy == "load-balanced":

@@ -181,7 +181,6 @@ class Timeline:
         self.devices: dict[int, VirtualDevice] = {}
         self.jobs: dict[int, _Job] = {}  # open ones
         self._names: dict[int, str] = {}  # every job ever opened
-        self._order: list[VirtualDevice] = []  # active devices by id: what placement sees
         self._stalled: list[_Gemm] = []  # issued while no device was there
         self._tiles = 0  # tiles placed so far: their numbers in the log
 
@@ -189,8 +188,7 @@ class Timeline:
 
     def add_device(self, device_id: int, name: str, profile: DeviceProfile) -> VirtualDevice:
         device = self.devices[device_id] = VirtualDevice(device_id, name, profile)
-        self._order = sorted([*self._order, device], key=lambda d: d.id)
-        self.placement.reset(self._order)
+        self.placement.add(device)
         stalled, self._stalled = self._stalled, []
         for gemm in stalled:
             self._issue(gemm)
@@ -204,8 +202,7 @@ class Timeline:
 
     def remove_device(self, device_id: int) -> None:
         """No more tiles go to it; those it already has finish in virtual time."""
-        self._order = [d for d in self._order if d.id != device_id]
-        self.placement.reset(self._order)
+        self.placement.remove(device_id)
 
     def open_job(self, job_id: int, name: str) -> None:
         self.jobs[job_id] = _Job(job_id, name, clock=self.clock.now)
@@ -346,7 +343,7 @@ class Timeline:
         if not gemm.tiles:
             self._finish(gemm, None)
             return
-        if not self._order:
+        if not self.placement.devices:
             self._stalled.append(gemm)
             return
         now = self.clock.now
@@ -364,7 +361,7 @@ class Timeline:
             shape = GemmShape(rows, cols, max(g.k, 1), g.ta, g.tb, a.sent_ld, b.sent_ld, g.dtype)
             work = Work(a.nbytes + b.nbytes, rows * cols * item, shape)
             index = self.placement.choose(now, work)
-            device = self._order[index]
+            device = self.placement.devices[index]
             self._tiles += 1
             admission, work = self._admit(gemm, times, device, a, b, work)
             run = self._run(now, _Run(tile, self._tiles, device, gemm, work))

@@ -45,7 +45,6 @@ class VirtualDevice:
             else None  # fmt: skip
         self.down, self.compute, self.up = Fifo(), Fifo(), Fifo()
         self.memory = DeviceMemory(profile.memory_bytes)
-        self.tiles = 0
         self._returns: deque[float] = deque()  # when its tiles come back, in order
         self._nominal: dict[GemmShape, float] = {}
 
@@ -97,4 +96,3 @@ class VirtualDevice:
     def returns_at(self, when: float) -> None:
         """A tile placed on it comes back at ``when`` (no earlier than the last one)."""
         self._returns.append(when)
-        self.tiles += 1
