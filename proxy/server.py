@@ -79,7 +79,6 @@ class PeerConnection(FrameConnection):
         self.connected_at = time.monotonic()
         self.device: DeviceRecord | None = None
         self.job_id = 0  # set by OPEN: the job's id in the timeline
-        self.job_name = ""
         self.block = cfg.block_size
         self.gemms: dict[int, GemmTask] = {}
         self.totals = dict.fromkeys(
@@ -262,7 +261,6 @@ class PeerConnection(FrameConnection):
     def _open(self, msg: Open) -> None:
         if msg.block < 0:
             raise ProtocolError(f"OPEN.block={msg.block} is negative", "bad_open")
-        self.job_name = msg.name
         self.block = msg.block or self.emulator.config.block_size
         self.emulator.timeline.open_job(self.job_id, msg.name or f"job-{self.job_id}")
 
@@ -488,7 +486,7 @@ class Emulator:
             {"id": d.id, **{k: v for k, v in d.profile.to_wire().items()
                             if k not in ("compute", "thermal")},
              "name": d.name, "profile": d.profile.name, "thermal": bool(d.profile.thermal)}
-            for d in self.timeline.devices.values()
+            for d in sorted(self.timeline.devices.values(), key=lambda d: d.id)
         ]  # fmt: skip
         info = {
             "version": 1, "policy": cfg.policy, "block": cfg.block_size,
