@@ -1,0 +1,159 @@
+"""Child ``morphling`` processes for end-to-end tests, and their logs.
+
+Each process's stdout and stderr go to a log file under the test's tmp_path;
+readiness is found by polling those logs, and ``Procs.stop_all`` (the ``procs``
+fixture's finalizer, in conftest.py) stops every child.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+MORPHLING = [sys.executable, "-m", "morphling"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env() -> dict[str, str]:
+    """The environment minus MORPHLING_* settings, which would override test defaults."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("MORPHLING_")}
+
+
+@dataclass
+class Proc:
+    label: str
+    popen: subprocess.Popen
+    log: Path
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def count(self, needle: str) -> int:
+        return self.text().count(needle)
+
+    @property
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def signal(self, sig: int) -> None:
+        self.popen.send_signal(sig)
+
+    def wait(self, timeout: float) -> int:
+        return self.popen.wait(timeout=timeout)
+
+
+class Procs:
+    """The child processes of one test; ``stop_all`` runs in the fixture's finalizer."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp = tmp_path
+        self.procs: list[Proc] = []
+
+    def start(
+        self, label: str, *args: str, preexec_fn=None, wrap: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+    ) -> Proc:  # fmt: skip
+        """``morphling ARGS`` (after ``wrap``), with ``env`` added to a clean environment."""
+        log = self.tmp / f"{label}.log"
+        with log.open("wb") as fh:
+            popen = subprocess.Popen(
+                [*wrap, *MORPHLING, *args],
+                stdin=subprocess.DEVNULL,
+                stdout=fh,
+                stderr=fh,
+                env={**child_env(), **(env or {})},
+                preexec_fn=preexec_fn,
+            )
+        proc = Proc(label, popen, log)
+        self.procs.append(proc)
+        return proc
+
+    def emulator(
+        self, *args: str, preexec_fn=None, env: dict[str, str] | None = None
+    ) -> tuple[Proc, int]:
+        """Start an emulator on a free loopback port and wait until it listens."""
+        for attempt in range(3):
+            port = free_port()
+            proc = self.start(
+                f"emulator-{attempt}",
+                "emulator", "--listen-ip", "127.0.0.1", "--listen-port", str(port), *args,
+                preexec_fn=preexec_fn, env=env,
+            )  # fmt: skip
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                if "emulator listening on" in proc.text():
+                    return proc, port
+                if not proc.alive:
+                    break
+                time.sleep(0.05)
+            if proc.alive or "cannot listen" not in proc.text():
+                self.fail(f"emulator did not start listening on port {port}")
+        self.fail("emulator could not bind a free port in three attempts")
+        raise AssertionError  # unreachable
+
+    def device(
+        self,
+        port: int,
+        name: str,
+        profile: str = "rpi4",
+        *extra: str,
+        host: str = "127.0.0.1",
+        wrap: tuple[str, ...] = (),
+    ) -> Proc:
+        """A ``morphling device`` reaching ``host:port``; ``wrap`` prefixes the command
+        (``ip netns exec NS``)."""
+        return self.start(
+            name, "device", "--server", f"{host}:{port}", "--profile", profile,
+            "--name", name, "--threads", "1", *extra, wrap=wrap,
+        )  # fmt: skip
+
+    def fleet(self, port: int, devices: str, label: str = "fleet", preexec_fn=None) -> Proc:
+        return self.start(
+            label, "fleet", "--server", f"127.0.0.1:{port}", "--devices", devices,
+            "--threads", "1", preexec_fn=preexec_fn,
+        )  # fmt: skip
+
+    def wait_for(self, proc: Proc, needle: str, count: int = 1, timeout: float = 30.0) -> str:
+        """Poll ``proc``'s log until ``needle`` occurs ``count`` times; the log text."""
+        deadline = time.monotonic() + timeout
+        while True:
+            text = proc.text()
+            if text.count(needle) >= count:
+                return text
+            if not proc.alive:
+                self.fail(f"{proc.label} exited ({proc.popen.returncode}) before {count}× "
+                          f"{needle!r}")  # fmt: skip
+            if time.monotonic() > deadline:
+                self.fail(f"{proc.label}: {text.count(needle)} of {count}× {needle!r} "
+                          f"after {timeout} s")  # fmt: skip
+            time.sleep(0.05)
+
+    def fail(self, why: str) -> None:
+        tails = "\n".join(
+            f"--- {p.label} (rc {p.popen.poll()}) ---\n" + "\n".join(p.text().splitlines()[-15:])
+            for p in self.procs
+        )
+        pytest.fail(f"{why}\n{tails}", pytrace=False)
+
+    def stop_all(self) -> None:
+        for p in self.procs:
+            if p.alive:
+                p.popen.terminate()
+        for p in self.procs:
+            try:
+                p.popen.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                p.popen.kill()
+                p.popen.wait(timeout=5)
