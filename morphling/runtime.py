@@ -14,26 +14,27 @@ log = logging.getLogger(__name__)
 DEFAULT_PORT = 39000
 
 
-def parse_server(text: str) -> tuple[str, int]:
+def parse_server(text: str, what: str = "--server") -> tuple[str, int]:
     """``HOST:PORT``, ``HOST`` (port 39000), ``[v6]:PORT`` or a bare IPv6 address.
 
-    Hostnames are kept as given and resolved when connecting.
+    Hostnames are kept as given and resolved when connecting. ``what`` names the
+    setting in error messages.
     """
     port = str(DEFAULT_PORT)
     if text.startswith("["):
-        host, _, rest = text[1:].partition("]")
+        host, bracket, rest = text[1:].partition("]")
+        if not bracket or (rest and not rest.startswith(":")):
+            raise ValueError(f"{what} {text!r}: expected [ADDRESS]:PORT")
         if rest:
-            if not rest.startswith(":"):
-                raise ValueError(f"--server {text!r}: expected [ADDRESS]:PORT")
             port = rest[1:]
     elif text.count(":") == 1:
         host, port = text.split(":")
     else:
         host = text
     if not host:
-        raise ValueError(f"--server {text!r}: no host")
+        raise ValueError(f"{what} {text!r}: no host")
     if not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"--server {text!r}: port {port!r} is not 1..65535")
+        raise ValueError(f"{what} {text!r}: port {port!r} is not 1..65535")
     return host, int(port)
 
 
