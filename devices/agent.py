@@ -14,8 +14,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import ssl
 import time
 import uuid as uuidlib
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -42,6 +44,14 @@ log = logging.getLogger(__name__)
 # Tiles this small are computed on the event loop: handing them to a worker thread
 # and back costs ~100 µs, twenty times their compute.
 INLINE_FLOPS = 1 << 20
+
+
+@dataclass(frozen=True)
+class Tls:
+    """Client TLS, for an emulator behind an nginx that terminates it."""
+
+    context: ssl.SSLContext
+    server_name: str  # what the certificate must name
 
 
 class DeviceConnection(FrameConnection):
@@ -184,6 +194,7 @@ class DeviceAgent:
         virtual: bool = False,
         inline_flops: int = INLINE_FLOPS,
         share_weights: bool = True,
+        tls: Tls | None = None,
     ) -> None:
         self.profile = profile
         self.workers = workers
@@ -193,6 +204,7 @@ class DeviceAgent:
         self.virtual = virtual
         self.inline_flops = inline_flops  # tiles up to this many FLOPs skip the worker pool
         self.share_weights = share_weights  # map the emulator's weights when on the same host
+        self.tls = tls
         self.uuid = uuidlib.uuid4().hex
         self.device_id: int | None = None
         self.last_error: tuple[str, str] | None = None
@@ -204,9 +216,17 @@ class DeviceAgent:
     def output(self, nbytes: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
         return np.frombuffer(self.allocate(nbytes), dtype=dtype).reshape(shape)
 
+    @property
+    def registered(self) -> int:
+        return int(self.device_id is not None)
+
     async def connect(self, host: str, port: int) -> DeviceConnection:
         loop = asyncio.get_running_loop()
-        _, conn = await loop.create_connection(lambda: DeviceConnection(self), host, port)
+        tls = self.tls
+        _, conn = await loop.create_connection(
+            lambda: DeviceConnection(self), host, port,
+            ssl=tls.context if tls else None, server_hostname=tls.server_name if tls else None,
+        )  # fmt: skip
         self.connection = conn
         return conn
 
@@ -248,6 +268,12 @@ class DeviceAgent:
                 await conn.closed
                 if self.device_id is not None:
                     attempt = 0  # it had registered: a fresh start for the backoff
+            except ssl.SSLCertVerificationError as exc:
+                log.error("%s: TLS: %s:%d is not who it should be: %s (see --tls-ca, "
+                          "--tls-server-name)", self.name, host, port,
+                          exc.verify_message)  # fmt: skip
+                self.last_error = ("tls", exc.verify_message)
+                return 2
             except OSError as exc:
                 log.warning("%s: cannot reach %s:%d: %s", self.name, host, port, exc)
             if self.last_error and self.last_error[0] in REFUSALS:

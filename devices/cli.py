@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import os
+import ssl
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -15,7 +16,8 @@ from .. import config as configuration
 from ..config import option as _opt
 from ..kernels import BufferPool, CpuBackend, WorkerPool
 from ..runtime import parse_server, serve
-from .agent import DeviceAgent
+from ..sdnotify import Notifier
+from .agent import DeviceAgent, Tls
 from .fleet import Fleet
 from .links import LINKS
 from .profiles import DEFAULT_PROFILE, expand_fleet, load_profile
@@ -25,16 +27,24 @@ log = logging.getLogger("morphling.devices")
 
 
 _SERVER = "emulator address, HOST:PORT (hostnames are resolved)"
-_THREADS = "BLAS threads per kernel worker"
 
 
 @dataclass(frozen=True)
-class DeviceConfig:
+class ConnectConfig:
+    """How a device process reaches the emulator (directly, or through nginx)."""
+
     server: str = _opt("127.0.0.1:39000", _SERVER, aliases=("--proxy_host",))
+    token: str = _opt("", "shared secret, if the emulator requires one")
+    tls: bool = _opt(False, "connect with TLS (to an nginx that terminates it)")
+    tls_ca: str = _opt("", "CA certificates (PEM) to trust with --tls; empty: the system's")
+    tls_server_name: str = _opt("", "name the certificate must carry; empty: the --server host")
+    threads: int = _opt(os.cpu_count() or 1, "BLAS threads per kernel worker", min=1)
+
+
+@dataclass(frozen=True)
+class DeviceConfig(ConnectConfig):
     profile: str = _opt(DEFAULT_PROFILE, "built-in profile name or a profile TOML file")
     name: str = _opt("", "device name in the emulator's logs (default: the host name)")
-    token: str = _opt("", "shared secret, if the emulator requires one")
-    threads: int = _opt(os.cpu_count() or 1, _THREADS, min=1)
     reconnect: bool = _opt(True, "reconnect with backoff when the connection is lost")
     share_weights: bool = _opt(
         True,
@@ -44,15 +54,12 @@ class DeviceConfig:
 
 
 @dataclass(frozen=True)
-class FleetConfig:
-    server: str = _opt("127.0.0.1:39000", _SERVER)
+class FleetConfig(ConnectConfig):
     devices: str = _opt("4", "fleet SPEC: NAME:COUNT,... (e.g. rpi4:12,orin-nano:4) or a count")
     link: str = _opt("", "link preset for every device (empty: the profiles' own)",
                      choices=("", *LINKS))  # fmt: skip
     cooling: str = _opt("", "cooling of every device (empty: the profiles' own)",
                         choices=("", *COOLING))  # fmt: skip
-    token: str = _opt("", "shared secret, if the emulator requires one")
-    threads: int = _opt(os.cpu_count() or 1, _THREADS, min=1)
 
 
 def add_device_parser(sub: argparse._SubParsersAction) -> None:
@@ -75,12 +82,25 @@ def _load(schema: type, args: argparse.Namespace, section: str):
     cfg, sources = configuration.load(schema, args, section=section)
     host, port = parse_server(cfg.server)
     log.info("effective configuration:\n%s", configuration.describe(cfg, sources))
-    return cfg, host, port
+    return cfg, host, port, _tls(cfg, host)
+
+
+def _tls(cfg: ConnectConfig, host: str) -> Tls | None:
+    """The client TLS settings ``cfg`` asks for; ValueError for an unreadable CA file."""
+    if not cfg.tls:
+        if cfg.tls_ca or cfg.tls_server_name:
+            raise ValueError("--tls-ca and --tls-server-name need --tls")
+        return None
+    try:
+        context = ssl.create_default_context(cafile=cfg.tls_ca or None)
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"--tls-ca {cfg.tls_ca}: {exc}") from None
+    return Tls(context, cfg.tls_server_name or host)
 
 
 def run_device(args: argparse.Namespace) -> int:
     try:
-        cfg, host, port = _load(DeviceConfig, args, "device")
+        cfg, host, port, tls = _load(DeviceConfig, args, "device")
         profile = load_profile(cfg.profile)
     except ValueError as exc:
         print(f"morphling device: {exc}", file=sys.stderr)
@@ -89,7 +109,7 @@ def run_device(args: argparse.Namespace) -> int:
     def make(workers: WorkerPool) -> DeviceAgent:
         name = cfg.name or os.uname().nodename
         return DeviceAgent(profile, workers, BufferPool(), name=name, token=cfg.token,
-                           share_weights=cfg.share_weights)  # fmt: skip
+                           share_weights=cfg.share_weights, tls=tls)  # fmt: skip
 
     return _run_until_stopped(
         cfg.threads, make, lambda a: a.run(host, port, reconnect=cfg.reconnect)
@@ -98,7 +118,7 @@ def run_device(args: argparse.Namespace) -> int:
 
 def run_fleet(args: argparse.Namespace) -> int:
     try:
-        cfg, host, port = _load(FleetConfig, args, "fleet")
+        cfg, host, port, tls = _load(FleetConfig, args, "fleet")
         profiles = expand_fleet(
             cfg.devices, link_name=cfg.link or None, cooling=cfg.cooling or None
         )
@@ -108,7 +128,7 @@ def run_fleet(args: argparse.Namespace) -> int:
 
     return _run_until_stopped(
         cfg.threads,
-        lambda workers: Fleet(profiles, workers, BufferPool(), token=cfg.token),
+        lambda workers: Fleet(profiles, workers, BufferPool(), token=cfg.token, tls=tls),
         lambda fleet: fleet.run(host, port),
     )
 
@@ -118,14 +138,25 @@ def _run_until_stopped(
     make: Callable[[WorkerPool], DeviceAgent | Fleet],
     run: Callable[[Any], Awaitable[int]],
 ) -> int:
-    """Run devices on one worker pool until they end or SIGINT/SIGTERM stops them."""
+    """Run devices on one worker pool until they end or SIGINT/SIGTERM stops them.
+
+    Under systemd the service is ready once its kernels are up and it starts
+    connecting (an emulator that is down must not fail the unit's start), and
+    its status line says how many devices are registered.
+    """
 
     async def main(stop: asyncio.Event) -> int:
+        systemd = Notifier()
         with WorkerPool([CpuBackend(threads=threads)]) as workers:
             devices = make(workers)
             task = asyncio.ensure_future(run(devices))
             stopper = asyncio.ensure_future(stop.wait())
+            status = lambda: f"{devices.registered} registered with the emulator"  # noqa: E731
+            systemd.notify(READY=1, STATUS=status())
+            watchdog = asyncio.ensure_future(systemd.keep_alive(lambda: True, status))
             await asyncio.wait([task, stopper], return_when=asyncio.FIRST_COMPLETED)
+            systemd.notify(STOPPING=1)
+            watchdog.cancel()
             devices.stop()
             stopper.cancel()
             return await task

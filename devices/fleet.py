@@ -13,7 +13,7 @@ import asyncio
 import logging
 
 from ..kernels import BufferPool, WorkerPool
-from .agent import DeviceAgent
+from .agent import DeviceAgent, Tls
 from .profiles import DeviceProfile
 
 log = logging.getLogger(__name__)
@@ -31,9 +31,10 @@ class Fleet:
         pool: BufferPool,
         *,
         token: str = "",
+        tls: Tls | None = None,
     ) -> None:
         self.agents = [
-            DeviceAgent(p, workers, pool, name=f"{p.name}-{i}", token=token, virtual=True)
+            DeviceAgent(p, workers, pool, name=f"{p.name}-{i}", token=token, virtual=True, tls=tls)
             for i, p in enumerate(profiles)
         ]
 

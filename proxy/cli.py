@@ -9,6 +9,7 @@ import sys
 
 from .. import config as configuration
 from ..runtime import serve
+from ..sdnotify import Notifier
 from .server import Emulator
 from .settings import EmulatorConfig
 
@@ -33,17 +34,23 @@ def run(args: argparse.Namespace) -> int:
 
     async def main(stop: asyncio.Event) -> int:
         emulator = Emulator(cfg)
+        systemd = Notifier()
         try:
-            await emulator.start()
+            host, port = await emulator.start()
         except ValueError as exc:  # CheckpointError: missing or corrupt
             log.error("cannot share the checkpoint's weights: %s", exc)
             return 1
         except OSError as exc:
             log.error("cannot listen on %s:%d: %s", cfg.listen_ip, cfg.listen_port, exc)
             return 1
+        systemd.notify(READY=1, STATUS=f"listening on {host}:{port}")
+        watchdog = asyncio.ensure_future(systemd.keep_alive(emulator.healthy, emulator.status))
         await stop.wait()
         log.info("stopping: saying goodbye to %d peers", len(emulator.peers))
+        systemd.notify(STOPPING=1, STATUS="saying goodbye to peers")
+        watchdog.cancel()
         await emulator.stop()
+        systemd.close()
         return 0
 
     return serve(main)

@@ -450,6 +450,17 @@ class Emulator:
                  self.config.window)  # fmt: skip
         return host, port
 
+    def healthy(self) -> bool:
+        """Accepting connections, with housekeeping (heartbeats) and virtual time running."""
+        tasks = (self._housekeeping, self._sync)
+        return (self._server is not None and self._server.is_serving()
+                and all(t is not None and not t.done() for t in tasks))  # fmt: skip
+
+    def status(self) -> str:
+        """One line for ``systemctl status``."""
+        clients = sum(1 for p in self.peers if p.job_id)
+        return f"{len(self.registry.ready())} devices ready, {clients} jobs and probes"
+
     async def serve_forever(self) -> None:
         assert self._server is not None
         await self._server.serve_forever()
