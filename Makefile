@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.morphling-installed
 SOURCES := pyproject.toml setup.py $(wildcard kernels/_cffi_src/*.py kernels/_cffi_src/c/*.c)
 
-.PHONY: setup demo test bench lint clean
+.PHONY: setup system-deps demo test bench lint install-service clean
 
 setup: $(STAMP)
 
@@ -22,7 +22,11 @@ $(STAMP): $(SOURCES)
 demo: setup
 	$(PY) scripts/demo.py
 
-test: setup
+# nginx with its stream module, for tests/test_nginx.py (skipped, saying why, without it).
+system-deps:
+	sh scripts/install-system-deps.sh
+
+test: setup system-deps
 	$(PY) -m pytest -q
 
 bench: setup
@@ -35,6 +39,10 @@ bench: setup
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+
+# The systemd units and example settings (docs/DEPLOY.md); DESTDIR stages them elsewhere.
+install-service: setup
+	sh scripts/install-service.sh $(DESTDIR)
 
 clean:
 	rm -rf $(VENV) build *.egg-info kernels/_native*.so

@@ -47,6 +47,7 @@ def _add_version(sub: argparse._SubParsersAction) -> None:
 def _subcommands() -> list[Callable[[argparse._SubParsersAction], None]]:
     from .devices.cli import add_device_parser, add_fleet_parser
     from .devices.profile_cli import add_parser as add_profile_parser
+    from .nginx.cli import add_parser as add_nginx_parser
     from .proxy.cli import add_parser as add_emulator_parser
     from .proxy.report_cli import add_parser as add_report_parser
     from .proxy.run_cli import add_parser as add_run_parser
@@ -55,7 +56,7 @@ def _subcommands() -> list[Callable[[argparse._SubParsersAction], None]]:
 
     return [
         _add_version, add_emulator_parser, add_device_parser, add_fleet_parser, add_run_parser,
-        add_save_parser, add_profile_parser, add_report_parser, add_sweep_parser,
+        add_save_parser, add_profile_parser, add_report_parser, add_sweep_parser, add_nginx_parser,
     ]  # fmt: skip
 
 

@@ -1,0 +1,144 @@
+"""Render the stream-proxy configuration that physical devices reach the emulator through.
+
+Every directive follows from a device's needs:
+
+- ``proxy_timeout`` is the emulator's heartbeat timeout plus one heartbeat, so
+  nginx never cuts a live device: both ends send a heartbeat after
+  ``heartbeat_s`` without traffic, and the emulator, not the proxy, decides
+  when a device is dead.
+- ``so_keepalive`` (device side) and ``proxy_socket_keepalive`` (emulator
+  side) let the kernel notice peers that vanished without a FIN (a board
+  unplugged, a Wi-Fi drop).
+- ``hash $remote_addr consistent`` with several emulators keeps a board on
+  the same emulator across reconnects, and moves few boards when one is added.
+- ``worker_connections`` counts two sockets per device (device and upstream).
+- TLS, when asked for, terminates here; the emulator then sees plain frames.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from ..config import option as _opt
+from ..runtime import parse_server
+
+UPSTREAM = "morphling_emulators"
+_SAFE_PATH = re.compile(r"[^\s;{}'\"#$\\]+")  # nginx takes these unquoted, without surprises
+LOG_FORMAT = (
+    "$remote_addr [$time_local] $protocol $status $bytes_sent $bytes_received "
+    '$session_time "$upstream_addr"'
+)
+
+
+@dataclass(frozen=True)
+class NginxConfig:
+    """What ``morphling nginx-config`` asks for; ``render`` turns it into nginx.conf."""
+
+    listen: str = _opt("0.0.0.0:39000", "address devices connect to, HOST:PORT")
+    emulators: str = _opt(
+        "127.0.0.1:39001",
+        "emulator addresses, HOST:PORT separated by commas (several: each device "
+        "sticks to one by a consistent hash of its address)",
+    )
+    tls_cert: str = _opt("", "certificate chain (PEM) to terminate TLS with; needs --tls-key")
+    tls_key: str = _opt("", "private key (PEM) of --tls-cert")
+    heartbeat_s: float = _opt(5.0, "the emulator's --heartbeat-s", min=0.01)
+    heartbeat_timeout_s: float = _opt(15.0, "the emulator's --heartbeat-timeout-s", min=0.01)
+    connect_timeout_s: float = _opt(5.0, "give up connecting to an emulator after this long",
+                                    min=0.001)  # fmt: skip
+    devices: int = _opt(4096, "devices to size worker_connections for", min=1)
+    stream_module: str = _opt(
+        "",
+        "load_module this file first, where the stream module is dynamic "
+        "(Debian: /usr/lib/nginx/modules/ngx_stream_module.so)",
+    )
+    access_log: str = _opt("/var/log/nginx/morphling-stream.log",
+                           "one line per device session ('off': none)")  # fmt: skip
+    part: str = _opt("full", "a whole nginx.conf, or only its stream {} block to include",
+                     choices=("full", "stream"))  # fmt: skip
+
+
+def address(text: str, what: str) -> str:
+    """``HOST:PORT`` as nginx writes it (IPv6 in brackets); ValueError names ``what``."""
+    host, port = parse_server(text, what)
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _path(text: str, what: str) -> str:
+    if not _SAFE_PATH.fullmatch(text):
+        raise ValueError(f"{what} {text!r}: spaces, quotes, ';', '{{', '}}', '#', '$' and '\\' "
+                         "are not allowed in a path here")  # fmt: skip
+    return text
+
+
+def _duration(seconds: float) -> str:
+    """nginx time: whole seconds where exact, else milliseconds (rounded up)."""
+    ms = max(1, math.ceil(seconds * 1000))
+    return f"{ms // 1000}s" if ms % 1000 == 0 else f"{ms}ms"
+
+
+def worker_connections(devices: int) -> int:
+    """Two sockets per device, plus room for the listeners and a few spare."""
+    return 2 * devices + 64
+
+
+def render(cfg: NginxConfig) -> str:
+    """The configuration text; ValueError names the first setting that is wrong."""
+    listen = address(cfg.listen, "--listen")
+    names = [e.strip() for e in cfg.emulators.split(",") if e.strip()]
+    if not names:
+        raise ValueError("--emulators: give at least one HOST:PORT")
+    upstreams = [address(e, "--emulators") for e in names]
+    if bool(cfg.tls_cert) != bool(cfg.tls_key):
+        raise ValueError("--tls-cert and --tls-key go together: give both or neither")
+    if cfg.heartbeat_timeout_s <= cfg.heartbeat_s:
+        raise ValueError(f"--heartbeat-timeout-s ({cfg.heartbeat_timeout_s}) must exceed "
+                         f"--heartbeat-s ({cfg.heartbeat_s})")  # fmt: skip
+    tls = bool(cfg.tls_cert)
+    log = "off" if cfg.access_log == "off" else f"{_path(cfg.access_log, '--access-log')} morphling"
+
+    stream = ["stream {", f"    log_format morphling '{LOG_FORMAT}';", f"    access_log {log};", ""]
+    stream += [f"    upstream {UPSTREAM} {{"]
+    if len(upstreams) > 1:
+        stream += ["        hash $remote_addr consistent;"]
+    stream += [f"        server {u};" for u in upstreams]
+    keepalive = "so_keepalive=60s:10s:3"  # probe after 60 s idle, every 10 s, give up after 3
+    stream += [
+        "    }",
+        "",
+        "    server {",
+        f"        listen {listen}{' ssl' if tls else ''} {keepalive};",
+        f"        proxy_pass {UPSTREAM};",
+        f"        proxy_connect_timeout {_duration(cfg.connect_timeout_s)};",
+        f"        proxy_timeout {_duration(cfg.heartbeat_timeout_s + cfg.heartbeat_s)};",
+        "        proxy_socket_keepalive on;",
+        "        proxy_buffer_size 64k;  # tiles are MiBs: fewer reads (128 KiB per device)",
+    ]
+    if tls:
+        stream += [
+            f"        ssl_certificate {_path(cfg.tls_cert, '--tls-cert')};",
+            f"        ssl_certificate_key {_path(cfg.tls_key, '--tls-key')};",
+            "        ssl_protocols TLSv1.2 TLSv1.3;",
+            "        ssl_session_cache shared:morphling_tls:10m;",
+            "        ssl_handshake_timeout 10s;",
+        ]
+    stream += ["    }", "}"]
+    if cfg.part == "stream":
+        return "\n".join(stream) + "\n"
+
+    connections = worker_connections(cfg.devices)
+    head = ["# Generated by `morphling nginx-config`: a stream proxy for Morphling devices."]
+    if cfg.stream_module:
+        head += [f"load_module {_path(cfg.stream_module, '--stream-module')};"]
+    head += [
+        "worker_processes auto;",
+        f"worker_rlimit_nofile {2 * connections};",
+        "",
+        "events {",
+        f"    worker_connections {connections};",
+        "}",
+        "",
+    ]
+    return "\n".join(head + stream) + "\n"
