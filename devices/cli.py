@@ -151,7 +151,10 @@ def _run_until_stopped(
             devices = make(workers)
             task = asyncio.ensure_future(run(devices))
             stopper = asyncio.ensure_future(stop.wait())
-            status = lambda: f"{devices.registered} registered with the emulator"  # noqa: E731
+
+            def status() -> str:
+                return f"{devices.registered} registered with the emulator"
+
             systemd.notify(READY=1, STATUS=status())
             watchdog = asyncio.ensure_future(systemd.keep_alive(lambda: True, status))
             await asyncio.wait([task, stopper], return_when=asyncio.FIRST_COMPLETED)

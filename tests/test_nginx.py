@@ -232,6 +232,19 @@ async def test_tls_terminated_by_nginx(install, procs: Procs):
         proxy.stop()
 
 
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--tls", "--tls-ca", "/nonexistent/ca.pem"], "--tls-ca /nonexistent/ca.pem:"),
+        (["--tls-ca", "/etc/ca.pem"], "--tls-ca and --tls-server-name need --tls"),
+    ],
+)
+def test_bad_tls_settings_exit_2_naming_the_flag(flags, message):
+    done = subprocess.run([*MORPHLING, "device", "--server", "127.0.0.1:9", *flags],
+                          capture_output=True, text=True, timeout=60, env=child_env())  # fmt: skip
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
 async def test_wrong_token_is_refused_with_a_clear_message_on_the_device(install, procs: Procs):
     emulator, port = procs.emulator("--no-probe", "--token", "s3cret")
     proxy, proxy_port = nginx_for(procs.tmp, port)
