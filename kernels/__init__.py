@@ -1,4 +1,4 @@
-"""Compute and memory kernels: CPU and GPU GEMM, buffer pools, the GEMM worker pool.
+"""Compute and memory kernels: CPU and GPU GEMM, buffer pools, green contexts, the worker pool.
 
 The C sources and their cffi builders live in ``_cffi_src/``; nothing here
 spells a C type outside the thin wrappers.
@@ -6,13 +6,24 @@ spells a C type outside the thin wrappers.
 
 from .blas import BlasInfo, blas_info, gemm, run_plan, set_threads
 from .cublasxt import CublasXt, cublasxt_status
+from .cuda import CudaError, CudaHostPinner, CudaUnavailable, cuda_status
+from .green_context import (
+    CudaGreenContexts,
+    GreenContextConfig,
+    GreenContextController,
+    GreenTrace,
+    SwitchStats,
+    TraceError,
+    green_context_status,
+)
 from .layout import GemmPlan, LayoutError, Operand, blas_operand, plan_explicit, plan_gemm
-from .pool import BufferPool, Lease, LeaseError, MlockError, PoolStats
+from .pool import BufferPool, HostPinner, Lease, LeaseError, MlockError, PoolStats
 from .workers import (
     POLICIES,
     CpuBackend,
     GemmResult,
     GpuBackend,
+    GreenGpuBackend,
     WorkerLoad,
     WorkerPool,
     WorkerStats,
@@ -25,15 +36,26 @@ __all__ = [
     "BufferPool",
     "CpuBackend",
     "CublasXt",
+    "CudaError",
+    "CudaGreenContexts",
+    "CudaHostPinner",
+    "CudaUnavailable",
     "GemmPlan",
     "GemmResult",
     "GpuBackend",
+    "GreenContextConfig",
+    "GreenContextController",
+    "GreenGpuBackend",
+    "GreenTrace",
+    "HostPinner",
     "LayoutError",
     "Lease",
     "LeaseError",
     "MlockError",
     "Operand",
     "PoolStats",
+    "SwitchStats",
+    "TraceError",
     "WorkerLoad",
     "WorkerPool",
     "WorkerStats",
@@ -41,7 +63,9 @@ __all__ = [
     "blas_operand",
     "choose_worker",
     "cublasxt_status",
+    "cuda_status",
     "gemm",
+    "green_context_status",
     "plan_explicit",
     "plan_gemm",
     "run_plan",

@@ -6,6 +6,10 @@ out again only after its lease is released. Its memory is reachable as
 GEMM plans point at); ``release()`` refuses while any of those, or anything
 derived from them (slices, numpy or torch views, a plan, a transport's
 queued write), is still alive, so a buffer is never reused under a reader.
+
+On a GPU host the pool also pins its buffers for CUDA (``cuMemHostRegister``), so
+tiles received into them go to and from the GPU without a staging copy; where CUDA
+is absent or registration fails the pool works as without it, and ``stats()`` says why.
 """
 
 from __future__ import annotations
@@ -15,11 +19,14 @@ import errno
 import logging
 import sys
 import threading
-from dataclasses import dataclass, fields
+from collections.abc import Iterator
+from dataclasses import dataclass
 from types import TracebackType
+from typing import Protocol
 
 import numpy as np
 
+from . import cuda
 from ._native import ffi, lib
 
 log = logging.getLogger(__name__)
@@ -35,7 +42,7 @@ class LeaseError(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class PoolStats:
-    """Byte and event counters of one pool (a snapshot)."""
+    """Byte and event counters of one pool (a snapshot), and whether it is pinned for CUDA."""
 
     locked_bytes: int
     unlocked_bytes: int
@@ -49,9 +56,24 @@ class PoolStats:
     frees: int
     lock_failures: int
     memlock_limit: int
+    pinned_bytes: int  # registered with CUDA (page-locked for GPU transfers)
+    pin_failures: int  # buffers whose registration failed (they are used unpinned)
+    pin_status: str  # "pinned: <how>", "pinned except N buffers: <why>" or "not pinned: <why>"
 
 
-_STAT_FIELDS = tuple(f.name for f in fields(PoolStats))
+_C_STAT_FIELDS = tuple(name for name, _ in ffi.typeof("mg_pool_stats").fields)
+
+
+class HostPinner(Protocol):
+    """Pins pool memory for a GPU: ``kernels.cuda.CudaHostPinner`` on a CUDA host."""
+
+    description: str
+
+    def register(self, address: int, nbytes: int) -> str | None:
+        """Pin the range; ``None`` on success, else why it stays unpinned."""
+        ...
+
+    def unregister(self, address: int) -> None: ...
 
 
 class Lease:
@@ -102,6 +124,12 @@ class Lease:
     @property
     def locked(self) -> bool:
         return bool(self._live().locked)
+
+    @property
+    def pinned(self) -> bool:
+        """Registered with CUDA, so GPU transfers use it directly."""
+        pins = self._pool._pins
+        return pins is not None and self.address in pins.registered
 
     @property
     def address(self) -> int:
@@ -180,24 +208,176 @@ def _unshared_counts() -> tuple[int, int, int]:
 _UNSHARED_EXPORT, _UNSHARED_EXPORT_AND_POINTER, _UNSHARED_POINTER = _unshared_counts()
 
 
+def _address(buf: object) -> int:
+    return int(ffi.cast("uintptr_t", buf.ptr))
+
+
+class _Pins:
+    """A pinned pool's CUDA registrations, kept in step with its C free lists.
+
+    The C pool frees buffers by itself: on release when the bucket's free list is
+    full, and when it drains (close, collection). A registered buffer must be
+    unregistered before its memory is freed, so a pinned pool makes every C call
+    here under one lock, tracking which buffers sit on each free list and so knowing
+    beforehand which release frees. A release from a finalizer on the thread that
+    holds the lock (a view collected mid-acquire) waits until the lock is let go.
+    """
+
+    def __init__(self, pool: object, pinner: HostPinner, max_free: int) -> None:
+        self.pool = pool  # the raw pointer: the pool's gc'd owner holds a reference to us
+        self.pinner = pinner
+        self.max_free = max_free
+        self.registered: dict[int, int] = {}  # address -> capacity
+        self.free: dict[int, set[int]] = {}  # capacity -> addresses on the C free list
+        self.pinned_bytes = 0
+        self.failures = 0
+        self.last_error = ""
+        self._lock = threading.Lock()
+        self._owner: int | None = None
+        self._deferred: list[object] = []
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        with self._lock:
+            self._owner = threading.get_ident()
+            try:
+                yield
+            finally:
+                while self._deferred:
+                    self._release(self._deferred.pop())
+                self._owner = None
+
+    def status(self) -> str:
+        if self.failures:
+            return f"pinned except {self.failures} buffers: {self.last_error}"
+        return f"pinned: {self.pinner.description}"
+
+    def acquire(self, nbytes: int) -> tuple[object, int]:
+        """(buffer or NULL, errno) from the C pool; a fresh buffer is registered."""
+        with self._locked():
+            buf = lib.mg_pool_acquire(self.pool, nbytes)
+            if not buf:
+                return buf, ffi.errno
+            address = _address(buf)
+            free = self.free.get(buf.capacity)
+            if free is not None and address in free:
+                free.discard(address)  # reused: registered (or refused) when it was made
+            else:
+                self._register(address, buf.capacity)
+        return buf, 0
+
+    def release(self, buf: object) -> int:
+        if self._owner == threading.get_ident():
+            self._deferred.append(buf)
+            return lib.MG_POOL_OK
+        with self._locked():
+            return self._release(buf)
+
+    def _release(self, buf: object) -> int:
+        address = _address(buf)
+        free = self.free.setdefault(buf.capacity, set())
+        if address in free:
+            return lib.MG_POOL_ENOTLEASED
+        if len(free) < self.max_free:
+            rc = lib.mg_pool_release(self.pool, buf)
+            if rc == lib.MG_POOL_OK:
+                free.add(address)
+            return rc
+        self._unregister(address)  # the C pool frees it: its free list is full
+        return lib.mg_pool_release(self.pool, buf)
+
+    def close(self) -> int:
+        with self._locked():
+            st = ffi.new("mg_pool_stats *")
+            lib.mg_pool_get_stats(self.pool, st)
+            if st.leased_count:
+                return lib.MG_POOL_EBUSY
+            self._drain()
+            return lib.mg_pool_close(self.pool)
+
+    def free_pool(self, pool: object) -> None:
+        """The C pool's destructor: nothing else can reach the pool, so no lock."""
+        self._drain()
+        lib.mg_pool_free(pool)
+
+    def _drain(self) -> None:
+        """Unregister everything on the free lists, which the C pool is about to free."""
+        for free in self.free.values():
+            for address in free:
+                self._unregister(address)
+            free.clear()
+
+    def _register(self, address: int, capacity: int) -> None:
+        error = self.pinner.register(address, capacity)
+        if error is None:
+            self.registered[address] = capacity
+            self.pinned_bytes += capacity
+            return
+        if not self.failures:
+            log.warning(
+                "buffer pool: cannot pin a %d-byte buffer for GPU transfers (%s); such buffers "
+                "are used unpinned, and transfers from them are staged by the driver",
+                capacity,
+                error,
+            )
+        self.failures += 1
+        self.last_error = error
+
+    def _unregister(self, address: int) -> None:
+        capacity = self.registered.pop(address, None)
+        if capacity is not None:
+            self.pinned_bytes -= capacity
+            self.pinner.unregister(address)
+
+
+def _pinner_for(pin: bool | HostPinner) -> tuple[HostPinner | None, str]:
+    """The pinner a pool uses, or ``None`` and why it is not pinned."""
+    if pin is False:
+        return None, "not pinned: pin=False"
+    if pin is not True:
+        return pin, ""
+    status = cuda.cuda_status()
+    if status != "available":
+        return None, f"not pinned: CUDA {status}"
+    try:
+        return cuda.host_pinner(), ""
+    except (cuda.CudaError, ValueError) as exc:
+        return None, f"not pinned: {exc}"
+
+
 class BufferPool:
     """Page-aligned, power-of-two bucketed buffers (4 KiB minimum), ``mlock``ed.
 
     Where ``RLIMIT_MEMLOCK`` is too small, buffers beyond it are handed out
     unlocked, counted in ``stats().unlocked_bytes``, and a warning is logged
     once; ``require_mlock=True`` raises ``MlockError`` instead. Thread-safe.
+
+    ``pin=True`` (the default) also registers each new buffer with CUDA where a
+    GPU is usable, and unregisters it before it is freed; this initialises CUDA
+    in the process, so pools of processes that never use a GPU may pass
+    ``pin=False``. A ``HostPinner`` may be passed instead to pin some other way.
+    Registration is independent of ``mlock`` and its limit: a buffer may be
+    pinned and not locked, or the reverse, and either failure only counts.
     """
 
-    def __init__(self, *, max_free_per_bucket: int = 32, require_mlock: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        max_free_per_bucket: int = 32,
+        require_mlock: bool = False,
+        pin: bool | HostPinner = True,
+    ) -> None:
         if max_free_per_bucket < 0:
             raise ValueError(f"max_free_per_bucket={max_free_per_bucket}: must be >= 0")
         self.require_mlock = require_mlock
         pool = lib.mg_pool_create(max_free_per_bucket, int(require_mlock))
         if pool == ffi.NULL:
             raise MemoryError("could not create buffer pool")
+        pinner, self._unpinned_reason = _pinner_for(pin)
+        self._pins = None if pinner is None else _Pins(pool, pinner, max_free_per_bucket)
         # The C pool locks itself and outlives close(): it is freed only when
         # this object (which every lease references) is collected.
-        self._pool = ffi.gc(pool, lib.mg_pool_free)
+        self._pool = ffi.gc(pool, lib.mg_pool_free if self._pins is None else self._pins.free_pool)
         # Makes the check-and-clear of a lease atomic, so a lease released from
         # two threads at once goes back to the pool once.
         self._release_lock = threading.Lock()
@@ -227,9 +407,13 @@ class BufferPool:
     def _acquire(self, nbytes: int) -> object:
         if nbytes < 0:
             raise ValueError(f"nbytes={nbytes}: must be >= 0")
-        buf = lib.mg_pool_acquire(self._pool, nbytes)
+        if self._pins is None:
+            buf = lib.mg_pool_acquire(self._pool, nbytes)
+            err = ffi.errno
+        else:
+            buf, err = self._pins.acquire(nbytes)
         if not buf:
-            raise self._error(ffi.errno, nbytes)
+            raise self._error(err, nbytes)
         if not self._warned and not buf.locked:
             self._warned = True
             log.warning(
@@ -253,15 +437,24 @@ class BufferPool:
         return MemoryError(f"cannot allocate {self.bucket_size(nbytes)} bytes")
 
     def _give_back(self, buf: object) -> None:
-        if lib.mg_pool_release(self._pool, buf) != lib.MG_POOL_OK:
+        pins = self._pins
+        rc = lib.mg_pool_release(self._pool, buf) if pins is None else pins.release(buf)
+        if rc != lib.MG_POOL_OK:
             raise LeaseError("buffer is not leased")
 
     def stats(self) -> PoolStats:
         st = ffi.new("mg_pool_stats *")
         lib.mg_pool_get_stats(self._pool, st)
-        return PoolStats(*(int(getattr(st, name)) for name in _STAT_FIELDS))
+        pins = self._pins
+        return PoolStats(
+            *(int(getattr(st, name)) for name in _C_STAT_FIELDS),
+            pinned_bytes=0 if pins is None else pins.pinned_bytes,
+            pin_failures=0 if pins is None else pins.failures,
+            pin_status=self._unpinned_reason if pins is None else pins.status(),
+        )
 
     def close(self) -> None:
         """Free the cached buffers and refuse new leases; refuses while leases are outstanding."""
-        if lib.mg_pool_close(self._pool) != lib.MG_POOL_OK:
+        pins = self._pins
+        if (lib.mg_pool_close(self._pool) if pins is None else pins.close()) != lib.MG_POOL_OK:
             raise LeaseError(f"{self.stats().leased_count} buffers are still leased")

@@ -2,8 +2,9 @@
 
 Kernels release the GIL, so plain threads give real parallelism and keep the
 event loop free. Each worker owns one backend — a CPU BLAS with its own
-thread count, or a cuBLASXt handle — behind the same interface, so one pool
-can mix them. A task goes to one worker, chosen at submit time by a policy:
+thread count, a cuBLASXt handle, or cuBLAS under green contexts that follow
+an SM-count trace — behind the same interface, so one pool can mix them. A
+task goes to one worker, chosen at submit time by a policy:
 
 - ``round-robin``: workers in turn;
 - ``greedy``: the earliest expected completion, ``(outstanding + 1) ×
@@ -35,6 +36,8 @@ from typing import Any, Protocol
 
 from . import blas
 from .cublasxt import CublasXt, cublasxt_status
+from .cuda import cuda_status
+from .green_context import GreenContextConfig, GreenContextController
 from .layout import GemmPlan, plan_gemm
 
 log = logging.getLogger(__name__)
@@ -102,6 +105,37 @@ class GpuBackend:
         if self._xt is not None:
             self._xt.close()
             self._xt = None
+
+
+class GreenGpuBackend:
+    """A GPU throttled to the SM counts of a trace (``green_context``); raises where no GPU is.
+
+    The controller, and with it the green contexts, is made on the worker's thread,
+    where its contexts are current, and torn down there. ``controller.set_step`` (from
+    any thread) moves a step-clocked trace on; ``controller.stats()`` has the switches.
+    """
+
+    kind = "gpu"
+    prior_s = 1e-3
+
+    def __init__(self, config: GreenContextConfig) -> None:
+        status = cuda_status()
+        if status != "available":
+            raise RuntimeError(f"GPU worker: CUDA {status}")
+        self.config = config
+        self.controller: GreenContextController | None = None
+
+    def start(self) -> None:
+        self.controller = GreenContextController.from_config(self.config)
+
+    def run(self, plan: GemmPlan) -> None:
+        assert self.controller is not None, "GreenGpuBackend.run before start"
+        self.controller.run_plan(plan)
+
+    def stop(self) -> None:
+        if self.controller is not None:
+            self.controller.close()
+            self.controller = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import resource
 import threading
 
 import numpy as np
 import pytest
-from morphling.kernels import BufferPool, LeaseError, MlockError
+from morphling.kernels import BufferPool, LeaseError, MlockError, cuda_status
 
 MIB = 1 << 20
 LIMIT = 8 * MIB  # this machine's RLIMIT_MEMLOCK, and the default in containers
@@ -270,3 +271,215 @@ def test_acquire_buffer_returns_when_the_last_view_goes():
     again = pool.acquire_buffer(100_000)  # the freed buffer is reused
     assert pool.stats().reuses == 1
     del again
+
+
+# -- pinning for CUDA ----------------------------------------------------------------
+
+CUDA = cuda_status()
+
+
+class RecordingPinner:
+    """Stands in for ``cuMemHostRegister`` where no GPU exists (the real ``CudaHostPinner``
+    is tested below on GPU hosts). Records each call with the pool's free count at that
+    moment, so a test can tell an unregistration came before the C pool freed the memory."""
+
+    description = "recording pinner"
+
+    def __init__(self, refuse_from: int | None = None) -> None:
+        self.pool: BufferPool | None = None
+        self.refuse_from = refuse_from
+        self.live: dict[int, int] = {}
+        self.events: list[tuple[str, int, int]] = []  # (what, address, frees so far)
+
+    def _frees(self) -> int:
+        return self.pool.stats().frees if self.pool is not None else -1
+
+    def register(self, address: int, nbytes: int) -> str | None:
+        assert address not in self.live, "registered twice"
+        if self.refuse_from is not None and nbytes >= self.refuse_from:
+            return "cuMemHostRegister: CUDA_ERROR_OUT_OF_MEMORY (2)"
+        self.live[address] = nbytes
+        self.events.append(("register", address, self._frees()))
+        return None
+
+    def unregister(self, address: int) -> None:
+        assert address in self.live, "unregistered without registration"
+        del self.live[address]
+        self.events.append(("unregister", address, self._frees()))
+
+
+def pinned_pool(pinner: RecordingPinner, **kwargs) -> BufferPool:
+    pool = BufferPool(pin=pinner, **kwargs)
+    pinner.pool = pool
+    return pool
+
+
+@pytest.mark.skipif(CUDA == "available", reason="this host has a usable GPU")
+def test_without_cuda_the_pool_is_unpinned_and_says_why():
+    pool = BufferPool()
+    with pool.acquire(10_000) as lease:
+        assert not lease.pinned
+        stats = pool.stats()
+    assert stats.pin_status == f"not pinned: CUDA {CUDA}"
+    assert (stats.pinned_bytes, stats.pin_failures) == (0, 0)
+    assert BufferPool(pin=False).stats().pin_status == "not pinned: pin=False"
+
+
+def test_fresh_buffers_are_registered_once_and_reuse_keeps_them():
+    pinner = RecordingPinner()
+    pool = pinned_pool(pinner)
+    leases = [pool.acquire(5000) for _ in range(3)]
+    assert all(lease.pinned for lease in leases)
+    assert pool.stats().pinned_bytes == 3 * 8192
+    for lease in leases:
+        lease.release()
+    for _ in range(3):
+        pool.acquire(5000).release()  # reused from the free list: no new registration
+    assert [e[0] for e in pinner.events] == ["register"] * 3
+    stats = pool.stats()
+    assert stats.pin_status == "pinned: recording pinner"
+    assert (stats.pinned_bytes, stats.reuses) == (3 * 8192, 3)
+
+
+def test_buffers_are_unregistered_before_the_pool_frees_them():
+    pinner = RecordingPinner()
+    pool = pinned_pool(pinner, max_free_per_bucket=1)
+    first, second = pool.acquire(4096), pool.acquire(4096)
+    first.release()  # kept on the free list
+    address = second.address
+    second.release()  # the free list is full: freed, after being unregistered
+    assert pinner.events[-1] == ("unregister", address, 0)
+    assert pool.stats().frees == 1
+    assert pool.stats().pinned_bytes == 4096
+    pool.close()  # drains the free list: unregistered first again
+    assert pinner.events[-1][0] == "unregister" and pinner.events[-1][2] == 1
+    assert pool.stats().frees == 2
+    assert pinner.live == {} and pool.stats().pinned_bytes == 0
+
+
+def test_collecting_a_pinned_pool_unregisters_its_free_buffers():
+    pinner = RecordingPinner()
+    pool = BufferPool(pin=pinner)
+    for size in (4096, 70_000, 1 << 20):
+        pool.acquire(size).release()
+    assert len(pinner.live) == 3
+    del pool
+    gc.collect()
+    assert pinner.live == {}
+
+
+def test_refused_registrations_are_counted_warned_once_and_still_served(caplog):
+    caplog.set_level(logging.WARNING, logger="morphling.kernels.pool")
+    pinner = RecordingPinner(refuse_from=MIB)
+    pool = pinned_pool(pinner)
+    small, big, bigger = pool.acquire(4096), pool.acquire(MIB), pool.acquire(2 * MIB)
+    assert small.pinned and not big.pinned and not bigger.pinned
+    big.array(np.uint8, (MIB,))[:] = 3  # an unpinned buffer is ordinary memory
+    stats = pool.stats()
+    assert (stats.pinned_bytes, stats.pin_failures) == (4096, 2)
+    assert stats.pin_status == (
+        "pinned except 2 buffers: cuMemHostRegister: CUDA_ERROR_OUT_OF_MEMORY (2)"
+    )
+    warnings = [r for r in caplog.records if "cannot pin" in r.getMessage()]
+    assert len(warnings) == 1
+    for lease in (small, big, bigger):
+        lease.release()
+    pool.close()
+    assert pinner.live == {}
+
+
+def test_memlock_rules_hold_for_a_pinned_pool(memlock_8mib):
+    pool = pinned_pool(RecordingPinner())
+    leases = [pool.acquire(MIB) for _ in range(12)]
+    stats = pool.stats()
+    assert 0 < stats.locked_bytes <= LIMIT and stats.unlocked_bytes >= 4 * MIB
+    assert stats.pinned_bytes == 12 * MIB  # pinning does not depend on mlock
+    for lease in leases:
+        lease.release()
+    strict_pinner = RecordingPinner()
+    strict = pinned_pool(strict_pinner, require_mlock=True)
+    held = []
+    with pytest.raises(MlockError, match="require_mlock"):
+        for _ in range(8):
+            held.append(strict.acquire(2 * MIB))
+    assert strict.stats().unlocked_bytes == 0
+    assert len(strict_pinner.live) == len(held)  # the refused buffer was never registered
+    for lease in held:
+        lease.release()
+
+
+def test_views_collected_inside_the_pool_lock_are_released_later():
+    """A received buffer's last view may be collected while the same thread holds the
+    pinned pool's lock (here: during a registration); its release waits, not deadlocks."""
+    pinner = RecordingPinner()
+    pool = pinned_pool(pinner, max_free_per_bucket=0)
+    held = [pool.acquire_buffer(4096)]
+    register = pinner.register
+
+    def register_and_drop(address: int, nbytes: int) -> str | None:
+        held.clear()  # the view's finalizer releases its buffer, on this thread, now
+        return register(address, nbytes)
+
+    pinner.register = register_and_drop
+    lease = pool.acquire(8192)
+    stats = pool.stats()
+    assert (stats.leased_count, stats.releases, stats.frees) == (1, 1, 1)
+    assert [e[0] for e in pinner.events] == ["register", "register", "unregister"]
+    lease.release()
+    assert pinner.live == {}
+
+
+def test_concurrent_threads_on_a_pinned_pool_keep_registrations_exact():
+    pinner = RecordingPinner()
+    pool = BufferPool(pin=pinner, max_free_per_bucket=2)
+    rounds = 1000
+
+    def work(tag: int) -> None:
+        for i in range(rounds):
+            size = 4096 * (1 + (tag + i) % 4)
+            if i % 3:
+                pool.acquire(size).release()
+            else:
+                view = pool.acquire_buffer(size)
+                view[0] = tag
+                del view
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stats = pool.stats()
+    assert stats.leased_count == 0
+    assert stats.pinned_bytes == sum(pinner.live.values()) == stats.free_bytes
+    pool.close()
+    assert pinner.live == {}
+
+
+needs_cuda = pytest.mark.skipif(CUDA != "available", reason=f"CUDA {CUDA}")
+
+
+@needs_cuda
+def test_a_gpu_host_pins_with_cuda_and_unpins_before_freeing():
+    from morphling.kernels import cuda
+
+    drv = cuda.driver()
+    flags = cuda.ffi.new("unsigned int *")
+
+    def host_flags(address: int) -> int | None:
+        rc = drv.cuMemHostGetFlags(flags, cuda.ffi.cast("void *", address))
+        return flags[0] if rc == 0 else None
+
+    pool = BufferPool(max_free_per_bucket=1)
+    assert pool.stats().pin_status.startswith("pinned: cuMemHostRegister (portable)")
+    first, second = pool.acquire(3 * MIB), pool.acquire(3 * MIB)
+    assert first.pinned and second.pinned
+    assert host_flags(first.address) & drv.CU_MEMHOSTREGISTER_PORTABLE
+    kept, freed = first.address, second.address
+    first.release()
+    second.release()  # freed: unregistered first
+    assert host_flags(freed) is None
+    assert host_flags(kept) is not None
+    pool.close()
+    assert host_flags(kept) is None
+    assert pool.stats().pinned_bytes == 0
