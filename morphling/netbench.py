@@ -261,7 +261,7 @@ class ProbeClient:
     ) -> ProbeClient:
         """Connect and register; ``BenchError`` (exit code 2) if that cannot be done."""
         loop = asyncio.get_running_loop()
-        pool = pool or BufferPool()
+        pool = pool or BufferPool(pin=False)
         where = f"{host}:{port}"
         try:
             _, conn = await asyncio.wait_for(

@@ -67,7 +67,7 @@ class EmbeddedFleet:
         self._stop = asyncio.Event()
         try:
             with WorkerPool([CpuBackend(threads=self.threads)]) as workers:
-                pool = BufferPool()  # one pool (and one memlock budget) for both sides
+                pool = BufferPool(pin=False)  # one pool (and memlock budget) for both sides
                 emulator = self.emulator = Emulator(self.config, pool=pool)
                 emulator.run_info.update(self.run_info)
                 host, port = await emulator.start()

@@ -331,7 +331,7 @@ class Emulator:
 
     def __init__(self, config: EmulatorConfig, *, pool: BufferPool | None = None) -> None:
         self.config = config
-        self.pool = pool or BufferPool()
+        self.pool = pool or BufferPool(pin=False)  # it never hands buffers to a GPU
         self.registry = Registry()
         self.scheduler = Scheduler(
             self.registry, self._send_tile, window=config.window,
