@@ -23,13 +23,15 @@ def _version(args: argparse.Namespace) -> int:
     if args.verbose:
         import resource
 
-        from .kernels import blas_info, cublasxt_status
+        from .kernels import blas_info, cublasxt_status, cuda_status, green_context_status
 
         info = blas_info()
         print(f"blas: {info.name} ({info.version}) from {info.path}; threading {info.threading}")
         if info.fallback_reason:
             print(f"blas fallback: {info.fallback_reason}")
+        print(f"cuda driver: {cuda_status()}")
         print(f"cublasxt: {cublasxt_status()}")
+        print(f"green contexts: {green_context_status()}")
         soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
         limit = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft} bytes"
         print(f"memlock limit: {limit}")
