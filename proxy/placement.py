@@ -17,6 +17,9 @@ Ties go to the lowest device id.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -28,11 +31,19 @@ POLICIES = ("round-robin", "greedy", "load-balanced")
 class Placement:
     """A policy over the fleet's devices, kept ordered by id.
 
-    Greedy evaluates every device for every tile, so it works on arrays: each
-    device's FIFO free times and link figures, and its compute time for the
-    tile's shape from one device per distinct profile. They are rebuilt when the
-    fleet has changed, at the next placement: a fleet of a thousand joining
-    devices costs one rebuild, not a thousand.
+    Greedy predicts every device's finish on arrays: each device's FIFO free
+    times and link figures, and its compute time for the tile's shape from one
+    device per distinct profile. They are rebuilt when the fleet has changed, at
+    the next placement: a fleet of a thousand joining devices costs one rebuild,
+    not a thousand.
+
+    A GEMM's tiles mostly share one shape and one issue time, and a placement
+    changes only the device that took the tile. So greedy keeps the predictions
+    it made, with the time and the ``Work`` object they are for (the timeline
+    gives a GEMM's tiles of one shape the same one), and ``placed`` brings the
+    device that took a tile up to date: while tiles ask the same, each costs one
+    device's prediction, not the fleet's. Both are ``_finish``, so a kept
+    prediction is the very float a fresh one would be.
     """
 
     def __init__(self, policy: str) -> None:
@@ -44,45 +55,52 @@ class Placement:
         self._kinds: dict[int, str] = {}  # device id → its profile, as a grouping key
         self._stale = True
         self._cursor = -1  # round-robin: the id of the device served last
+        self._kept: _Predicted | None = None  # greedy's predictions, while they hold
 
     def add(self, device: VirtualDevice) -> None:
         index = bisect.bisect(self._ids, device.id)
         self._ids.insert(index, device.id)
         self.devices.insert(index, device)
         self._kinds[device.id] = repr(device.profile)
-        self._stale = True
+        self._stale, self._kept = True, None
 
     def remove(self, device_id: int) -> None:
         """No more tiles for it (what it has placed stays placed)."""
         if self._kinds.pop(device_id, None) is not None:
             index = self._ids.index(device_id)
             del self._ids[index], self.devices[index]
-            self._stale = True
+            self._stale, self._kept = True, None
 
     def _rebuild(self) -> None:
         devices = self.devices
         kinds: dict[str, int] = {}
-        group = [kinds.setdefault(self._kinds[d.id], len(kinds)) for d in devices]
-        self._group = np.array(group, dtype=np.intp)
-        self._models = [devices[group.index(g)] for g in range(len(kinds))]
-        profiles = [d.profile for d in devices]
-        self._dl_lat = np.array([p.dl_lat_s for p in profiles])
-        self._ul_lat = np.array([p.ul_lat_s for p in profiles])
-        self._dl_inv = 1.0 / np.array([p.dl_bw for p in profiles])  # 0 on an ideal link
-        self._ul_inv = 1.0 / np.array([p.ul_bw for p in profiles])
-        self._free = np.array([[d.down.free_at, d.compute.free_at, d.up.free_at, d.speed()]
-                               for d in devices]).reshape(-1, 4)  # fmt: skip
+        self._groups = [kinds.setdefault(self._kinds[d.id], len(kinds)) for d in devices]
+        self._group = np.array(self._groups, dtype=np.intp)
+        self._models = [devices[self._groups.index(g)] for g in range(len(kinds))]
+        # latency and seconds per byte each way (0 on an ideal link), a row per device
+        self._links = [(p.dl_lat_s, 1.0 / p.dl_bw, p.ul_lat_s, 1.0 / p.ul_bw)
+                       for p in (d.profile for d in devices)]  # fmt: skip
+        self._link_columns = np.array(self._links).reshape(-1, 4).T
+        self._free = np.empty((len(devices), 4))  # ``_free`` of each device, a row each
+        self._changed = set(range(len(devices)))  # rows to read again before they are used
         self._stale = False
 
     def placed(self, index: int) -> None:
         """Device ``index`` took a tile: refresh what greedy knows of it."""
         if self.policy != "greedy":
             return
-        d = self.devices[index]
-        self._free[index] = (d.down.free_at, d.compute.free_at, d.up.free_at, d.speed())
+        self._changed.add(index)
+        kept = self._kept
+        if kept is not None:
+            nominal = kept.nominal[self._groups[index]]
+            free, link = _free(self.devices[index]), self._links[index]
+            kept.finish[index] = _finish(kept.now, kept.work, nominal, free, link, max)
 
     def choose(self, now: float, work: Work) -> int:
         """The index (in ``devices``, non-empty) of the device for one tile."""
+        kept = self._kept
+        if kept is not None and kept.now == now and kept.work is work:
+            return int(kept.finish.argmin())
         devices = self.devices
         if self._stale:
             self._rebuild()
@@ -97,11 +115,40 @@ class Placement:
 
     def _greedy(self, now: float, work: Work) -> int:
         """The earliest predicted finish; argmin keeps the first of equals (lowest id)."""
-        free = self._free
-        nominal = np.array([d.nominal_s(work.shape) for d in self._models])[self._group]
-        down = np.maximum(free[:, 0], now)
-        if work.bytes_down:
-            down += self._dl_lat + work.bytes_down * self._dl_inv
-        comp = np.maximum(down, free[:, 1]) + nominal / free[:, 3]
-        up = np.maximum(comp, free[:, 2]) + self._ul_lat + work.bytes_up * self._ul_inv
-        return int(np.argmin(up))
+        for index in self._changed:
+            self._free[index] = _free(self.devices[index])
+        self._changed.clear()
+        nominal = [d.nominal_s(work.shape) for d in self._models]
+        finish = _finish(now, work, np.array(nominal)[self._group], self._free.T,
+                         self._link_columns, np.maximum)  # fmt: skip
+        self._kept = _Predicted(now, work, nominal, finish)
+        return int(finish.argmin())
+
+
+@dataclass(slots=True)
+class _Predicted:
+    """Greedy's predicted finish of every device for ``work`` placed at ``now``."""
+
+    now: float
+    work: Work
+    nominal: list[float]  # the shape's seconds at the top clock, per device group
+    finish: np.ndarray
+
+
+def _free(device: VirtualDevice) -> tuple[float, float, float, float]:
+    """What greedy reads of a device's state: its FIFOs' free times and its speed."""
+    return device.down.free_at, device.compute.free_at, device.up.free_at, device.speed()
+
+
+def _finish(now: float, work: Work, nominal: Any, free: Sequence[Any], link: Sequence[Any],
+            maximum: Callable[[Any, Any], Any]) -> Any:  # fmt: skip
+    """When ``work`` placed at ``now`` would be back: for the whole fleet on arrays
+    (``maximum`` = ``np.maximum``), or for one device on floats (``max``). ``free`` is
+    ``_free``'s four values, ``link`` a row of ``_links``. The same IEEE operations in
+    the same order either way (and no NaN, where the two maxima would differ), so both
+    give the same numbers."""
+    down = maximum(free[0], now)
+    if work.bytes_down:
+        down = down + (link[0] + work.bytes_down * link[1])
+    comp = maximum(down, free[1]) + nominal / free[3]
+    return maximum(comp, free[2]) + link[2] + work.bytes_up * link[3]

@@ -33,7 +33,7 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import IO, Any, NamedTuple
 
 from ..devices.compute_model import GemmShape
 from ..devices.profiles import DeviceProfile
@@ -73,21 +73,51 @@ class EventLog:
         self.sink = sink
         self.count = 0
         self._hash = hashlib.sha256()
+        # texts ``tile`` made already (see there)
+        self._levels: dict[float | None, str] = {None: "null"}  # clock levels
+        self._ends: dict[int, tuple[float, str]] = {}  # device → its last download's end
+        self._start: tuple[float | None, str] = (None, "")  # the last new download start
 
     def write(self, record: dict[str, Any]) -> None:
         self._line(json.dumps(record, separators=(",", ":")))
 
-    def tile(self, run: _Run) -> None:
+    @staticmethod
+    def tile_head(job: int, gemm: int, step: int) -> str:
+        """The start of the records of a GEMM's tiles, for ``tile``: the fields they share."""
+        return f'{{"ev":"tile","job":{job},"gemm":{gemm},"step":{step},'
+
+    def tile(self, head: str, seq: int, device: int, work: Work, down: Span, compute: Span,
+             up: Span, freq: float | None, temp: float | None) -> None:  # fmt: skip
         """A tile record, formatted by hand: there is one per tile, and ``json.dumps``
-        would be a third of the engine's time. The same JSON ``write`` would give."""
-        g, w = run.gemm, run.work
+        would be a third of the engine's time. The same JSON ``write`` would give.
+
+        ``repr`` of the times is most of what is left, so a time written already is not
+        formatted again. A stage that starts when the one before it ends starts at that
+        very float object (``Fifo.serve`` returns it), and so does a download that starts
+        when the device's last one ended, or at the time the GEMM's other downloads
+        started; matched by identity, the text is the one ``repr`` gives. Clock levels and
+        the fields a GEMM's tiles share (``head``, from ``tile_head``) are written once too."""
+        (down0, down1), (compute0, compute1), (up0, up1) = down, compute, up
+        end = self._ends.get(device)
+        if end is not None and end[0] is down0:
+            down_start = end[1]
+        elif self._start[0] is down0:
+            down_start = self._start[1]
+        else:
+            down_start = repr(down0)
+            self._start = (down0, down_start)
+        down_end, compute_end = repr(down1), repr(compute1)
+        self._ends[device] = (down1, down_end)
+        compute_start = down_end if compute0 is down1 else repr(compute0)
+        up_start = compute_end if up0 is compute1 else repr(up0)
+        mhz = self._levels.get(freq)
+        if mhz is None:
+            mhz = self._levels[freq] = repr(freq)
         self._line(
-            f'{{"ev":"tile","job":{g.job.id},"gemm":{g.task.id},"step":{g.step},'
-            f'"tile":{run.seq},"device":{run.device.id},"bytes_down":{w.bytes_down},'
-            f'"bytes_up":{w.bytes_up},"down":[{run.down[0]!r},{run.down[1]!r}],'
-            f'"compute":[{run.compute[0]!r},{run.compute[1]!r}],'
-            f'"up":[{run.up[0]!r},{run.up[1]!r}],"freq_mhz":{_number(run.freq)},'
-            f'"temp_c":{_number(run.temp)}}}'
+            f'{head}"tile":{seq},"device":{device},"bytes_down":{work.bytes_down},'
+            f'"bytes_up":{work.bytes_up},"down":[{down_start},{down_end}],'
+            f'"compute":[{compute_start},{compute_end}],"up":[{up_start},{up1!r}],'
+            f'"freq_mhz":{mhz},"temp_c":{"null" if temp is None else repr(temp)}}}'
         )
 
     def digest(self) -> str:
@@ -99,10 +129,6 @@ class EventLog:
         self.count += 1
         if self.sink is not None:
             self.sink.write(line)
-
-
-def _number(value: float | None) -> str:
-    return "null" if value is None else repr(value)
 
 
 @dataclass
@@ -140,20 +166,13 @@ class _Job:
     started: bool = False
 
 
-@dataclass(eq=False, slots=True)
-class _Run:
-    """One tile on its way through a device's FIFOs."""
+class _Back(NamedTuple):
+    """The tile of a GEMM that comes back last, and when: the GEMM's end."""
 
-    tile: TileTask
-    seq: int  # the tile's number in this timeline: ids of its own, the same on every run
-    device: VirtualDevice
     gemm: _Gemm
-    work: Work
-    down: Span = (0.0, 0.0)
-    compute: Span = (0.0, 0.0)
-    up: Span = (0.0, 0.0)
-    freq: float | None = None
-    temp: float | None = None
+    time: float
+    tile: int  # its number in this timeline: ids of its own, the same on every run
+    device: int
 
 
 @dataclass(eq=False)
@@ -347,105 +366,129 @@ class Timeline:
             self._stalled.append(gemm)
             return
         now = self.clock.now
-        job, task = gemm.job, gemm.task
-        times = self._step_of(job, now)
+        times = self._step_of(gemm.job, now)
         times.gemms += 1
-        g = task.request
-        item = task.out.itemsize
+        placement, task = self.placement, gemm.task
+        head = self.log.tile_head(gemm.job.id, task.id, gemm.step)
+        works: dict[tuple[int, ...], Work] = {}
         placed = []
-        last: _Run | None = None
+        end: float | None = None  # of the tile back last (``_Back``)
+        end_tile = end_device = 0
+        link_down = link_up = 0
         for tile in gemm.tiles:
-            rows, cols = tile.shape
             a, b = tile.operands()
-            # k = 0 (C is zeros) is costed as k = 1: the models start at one product
-            shape = GemmShape(rows, cols, max(g.k, 1), g.ta, g.tb, a.sent_ld, b.sent_ld, g.dtype)
-            work = Work(a.nbytes + b.nbytes, rows * cols * item, shape)
-            index = self.placement.choose(now, work)
-            device = self.placement.devices[index]
+            work = self._work(works, task, tile, a, b)
+            index = placement.choose(now, work)
+            device = placement.devices[index]
             self._tiles += 1
             admission, work = self._admit(gemm, times, device, a, b, work)
-            run = self._run(now, _Run(tile, self._tiles, device, gemm, work))
-            self.placement.placed(index)
-            times.tiles += 1
-            times.link_down += work.bytes_down
-            times.link_up += work.bytes_up
-            if last is None or run.up[1] > last.up[1]:
-                last = run
+            back = self._run(now, device, head, work)
+            placement.placed(index)
+            link_down += work.bytes_down
+            link_up += work.bytes_up
+            if end is None or back > end:
+                end, end_tile, end_device = back, self._tiles, device.id
             placed.append((tile, device.id, admission))
+        times.tiles += len(placed)
+        times.link_down += link_down
+        times.link_up += link_up
         gemm.place(placed)
-        self.clock.at(last.up[1], self._returned, last, tile=last.seq)
+        self.clock.at(end, self._returned, _Back(gemm, end, end_tile, end_device), tile=end_tile)
+
+    @staticmethod
+    def _work(works: dict[tuple[int, ...], Work], task: GemmTask, tile: TileTask, a: Block,
+              b: Block) -> Work:  # fmt: skip
+        """What ``tile`` asks of a device. Tiles of one GEMM that agree on everything it
+        depends on share one (``works``): a GEMM repeats few shapes, and building a
+        ``GemmShape`` checks every field."""
+        rows, cols = tile.shape
+        key = (rows, cols, a.sent_ld, b.sent_ld, a.nbytes + b.nbytes)
+        work = works.get(key)
+        if work is None:
+            g = task.request
+            # k = 0 (C is zeros) is costed as k = 1: the models start at one product
+            shape = GemmShape(rows, cols, max(g.k, 1), g.ta, g.tb, key[2], key[3], g.dtype)
+            work = works[key] = Work(key[4], rows * cols * task.out.itemsize, shape)
+        return work
 
     def _admit(self, gemm: _Gemm, times: StepTimes, device: VirtualDevice, a: Block, b: Block,
                work: Work) -> tuple[Admission, Work]:  # fmt: skip
         """Charge the tile to the device's emulated memory: the admission, and the work
         without the weight blocks it already holds. One that cannot fit is an OOM."""
-        weights = [blk for blk in (a, b) if blk.offset is not None]
+        memory = device.memory
+        if a.offset is None and b.offset is None:  # no weight blocks: all of it is transient
+            # and if it fits beside what is resident, ``admit`` would change nothing
+            if memory.used + work.bytes_down + work.bytes_up <= memory.capacity:
+                return Admission(fits=True), work
+            weights = []
+        else:
+            weights = [blk for blk in (a, b) if blk.offset is not None]
         transient = work.bytes_up + sum(blk.nbytes for blk in (a, b) if blk.offset is None)
-        admission = device.memory.admit(
-            [(blk.key, blk.version, blk.nbytes) for blk in weights], transient
-        )
+        admission = memory.admit([(blk.key, blk.version, blk.nbytes) for blk in weights], transient)
         if not admission.fits:
             job, task = gemm.job, gemm.task
             times.oom += 1
             task.oom += 1
             log.warning("emulated OOM: device %d (%s, %d bytes) cannot hold tile %d of GEMM %d",
-                        device.id, device.name, device.memory.capacity, self._tiles,
+                        device.id, device.name, memory.capacity, self._tiles,
                         task.id)  # fmt: skip
             self.log.write({"ev": "oom", "job": job.id, "gemm": task.id, "step": gemm.step,
                             "tile": self._tiles, "device": device.id, "t": self.clock.now,
                             "need_bytes": transient + sum(blk.nbytes for blk in weights),
-                            "capacity_bytes": device.memory.capacity})  # fmt: skip
+                            "capacity_bytes": memory.capacity})  # fmt: skip
         resident = sum(blk.nbytes for blk in weights if blk.key in admission.held)
         if resident:
             work = Work(work.bytes_down - resident, work.bytes_up, work.shape)
         return admission, work
 
-    def _run(self, now: float, run: _Run) -> _Run:
-        """The tile's passage: down the link (and the shared FIFO), compute, up."""
-        device, work = run.device, run.work
+    def _run(self, now: float, device: VirtualDevice, head: str, work: Work) -> float:
+        """The tile's passage, logged (``head``: ``EventLog.tile_head``): down the link (and
+        the shared FIFO), compute, up. When it is back."""
+        bottleneck, thermal = self.bottleneck, device.thermal
         if not work.bytes_down:
-            run.down = (now, now)
+            down = (now, now)
+        elif bottleneck is None:
+            down = device.down.serve(now, device.profile.download_s(work.bytes_down))
         else:
-            run.down = self._transfer(now, device.down, device.download_s(work.bytes_down),
-                                      self.nic_down, work.bytes_down, device.profile.dl_lat_s,
-                                      None if self.bottleneck is None
-                                      else self.bottleneck.dl_bw)  # fmt: skip
-        changes = len(device.thermal.changes) if device.thermal is not None else 0
-        run.compute, run.freq, run.temp = device.compute_after(run.down[1], work.shape)
-        if device.thermal is not None:
-            for t, mhz, temp in device.thermal.changes[changes:]:
+            down = self._shared(now, device.down, device.profile.download_s(work.bytes_down),
+                                self.nic_down, work.bytes_down, bottleneck.dl_bw,
+                                device.profile.dl_lat_s)  # fmt: skip
+        changes = len(thermal.changes) if thermal is not None else 0
+        compute, freq, temp = device.compute_after(down[1], work.shape)
+        if thermal is not None and len(thermal.changes) > changes:
+            for t, mhz, temp_c in thermal.changes[changes:]:
                 self.log.write({"ev": "freq", "device": device.id, "t": t, "freq_mhz": mhz,
-                                "temp_c": temp})  # fmt: skip
-        run.up = self._transfer(run.compute[1], device.up, device.upload_s(work.bytes_up),
-                                self.nic_up, work.bytes_up, device.profile.ul_lat_s,
-                                None if self.bottleneck is None
-                                else self.bottleneck.ul_bw)  # fmt: skip
-        device.returns_at(run.up[1])
-        self.log.tile(run)
-        return run
+                                "temp_c": temp_c})  # fmt: skip
+        if bottleneck is None:
+            up = device.up.serve(compute[1], device.profile.upload_s(work.bytes_up))
+        else:
+            up = self._shared(compute[1], device.up, device.profile.upload_s(work.bytes_up),
+                              self.nic_up, work.bytes_up, bottleneck.ul_bw,
+                              device.profile.ul_lat_s)  # fmt: skip
+        device.returns_at(up[1])
+        self.log.tile(head, self._tiles, device.id, work, down, compute, up, freq, temp)
+        return up[1]
 
     @staticmethod
-    def _transfer(arrival: float, link: Fifo, seconds: float, nic: Fifo, nbytes: int,
-                  latency: float, nic_bw: float | None) -> Span:  # fmt: skip
-        """A transfer on ``link``; with a shared FIFO (``nic_bw``) it also crosses that,
-        and cannot end before the shared FIFO has passed its last byte."""
-        if nic_bw is None:
-            return link.serve(arrival, seconds)
+    def _shared(arrival: float, link: Fifo, seconds: float, nic: Fifo, nbytes: int,
+                nic_bw: float, latency: float) -> Span:  # fmt: skip
+        """A transfer on ``link`` that also crosses the shared FIFO ``nic``: it cannot end
+        before the shared FIFO has passed its last byte."""
         shared = nic.serve(arrival, nbytes / nic_bw)
         start, end = link.serve(shared[0], seconds)
         link.free_at = end = max(end, shared[1] + latency)
         return start, end
 
-    def _returned(self, run: _Run) -> None:
-        self._finish(run.gemm, run)
+    def _returned(self, last: _Back) -> None:
+        self._finish(last.gemm, last)
 
-    def _finish(self, gemm: _Gemm, last: _Run | None) -> None:
+    def _finish(self, gemm: _Gemm, last: _Back | None) -> None:
         """The GEMM's last tile is back (``last``; None for an empty GEMM)."""
         now, job, task = self.clock.now, gemm.job, gemm.task
         self.log.write({"ev": "gemm", "job": job.id, "gemm": task.id, "step": gemm.step,
                         "issue": gemm.issue, "end": now, "tiles": len(gemm.tiles),
-                        "last_tile": last.seq if last else None,
-                        "last_device": last.device.id if last else None,
+                        "last_tile": last.tile if last else None,
+                        "last_device": last.device if last else None,
                         "m": task.request.m, "n": task.request.n, "k": task.request.k,
                         "batch": task.request.batch})  # fmt: skip
         job.clock = max(job.clock, now)

@@ -47,21 +47,27 @@ class VirtualDevice:
         self.memory = DeviceMemory(profile.memory_bytes)
         self._returns: deque[float] = deque()  # when its tiles come back, in order
         self._nominal: dict[GemmShape, float] = {}
+        self._last: tuple[GemmShape | None, float] = (None, 0.0)  # the last shape asked
 
     def nominal_s(self, shape: GemmShape) -> float:
-        """Seconds for ``shape`` at the top frequency (cached: a GEMM repeats few shapes)."""
+        """Seconds for ``shape`` at the top frequency (cached: a GEMM repeats few shapes).
+
+        Tiles come in runs that share one shape object, so that is checked first, by
+        identity: cheaper than hashing the shape."""
+        last = self._last
+        if last[0] is shape:
+            return last[1]
         seconds = self._nominal.get(shape)
         if seconds is None:
             if len(self._nominal) > 4096:
                 self._nominal.clear()
             seconds = self._nominal[shape] = self.compute_model.predict_s(shape)
+        self._last = (shape, seconds)
         return seconds
 
     def speed(self) -> float:
         """The current frequency as a fraction of the top one (1 without a thermal model)."""
-        if self.thermal is None:
-            return 1.0
-        return self.thermal.freq_mhz / self.thermal.params.levels_mhz[0]
+        return 1.0 if self.thermal is None else self.thermal.speed
 
     def download_s(self, nbytes: int) -> float:
         return self.profile.download_s(nbytes) if nbytes else 0.0
@@ -90,8 +96,8 @@ class VirtualDevice:
         nominal = self.nominal_s(shape)
         if self.thermal is None:
             return self.compute.serve(arrival, nominal), None, None
-        burst = self.thermal.run(max(arrival, self.compute.free_at), nominal)
-        return self.compute.serve(arrival, burst.duration_s), burst.freq_mhz, burst.temp_c_start
+        duration, freq, temp, _ = self.thermal.run(max(arrival, self.compute.free_at), nominal)
+        return self.compute.serve(arrival, duration), freq, temp
 
     def returns_at(self, when: float) -> None:
         """A tile placed on it comes back at ``when`` (no earlier than the last one)."""

@@ -12,12 +12,15 @@ import json
 
 import numpy as np
 import pytest
+from morphling.devices.compute_model import GemmShape
 from morphling.devices.links import LINKS
 from morphling.devices.profiles import BUILTIN, DeviceProfile
 from morphling.proxy.engine import Clock, Fifo
 from morphling.proxy.messages import Gemm
 from morphling.proxy.partition import GemmTask, make_task
+from morphling.proxy.placement import Placement
 from morphling.proxy.timeline import Bottleneck, EventLog, Timeline
+from morphling.proxy.vdevice import Work
 
 MB = 1e6
 
@@ -40,6 +43,16 @@ def task(gemm: int, m: int, n: int, k: int, *, weight_b: tuple[int, int] | None 
     if weight_b is not None:  # as if B lay in the shared weights at this offset, version
         t.weights["b"] = weight_b
     return t
+
+
+def sustained(gemm: int, batch: int) -> GemmTask:
+    """``batch`` pivots of one 64×64×65536 GEMM (22.6 ms on a Pi 4): a load that heats."""
+    m = n = 64
+    k = 65536
+    a, b = np.ones((m, k), np.float32), np.ones((k, n), np.float32)
+    segments = (memoryview(a).cast("B"), memoryview(b).cast("B"))
+    return make_task(Gemm(gemm=gemm, dtype="float32", ta=False, tb=False, m=m, n=n, k=k, lda=k,
+                          ldb=n, batch=batch, segments=segments))  # fmt: skip
 
 
 class Recorder:
@@ -172,6 +185,27 @@ def test_resident_weight_blocks_do_not_travel_again():
     assert again == 100 * 100 * 4  # only A's rows: the block is resident, same version
 
 
+def test_a_tile_without_weights_makes_room_by_evicting_resident_blocks():
+    """A tile with no weight blocks changes the emulated memory only when it does not fit
+    beside the blocks resident: then the least recently used go."""
+    tl, sink = new_timeline()
+    tl.add_device(0, "d0", profile(memory=200_000))
+    tl.open_job(1, "job")
+    admissions = []
+    tasks = [task(1, 100, 100, 100, weight_b=(4096, 1)),  # B's 40 kB block stays
+             task(2, 100, 100, 100),  # 120 kB: fits beside it
+             task(3, 100, 100, 100, weight_b=(4096, 1)),  # B is resident
+             task(4, 130, 130, 100),  # 171.6 kB: fits only without it
+             task(5, 100, 100, 100, weight_b=(4096, 1))]  # fmt: skip
+    for t in tasks:
+        tl.submit(1, t, t.tiles(256), after=t.id - 1, host_s=0.0, done=lambda issue, end: None,
+                  place=lambda placed: admissions.extend(adm for _, _, adm in placed))  # fmt: skip
+    assert all(adm.fits for adm in admissions)
+    assert [adm.evicted for adm in admissions] == [[], [], [], [[4096, 100, 100, 100, 1]], []]
+    assert [t["bytes_down"] for t in records(sink, "tile")] == [80_000, 80_000, 40_000,
+                                                                104_000, 80_000]  # fmt: skip
+
+
 def test_a_tile_that_does_not_fit_is_an_emulated_oom():
     tl, sink = new_timeline()
     tl.add_device(0, "tiny", profile(memory=50_000))
@@ -194,6 +228,68 @@ def test_shared_bottleneck_serialises_transfers_of_different_devices():
     each = 2 * 100 * 100 * 4 / MB
     assert [t["down"][1] for t in records(sink_alone, "tile")] == pytest.approx([each, each])
     assert [t["down"][1] for t in records(sink, "tile")] == pytest.approx([each, 2 * each])
+
+
+class EveryTileAfresh(Placement):
+    """Greedy as the reference: every device's finish predicted afresh for every tile."""
+
+    def placed(self, index: int) -> None:
+        super().placed(index)
+        self._kept = None
+
+
+def test_greedy_places_as_it_would_predicting_every_device_afresh():
+    """Greedy keeps its predictions while tiles ask the same and updates only the device
+    that took one; the log is the same, bit for bit, as predicting the whole fleet for
+    every tile: through throttling (speeds change), edge tiles and several GEMMs."""
+    logs, placed = [], []
+    for reference in (False, True):
+        tl, sink = new_timeline()
+        if reference:
+            tl.placement = EveryTileAfresh("greedy")
+        for i, (name, link) in enumerate([("rpi4", "ideal"), ("rpi4", "lan"),
+                                          ("orin-nano", "lan"), ("rpi5", "wifi")]):  # fmt: skip
+            tl.add_device(i, f"{name}-{i}", LINKS[link].apply(BUILTIN[name]))
+        tl.open_job(1, "job")
+        rec = Recorder()
+        submit(tl, rec, 1, sustained(1, 1500), block=64)
+        for g in (2, 3):
+            submit(tl, rec, 1, task(g, 300, 500, 200), block=128, after=g - 1, host_s=0.01)
+        tl.close_job(1)
+        assert records(sink, "freq"), "the rpi4 on the ideal link throttles"
+        logs.append(sink.getvalue())
+        placed.append([device for _, device in rec.placed])
+    assert placed[0] == placed[1] and logs[0] == logs[1]
+
+
+def test_tile_records_are_what_write_would_give():
+    """``EventLog.tile`` formats by hand and reuses the text of times it wrote before,
+    matched by identity; every line is still exactly ``write``'s JSON."""
+    t = [i / 7 + 1e-3 for i in range(12)]  # distinct floats
+    gemm, other = (1, 7, 2), (2, 1, 1)  # job, GEMM, step
+    work = Work(300, 40, GemmShape(10, 10, 10, False, False, 10, 10, "float32"))
+    calls = [  # gemm, device, down, compute, up, MHz, °C
+        (gemm, 0, (t[0], t[1]), (t[1], t[2]), (t[2], t[3]), 1500.0, 40.25),
+        (gemm, 0, (t[1], t[4]), (t[5], t[6]), (t[7], t[8]), 1500.0, 41.0),  # after its last
+        (gemm, 1, (t[0], t[9]), (t[9], t[10]), (t[10], t[11]), None, None),  # at the start
+        (gemm, 0, (t[2], t[5]), (t[5], t[6]), (t[6], t[7]), 1000.0, 80.5),  # neither
+        (other, 1, (float(repr(t[11])), t[3]), (t[3], t[4]), (t[4], t[5]), None, None),
+    ]  # fmt: skip
+    sink = io.StringIO()
+    log = EventLog(sink)
+    expected = []
+    for seq, (g, device, down, compute, up, mhz, temp) in enumerate(calls, 1):
+        log.tile(log.tile_head(*g), seq, device, work, down, compute, up, mhz, temp)
+        record = {"ev": "tile", "job": g[0], "gemm": g[1], "step": g[2],
+                  "tile": seq, "device": device, "bytes_down": 300, "bytes_up": 40,
+                  "down": list(down), "compute": list(compute), "up": list(up),
+                  "freq_mhz": mhz, "temp_c": temp}  # fmt: skip
+        expected.append(json.dumps(record, separators=(",", ":")))
+    assert sink.getvalue().splitlines() == expected
+    reference = EventLog()
+    for line in expected:
+        reference.write(json.loads(line))
+    assert log.digest() == reference.digest() and log.count == len(calls)
 
 
 # --- jobs in virtual time --------------------------------------------------------------------
@@ -299,25 +395,7 @@ def test_thermal_throttling_stretches_compute_and_is_logged():
     tl, sink = new_timeline()
     tl.add_device(0, "rpi4-0", rpi4)
     tl.open_job(1, "job")
-    # 2000 tiles of 64×64×65536 (22.6 ms each on a Pi 4) back to back: 45 s of full load
-    m = n = 64
-    k, batch = 65536, 2000
-    a, b = np.ones((m, k), np.float32), np.ones((k, n), np.float32)
-    request = Gemm(
-        gemm=1,
-        dtype="float32",
-        ta=False,
-        tb=False,
-        m=m,
-        n=n,
-        k=k,
-        lda=k,
-        ldb=n,
-        batch=batch,
-        segments=(memoryview(a).cast("B"), memoryview(b).cast("B")),
-    )
-    t = make_task(request)
-    submit(tl, Recorder(), 1, t, block=64)
+    submit(tl, Recorder(), 1, sustained(1, 2000), block=64)  # 45 s of full load
     tiles = records(sink, "tile")
     durations = [x["compute"][1] - x["compute"][0] for x in tiles]
     freqs = [x["freq_mhz"] for x in tiles]
