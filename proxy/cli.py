@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import sys
 
@@ -43,6 +44,10 @@ def run(args: argparse.Namespace) -> int:
         except OSError as exc:
             log.error("cannot listen on %s:%d: %s", cfg.listen_ip, cfg.listen_port, exc)
             return 1
+        # What is alive now (modules, torch, the shared weights) lives as long as the
+        # process: frozen, it is no longer walked by every full collection of the run.
+        gc.collect()
+        gc.freeze()
         systemd.notify(READY=1, STATUS=f"listening on {host}:{port}")
         watchdog = asyncio.ensure_future(systemd.keep_alive(emulator.healthy, emulator.status))
         await stop.wait()
