@@ -138,7 +138,8 @@ def describe(declared: DeviceProfile, measured: Measurement) -> str:
     """One PROFILE_DELTA-style line: declared, measured, ratio per figure."""
 
     def row(name: str, unit: str, scale: float, dec: float, meas: float) -> str:
-        return f"{name} {dec * scale:.4g}→{meas * scale:.4g} {unit} (×{meas / dec:.3g})"
+        ratio = f"×{meas / dec:.3g}" if dec else "declared zero"  # an ideal link's latency
+        return f"{name} {dec * scale:.4g}→{meas * scale:.4g} {unit} ({ratio})"
 
     parts = [
         row("latency", "ms", 1e3, declared.dl_lat_s, measured.latency_s),
