@@ -23,7 +23,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description=(
             "Time a grid of GEMM tile shapes and strides with the real kernels, fit the "
             "stride-aware compute model, score it on held-out shapes, record a sustained-load "
-            "trace, and write a profile TOML that --profile and fleet specs accept."
+            "trace, and write a profile TOML that --profile and fleet specs accept. The "
+            "built-in profile 'host' is this command's --quick run, made once and cached."
         ),
     )
     p.add_argument("--output", required=True, type=Path, metavar="PROFILE", help="TOML to write")
@@ -75,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
         total=plan_size(plan), desc="GEMM grid", unit="shape", disable=args.no_progress or None
     ) as bar:
         result = profile(
-            output, threads=args.threads, quick=args.quick, duration_s=args.duration,
+            output, threads=args.threads, plan=plan, duration_s=args.duration,
             name=args.name, force=args.force, progress=bar.update,
         )  # fmt: skip
     error, trace, large = result.heldout, result.bursts, LARGE_GEMM

@@ -4,11 +4,17 @@
 kernels, fits a ``ComputeModel`` to it, scores the fit on held-out shapes measured in the
 same rounds, records a sustained-load trace for the thermal model, and writes it all as a
 TOML profile that ``devices.profiles.load_profile`` reads.
+
+``cached_host_profile`` is the built-in ``host`` profile behind that: this host measured once
+(the quick plan) and kept in the user's cache directory until the CPU, the BLAS library or
+the thread count it was measured with changes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import fcntl
 import json
 import logging
 import math
@@ -16,16 +22,19 @@ import mmap
 import os
 import socket
 import time
-from collections.abc import Callable, Sequence
+import tomllib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tqdm import tqdm
 
 from ..kernels import GemmPlan, blas_info, plan_explicit, run_plan, set_threads
 from .compute_model import ComputeModel, GemmShape, heldout_error
-from .links import LINKS
+from .links import LINKS, Link
+from .profiles import HOST
 from .thermal import Trace
 
 log = logging.getLogger(__name__)
@@ -405,19 +414,20 @@ def profile(
     output: str | Path,
     *,
     threads: int = 1,
-    quick: bool = False,
+    plan: Plan = FULL,
     duration_s: float | None = None,
     name: str = "host",
     force: bool = False,
+    link: Link = LINKS["lan"],
     progress: Callable[[int], None] | None = None,
 ) -> ProfileResult:
     """Measure, fit and score, trace, and write the profile TOML to ``output``.
 
     The grid and the held-out set are timed in the same interleaved rounds
     (``measure_grid_and_heldout``). The written exact cache holds both sets (the fit and
-    its score use the grid only). ``duration_s`` defaults to the plan's.
+    its score use the grid only). ``duration_s`` defaults to the plan's. The links are
+    not measured here: ``link`` is a preset, named in the provenance.
     """
-    plan = QUICK if quick else FULL
     duration = plan.duration_s if duration_s is None else duration_s
     path = Path(output)
     if path.exists() and not force:
@@ -440,16 +450,15 @@ def profile(
     bursts = run_bursts(duration, threads=threads)
     host = socket.gethostname()
     now = datetime.datetime.now(datetime.UTC).replace(microsecond=0)
-    lan = LINKS["lan"]
     tables = {
         "profile": {
             "name": name,
             "flops": flops,
             "memory_bytes": _memory_bytes(),
-            "dl_bw": lan.dl_bw,
-            "ul_bw": lan.ul_bw,
-            "dl_lat_s": lan.dl_lat_s,
-            "ul_lat_s": lan.ul_lat_s,
+            "dl_bw": link.dl_bw,
+            "ul_bw": link.ul_bw,
+            "dl_lat_s": link.dl_lat_s,
+            "ul_lat_s": link.ul_lat_s,
             "kind": "cpu",
             "blas": f"{info.name} {info.version}",
             "source": f"measured on {host} by morphling profile at {now.isoformat()}",
@@ -470,7 +479,7 @@ def profile(
             "heldout_p90_ape": error["p90_ape"],
             "heldout_max_ape": error["max_ape"],
             "heldout_repeat_p90": timed.repeat_p90,
-            "links": f"LAN preset, not measured: {lan.source}",
+            "links": f"{link.name} preset, not measured: {link.source}",
         },
         "trace": _trace_summary(bursts),
     }
@@ -498,3 +507,96 @@ def _trace_summary(bursts: Bursts) -> dict[str, Any]:
             "thermal model cannot be fitted from this trace (clock-vs-time only)"
         )
     return summary
+
+
+# --- the built-in ``host`` profile -----------------------------------------------------------
+
+HOST_THREADS_ENV = "MORPHLING_HOST_THREADS"
+# What a cached ``host`` profile must have been measured with ([provenance] keys) to stand for
+# this host now: another CPU, BLAS build or thread count computes at another speed.
+HOST_KEY = ("cpu", "blas", "blas_version", "threads")
+
+
+def host_threads() -> int:
+    """BLAS threads the ``host`` profile is measured with: ``MORPHLING_HOST_THREADS``, else
+    every core (as ``morphling profile`` defaults). Compare it with a script on as many."""
+    text = os.environ.get(HOST_THREADS_ENV)
+    if text is None:
+        return os.cpu_count() or 1
+    if not text.strip().isdigit() or int(text) < 1:
+        raise ValueError(f"{HOST_THREADS_ENV}={text!r}: expected a positive integer")
+    return int(text)
+
+
+def cache_dir() -> Path:
+    """Morphling's directory in the user cache: ``$XDG_CACHE_HOME/morphling``, else
+    ``~/.cache/morphling``."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "morphling"
+
+
+def host_key(threads: int) -> dict[str, Any]:
+    """``HOST_KEY`` for this host now, measuring on ``threads`` threads."""
+    info = blas_info()
+    return {"cpu": _cpu_model(), "blas": info.name, "blas_version": info.version,
+            "threads": threads}  # fmt: skip
+
+
+def _stale(path: Path, key: dict[str, Any]) -> str | None:
+    """Why the cached profile at ``path`` cannot be used for ``key``; None when it can."""
+    try:
+        with path.open("rb") as f:
+            provenance = tomllib.load(f).get("provenance", {})
+    except FileNotFoundError:
+        return "no cached profile"
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        return f"the cached profile is unreadable ({exc})"
+    changed = [name for name in HOST_KEY if provenance.get(name) != key[name]]
+    if changed:
+        return f"the cached profile was measured with another {', '.join(changed)}"
+    return None
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive lock on ``path``: two processes measuring at once would time each other."""
+    with path.open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def cached_host_profile(
+    *, threads: int | None = None, directory: Path | None = None, plan: Plan = QUICK
+) -> Path:
+    """The file of the built-in ``host`` profile: this host on ``threads`` BLAS threads
+    (default ``host_threads()``), cached in ``directory`` (default ``cache_dir()``).
+
+    A cached file is used while its ``HOST_KEY`` matches this host; otherwise the host is
+    measured first (``plan``, the quick one by default: about 30 s on one x86 core) and the
+    file replaced atomically. Its links are the ``ideal`` preset: the host is its own device.
+    """
+    threads = host_threads() if threads is None else threads
+    directory = cache_dir() if directory is None else directory
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{HOST}-{threads}t.toml"
+    key = host_key(threads)
+    with _locked(directory / f"{HOST}.lock"):
+        why = _stale(path, key)
+        if why is None:
+            log.debug("host profile: using the cached %s", path)
+            return path
+        log.warning("measuring this host for the %r profile (%s; %d BLAS thread(s), once): "
+                    "cached in %s", HOST, why, threads, path)  # fmt: skip
+        partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        try:
+            with tqdm(total=plan_size(plan), desc=f"{HOST} profile", unit="shape",
+                      disable=None, leave=False) as bar:  # fmt: skip
+                profile(partial, threads=threads, plan=plan, name=HOST, force=True,
+                        link=LINKS["ideal"], progress=bar.update)  # fmt: skip
+            os.replace(partial, path)
+        finally:
+            partial.unlink(missing_ok=True)
+    return path

@@ -3,7 +3,9 @@
 A profile is the plain analytic model the virtual clock falls back on: sustained fp32 GEMM
 FLOP/s, declared memory, and a link with latency and bandwidth per direction. Built-ins are
 derived from the published figures in ``REFERENCE.md`` and say so in ``source``; a profile
-measured on a board by ``morphling profile`` is a TOML file in the same shape.
+measured on a board by ``morphling profile`` is a TOML file in the same shape. The built-in
+``host`` is such a file for this host, measured on first use and cached
+(``profiler.cached_host_profile``).
 """
 
 from __future__ import annotations
@@ -291,16 +293,25 @@ def _load_toml(path: Path) -> DeviceProfile:
         raise ValueError(f"profile file {str(path)!r}: {exc}") from exc
 
 
+# This host as a device, measured on first use: see ``profiler.cached_host_profile``.
+HOST = "host"
+
+
 def load_profile(name_or_path: str) -> DeviceProfile:
-    """A built-in by name, else a TOML file (anything ending ``.toml`` or holding a ``/``)."""
+    """A built-in by name (``host``: this host, measured once and cached), else a TOML file
+    (anything ending ``.toml`` or holding a ``/``)."""
     if name_or_path in BUILTIN:
         return BUILTIN[name_or_path]
+    if name_or_path == HOST:
+        from .profiler import cached_host_profile  # loads the kernels: only when asked
+
+        return _load_toml(cached_host_profile())
     path = Path(name_or_path)
     if path.suffix == ".toml" or "/" in name_or_path:
         return _load_toml(path)
     raise ValueError(
-        f"unknown profile {name_or_path!r}; built-ins are {', '.join(sorted(BUILTIN))}, "
-        "or give a path to a .toml file"
+        f"unknown profile {name_or_path!r}; built-ins are "
+        f"{', '.join(sorted([*BUILTIN, HOST]))}, or give a path to a .toml file"
     )
 
 

@@ -3,22 +3,33 @@
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import math
+import shutil
 import tomllib
+from pathlib import Path
 
 import numpy as np
 import pytest
 from morphling.devices.compute_model import ComputeModel, GemmShape
 from morphling.devices.profile_cli import add_parser
 from morphling.devices.profiler import (
+    HOST_KEY,
+    HOST_THREADS_ENV,
     K_LEVELS,
     LARGE_GEMM,
     MN_LEVELS,
     QUICK,
     THERMAL_ZONES,
+    Plan,
+    cache_dir,
+    cached_host_profile,
     dump_toml,
     grid_shapes,
     heldout_shapes,
+    host_key,
+    host_threads,
     measure,
     read_temperature_c,
     sustained_trace,
@@ -114,6 +125,91 @@ def test_missing_output_directory_and_flag_exit_2(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         morphling_profile("--quick")
     assert exc.value.code == 2
+
+
+# --- the built-in ``host`` profile: measured once, cached ----------------------------------
+
+# The least the fit takes (it needs 132 distinct shapes): about 2 s, where QUICK takes 30.
+SMALL = Plan(grid=160, heldout=10, rounds=1, duration_s=0.1)
+MEASURING = "measuring this host"
+
+
+def measured(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """The 'measuring this host' warnings logged so far, and start again."""
+    found = [r.getMessage() for r in caplog.records if MEASURING in r.getMessage()]
+    caplog.clear()
+    return found
+
+
+@pytest.fixture(scope="module")
+def host_1t(tmp_path_factory) -> Path:
+    """This host measured once on one thread: a cached profile for tests to copy."""
+    return cached_host_profile(threads=1, directory=tmp_path_factory.mktemp("cache"), plan=SMALL)
+
+
+def test_host_profile_is_measured_on_first_use_then_loaded_from_the_cache(tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger="morphling.devices.profiler")
+    path = cached_host_profile(threads=1, directory=tmp_path, plan=SMALL)
+    [message] = measured(caplog)
+    assert path == tmp_path / "host-1t.toml" and str(path) in message and "no cached" in message
+    with path.open("rb") as f:
+        doc = tomllib.load(f)
+    assert {key: doc["provenance"][key] for key in HOST_KEY} == host_key(1)
+    assert doc["provenance"]["grid_shapes"] == SMALL.grid
+    assert "ideal preset" in doc["provenance"]["links"]
+    profile = load_profile(str(path))
+    assert profile.name == "host" and profile.compute["kind"] == "fitted"
+    assert profile.dl_bw == profile.ul_bw == math.inf and profile.dl_lat_s == profile.ul_lat_s == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["host-1t.toml", "host.lock"]
+
+    written = path.stat().st_mtime_ns
+    assert cached_host_profile(threads=1, directory=tmp_path, plan=SMALL) == path
+    assert measured(caplog) == [] and path.stat().st_mtime_ns == written
+
+
+@pytest.mark.parametrize("key", ["cpu", "blas_version", "threads"])
+def test_a_profile_cached_for_another_host_is_measured_again(tmp_path, caplog, host_1t, key):
+    caplog.set_level(logging.WARNING, logger="morphling.devices.profiler")
+    path = Path(shutil.copy(host_1t, tmp_path))
+    now = host_key(1)[key]
+    stale = 2 if key == "threads" else "another one"
+    text = path.read_text()
+    line = f"{key} = {json.dumps(now)}\n"
+    assert line in text
+    path.write_text(text.replace(line, f"{key} = {json.dumps(stale)}\n"))
+    measured(caplog)
+    cached_host_profile(threads=1, directory=tmp_path, plan=SMALL)
+    [message] = measured(caplog)
+    assert f"another {key}" in message
+    with path.open("rb") as f:
+        assert tomllib.load(f)["provenance"][key] == now
+
+
+def test_each_thread_count_has_its_own_cached_profile(tmp_path, caplog, host_1t):
+    caplog.set_level(logging.WARNING, logger="morphling.devices.profiler")
+    one = Path(shutil.copy(host_1t, tmp_path))
+    two = cached_host_profile(threads=2, directory=tmp_path, plan=SMALL)
+    assert len(measured(caplog)) == 1 and two == tmp_path / "host-2t.toml"
+    with two.open("rb") as f:
+        assert tomllib.load(f)["provenance"]["threads"] == 2
+    assert cached_host_profile(threads=1, directory=tmp_path, plan=SMALL) == one
+    assert measured(caplog) == []
+
+
+def test_host_threads_and_cache_dir_come_from_the_environment(monkeypatch, tmp_path):
+    monkeypatch.delenv(HOST_THREADS_ENV, raising=False)
+    assert host_threads() >= 1
+    monkeypatch.setenv(HOST_THREADS_ENV, "3")
+    assert host_threads() == 3
+    for bad in ("0", "two", "-1", ""):
+        monkeypatch.setenv(HOST_THREADS_ENV, bad)
+        with pytest.raises(ValueError, match=HOST_THREADS_ENV):
+            host_threads()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert cache_dir() == tmp_path / "morphling"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert cache_dir() == tmp_path / ".cache" / "morphling"
 
 
 # --- shape sets ----------------------------------------------------------------------------

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 
 import msgpack
 import pytest
+from morphling.devices.profiler import HOST_THREADS_ENV, cached_host_profile
 from morphling.devices.profiles import (
     BUILTIN,
     DEFAULT_PROFILE,
@@ -17,6 +19,7 @@ from morphling.devices.profiles import (
     load_profile,
     parse_fleet_spec,
 )
+from test_profiler import SMALL
 
 VALID = {
     "name": "test-board",
@@ -238,8 +241,25 @@ def test_load_builtin_by_name():
 def test_unknown_name_lists_the_builtins():
     with pytest.raises(ValueError, match="unknown profile 'rpi9'") as info:
         load_profile("rpi9")
-    for name in BUILTIN:
+    for name in [*BUILTIN, "host"]:
         assert name in str(info.value)
+
+
+def test_host_is_this_host_read_from_the_user_cache(tmp_path, monkeypatch, caplog):
+    """``host`` (so ``--devices host:N``) is this host's profile from the cache that
+    ``XDG_CACHE_HOME`` names, for ``MORPHLING_HOST_THREADS``; measuring it on first use and
+    again when stale is ``test_profiler``'s."""
+    cached = cached_host_profile(threads=1, directory=tmp_path / "morphling", plan=SMALL)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv(HOST_THREADS_ENV, "1")
+    caplog.set_level(logging.WARNING)
+    caplog.clear()  # the measuring above
+    [(profile, count)] = parse_fleet_spec("host:2")
+    assert count == 2 and profile == load_profile(str(cached))
+    assert not any("measuring this host" in r.getMessage() for r in caplog.records)
+    assert profile.name == "host" and profile.compute["kind"] == "fitted"
+    assert profile.dl_bw == profile.ul_bw == math.inf and profile.dl_lat_s == profile.ul_lat_s == 0
+    assert profile.source.startswith("measured on ")
 
 
 def test_load_toml_file(profile_file):
