@@ -2,7 +2,11 @@
 
 The virtual timeline needs it between every pair of GEMMs. ``measured`` takes
 the host's wall time (times ``scale``, for a host faster or slower than the
-coordinator being studied): faithful, but it changes with the host's load.
+coordinator being studied) from the moment a fleet GEMM's result is back in
+the script to the moment its next GEMM reaches the interceptor: Morphling's
+own work on a GEMM (checking it, sending it, waiting, turning the result
+into a tensor) is left out, local GEMMs are in. Faithful, but it changes
+with the host's load.
 ``model`` counts the work instead — aten operations run locally, the bytes
 they write, the FLOPs of GEMMs kept local — and prices it with a
 ``CoordinatorModel``, so the same script gives the same timeline on any host,

@@ -41,7 +41,8 @@ class RunConfig:
     server: str = _opt("", "emulator address HOST:PORT (one of --server, --embedded)",
                        aliases=("--proxy_host",))  # fmt: skip
     embedded: bool = _opt(False, "start an emulator and a virtual fleet in this process")
-    devices: str = _opt("4", "fleet SPEC for --embedded: NAME:COUNT,... or a count")
+    devices: str = _opt("4", "fleet SPEC for --embedded: NAME:COUNT,... or a count (NAME 'host': "
+                        "this host, measured on first use and cached)")  # fmt: skip
     token: str = _opt("", "shared secret, if the emulator requires one")
     ckpt: str = _opt(
         "",

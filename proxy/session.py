@@ -83,6 +83,7 @@ class Session:
         self.totals: dict[str, int] = {}
         self._step_start: float | None = None  # step 1 starts at its first GEMM
         self._counts = GemmCounts()
+        self._marked_ns = 0  # when the last step mark went back to the script
 
     def share_weights(self, ckpt: str) -> None:
         """Map the emulator's shared copy of checkpoint ``ckpt``; see ``bind``."""
@@ -127,23 +128,32 @@ class Session:
     def counts(self) -> GemmCounts:
         return self.interceptor.counts
 
-    def _host_ns(self) -> int:
-        """Coordinator time since the last result, measured (scaled) or modelled."""
+    def _host_ns(self, until_ns: int) -> int:
+        """Coordinator time up to ``until_ns`` since the script last got control back from
+        a fleet GEMM or a step mark: modelled, or measured (scaled; 0 before the first).
+
+        Measured from the interceptor's stamps, so the time Morphling itself spends on a
+        GEMM (checking it, sending it, waiting, making the result a tensor) is not the
+        script's: what is left is what the script would spend without Morphling.
+        """
         if self.work is not None:
             return round(self.model.seconds(self.work.take()) * 1e9)
-        return round(self.client.elapsed_ns() * self.scale)
+        since = max(self.interceptor.returned_ns, self._marked_ns)
+        return round((until_ns - since) * self.scale) if since else 0
 
     def _remote(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         if self._step_start is None:
             self._step_start = time.perf_counter()
-        return torch.from_numpy(self.client.matmul(a, b, host_ns=self._host_ns()))
+        host_ns = self._host_ns(self.interceptor.entered_ns)
+        return torch.from_numpy(self.client.matmul(a, b, host_ns=host_ns))
 
     def end_step(self) -> StepReport:
         """Close the current step (called after every optimizer step)."""
+        host_ns = self._host_ns(time.perf_counter_ns())
         now = time.perf_counter()
         counts = self.counts.since(self._counts)
         local = sum(counts.local.values())
-        reply = self.client.step(len(self.steps) + 1, host_ns=self._host_ns(), local_gemms=local)
+        reply = self.client.step(len(self.steps) + 1, host_ns=host_ns, local_gemms=local)
         emulated_s, coord_s = reply.emulated_ns / 1e9, reply.coord_ns / 1e9
         report = StepReport(
             step=reply.step,
@@ -162,8 +172,9 @@ class Session:
         )
         self.steps.append(report)
         self._counts = self.counts.snapshot()
-        self._step_start = time.perf_counter()
         log.debug("step %d: %s", report.step, report)
+        self._step_start = time.perf_counter()
+        self._marked_ns = time.perf_counter_ns()  # the script's time starts again
         return report
 
     def close(self) -> None:
