@@ -34,6 +34,8 @@ bench: setup
 	$(PY) scripts/bench_net.py
 	$(PY) scripts/bench_train.py
 	$(PY) scripts/bench_vtime.py
+	$(PY) scripts/bench_host.py
+	$(PY) scripts/bench_gpu.py
 	$(PY) scripts/bench_report.py
 
 lint: setup
