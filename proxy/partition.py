@@ -118,6 +118,8 @@ class GemmTask:
     bytes_down: int = 0
     bytes_up: int = 0
     _packed: dict[int, tuple[np.ndarray, int]] = field(default_factory=dict)
+    # A row of tiles shares its A block and a column its B block: made once each.
+    _blocks: dict[tuple[str, int, int, int], Block] = field(default_factory=dict)
 
     @property
     def id(self) -> int:
@@ -125,6 +127,13 @@ class GemmTask:
 
     def block(self, which: str, pivot: int, lo: int, hi: int) -> Block:
         """Rows ``lo:hi`` of op(A) (``which="a"``) or columns of op(B), as stored."""
+        key = (which, pivot, lo, hi)
+        block = self._blocks.get(key)
+        if block is None:
+            block = self._blocks[key] = self._make_block(which, pivot, lo, hi)
+        return block
+
+    def _make_block(self, which: str, pivot: int, lo: int, hi: int) -> Block:
         g = self.request
         if which == "a":
             flat, ld, stride, trans, inner = self.a, g.lda, g.stride_a, g.ta, g.k
