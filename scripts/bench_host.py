@@ -202,13 +202,15 @@ def main(argv: list[str] | None = None) -> int:
             "round_trip_s": round(median("emulated", "round_trip_s"), 5),
             "step_s_per_rep": [round(run["emulated_s"], 5) for run in runs["emulated"]],
         },
-        "ratio": round(ratio, 4),
-        "ratio_per_rep": [
-            round(e["emulated_s"] / n["step_s"], 4)
-            for n, e in zip(runs["native"], runs["emulated"], strict=True)
-        ],
-        "target": TARGET,
-        "met": abs(ratio - 1) <= TARGET,
+        "fidelity": {  # one group, like every results file's, for bench_report.py
+            "ratio": round(ratio, 4),
+            "ratio_per_rep": [
+                round(e["emulated_s"] / n["step_s"], 4)
+                for n, e in zip(runs["native"], runs["emulated"], strict=True)
+            ],
+            "target_abs_error_max": TARGET,
+            "met": abs(ratio - 1) <= TARGET,
+        },
     }
     write_results(results, args.output)
     return 0

@@ -12,8 +12,11 @@ AdamW:
 - ``fleet_rss_mib``: peak RSS (VmHWM) of a ``morphling fleet`` process after
   a job ran two steps on it with shared weights (``--ckpt``), with 10 and with
   1,000 virtual devices; the difference.
-- ``weight_refs``: bytes sent to devices per step (``--json`` report) under
-  ``--embedded --devices 8`` with and without ``--ckpt``, and their ratio.
+- ``weight_refs``: bytes the emulator sent to devices on the wire per step
+  (``wire_down`` of the ``--json`` report) under ``--embedded --devices 8`` with
+  and without ``--ckpt``, and their ratio. (The report's ``bytes_down`` is what
+  crossed the *emulated* links: there a weight changed by the optimizer step must
+  reach the device again, so it is the same with and without shared weights.)
 """
 
 from __future__ import annotations
@@ -122,7 +125,7 @@ def bench_weight_refs(script: Path, ckpt: Path, workdir: Path) -> dict:
         report = workdir / f"refs-{label}.json"
         step_times(run_cmd(script, 2, "--embedded", "--devices", "8", "--json", str(report),
                            *extra))  # fmt: skip
-        down[label] = json.loads(report.read_text())["steps"][-1]["bytes_down"]
+        down[label] = json.loads(report.read_text())["steps"][-1]["wire_down"]
     return {
         "bytes_down_per_step_without": down["without"], "bytes_down_per_step_with": down["with"],
         "bytes_ratio": round(down["with"] / down["without"], 3),
