@@ -26,9 +26,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def child_env() -> dict[str, str]:
-    """The environment minus MORPHLING_* settings, which would override test defaults."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("MORPHLING_")}
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment minus MORPHLING_* settings, which would override test defaults,
+    plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MORPHLING_")}
+    return {**env, **extra}
 
 
 @dataclass

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -26,6 +25,7 @@ import pytest
 import torch
 from morphling.proxy.embedded import EmbeddedFleet
 from morphling.proxy.hf_models import load_config
+from processes import child_env
 
 MORPHLING_RUN = [sys.executable, "-m", "morphling", "--log-level", "warning", "run"]
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -33,40 +33,25 @@ STEPS = 20
 TIMEOUT_S = 180
 
 
-def child_env(**extra: str) -> dict[str, str]:
-    """The environment minus MORPHLING_* settings, which would override the flags under test."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MORPHLING_")}
-    return {**env, **extra}
+def _child(
+    command: list[str], cwd: Path | None, env: dict[str, str] | None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(command, cwd=cwd, env=env or child_env(), capture_output=True,
+                          text=True, timeout=TIMEOUT_S, check=False)  # fmt: skip
 
 
 def morphling_run(
     *args: str | Path, cwd: Path | None = None, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
     """``morphling run ARGS`` as a child process; its exit code, stdout and stderr."""
-    return subprocess.run(
-        [*MORPHLING_RUN, *map(str, args)],
-        cwd=cwd,
-        env=env or child_env(),
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-        check=False,
-    )
+    return _child([*MORPHLING_RUN, *map(str, args)], cwd, env)
 
 
 def python(
     *args: str | Path, cwd: Path | None = None, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
     """The same command run natively, as the reference."""
-    return subprocess.run(
-        [sys.executable, *map(str, args)],
-        cwd=cwd,
-        env=env or child_env(),
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-        check=False,
-    )
+    return _child([sys.executable, *map(str, args)], cwd, env)
 
 
 def succeeded(proc: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:

@@ -15,7 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from test_run import SCRIPTS, child_env, morphling_run, succeeded
+from processes import child_env
+from test_run import SCRIPTS, morphling_run, succeeded
 
 FLEET = ("--embedded", "--devices", "rpi4:2,orin-nano:1,jetson-nano:1", "--block-size", "16",
          "--min-flops", "0", "--coordinator-time", "model")  # fmt: skip
