@@ -23,7 +23,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description=(
             "Time a grid of GEMM tile shapes and strides with the real kernels, fit the "
             "stride-aware compute model, score it on held-out shapes, record a sustained-load "
-            "trace, and write a profile TOML that --profile and fleet specs accept. The "
+            "trace, and write a profile TOML that --profile and fleet specs accept. Where "
+            "/sys/class/thermal has a sensor and --ambient is given, the load is followed by a "
+            "cooldown and the RC thermal model fitted to the trace is written too. The "
             "built-in profile 'host' is this command's --quick run, made once and cached."
         ),
     )
@@ -48,6 +50,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="seconds of sustained load for the thermal trace (default: as --quick says; "
         "boards take minutes to throttle, so give 600 or more on one)",
     )
+    p.add_argument(
+        "--cooldown",
+        type=float,
+        metavar="S",
+        help="seconds of idle recorded after the load for the thermal fit (default: as long "
+        "as the load; only where there is a temperature sensor and --ambient)",
+    )
+    p.add_argument(
+        "--ambient",
+        type=float,
+        metavar="C",
+        help="room temperature in C: with a temperature sensor, fit the thermal model "
+        "(a warm trace cannot tell the room from the board's idle rise)",
+    )
     p.add_argument("--name", default="host", help="profile name (default: %(default)s)")
     p.add_argument("--force", action="store_true", help="overwrite an existing PROFILE")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -65,6 +81,10 @@ def run(args: argparse.Namespace) -> int:
         return _usage_error(f"--threads must be >= 1, got {args.threads}")
     if args.duration is not None and not 0 < args.duration < float("inf"):
         return _usage_error(f"--duration must be a positive number of seconds, got {args.duration}")
+    if args.cooldown is not None and not 0 <= args.cooldown < float("inf"):
+        return _usage_error(f"--cooldown must be a number of seconds >= 0, got {args.cooldown}")
+    if args.ambient is not None and not -273.15 < args.ambient < float("inf"):
+        return _usage_error(f"--ambient must be a temperature in C, got {args.ambient}")
     if not args.name:
         return _usage_error("--name must not be empty")
     if output.exists() and not args.force:
@@ -77,7 +97,8 @@ def run(args: argparse.Namespace) -> int:
     ) as bar:
         result = profile(
             output, threads=args.threads, plan=plan, duration_s=args.duration,
-            name=args.name, force=args.force, progress=bar.update,
+            cooldown_s=args.cooldown, ambient_c=args.ambient, name=args.name,
+            force=args.force, progress=bar.update,
         )  # fmt: skip
     error, trace, large = result.heldout, result.bursts, LARGE_GEMM
     sensor = "temperatures recorded" if trace.has_temperatures else "no temperature sensor"
@@ -85,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
         f"wrote {result.path}: {result.flops / 1e9:.1f} GFLOP/s on a {large.m}x{large.n}x"
         f"{large.k} {large.dtype} GEMM; "
         f"held-out error median {error['median_ape']:.1%}, p90 {error['p90_ape']:.1%} "
-        f"over {error['count']} shapes; trace {trace.latency_s.size} bursts, {sensor}"
+        f"over {error['count']} shapes; trace {trace.latency_s.size} bursts, {sensor}; "
+        f"thermal model {result.thermal_status}"
     )
     return 0

@@ -2,8 +2,9 @@
 
 ``profile`` is what ``morphling profile`` runs: it times a grid of tile shapes with the real
 kernels, fits a ``ComputeModel`` to it, scores the fit on held-out shapes measured in the
-same rounds, records a sustained-load trace for the thermal model, and writes it all as a
-TOML profile that ``devices.profiles.load_profile`` reads.
+same rounds, records a sustained-load trace (temperatures and clocks from sysfs where the host
+has them) and fits the RC thermal model to it, and writes it all as a TOML profile that
+``devices.profiles.load_profile`` reads.
 
 ``cached_host_profile`` is the built-in ``host`` profile behind that: this host measured once
 (the quick plan) and kept in the user's cache directory until the CPU, the BLAS library or
@@ -13,6 +14,7 @@ the thread count it was measured with changes.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import fcntl
 import json
@@ -35,7 +37,7 @@ from ..kernels import GemmPlan, blas_info, plan_explicit, run_plan, set_threads
 from .compute_model import ComputeModel, GemmShape, heldout_error
 from .links import LINKS, Link
 from .profiles import HOST
-from .thermal import Trace
+from .thermal import ThermalFit, Trace, clock_changes, fit
 
 log = logging.getLogger(__name__)
 
@@ -64,9 +66,16 @@ LARGE_GEMM = GemmShape(512, 512, 4096, False, True, 4096, 4096, "float32")
 # The sustained load: a 256-block tile of the same kind, about 1 ms on one x86 core.
 BURST_GEMM = GemmShape(256, 256, 1024, False, True, 1024, 1024, "float32")
 
-THERMAL_ZONES = Path("/sys/class/thermal")
-MAX_FREQ = Path("/sys/devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq")
+# Where the sensors are read: a parameter everywhere, so a test can hand a directory tree that
+# stands in for sysfs. Temperatures are millidegrees C, clocks kHz.
+SYSFS = Path("/sys")
+TEMPERATURES = "class/thermal/thermal_zone*/temp"
+CLOCKS = "devices/system/cpu/cpu*/cpufreq/scaling_cur_freq"
+MAX_CLOCK = "devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq"
 UNKNOWN_CLOCK_MHZ = 1000.0
+# cpufreq readings within this fraction of each other are one clock level: a board's levels
+# are far apart (Pi 4: 1500, 1000, 750, 600 MHz), while an x86 core's reported clock wanders.
+LEVEL_TOLERANCE = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,24 +273,34 @@ def measure_grid_and_heldout(
 # --- sustained load --------------------------------------------------------------------------
 
 
-def read_temperature_c() -> float | None:
-    """The hottest ``/sys/class/thermal`` zone in °C, or None where there is no sensor."""
+def _largest(sysfs: Path, pattern: str, scale: float) -> float | None:
+    """The largest number in the files ``pattern`` matches under ``sysfs``, times ``scale``;
+    None where there is none (unreadable files, as a sensor being rewritten, are skipped)."""
     readings = []
-    for path in sorted(THERMAL_ZONES.glob("thermal_zone*/temp")):
+    for path in sorted(sysfs.glob(pattern)):
         try:
-            readings.append(int(path.read_text().strip()) / 1000.0)  # millidegrees
+            readings.append(int(path.read_text().strip()) * scale)
         except (OSError, ValueError):
             continue
     return max(readings) if readings else None
 
 
-def top_clock_mhz() -> float:
+def read_temperature_c(sysfs: Path = SYSFS) -> float | None:
+    """The hottest thermal zone in °C, or None where there is no sensor."""
+    return _largest(sysfs, TEMPERATURES, 1e-3)
+
+
+def read_clock_mhz(sysfs: Path = SYSFS) -> float | None:
+    """The fastest core's current clock (cpufreq) in MHz, or None without cpufreq."""
+    return _largest(sysfs, CLOCKS, 1e-3)
+
+
+def top_clock_mhz(sysfs: Path = SYSFS) -> float:
     """The CPU's top clock: cpufreq's maximum, else /proc/cpuinfo's fastest core, else
     ``UNKNOWN_CLOCK_MHZ`` (then a trace's clocks are ratios scaled to it)."""
-    try:
-        return int(MAX_FREQ.read_text()) / 1000.0  # kHz
-    except (OSError, ValueError):
-        pass
+    top = _largest(sysfs, MAX_CLOCK, 1e-3)
+    if top is not None:
+        return top
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
@@ -292,59 +311,141 @@ def top_clock_mhz() -> float:
 
 @dataclass(frozen=True, slots=True)
 class Bursts:
-    """What a sustained run recorded, one entry per burst."""
+    """What a sustained run recorded: one sample per burst, then one per idle sample."""
 
     shape: GemmShape
-    start_s: np.ndarray  # since the run began
-    latency_s: np.ndarray  # seconds per GEMM within the burst
+    start_s: np.ndarray  # each sample's time since the run began
+    latency_s: np.ndarray  # seconds per GEMM in each burst: the first latency_s.size samples
     temp_c: np.ndarray  # NaN without a sensor
+    clock_mhz: np.ndarray  # cpufreq's, read as each burst ends; NaN without cpufreq
     top_clock_mhz: float
-    elapsed_s: float
+    elapsed_s: float  # of load
+    cooldown_s: float  # of idle after it
+
+    @property
+    def busy(self) -> np.ndarray:
+        return np.arange(self.start_s.size) < self.latency_s.size
 
     @property
     def has_temperatures(self) -> bool:
         return bool(np.isfinite(self.temp_c).any())
 
+    @property
+    def has_clocks(self) -> bool:
+        """Whether cpufreq gave every burst's clock."""
+        return bool(np.isfinite(self.clock_mhz[self.busy]).all())
+
     def trace(self) -> Trace:
-        """The thermal model's input: each burst's clock inferred from its latency,
-        ``f = f_max × fastest / latency``."""
-        freq = self.top_clock_mhz * self.latency_s.min() / self.latency_s
-        busy = np.ones(self.start_s.size, dtype=bool)
-        return Trace(self.start_s, self.temp_c, freq, busy)
+        """The thermal model's input. A burst's clock is cpufreq's where the host has it, else
+        inferred from its latency, ``f = f_max × fastest / latency``."""
+        freq = self.clock_mhz.copy()
+        if not self.has_clocks:
+            freq[self.busy] = self.top_clock_mhz * self.latency_s.min() / self.latency_s
+        return Trace(self.start_s, self.temp_c, freq, self.busy)
+
+
+def _reading(value: float | None) -> float:
+    return math.nan if value is None else value
 
 
 def run_bursts(
     duration_s: float, *, burst_shape: GemmShape = BURST_GEMM, threads: int = 1,
-    burst_s: float = 0.1,
+    burst_s: float = 0.1, cooldown_s: float = 0.0, sysfs: Path = SYSFS,
 ) -> Bursts:  # fmt: skip
-    """Back-to-back bursts of ``burst_shape`` GEMMs (about ``burst_s`` each) for ``duration_s``."""
+    """Back-to-back bursts of ``burst_shape`` GEMMs (about ``burst_s`` each) for ``duration_s``,
+    then ``cooldown_s`` idle with a sample every ``burst_s``: the cooling that tells the
+    thermal fit the idle rise from the busy one and pins its time constant."""
     if not (math.isfinite(duration_s) and duration_s > 0):
         raise ValueError(f"duration_s must be finite and > 0, got {duration_s!r}")
     if not (math.isfinite(burst_s) and 0 < burst_s <= duration_s):
         raise ValueError(f"burst_s must be in (0, duration_s], got {burst_s!r}")
+    if not (math.isfinite(cooldown_s) and cooldown_s >= 0):
+        raise ValueError(f"cooldown_s must be finite and >= 0, got {cooldown_s!r}")
     set_threads(threads)
     plan = _plan(burst_shape, _buffers([burst_shape]))
     run_plan(plan)
     calls = _calls_for(plan, burst_s, time.perf_counter)
     rows: list[tuple[float, float, float]] = []
+    latencies: list[float] = []
+    log.info("sustained load for %g s", duration_s)
     begin = time.perf_counter()
     while (now := time.perf_counter()) - begin < duration_s:
-        temp = read_temperature_c()
+        temp = read_temperature_c(sysfs)
         for _ in range(calls):
             run_plan(plan)
-        latency = (time.perf_counter() - now) / calls
-        rows.append((now - begin, latency, math.nan if temp is None else temp))
-    elapsed = time.perf_counter() - begin
-    start_s, latency_s, temp_c = (np.array(column) for column in zip(*rows, strict=True))
-    return Bursts(burst_shape, start_s, latency_s, temp_c, top_clock_mhz(), elapsed)
+        latencies.append((time.perf_counter() - now) / calls)
+        rows.append((now - begin, _reading(temp), _reading(read_clock_mhz(sysfs))))
+    load_end = idle_end = time.perf_counter()
+    if cooldown_s > 0:
+        log.info("idle for %g s, sampling every %g s", cooldown_s, burst_s)
+    while (now := time.perf_counter()) - load_end < cooldown_s:
+        rows.append((now - begin, _reading(read_temperature_c(sysfs)),
+                     _reading(read_clock_mhz(sysfs))))  # fmt: skip
+        time.sleep(burst_s)
+        idle_end = time.perf_counter()
+    start_s, temp_c, clock_mhz = (np.array(column) for column in zip(*rows, strict=True))
+    return Bursts(burst_shape, start_s, np.array(latencies), temp_c, clock_mhz,
+                  top_clock_mhz(sysfs), load_end - begin, idle_end - load_end)  # fmt: skip
 
 
 def sustained_trace(
-    duration_s: float, *, burst_shape: GemmShape = BURST_GEMM, threads: int = 1
-) -> Trace:
-    """A sustained-load ``Trace``: time, clock (from burst latency) and temperature (NaN
-    where the host has no ``/sys/class/thermal`` sensor) per burst."""
-    return run_bursts(duration_s, burst_shape=burst_shape, threads=threads).trace()
+    duration_s: float, *, burst_shape: GemmShape = BURST_GEMM, threads: int = 1,
+    cooldown_s: float = 0.0, sysfs: Path = SYSFS,
+) -> Trace:  # fmt: skip
+    """A sustained-load ``Trace``: time, clock and temperature (NaN where the host has no
+    thermal zone) per burst, then per idle sample."""
+    return run_bursts(duration_s, burst_shape=burst_shape, threads=threads,
+                      cooldown_s=cooldown_s, sysfs=sysfs).trace()  # fmt: skip
+
+
+def clock_levels(clocks_mhz: np.ndarray) -> tuple[float, ...]:
+    """The distinct clocks in ``clocks_mhz``, highest first, readings within
+    ``LEVEL_TOLERANCE`` of a level's top one merged into it."""
+    levels: list[float] = []
+    for clock in sorted(set(clocks_mhz.tolist()), reverse=True):
+        if not levels or clock < levels[-1] * (1 - LEVEL_TOLERANCE):
+            levels.append(clock)
+    return tuple(levels)
+
+
+def fit_thermal(bursts: Bursts, *, ambient_c: float, source: str) -> ThermalFit:
+    """The RC thermal model of ``bursts`` (see ``thermal.fit``), ``source`` leading its own.
+
+    Clock levels are the distinct clocks cpufreq reported under load; without cpufreq (clocks
+    inferred from latency are noise on a shared host, not levels) the top clock is the only
+    level. What the trace does not show is said in the source, not guessed: without a clock
+    drop, ``throttle_c`` is the hottest reading (a lower bound: the device ran at one level
+    up to there, so the controller never acts); without a rise, ``hysteresis_c`` is 0;
+    with fewer than two changes, ``dwell_s`` is 0.
+    """
+    trace = bursts.trace()
+    if bursts.has_clocks:
+        levels = clock_levels(trace.freq_mhz[trace.busy])
+        clocks = f"clock levels {'/'.join(f'{f:g}' for f in levels)} MHz from cpufreq"
+    else:
+        levels = (bursts.top_clock_mhz,)
+        clocks = "one clock level: no cpufreq, so throttling is not observable"
+    events = clock_changes(trace, levels)
+    hottest = float(np.nanmax(trace.temp_c))
+    given: dict[str, float] = {}
+    notes = [clocks]
+    if events.drops.size == 0:
+        given["throttle_c"] = hottest
+        notes.append(f"no clock drop up to {hottest:.1f} C, so throttle_c is that bound")
+    if events.rises.size == 0:
+        given["hysteresis_c"] = 0.0
+        notes.append("no clock rise, so hysteresis_c is 0")
+    if events.changes.size < 2:
+        given["dwell_s"] = 0.0
+        notes.append("fewer than two clock changes, so dwell_s is 0")
+    result = fit(trace, levels_mhz=levels, ambient_c=ambient_c, **given)
+    said = (
+        f"{source}: RC model fitted to {bursts.elapsed_s:.1f} s of load then "
+        f"{bursts.cooldown_s:.1f} s idle, {trace.time_s.size} samples, {result.readings} "
+        f"temperature readings, residual {result.rms_c:.3g} C rms, ambient {ambient_c:g} C "
+        f"given; {'; '.join(notes)}"
+    )
+    return result._replace(params=dataclasses.replace(result.params, source=said))
 
 
 # --- the profile file ------------------------------------------------------------------------
@@ -403,6 +504,8 @@ class ProfileResult:
     flops: float
     heldout: dict[str, float]
     bursts: Bursts
+    thermal: ThermalFit | None  # None: not fitted, ``thermal_status`` says why
+    thermal_status: str
 
 
 def plan_size(plan: Plan) -> int:
@@ -416,10 +519,13 @@ def profile(
     threads: int = 1,
     plan: Plan = FULL,
     duration_s: float | None = None,
+    cooldown_s: float | None = None,
+    ambient_c: float | None = None,
     name: str = "host",
     force: bool = False,
     link: Link = LINKS["lan"],
     progress: Callable[[int], None] | None = None,
+    sysfs: Path = SYSFS,
 ) -> ProfileResult:
     """Measure, fit and score, trace, and write the profile TOML to ``output``.
 
@@ -427,11 +533,26 @@ def profile(
     (``measure_grid_and_heldout``). The written exact cache holds both sets (the fit and
     its score use the grid only). ``duration_s`` defaults to the plan's. The links are
     not measured here: ``link`` is a preset, named in the provenance.
+
+    Where ``sysfs`` has a thermal zone and the room temperature ``ambient_c`` is given, the
+    load is followed by ``cooldown_s`` idle (default: as long as the load) and the RC thermal
+    model fitted to the whole trace goes into a ``[thermal]`` table (``fit_thermal``).
+    Otherwise, or when the fit fails, there is no ``[thermal]`` table and the provenance and
+    the log say why: a profile never carries thermal parameters its trace did not give.
     """
     duration = plan.duration_s if duration_s is None else duration_s
     path = Path(output)
     if path.exists() and not force:
         raise FileExistsError(f"{path} exists (overwrite it with force)")
+    why_not = None
+    if read_temperature_c(sysfs) is None:  # the usual server or VM: worth a note, no more
+        why_not = (f"not fitted: no thermal zone on this host (nothing readable matches "
+                   f"{sysfs / TEMPERATURES}), so the trace has no temperatures")  # fmt: skip
+        log.info("thermal model %s", why_not)
+    elif ambient_c is None:
+        why_not = ("not fitted: the room temperature was not given (--ambient), and a trace "
+                   "that starts warm fixes only ambient + idle rise, not each")  # fmt: skip
+        log.warning("thermal model %s", why_not)
     info = blas_info()
     grid = grid_shapes(plan.grid, seed=0)
     heldout = heldout_shapes(plan.heldout, seed=1)
@@ -446,10 +567,15 @@ def profile(
              100 * timed.repeat_p90)  # fmt: skip
     model.exact.update(timed.heldout)
     flops = LARGE_GEMM.flops / model.predict_s(LARGE_GEMM)
-    log.info("sustained load for %g s", duration)
-    bursts = run_bursts(duration, threads=threads)
+    cooldown = 0.0 if why_not is not None else duration if cooldown_s is None else cooldown_s
+    bursts = run_bursts(duration, threads=threads, cooldown_s=cooldown, sysfs=sysfs)
     host = socket.gethostname()
     now = datetime.datetime.now(datetime.UTC).replace(microsecond=0)
+    source = f"measured on {host} by morphling profile at {now.isoformat()}"
+    if why_not is None and ambient_c is not None:  # (no why_not implies an ambient)
+        thermal, status = _fit_or_say_why(bursts, ambient_c, source)
+    else:
+        thermal, status = None, str(why_not)
     tables = {
         "profile": {
             "name": name,
@@ -461,7 +587,7 @@ def profile(
             "ul_lat_s": link.ul_lat_s,
             "kind": "cpu",
             "blas": f"{info.name} {info.version}",
-            "source": f"measured on {host} by morphling profile at {now.isoformat()}",
+            "source": source,
         },
         "compute": model.to_dict(),
         "provenance": {
@@ -480,32 +606,54 @@ def profile(
             "heldout_max_ape": error["max_ape"],
             "heldout_repeat_p90": timed.repeat_p90,
             "links": f"{link.name} preset, not measured: {link.source}",
+            "thermal": status,
         },
-        "trace": _trace_summary(bursts),
+        "trace": _trace_summary(bursts, thermal),
     }
+    if thermal is not None:
+        tables["thermal"] = thermal.params.to_dict()
     with path.open("w" if force else "x") as f:  # "x": never clobber without force
         f.write(dump_toml(tables))
-    return ProfileResult(path, model, flops, error, bursts)
+    return ProfileResult(path, model, flops, error, bursts, thermal, status)
 
 
-def _trace_summary(bursts: Bursts) -> dict[str, Any]:
+def _fit_or_say_why(bursts: Bursts, ambient_c: float, source: str) -> tuple[ThermalFit | None, str]:
+    """``fit_thermal``, or None where the trace cannot give the model; what happened, logged.
+
+    A failed fit is a warning, not an error: the compute model measured before it stands."""
+    try:
+        thermal = fit_thermal(bursts, ambient_c=ambient_c, source=source)
+    except ValueError as exc:
+        status = f"not fitted: {exc}"
+        log.warning("thermal model %s", status)
+        return None, status
+    status = (f"fitted: tau {thermal.params.tau_s:.3g} s, residual {thermal.rms_c:.3g} C rms "
+              f"over {thermal.readings} temperature readings (see [thermal])")  # fmt: skip
+    log.info("thermal model %s", status)
+    return thermal, status
+
+
+def _trace_summary(bursts: Bursts, thermal: ThermalFit | None) -> dict[str, Any]:
+    """The trace for people: how long, how many samples, what it read, how the fit did
+    (whether there is a fit, and why not, is in ``[provenance] thermal``)."""
     latency = bursts.latency_s
     s = bursts.shape
     summary: dict[str, Any] = {
         "duration_s": bursts.elapsed_s,
+        "cooldown_s": bursts.cooldown_s,
         "bursts": int(latency.size),
+        "samples": int(bursts.start_s.size),
         "burst_gemm": f"{s.m}x{s.n}x{s.k} {s.dtype} ta={s.ta} tb={s.tb}",
         "first_latency_s": float(latency[0]),
         "last_latency_s": float(latency[-1]),
         "fastest_latency_s": float(latency.min()),
         "top_clock_mhz": bursts.top_clock_mhz,
+        "clocks": "cpufreq" if bursts.has_clocks else "inferred from burst latency",
         "temperatures": bursts.has_temperatures,
+        "temperature_readings": int(np.isfinite(bursts.temp_c).sum()),
     }
-    if not bursts.has_temperatures:
-        summary["note"] = (
-            "no /sys/class/thermal sensor on this host: temperatures not recorded, so the "
-            "thermal model cannot be fitted from this trace (clock-vs-time only)"
-        )
+    if thermal is not None:
+        summary["thermal_fit_rms_c"] = thermal.rms_c
     return summary
 
 

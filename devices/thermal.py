@@ -343,6 +343,38 @@ def simulate(
     return Trace(time_s, temp_c, freq_mhz, busy_flags)
 
 
+class ThermalFit(NamedTuple):
+    """What ``fit`` found and how well it explains the trace it was fitted to."""
+
+    params: ThermalParams
+    rms_c: float  # root-mean-square of fitted minus read temperatures
+    readings: int  # temperature readings the fit used
+
+
+class ClockChanges(NamedTuple):
+    """Sample indices where a busy sample's clock level differs from the previous busy one's:
+    the events ``fit`` reads the controller's thresholds from."""
+
+    drops: np.ndarray  # to a lower clock: throttle_c
+    rises: np.ndarray  # to a higher clock: hysteresis_c
+    changes: np.ndarray  # either, in order: dwell_s from the second on
+
+
+def _level_index(trace: Trace, levels: tuple[float, ...]) -> np.ndarray:
+    """Each sample's clock snapped to the nearest level (latency-derived clocks are noisy)."""
+    return np.abs(trace.freq_mhz[:, None] - np.array(levels)[None, :]).argmin(axis=1)
+
+
+def clock_changes(trace: Trace, levels_mhz: tuple[float, ...] | list[float]) -> ClockChanges:
+    """The clock drops and rises in ``trace`` with its clocks snapped to ``levels_mhz``."""
+    level_idx = _level_index(trace, _levels(levels_mhz))
+    busy_idx = np.flatnonzero(trace.busy)
+    moved = np.flatnonzero(np.diff(level_idx[busy_idx]) != 0) + 1
+    changes = busy_idx[moved]
+    dropped = level_idx[changes] > level_idx[busy_idx[moved - 1]]
+    return ClockChanges(changes[dropped], changes[~dropped], changes)
+
+
 def fit(
     trace: Trace,
     *,
@@ -353,8 +385,9 @@ def fit(
     hysteresis_c: float | None = None,
     dwell_s: float | None = None,
     source: str = "measured: RC thermal model fitted to a sustained-load trace",
-) -> ThermalParams:
-    """Recover ``ThermalParams`` (with ``cooling_scale`` 1: the trace's cooling is built in).
+) -> ThermalFit:
+    """Recover ``ThermalParams`` (with ``cooling_scale`` 1: the trace's cooling is built in),
+    with the residual that says how well the model explains the trace.
 
     The RC part is least squares of the exact discrete recursion T[i+1] = S_i + (T[i] − S_i)·a_i,
     a_i = exp(−Δt_i/τ), driven by the trace's busy flags and clocks (snapped to the nearest
@@ -387,18 +420,14 @@ def fit(
         )
     if int(seen.sum()) < 8:
         raise ValueError(f"trace has {int(seen.sum())} temperature readings; fitting needs >= 8")
-    level_idx = np.abs(trace.freq_mhz[:, None] - np.array(levels)[None, :]).argmin(axis=1)
+    level_idx = _level_index(trace, levels)
     u = np.where(trace.busy, np.array(levels)[level_idx] / levels[0], 0.0)[:-1]
     if np.unique(u).size < 2:
         raise ValueError(
             "trace cannot separate idle_rise_c from busy_rise_c: it needs idle and busy "
             "intervals, or busy ones at two clocks"
         )
-    busy_idx = np.flatnonzero(trace.busy)
-    moved = np.flatnonzero(np.diff(level_idx[busy_idx]) != 0) + 1
-    changes = busy_idx[moved]
-    drops = changes[level_idx[changes] > level_idx[busy_idx[moved - 1]]]
-    rises = changes[level_idx[changes] < level_idx[busy_idx[moved - 1]]]
+    drops, rises, changes = clock_changes(trace, levels)
     for key, given, events, what in (
         ("throttle_c", throttle_c, drops, "no clock drop"),
         ("hysteresis_c", hysteresis_c, rises, "no clock rise"),
@@ -450,7 +479,7 @@ def fit(
     if dwell_s is None:
         dwell_s = float(np.diff(trace.time_s[changes]).min())
     try:
-        return ThermalParams(
+        params = ThermalParams(
             ambient_c=ambient,
             tau_s=math.exp(log_tau),
             idle_rise_c=p - ambient,
@@ -464,6 +493,8 @@ def fit(
         )
     except ValueError as exc:
         raise ValueError(f"fit gave parameters outside the model: {exc}") from exc
+    rms = float(np.sqrt(np.mean((fitted - temp)[seen] ** 2)))
+    return ThermalFit(params, rms, int(seen.sum()))
 
 
 # Built-ins. Published (REFERENCE.md, Thermal): Pi firmware throttles progressively between 80

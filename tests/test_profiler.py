@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import math
+import os
 import shutil
+import threading
+import time
 import tomllib
 from pathlib import Path
 
@@ -21,21 +25,23 @@ from morphling.devices.profiler import (
     LARGE_GEMM,
     MN_LEVELS,
     QUICK,
-    THERMAL_ZONES,
     Plan,
     cache_dir,
     cached_host_profile,
+    clock_levels,
     dump_toml,
     grid_shapes,
     heldout_shapes,
     host_key,
     host_threads,
     measure,
+    profile,
     read_temperature_c,
     sustained_trace,
     top_clock_mhz,
 )
 from morphling.devices.profiles import DeviceProfile, load_profile
+from morphling.devices.thermal import ThermalParams, ThermalState
 
 # Off the grid levels (200, 300, 700), so a profile predicts it from its fit, not its cache.
 FRESH = GemmShape(200, 300, 700, False, True, 700, 700, "float32")
@@ -94,7 +100,10 @@ def test_quick_profile_records_provenance_and_the_trace(quick_profile):
     assert trace["bursts"] >= 2 and trace["duration_s"] >= QUICK.duration_s
     assert trace["fastest_latency_s"] <= min(trace["first_latency_s"], trace["last_latency_s"])
     assert trace["temperatures"] is HAS_SENSOR
-    assert ("note" in trace) is not HAS_SENSOR
+    assert trace["cooldown_s"] == 0.0  # no --ambient: no thermal fit, so no cooldown
+    assert trace["samples"] == trace["bursts"]
+    why = "the room temperature was not given" if HAS_SENSOR else "no thermal zone"
+    assert provenance["thermal"].startswith("not fitted: ") and why in provenance["thermal"]
 
 
 def test_refuses_to_overwrite_without_force(tmp_path, capsys):
@@ -110,6 +119,8 @@ def test_refuses_to_overwrite_without_force(tmp_path, capsys):
     [
         (["--threads", "0"], "--threads"),
         (["--duration", "-1"], "--duration"),
+        (["--cooldown", "-1"], "--cooldown"),
+        (["--ambient", "-300"], "--ambient"),
         (["--name", ""], "--name"),
     ],
 )
@@ -242,17 +253,21 @@ def test_measure_times_each_shape_in_order():
         measure([small], rounds=0)
 
 
-def test_sustained_trace_infers_clocks_from_latency():
+def test_sustained_trace_without_cpufreq_infers_clocks_from_latency(tmp_path):
     burst = GemmShape(128, 128, 512, False, True, 512, 512, "float32")
-    trace = sustained_trace(0.5, burst_shape=burst, threads=1)
-    top = top_clock_mhz()
-    assert trace.time_s.size >= 2 and np.all(np.diff(trace.time_s) > 0)
-    assert trace.busy.all()
-    assert trace.freq_mhz.max() == pytest.approx(top)  # the fastest burst ran at the top clock
-    assert np.all(trace.freq_mhz <= top * (1 + 1e-12))
-    assert bool(np.isfinite(trace.temp_c).any()) is HAS_SENSOR
-    if not THERMAL_ZONES.exists():
-        assert np.isnan(trace.temp_c).all()
+    trace = sustained_trace(0.5, burst_shape=burst, threads=1, cooldown_s=0.2, sysfs=tmp_path)
+    top = top_clock_mhz(tmp_path)
+    assert trace.time_s.size >= 4 and np.all(np.diff(trace.time_s) > 0)
+    assert trace.busy[0] and not trace.busy[-1] and np.all(np.diff(trace.busy.astype(int)) <= 0)
+    busy = trace.freq_mhz[trace.busy]
+    assert busy.max() == pytest.approx(top)  # the fastest burst ran at the top clock
+    assert np.all(busy <= top * (1 + 1e-12))
+    assert np.isnan(trace.temp_c).all()  # an empty sysfs: no sensor
+
+
+def test_clock_levels_merge_readings_a_few_percent_apart():
+    readings = np.array([1500.0, 1498.0, 1000.0, 600.0, 1500.0, 750.0, 1010.0, 601.0])
+    assert clock_levels(readings) == (1500.0, 1010.0, 750.0, 601.0)
 
 
 # --- the TOML writer -----------------------------------------------------------------------
@@ -268,3 +283,134 @@ def test_toml_writer_round_trips_through_tomllib():
     assert tomllib.loads(dump_toml(tables)) == tables
     with pytest.raises(ValueError, match="NoneType"):
         dump_toml({"a": {"x": None}})
+
+
+# --- the thermal fit, from a board's sysfs -------------------------------------------------
+
+# A small board in a fast-forwarded world: τ of a third of a second, so heating and cooling
+# fit in two seconds of trace. One clock, and it never throttles (the controller is not observable
+# in so short a trace; thermal.fit's own tests recover it from simulated ones).
+BOARD = ThermalParams(
+    ambient_c=25.0,
+    tau_s=0.35,
+    idle_rise_c=10.0,
+    busy_rise_c=40.0,
+    levels_mhz=(1500.0,),
+    throttle_c=200.0,
+    hysteresis_c=0.0,
+    dwell_s=0.0,
+    cooling_scale=1.0,
+    source="test: a board that follows a known RC curve",
+)
+# SMALL's grid, then 1 s of load and (the default) as long idle: 10 bursts, 10 idle samples.
+THERMAL = dataclasses.replace(SMALL, duration_s=1.0)
+
+
+class Board(logging.Handler):
+    """A board's sysfs under ``root``: a thermal zone whose ``temp`` a thread rewrites every
+    millisecond along ``params``' RC curve, busy while the profiler says its sustained load
+    runs (its log) and idle otherwise, and cpufreq files at a fixed clock."""
+
+    def __init__(self, root: Path, params: ThermalParams) -> None:
+        super().__init__(logging.INFO)
+        self.root = root
+        self.state = ThermalState(params, time.perf_counter())
+        self.since = time.perf_counter()  # the state is up to date to here
+        self.busy = False
+        self.guard = threading.Lock()  # (Handler has its own .lock)
+        self.stop = threading.Event()
+        self.writer = threading.Thread(target=self._write, daemon=True)
+        self.zone = root / "class/thermal/thermal_zone0"
+        self.zone.mkdir(parents=True)
+        cool = root / "class/thermal/thermal_zone1"  # a second, cooler zone: the hottest counts
+        cool.mkdir()
+        (cool / "temp").write_text(f"{round(1000 * (params.ambient_c + 1))}\n")
+        for cpu, khz in (("cpu0", 1_500_000), ("cpu1", 600_000)):  # the busy core's is read
+            cpufreq = root / f"devices/system/cpu/{cpu}/cpufreq"
+            cpufreq.mkdir(parents=True)
+            (cpufreq / "scaling_cur_freq").write_text(f"{khz}\n")
+            (cpufreq / "cpuinfo_max_freq").write_text("1500000\n")
+
+    def _advance(self, now: float) -> float:
+        """Bring the state to ``now`` (under the lock); the temperature there."""
+        if self.busy:
+            self.state.run(self.since, now - self.since)
+        self.since = now
+        return self.state.temperature(now)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        phase = record.getMessage()
+        if phase.startswith(("sustained load", "idle for")):
+            with self.guard:
+                self._advance(time.perf_counter())
+                self.busy = phase.startswith("sustained load")
+
+    def _write(self) -> None:
+        spare = self.root / "temp.new"  # written whole, then renamed over: no torn reads
+        while not self.stop.wait(0.001):
+            with self.guard:
+                temp = self._advance(time.perf_counter())
+            spare.write_text(f"{round(1000 * temp)}\n")
+            os.replace(spare, self.zone / "temp")
+
+    def __enter__(self) -> Board:
+        self.writer.start()
+        logger = logging.getLogger("morphling.devices.profiler")
+        self.level = logger.level
+        logger.setLevel(logging.INFO)
+        logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        logger = logging.getLogger("morphling.devices.profiler")
+        logger.removeHandler(self)
+        logger.setLevel(self.level)
+        self.stop.set()
+        self.writer.join()
+
+
+def test_profile_fits_the_thermal_model_of_a_board_it_reads_from_sysfs(tmp_path):
+    sysfs, path = tmp_path / "sys", tmp_path / "board.toml"
+    with Board(sysfs, BOARD):
+        result = profile(path, plan=THERMAL, ambient_c=BOARD.ambient_c, sysfs=sysfs)
+    assert result.thermal is not None, result.thermal_status
+    fitted = result.thermal.params
+    for key in ("tau_s", "idle_rise_c", "busy_rise_c"):
+        assert getattr(fitted, key) == pytest.approx(getattr(BOARD, key), rel=0.05), key
+    assert fitted.ambient_c == BOARD.ambient_c and fitted.levels_mhz == (1500.0,)
+    assert result.thermal.rms_c < 0.5  # millidegree files, a millisecond behind at worst
+
+    with path.open("rb") as f:
+        doc = tomllib.load(f)
+    trace, provenance = doc["trace"], doc["provenance"]
+    assert trace["duration_s"] >= THERMAL.duration_s and trace["cooldown_s"] >= THERMAL.duration_s
+    assert trace["clocks"] == "cpufreq" and trace["temperatures"] is True
+    assert trace["samples"] == trace["temperature_readings"] == result.thermal.readings
+    assert trace["samples"] > trace["bursts"] >= 5
+    assert trace["thermal_fit_rms_c"] == result.thermal.rms_c
+    assert provenance["thermal"].startswith("fitted: ")
+    assert fitted.source.startswith(doc["profile"]["source"])
+    for said in (f"{trace['samples']} samples", "residual", "ambient 25 C given",
+                 "clock levels 1500 MHz from cpufreq", "no clock drop up to",
+                 "hysteresis_c is 0", "dwell_s is 0"):  # fmt: skip
+        assert said in fitted.source, said
+    # A one-level model never throttles: throttle_c is only the hottest reading, a bound.
+    assert fitted.throttle_c == np.nanmax(result.bursts.temp_c)
+
+    loaded = load_profile(str(path))
+    assert ThermalParams.from_dict(loaded.thermal) == fitted
+    assert loaded.compute == doc["compute"]
+
+
+def test_without_the_room_temperature_a_sensor_gives_no_thermal_model(tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger="morphling.devices.profiler")
+    sysfs, path = tmp_path / "sys", tmp_path / "board.toml"
+    with Board(sysfs, BOARD):
+        result = profile(path, plan=SMALL, sysfs=sysfs)
+    assert result.thermal is None and "--ambient" in result.thermal_status
+    assert any("--ambient" in r.getMessage() for r in caplog.records)
+    with path.open("rb") as f:
+        doc = tomllib.load(f)
+    assert "thermal" not in doc and doc["provenance"]["thermal"] == result.thermal_status
+    assert doc["trace"]["temperatures"] is True and doc["trace"]["cooldown_s"] == 0.0
+    assert load_profile(str(path)).thermal == {}

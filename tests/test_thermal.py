@@ -15,6 +15,7 @@ from morphling.devices.thermal import (
     ThermalParams,
     ThermalState,
     Trace,
+    clock_changes,
     fit,
     simulate,
     thermal_for,
@@ -209,7 +210,10 @@ def _largest_step_c(params: ThermalParams, sim: dict) -> float:
 def test_fit_recovers_the_parameters_from_a_noisy_trace(case):
     params, sim, kwargs = _FIT_CASES[case]
     trace = simulate(params, TEN_MINUTES * 2, noise_c=0.5, seed=3, **sim)
-    fitted = fit(trace, levels_mhz=params.levels_mhz, **kwargs)
+    result = fit(trace, levels_mhz=params.levels_mhz, **kwargs)
+    fitted = result.params
+    assert result.readings == trace.time_s.size
+    assert result.rms_c == pytest.approx(0.5, rel=0.1)  # the sensor noise, no more
     for key in ("tau_s", "idle_rise_c", "busy_rise_c", "ambient_c"):
         assert getattr(fitted, key) == pytest.approx(getattr(params, key), rel=0.05), key
     assert fitted.levels_mhz == params.levels_mhz and fitted.cooling_scale == 1.0
@@ -226,9 +230,22 @@ def test_fit_works_through_sensor_dropouts():
     temp = trace.temp_c.copy()
     temp[::3] = np.nan
     holey = Trace(trace.time_s, temp, trace.freq_mhz, trace.busy)
-    fitted = fit(holey, levels_mhz=params.levels_mhz, **kwargs)
+    result = fit(holey, levels_mhz=params.levels_mhz, **kwargs)
+    fitted = result.params
+    assert result.readings == int(np.isfinite(temp).sum())
     for key in ("tau_s", "idle_rise_c", "busy_rise_c"):
         assert getattr(fitted, key) == pytest.approx(getattr(params, key), rel=0.05), key
+
+
+def test_clock_changes_are_the_busy_clock_drops_and_rises():
+    params = BUILTIN_THERMAL["orin-nano"]  # cycles between its top two clocks
+    trace = simulate(params, TEN_MINUTES, period_s=0.5, cooldown_s=60.0)
+    drops, rises, changes = clock_changes(trace, params.levels_mhz)
+    assert drops.size > 0 and rises.size > 0
+    assert changes.tolist() == sorted([*drops, *rises])
+    assert trace.busy[changes].all()  # the cooldown's clocks are not events
+    freq = trace.freq_mhz  # every busy sample follows a busy one here
+    assert (freq[drops] < freq[drops - 1]).all() and (freq[rises] > freq[rises - 1]).all()
 
 
 @pytest.mark.parametrize("temp", [None, "nan"])
