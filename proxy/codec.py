@@ -34,6 +34,7 @@ DEFAULT_MAX_PAYLOAD = 1 << 30
 _ITEMSIZE = {name: np.dtype(name).itemsize for name in DTYPES}
 _NAMES = {np.dtype(name).newbyteorder("<"): name for name in DTYPES}
 _SCRATCH_BYTES = 256 * 1024
+_TYPE_NAMES = {t: cls.TYPE.name for t, cls in MESSAGES.items()}  # an enum .name is slow
 
 
 class ProtocolError(Exception):
@@ -57,7 +58,8 @@ def _segment(seg: Any) -> tuple[list[Any], memoryview]:
             raise ValueError(f"segment dtype {seg.dtype} is not one of {DTYPES}")
         if not seg.flags.c_contiguous:
             raise ValueError(f"segment of shape {seg.shape} is not C-contiguous")
-        view = memoryview(seg.reshape(-1)).cast("B") if seg.size else memoryview(b"")
+        # a C-contiguous view casts to bytes whatever its shape, unless a dimension is 0
+        view = memoryview(seg).cast("B") if seg.size else memoryview(b"")
         return [name, list(seg.shape), seg.nbytes], view
     view = memoryview(seg)
     if not view.c_contiguous:
@@ -68,20 +70,24 @@ def _segment(seg: Any) -> tuple[list[Any], memoryview]:
 
 def encode(msg: Message) -> list[bytes | memoryview]:
     """The frame for ``msg`` as buffers for ``writelines``: prefix+header, then segments."""
-    if len(msg.segments) != msg.SEGMENTS:
+    segments = msg.segments
+    if len(segments) != msg.SEGMENTS:
         raise ValueError(
-            f"{msg.TYPE.name}: {len(msg.segments)} segments given, expected {msg.SEGMENTS}"
+            f"{msg.TYPE.name}: {len(segments)} segments given, expected {msg.SEGMENTS}"
         )
     header = msg.header()
-    views = []
-    if msg.segments:
-        described = [_segment(s) for s in msg.segments]
-        header["seg"] = [d for d, _ in described]
-        views = [v for _, v in described]
-    packed = msgpack.packb(header, use_bin_type=True)
-    payload_len = sum(v.nbytes for v in views)
-    prefix = PREFIX.pack(MAGIC, VERSION, msg.TYPE, len(packed), payload_len)
-    return [prefix + packed, *views]
+    buffers: list[bytes | memoryview] = [b""]
+    payload_len = 0
+    if segments:
+        header["seg"] = described = []
+        for seg in segments:
+            desc, view = _segment(seg)
+            described.append(desc)
+            buffers.append(view)
+            payload_len += desc[2]
+    packed = _packer().pack(header)
+    buffers[0] = PREFIX.pack(MAGIC, VERSION, msg.TYPE, len(packed), payload_len) + packed
+    return buffers
 
 
 def encode_bytes(msg: Message) -> bytes:
@@ -103,6 +109,15 @@ def _scratch() -> memoryview:
     if view is None:
         view = _local.scratch = memoryview(bytearray(_SCRATCH_BYTES))
     return view
+
+
+def _packer() -> msgpack.Packer:
+    """This thread's msgpack packer (``msgpack.packb`` makes a new one, buffer and all,
+    for every call; a packer is not safe to share between threads)."""
+    packer = getattr(_local, "packer", None)
+    if packer is None:
+        packer = _local.packer = msgpack.Packer(use_bin_type=True)
+    return packer
 
 
 def _bytearray_view(nbytes: int) -> memoryview:
@@ -140,13 +155,7 @@ class Decoder:
 
     def receive_data(self, data: bytes | bytearray | memoryview) -> None:
         """Consume ``data`` (copied where it must be kept)."""
-        if self._failed is not None:
-            raise self._failed
-        try:
-            self._consume(memoryview(data).cast("B") if data else memoryview(b""))
-        except ProtocolError as exc:
-            self._failed = exc
-            raise
+        self._feed(memoryview(data).cast("B") if data else memoryview(b""))
 
     def get_buffer(self, sizehint: int = -1) -> memoryview:
         """Where the next received bytes should go: the payload itself, or scratch."""
@@ -170,7 +179,17 @@ class Decoder:
                     self._failed = exc
                     raise
             return
-        self.receive_data(_scratch()[:nbytes])
+        self._feed(_scratch()[:nbytes])
+
+    def _feed(self, data: memoryview) -> None:
+        """Consume bytes; a ``ProtocolError`` fails the decoder for good."""
+        if self._failed is not None:
+            raise self._failed
+        try:
+            self._consume(data)
+        except ProtocolError as exc:
+            self._failed = exc
+            raise
 
     def next_message(self) -> Message | None:
         """The next complete message, or ``None`` until more bytes arrive."""
@@ -194,12 +213,15 @@ class Decoder:
                     self._finish()
                 continue
             want = PREFIX.size if self._prefix is None else self._prefix[3]
-            take = min(len(data), want - len(self._pending))
-            self._pending += data[:take]
-            data = data[take:]
-            if len(self._pending) < want:
-                return
-            block, self._pending = bytes(self._pending), bytearray()
+            if self._pending or len(data) < want:  # a part: gather the rest first
+                take = min(len(data), want - len(self._pending))
+                self._pending += data[:take]
+                data = data[take:]
+                if len(self._pending) < want:
+                    return
+                block, self._pending = bytes(self._pending), bytearray()
+            else:  # all here: parsed where it lies (what is kept of it is copied)
+                block, data = data[:want], data[want:]
             if self._prefix is None:
                 self._parse_prefix(block)
             else:
@@ -233,21 +255,20 @@ class Decoder:
             )
         self._prefix = (magic, version, msg_type, header_len, payload_len)
 
-    def _parse_header(self, block: bytes) -> None:
+    def _parse_header(self, block: bytes | memoryview) -> None:
         assert self._prefix is not None
         msg_type, payload_len = self._prefix[2], self._prefix[4]
-        name = MESSAGES[msg_type].TYPE.name
+        name = _TYPE_NAMES[msg_type]
         try:
             header = msgpack.unpackb(block, raw=False, strict_map_key=True)
         except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
             raise ProtocolError(f"{name}: header is not valid msgpack ({exc})") from None
         if not isinstance(header, dict):
             raise ProtocolError(f"{name}: header is a {type(header).__name__}, not a map")
-        seg = header.get("seg", [])
-        if _segments_total(seg, name) != payload_len:
+        total = _segments_total(header.get("seg", []), name)
+        if total != payload_len:
             raise ProtocolError(
-                f"{name}: segments add up to {_segments_total(seg, name)} bytes, "
-                f"payload_len is {payload_len}"
+                f"{name}: segments add up to {total} bytes, payload_len is {payload_len}"
             )
         self._header = header
         if payload_len:
@@ -265,7 +286,7 @@ class Decoder:
             payload = memoryview(b"")
         segments = []
         offset = 0
-        for _dtype, _shape, nbytes in header.pop("seg", []):
+        for _dtype, _shape, nbytes in header.pop("seg", ()):
             segments.append(payload[offset : offset + nbytes])
             offset += nbytes
         try:
@@ -284,14 +305,13 @@ def _segments_total(seg: Any, name: str) -> int:
         if not (isinstance(desc, list) and len(desc) == 3):
             raise ProtocolError(f"{name}: seg[{i}] must be [dtype, shape, nbytes]")
         dtype, shape, nbytes = desc
-        if not isinstance(dtype, str) or dtype not in _ITEMSIZE:
+        item = _ITEMSIZE.get(dtype) if isinstance(dtype, str) else None
+        if item is None:
             raise ProtocolError(f"{name}: seg[{i}] dtype {dtype!r:.40} is not one of {DTYPES}")
-        if not (isinstance(shape, list) and all(_natural(d) for d in shape)):
+        count = _count(shape)
+        if count is None:
             raise ProtocolError(f"{name}: seg[{i}] shape {shape!r} is not a list of sizes >= 0")
-        count = 1
-        for d in shape:
-            count *= d
-        if not _natural(nbytes) or nbytes != count * _ITEMSIZE[dtype]:
+        if type(nbytes) is not int or nbytes != count * item:
             raise ProtocolError(
                 f"{name}: seg[{i}] nbytes {nbytes!r} does not match {dtype} of shape {shape}"
             )
@@ -299,8 +319,17 @@ def _segments_total(seg: Any, name: str) -> int:
     return total
 
 
-def _natural(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+def _count(shape: Any) -> int | None:
+    """The elements of ``shape``; None unless it is a list of sizes >= 0 (plain ints, as
+    msgpack gives them: a bool is not one)."""
+    if not isinstance(shape, list):
+        return None
+    count = 1
+    for d in shape:
+        if type(d) is not int or d < 0:
+            return None
+        count *= d
+    return count
 
 
 def segment_array(msg: Message, index: int, dtype: str, count: int | None = None) -> np.ndarray:

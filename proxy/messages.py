@@ -1,18 +1,22 @@
 """The messages of the Morphling wire protocol: one small class per message.
 
-A message is a frozen dataclass whose fields are its msgpack header; its raw
+A message is a dataclass whose fields are its msgpack header; its raw
 payload travels beside the header as ``segments`` (numpy arrays or byte
 buffers out, read-only-agnostic memoryviews in). ``docs/PROTOCOL.md`` is the
 specification; this module is its executable form. Nothing here does I/O.
+
+Messages are values: never change one once built. They are not frozen
+dataclasses only because those set every field through ``object.__setattr__``,
+which triples the cost of building one, and every frame sent or received
+builds one.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 
 class MsgType(IntEnum):
@@ -48,25 +52,22 @@ REFUSALS = frozenset({"auth", "bad_hello", "bad_version"})
 DTYPES = ("float32", "float64", "uint8")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Message:
-    """Base of all messages. ``SEGMENTS`` is how many payload segments it carries."""
+    """Base of all messages. ``SEGMENTS`` is how many payload segments it carries;
+    ``FIELDS`` names its header fields in order (set for every class in ``MESSAGES``)."""
 
     TYPE: ClassVar[MsgType]
     SEGMENTS: ClassVar[int] = 0
+    FIELDS: ClassVar[tuple[str, ...]] = ()
     segments: tuple[Any, ...] = field(default=(), kw_only=True, repr=False, compare=False)
 
     def header(self) -> dict[str, Any]:
         """The msgpack header fields (everything but the segments)."""
-        return {f.name: getattr(self, f.name) for f in _header_fields(type(self))}
+        return {name: getattr(self, name) for name in self.FIELDS}
 
 
-@functools.cache
-def _header_fields(cls: type[Message]) -> tuple[dataclasses.Field, ...]:
-    return tuple(f for f in dataclasses.fields(cls) if f.name != "segments")
-
-
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Greeting(Message):
     """Server → peer, first frame on every connection: what to authenticate against."""
 
@@ -77,7 +78,7 @@ class Greeting(Message):
     weights: dict = field(default_factory=dict)  # the shared weights: path, digest, nbytes
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Hello(Message):
     """Peer → server: who I am. ``mac`` is HMAC-SHA256(token, nonce), empty without a token."""
 
@@ -90,7 +91,7 @@ class Hello(Message):
     caps: dict = field(default_factory=dict)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Welcome(Message):
     """Server → peer: accepted; the server-assigned id and the heartbeat period."""
 
@@ -99,7 +100,7 @@ class Welcome(Message):
     heartbeat_s: float
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Error(Message):
     """Either way: what went wrong. The sender closes the connection after it."""
 
@@ -108,7 +109,7 @@ class Error(Message):
     reason: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Bye(Message):
     """Either way: an orderly goodbye; the sender closes after it."""
 
@@ -116,14 +117,14 @@ class Bye(Message):
     reason: str = ""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Heartbeat(Message):
     """Either way, when nothing else was sent for a heartbeat period."""
 
     TYPE = MsgType.HEARTBEAT
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ProbeEcho(Message):
     """Either way, with a payload: the receiver sends it back with ``reply`` set."""
 
@@ -133,7 +134,7 @@ class ProbeEcho(Message):
     reply: bool = False
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ProbePush(Message):
     """Either way: bytes to time the sender → receiver direction; answered by PROBE_ACK."""
 
@@ -142,7 +143,7 @@ class ProbePush(Message):
     probe: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ProbeAck(Message):
     """The PROBE_PUSH payload arrived whole."""
 
@@ -151,7 +152,7 @@ class ProbeAck(Message):
     nbytes: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ProbePull(Message):
     """Either way: send ``nbytes`` back in a PROBE_PULLED, to time the other direction."""
 
@@ -160,7 +161,7 @@ class ProbePull(Message):
     nbytes: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ProbePulled(Message):
     """The payload a PROBE_PULL asked for."""
 
@@ -169,7 +170,7 @@ class ProbePulled(Message):
     probe: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ProbeFlops(Message):
     """Server → peer: regenerate A and B from ``seed`` (``challenge.py``) and compute A·B."""
 
@@ -179,7 +180,7 @@ class ProbeFlops(Message):
     dim: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ProbeFlopsResult(Message):
     """Peer → server: C = A·B (float32, dim×dim) and the peer's own compute time."""
 
@@ -189,7 +190,7 @@ class ProbeFlopsResult(Message):
     compute_ns: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ProbeVerdict(Message):
     """Server → peer: whether C was right, and the FLOPS it stands for."""
 
@@ -200,7 +201,7 @@ class ProbeVerdict(Message):
     flops: float
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ProbeFlopsRequest(Message):
     """Peer → server: challenge me (``morphling-bench``); answered by PROBE_FLOPS."""
 
@@ -208,7 +209,7 @@ class ProbeFlopsRequest(Message):
     dim: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Tile(Message):
     """Server → device: compute the [m, n] tile ``op(A)·op(B)``; segments are A and B.
 
@@ -239,7 +240,7 @@ class Tile(Message):
     drop: list = field(default_factory=list)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class TileResult(Message):
     """Device → server: the tile, [m, n] row-major; measured and modelled compute time."""
 
@@ -250,7 +251,7 @@ class TileResult(Message):
     model_ns: int = 0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Open(Message):
     """Job → server: start a job. ``block`` overrides the tile size (0: server default)."""
 
@@ -259,7 +260,7 @@ class Open(Message):
     block: int = 0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Gemm(Message):
     """Job → server: C = op(A)·op(B), [batch, m, n]; segments are A's and B's spans.
 
@@ -294,7 +295,7 @@ class Gemm(Message):
     host_ns: int = 0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Result(Message):
     """Server → job: C of GEMM ``gemm``, [batch, m, n] row-major, and how it was computed.
 
@@ -316,7 +317,7 @@ class Result(Message):
     oom: int = 0  # tiles whose operands did not fit a device's emulated memory
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Step(Message):
     """Job → server: training step ``step`` ended ``host_ns`` after the job's last GEMM
     result. The server answers, once the step is settled in virtual time, with the
@@ -342,7 +343,7 @@ class Step(Message):
     oom: int = 0  # tiles whose operands did not fit a device's emulated memory
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Close(Message):
     """Job → server: the job is over; the server answers with totals and closes."""
 
@@ -368,27 +369,64 @@ _WIRE_TYPES = {"int": (int,), "float": (float, int), "str": (str,), "bytes": (by
                "bool": (bool,), "dict": (dict,), "list": (list,)}  # fmt: skip
 
 
+class _Schema(NamedTuple):
+    """What ``from_wire`` checks a class's header against, worked out once per class."""
+
+    names: frozenset[str]
+    types: tuple[type, ...]  # each field's own type, in field order
+    # (name, wire type, the Python types it may arrive as, required), in field order
+    fields: tuple[tuple[str, str, tuple[type, ...], bool], ...]
+
+
+def _schema(cls: type[Message]) -> _Schema:
+    fields = [f for f in dataclasses.fields(cls) if f.name != "segments"]
+    cls.FIELDS = tuple(f.name for f in fields)
+    return _Schema(
+        frozenset(cls.FIELDS),
+        tuple(_WIRE_TYPES[f.type][0] for f in fields),
+        tuple((f.name, f.type, _WIRE_TYPES[f.type],
+               f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+              for f in fields),
+    )  # fmt: skip
+
+
+_SCHEMAS = {msg_type: _schema(cls) for msg_type, cls in MESSAGES.items()}
+_ABSENT = object()
+
+
 def from_wire(msg_type: int, header: dict[str, Any], segments: tuple[Any, ...]) -> Message:
-    """Build a message from a decoded header, or raise ``ValueError`` naming the field."""
+    """Build a message from a decoded header, or raise ``ValueError`` naming the field.
+
+    A header as ``Message.header`` writes it (every field, in order, each of its own
+    type) passes in two tuple comparisons; any other is checked field by field.
+    """
     cls = MESSAGES[msg_type]
-    name = cls.TYPE.name
     if len(segments) != cls.SEGMENTS:
-        raise ValueError(f"{name}: {len(segments)} payload segments, expected {cls.SEGMENTS}")
-    known = _header_fields(cls)
-    unknown = set(header) - {f.name for f in known}
-    if unknown:
-        raise ValueError(f"{name}: unknown header field(s) {sorted(map(repr, unknown))}")
-    values = {}
-    for f in known:
-        if f.name not in header:
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise ValueError(f"{name}: missing header field {f.name!r}")
+        raise ValueError(
+            f"{cls.TYPE.name}: {len(segments)} payload segments, expected {cls.SEGMENTS}"
+        )
+    schema = _SCHEMAS[msg_type]
+    if tuple(header) != cls.FIELDS or tuple(map(type, header.values())) != schema.types:
+        header = _checked(cls, schema, header)
+    return cls(**header, segments=segments)
+
+
+def _checked(cls: type[Message], schema: _Schema, header: dict[str, Any]) -> dict[str, Any]:
+    """``header`` checked field by field (unknown fields first, then the first problem in
+    field order is the one named), with ints given for floats made floats."""
+    if not header.keys() <= schema.names:
+        unknown = header.keys() - schema.names
+        raise ValueError(f"{cls.TYPE.name}: unknown header field(s) {sorted(map(repr, unknown))}")
+    values = header
+    for name, kind, allowed, required in schema.fields:
+        value = header.get(name, _ABSENT)
+        if value is _ABSENT:
+            if required:
+                raise ValueError(f"{cls.TYPE.name}: missing header field {name!r}")
             continue
-        value = header[f.name]
-        allowed = _WIRE_TYPES[f.type]
-        if not isinstance(value, allowed) or (f.type != "bool" and isinstance(value, bool)):
-            raise ValueError(
-                f"{name}.{f.name}: expected {f.type}, got {type(value).__name__} {value!r:.40}"
-            )
-        values[f.name] = float(value) if f.type == "float" else value
-    return cls(**values, segments=segments)
+        if not isinstance(value, allowed) or (kind != "bool" and isinstance(value, bool)):
+            raise ValueError(f"{cls.TYPE.name}.{name}: expected {kind}, got "
+                             f"{type(value).__name__} {value!r:.40}")  # fmt: skip
+        if kind == "float" and type(value) is not float:
+            values = {**values, name: float(value)}
+    return values

@@ -105,7 +105,7 @@ class Placement:
         if self._stale:
             self._rebuild()
         if self.policy == "greedy":
-            return self._greedy(now, work)
+            return self._greedy(now, work) if len(devices) > 1 else 0  # one: nothing to choose
         if self.policy == "load-balanced":
             counts = [d.outstanding(now) for d in devices]
             return counts.index(min(counts))

@@ -46,6 +46,7 @@ from .vdevice import VirtualDevice, Work
 log = logging.getLogger(__name__)
 
 ENDS_KEPT = 4096  # GEMM end times a job remembers for GEMMs issued "after" them
+WORKS_KEPT = 4096  # distinct tile ``Work``s kept for reuse (a run has few)
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,22 @@ class EventLog:
             f'"bytes_up":{work.bytes_up},"down":[{down_start},{down_end}],'
             f'"compute":[{compute_start},{compute_end}],"up":[{up_start},{up1!r}],'
             f'"freq_mhz":{mhz},"temp_c":{"null" if temp is None else repr(temp)}}}'
+        )
+
+    def coord(self, job: int, step: int, t0: float, t1: float) -> None:
+        """A coordinator-time record, formatted by hand as ``tile``'s (one per GEMM)."""
+        self._line(f'{{"ev":"coord","job":{job},"step":{step},"t0":{t0!r},"t1":{t1!r}}}')
+
+    def gemm(self, job: int, gemm: int, step: int, issue: float, end: float, tiles: int,
+             last: tuple[int, int] | None, shape: tuple[int, int, int, int]) -> None:  # fmt: skip
+        """A GEMM's record, formatted by hand as ``tile``'s (one per GEMM): its issue and
+        end, and the tile back last and its device (``last``; None for an empty GEMM)."""
+        last_tile, last_device = ("null", "null") if last is None else last
+        m, n, k, batch = shape
+        self._line(
+            f'{{"ev":"gemm","job":{job},"gemm":{gemm},"step":{step},"issue":{issue!r},'
+            f'"end":{end!r},"tiles":{tiles},"last_tile":{last_tile},'
+            f'"last_device":{last_device},"m":{m},"n":{n},"k":{k},"batch":{batch}}}'
         )
 
     def digest(self) -> str:
@@ -202,6 +219,7 @@ class Timeline:
         self._names: dict[int, str] = {}  # every job ever opened
         self._stalled: list[_Gemm] = []  # issued while no device was there
         self._tiles = 0  # tiles placed so far: their numbers in the log
+        self._works: dict[tuple[Any, ...], Work] = {}  # see ``_work``
 
     # -- fleet and jobs ----------------------------------------------------------------
 
@@ -300,11 +318,13 @@ class Timeline:
     # -- the clock ---------------------------------------------------------------------
 
     def _horizon(self) -> float:
-        """Events before this time are settled: no open job can issue anything earlier."""
-        return min(
-            (j.clock for j in self.jobs.values() if not j.waiting and not j.released),
-            default=math.inf,
-        )
+        """Events before this time are settled: no open job can issue anything earlier.
+        (Asked before every event: a loop, as ``min`` over a generator costs six times more.)"""
+        horizon = math.inf
+        for job in self.jobs.values():
+            if not job.waiting and not job.released and job.clock < horizon:
+                horizon = job.clock
+        return horizon
 
     def blocked(self) -> bool:
         """Events are due that an open job computing on the host holds back."""
@@ -348,8 +368,7 @@ class Timeline:
         start = max(base, times.t0)
         if at > start:
             times.coord_s += at - start
-            self.log.write({"ev": "coord", "job": job.id, "step": times.step,
-                            "t0": start, "t1": at})  # fmt: skip
+            self.log.coord(job.id, times.step, start, at)
 
     def _issue(self, gemm: _Gemm) -> None:
         """Place every tile at the issue time and run it through its device's FIFOs.
@@ -370,14 +389,13 @@ class Timeline:
         times.gemms += 1
         placement, task = self.placement, gemm.task
         head = self.log.tile_head(gemm.job.id, task.id, gemm.step)
-        works: dict[tuple[int, ...], Work] = {}
         placed = []
         end: float | None = None  # of the tile back last (``_Back``)
         end_tile = end_device = 0
         link_down = link_up = 0
         for tile in gemm.tiles:
             a, b = tile.operands()
-            work = self._work(works, task, tile, a, b)
+            work = self._work(task, tile, a, b)
             index = placement.choose(now, work)
             device = placement.devices[index]
             self._tiles += 1
@@ -395,20 +413,20 @@ class Timeline:
         gemm.place(placed)
         self.clock.at(end, self._returned, _Back(gemm, end, end_tile, end_device), tile=end_tile)
 
-    @staticmethod
-    def _work(works: dict[tuple[int, ...], Work], task: GemmTask, tile: TileTask, a: Block,
-              b: Block) -> Work:  # fmt: skip
-        """What ``tile`` asks of a device. Tiles of one GEMM that agree on everything it
-        depends on share one (``works``): a GEMM repeats few shapes, and building a
-        ``GemmShape`` checks every field."""
+    def _work(self, task: GemmTask, tile: TileTask, a: Block, b: Block) -> Work:
+        """What ``tile`` asks of a device. Tiles that agree on everything it depends on
+        share one, across GEMMs (``_works``): a run repeats few shapes, building a
+        ``GemmShape`` checks every field, and a device's model keeps its last one."""
+        g = task.request
         rows, cols = tile.shape
-        key = (rows, cols, a.sent_ld, b.sent_ld, a.nbytes + b.nbytes)
-        work = works.get(key)
+        key = (rows, cols, a.sent_ld, b.sent_ld, a.nbytes + b.nbytes, g.k, g.ta, g.tb, g.dtype)
+        work = self._works.get(key)
         if work is None:
-            g = task.request
+            if len(self._works) >= WORKS_KEPT:
+                self._works.clear()
             # k = 0 (C is zeros) is costed as k = 1: the models start at one product
             shape = GemmShape(rows, cols, max(g.k, 1), g.ta, g.tb, key[2], key[3], g.dtype)
-            work = works[key] = Work(key[4], rows * cols * task.out.itemsize, shape)
+            work = self._works[key] = Work(key[4], rows * cols * task.out.itemsize, shape)
         return work
 
     def _admit(self, gemm: _Gemm, times: StepTimes, device: VirtualDevice, a: Block, b: Block,
@@ -485,12 +503,10 @@ class Timeline:
     def _finish(self, gemm: _Gemm, last: _Back | None) -> None:
         """The GEMM's last tile is back (``last``; None for an empty GEMM)."""
         now, job, task = self.clock.now, gemm.job, gemm.task
-        self.log.write({"ev": "gemm", "job": job.id, "gemm": task.id, "step": gemm.step,
-                        "issue": gemm.issue, "end": now, "tiles": len(gemm.tiles),
-                        "last_tile": last.tile if last else None,
-                        "last_device": last.device if last else None,
-                        "m": task.request.m, "n": task.request.n, "k": task.request.k,
-                        "batch": task.request.batch})  # fmt: skip
+        g = task.request
+        self.log.gemm(job.id, task.id, gemm.step, gemm.issue, now, len(gemm.tiles),
+                      None if last is None else (last.tile, last.device),
+                      (g.m, g.n, g.k, g.batch))  # fmt: skip
         job.clock = max(job.clock, now)
         job.waiting -= 1
         job.ends[task.id] = now

@@ -288,6 +288,40 @@ def test_an_int_is_accepted_for_a_float_field_and_becomes_a_float():
     assert type(msg.heartbeat_s) is float
 
 
+GEMM_HEADER = {"gemm": 7, "dtype": "float32", "ta": False, "tb": False, "m": 1, "n": 1,
+               "k": 1, "lda": 1, "ldb": 1, "batch": 1, "stride_a": 0, "stride_b": 0,
+               "ref_a": [], "ref_b": [], "after": 0, "host_ns": 0}  # fmt: skip
+
+
+@pytest.mark.parametrize("change, problem", [
+    ({}, None),
+    ({"m": True}, ["GEMM.m", "expected int", "bool"]),
+    ({"ta": 1}, ["GEMM.ta", "expected bool", "int"]),
+    ({"lda": 1.0, "k": "1"}, ["GEMM.k", "expected int", "str"]),  # the first in field order
+    ({"n": None}, ["GEMM.n", "expected int", "NoneType"]),
+])  # fmt: skip
+def test_a_header_in_any_field_order_decodes_the_same(change, problem):
+    """A header as ``encode`` writes it (every field in order, each of its own type) takes
+    a shortcut; the same fields in another order take the field-by-field check. Both give
+    the same message, or name the same problem."""
+    header = {**GEMM_HEADER, **change}
+    seg = {"seg": [["float32", [1], 4], ["float32", [1], 4]]}
+    outcomes = []
+    for fields in (header, dict(reversed(header.items()))):
+        dec = Decoder()
+        try:
+            dec.receive_data(frame(MsgType.GEMM, {**fields, **seg}, b"\0" * 8))
+        except ProtocolError as exc:
+            check_error(exc, "bad_header", problem)
+            outcomes.append(exc.reason)
+        else:
+            assert problem is None
+            outcomes.append(dec.next_message())
+    assert outcomes[0] == outcomes[1]
+    if problem is None:
+        assert outcomes[0] == Gemm(**GEMM_HEADER)
+
+
 def test_large_payload_lands_in_the_allocated_buffer():
     allocated: list[memoryview] = []
 

@@ -238,15 +238,24 @@ class EveryTileAfresh(Placement):
         self._kept = None
 
 
+class Forgetful(dict):
+    """Keeps nothing: as the timeline's ``Work`` cache, a new ``Work`` for every tile."""
+
+    def __setitem__(self, key, value) -> None:
+        pass
+
+
 def test_greedy_places_as_it_would_predicting_every_device_afresh():
     """Greedy keeps its predictions while tiles ask the same and updates only the device
-    that took one; the log is the same, bit for bit, as predicting the whole fleet for
-    every tile: through throttling (speeds change), edge tiles and several GEMMs."""
+    that took one, and tiles alike share one ``Work`` across GEMMs; the log is the same,
+    bit for bit, as predicting the whole fleet for a new ``Work`` for every tile: through
+    throttling (speeds change), edge tiles and several GEMMs."""
     logs, placed = [], []
     for reference in (False, True):
         tl, sink = new_timeline()
         if reference:
             tl.placement = EveryTileAfresh("greedy")
+            tl._works = Forgetful()
         for i, (name, link) in enumerate([("rpi4", "ideal"), ("rpi4", "lan"),
                                           ("orin-nano", "lan"), ("rpi5", "wifi")]):  # fmt: skip
             tl.add_device(i, f"{name}-{i}", LINKS[link].apply(BUILTIN[name]))
@@ -290,6 +299,29 @@ def test_tile_records_are_what_write_would_give():
     for line in expected:
         reference.write(json.loads(line))
     assert log.digest() == reference.digest() and log.count == len(calls)
+
+
+def test_every_record_of_a_run_is_what_write_would_give():
+    """Tile, coordinator and GEMM records are formatted by hand; through steps, two jobs,
+    throttling and an OOM, every line is still exactly ``write``'s JSON of its record."""
+    tl, sink = new_timeline("round-robin")
+    tl.add_device(0, "rpi4-0", LINKS["ideal"].apply(BUILTIN["rpi4"]))
+    tl.add_device(1, "small", profile(memory=100_000))
+    for job in (1, 2):
+        tl.open_job(job, f"job-{job}")
+    rec, steps = Recorder(), []
+    submit(tl, rec, 1, sustained(1, 3000), block=64)  # heats the rpi4; the other is too small
+    submit(tl, rec, 2, task(1, 300, 500, 200), block=128, host_s=0.01)
+    tl.mark_step(1, 1, host_s=0.25, done=steps.append)
+    submit(tl, rec, 1, task(2, 100, 100, 100), block=256, host_s=1 / 3)
+    submit(tl, rec, 2, task(2, 300, 500, 200), block=128, after=1, host_s=0.02)
+    for job in (1, 2):
+        tl.close_job(job)
+    lines = sink.getvalue().splitlines()
+    kinds = {json.loads(line)["ev"] for line in lines}
+    assert kinds == {"tile", "coord", "gemm", "step", "freq", "oom"}
+    for line in lines:
+        assert line == json.dumps(json.loads(line), separators=(",", ":"))
 
 
 # --- jobs in virtual time --------------------------------------------------------------------
