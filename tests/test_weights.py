@@ -221,11 +221,11 @@ def test_device_memory_keeps_recent_blocks_and_forgets_stale_ones():
 
 
 def test_working_copies_of_dead_emulators_are_removed(tmp_path):
-    from morphling.proxy.weights import _remove_orphans
+    from morphling.proxy.shm import remove_orphans
 
     dead = tmp_path / "morphling-weights-999999999-abc"  # no such pid
     alive = tmp_path / f"morphling-weights-{os.getpid()}-abc"
     dead.write_bytes(b"x")
     alive.write_bytes(b"x")
-    _remove_orphans(tmp_path)
+    remove_orphans(tmp_path, "weights")
     assert not dead.exists() and alive.exists()
