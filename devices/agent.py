@@ -24,6 +24,7 @@ import numpy as np
 
 from ..kernels import BufferPool, GemmResult, WorkerPool, plan_explicit, run_plan
 from ..proxy import challenge
+from ..proxy.arena import OperandArena
 from ..proxy.auth import hello
 from ..proxy.connection import FrameConnection, pool_allocator
 from ..proxy.messages import (
@@ -62,6 +63,7 @@ class DeviceConnection(FrameConnection):
         self.agent = agent
         self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.weights: SharedWeights | None = None  # the emulator's, when on this host
+        self.arena: OperandArena | None = None  # likewise
         self.cache: dict[tuple[int, ...], Any] = {}  # weight blocks sent by value, by ref
 
     def disconnected(self, exc: Exception | None) -> None:
@@ -77,10 +79,15 @@ class DeviceConnection(FrameConnection):
             if msg.auth and not agent.token:
                 log.error("%s: the emulator requires a token (--token)", agent.name)
             caps = {"virtual": agent.virtual}
-            if msg.weights and agent.share_weights:
-                self.weights = SharedWeights.shared(msg.weights)
-                if self.weights is not None:
-                    caps["weights"] = str(self.weights.path)
+            if agent.share_memory:
+                if msg.weights:
+                    self.weights = SharedWeights.shared(msg.weights)
+                    if self.weights is not None:
+                        caps["weights"] = str(self.weights.path)
+                if msg.arena:
+                    self.arena = OperandArena.shared(msg.arena)
+                    if self.arena is not None:
+                        caps["arena"] = str(self.arena.path)
             self.send(hello(
                 msg, agent.token, "device", name=agent.name, uuid=agent.uuid,
                 profile=agent.profile.to_wire(), caps=caps,
@@ -112,8 +119,7 @@ class DeviceConnection(FrameConnection):
         for ref in msg.drop:
             self.cache.pop(tuple(ref), None)
         try:
-            a = self._operand(msg.segments[0], msg.ref_a, msg.dtype)
-            b = self._operand(msg.segments[1], msg.ref_b, msg.dtype)
+            a, b = self._operand(msg, "a"), self._operand(msg, "b")
         except (KeyError, ValueError, TypeError) as exc:
             self.fail("bad_tile", f"TILE {msg.tile}: {exc}")
             return
@@ -134,9 +140,21 @@ class DeviceConnection(FrameConnection):
         future = agent.workers.submit_plan(plan, out, keep=(a, b))
         future.add_done_callback(lambda f: self._tile_done(msg.tile, model_ns, f))
 
-    def _operand(self, segment: Any, ref: list, dtype: str) -> Any:
-        """A tile operand: its bytes (kept under ``ref`` if it has one), or the block
-        ``ref`` names, read from the shared weights or from what was kept."""
+    def _operand(self, msg: Tile, which: str) -> Any:
+        """Operand ``which`` ("a" or "b") of a tile: read from the operand arena, its
+        bytes (kept under its ref if it has one), or the weight block its ref names,
+        read from the shared weights or from what was kept."""
+        dtype = msg.dtype
+        if which == "a":
+            segment, ref, at, ld = msg.segments[0], msg.ref_a, msg.arena_a, msg.lda
+            rows, cols = (msg.k, msg.m) if msg.ta else (msg.m, msg.k)
+        else:
+            segment, ref, at, ld = msg.segments[1], msg.ref_b, msg.arena_b, msg.ldb
+            rows, cols = (msg.n, msg.k) if msg.tb else (msg.k, msg.n)
+        if at >= 0:
+            if self.arena is None:
+                raise ValueError(f"arena_{which}={at}, but this device maps no operand arena")
+            return self.arena.region(at, (rows - 1) * ld + cols if rows and cols else 0, dtype)
         if not ref:
             return segment
         key = tuple(ref)
@@ -193,7 +211,7 @@ class DeviceAgent:
         token: str = "",
         virtual: bool = False,
         inline_flops: int = INLINE_FLOPS,
-        share_weights: bool = True,
+        share_memory: bool = True,
         tls: Tls | None = None,
     ) -> None:
         self.profile = profile
@@ -203,7 +221,7 @@ class DeviceAgent:
         self.token = token
         self.virtual = virtual
         self.inline_flops = inline_flops  # tiles up to this many FLOPs skip the worker pool
-        self.share_weights = share_weights  # map the emulator's weights when on the same host
+        self.share_memory = share_memory  # map the emulator's weights and arena on its host
         self.tls = tls
         self.uuid = uuidlib.uuid4().hex
         self.device_id: int | None = None

@@ -46,10 +46,10 @@ class DeviceConfig(ConnectConfig):
     profile: str = _opt(DEFAULT_PROFILE, "built-in profile name or a profile TOML file")
     name: str = _opt("", "device name in the emulator's logs (default: the host name)")
     reconnect: bool = _opt(True, "reconnect with backoff when the connection is lost")
-    share_weights: bool = _opt(
+    share_memory: bool = _opt(
         True,
-        "read the emulator's shared weights from memory when on "
-        "its host (off: receive them as bytes, like a remote board)",
+        "read the emulator's shared weights and operands from memory "
+        "when on its host (off: receive them as bytes, like a remote board)",
     )
 
 
@@ -109,7 +109,7 @@ def run_device(args: argparse.Namespace) -> int:
     def make(workers: WorkerPool) -> DeviceAgent:
         name = cfg.name or os.uname().nodename
         return DeviceAgent(profile, workers, BufferPool(), name=name, token=cfg.token,
-                           share_weights=cfg.share_weights, tls=tls)  # fmt: skip
+                           share_memory=cfg.share_memory, tls=tls)  # fmt: skip
 
     return _run_until_stopped(
         cfg.threads, make, lambda a: a.run(host, port, reconnect=cfg.reconnect)

@@ -76,6 +76,7 @@ class Greeting(Message):
     nonce: bytes
     auth: bool
     weights: dict = field(default_factory=dict)  # the shared weights: path, digest, nbytes
+    arena: dict = field(default_factory=dict)  # the operand arena: path, nbytes
 
 
 @dataclass(slots=True)
@@ -222,6 +223,10 @@ class Tile(Message):
     device reads it from its mapping of the shared weights, or else from its
     cache; with bytes, it caches them under the ref. ``drop`` lists refs the
     device may forget.
+
+    ``arena_a``/``arena_b`` >= 0 (segment empty): the operand's first element
+    is at that byte offset in the emulator's operand arena, which the device
+    maps; -1: it is not there.
     """
 
     TYPE = MsgType.TILE
@@ -238,6 +243,8 @@ class Tile(Message):
     ref_a: list = field(default_factory=list)
     ref_b: list = field(default_factory=list)
     drop: list = field(default_factory=list)
+    arena_a: int = -1
+    arena_b: int = -1
 
 
 @dataclass(slots=True)

@@ -27,6 +27,7 @@ class DeviceRecord:
     queue: deque = field(default_factory=deque)
     completed: int = 0
     colocated: bool = False  # maps the emulator's shared weights (same host)
+    arena: bool = False  # maps the emulator's operand arena (same host)
 
     def take(self, tile: TileTask) -> None:
         self.outstanding[tile.id] = tile
@@ -49,11 +50,11 @@ class Registry:
         self.devices: dict[int, DeviceRecord] = {}
 
     def add(
-        self, name: str, declared: DeviceProfile, conn: Any, *, virtual: bool, colocated: bool
-    ) -> DeviceRecord:
-        record = DeviceRecord(
-            next(self._ids), name, declared, conn, virtual, model=declared, colocated=colocated
-        )
+        self, name: str, declared: DeviceProfile, conn: Any, *, virtual: bool, colocated: bool,
+        arena: bool = False,
+    ) -> DeviceRecord:  # fmt: skip
+        record = DeviceRecord(next(self._ids), name, declared, conn, virtual, model=declared,
+                              colocated=colocated, arena=arena)  # fmt: skip
         self.devices[record.id] = record
         return record
 

@@ -67,6 +67,12 @@ class RunConfig:
         choices=MODES,
     )
     coordinator_scale: float = _opt(1.0, "multiplies measured coordinator time", min=0.0)
+    arena_bytes: int = _opt(
+        EmulatorConfig.arena_bytes,
+        "operand arena the embedded devices read operands from (--embedded; 0: none, "
+        "operands go as bytes)",
+        min=0,
+    )
     min_flops: int = _opt(DEFAULT_MIN_FLOPS, "GEMMs with fewer FLOPs run locally", min=0)
     run_dir: str = _opt(
         "",
@@ -153,7 +159,11 @@ def run(args: argparse.Namespace) -> int:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         run_dir = cfg.run_dir or str(Path("morphling-runs") / f"{Path(target[1]).stem}-{stamp}")
     emulator = dataclasses.replace(
-        EmulatorConfig(), policy=cfg.policy, run_dir=run_dir, bottleneck_dl_bw=cfg.bottleneck_bw
+        EmulatorConfig(),
+        policy=cfg.policy,
+        run_dir=run_dir,
+        bottleneck_dl_bw=cfg.bottleneck_bw,
+        arena_bytes=cfg.arena_bytes,
     )
     if cfg.block_size:
         emulator = dataclasses.replace(emulator, block_size=cfg.block_size)

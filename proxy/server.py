@@ -24,9 +24,10 @@ import numpy as np
 from ..devices.profiles import DeviceProfile
 from ..kernels import BufferPool
 from . import probes
+from .arena import OperandArena
 from .auth import mac_matches
 from .codec import ProtocolError
-from .connection import FrameConnection, pool_allocator
+from .connection import SMALL_PAYLOAD, FrameConnection, pool_allocator
 from .memory import Admission
 from .messages import (
     Bye,
@@ -68,7 +69,7 @@ class PeerConnection(FrameConnection):
         super().__init__(
             Conversation("server"),
             max_payload=cfg.max_payload_bytes,
-            allocate=emulator.allocate,
+            allocate=self._payload_memory,
             high_water=cfg.high_water_bytes,
         )
         self.emulator = emulator
@@ -93,8 +94,10 @@ class PeerConnection(FrameConnection):
         self.connected_at = time.monotonic()
         self.emulator.peers.add(self)
         weights = self.emulator.weights
+        arena = self.emulator.arena
         self.send(Greeting(version=1, nonce=self.nonce, auth=bool(self.emulator.config.token),
-                           weights=weights.announce() if weights else {}))  # fmt: skip
+                           weights=weights.announce() if weights else {},
+                           arena=arena.announce() if arena else {}))  # fmt: skip
 
     def disconnected(self, exc: Exception | None) -> None:
         self.emulator.peers.discard(self)
@@ -122,6 +125,16 @@ class PeerConnection(FrameConnection):
         for task in self.gemms.values():
             scheduler.cancel(task)
         self.gemms.clear()
+
+    def _payload_memory(self, nbytes: int) -> memoryview:
+        """Where a received payload goes: a job's large operands into the operand arena
+        (devices on this host read them there), the rest into the buffer pool."""
+        arena = self.emulator.arena
+        if self.job_id and arena is not None and nbytes >= SMALL_PAYLOAD:
+            view = arena.allocate(nbytes)
+            if view is not None:
+                return view
+        return self.emulator.allocate(nbytes)
 
     def writability_changed(self) -> None:
         if self.writable and self.device is not None:
@@ -188,11 +201,12 @@ class PeerConnection(FrameConnection):
                 declared = DeviceProfile.from_wire(msg.profile)
             except ValueError as exc:
                 raise ProtocolError(f"HELLO.profile: {exc}", "bad_hello") from None
-            weights = self.emulator.weights
+            weights, arena = self.emulator.weights, self.emulator.arena
             self.device = self.emulator.registry.add(
                 msg.name or self.peername, declared, self,
                 virtual=bool(msg.caps.get("virtual", False)),
                 colocated=weights is not None and msg.caps.get("weights") == str(weights.path),
+                arena=arena is not None and msg.caps.get("arena") == str(arena.path),
             )  # fmt: skip
             peer_id = self.device.id
         elif msg.role in ("job", "probe"):
@@ -350,6 +364,7 @@ class Emulator:
         self.allocate = pool_allocator(self.pool)
         self.peers: set[PeerConnection] = set()
         self.weights: SharedWeights | None = None  # the checkpoint's, once started
+        self.arena: OperandArena | None = None  # jobs' operands, once started
         self.probing = asyncio.Semaphore(config.probe_concurrency)
         self._client_ids = 0
         self._server: asyncio.Server | None = None
@@ -375,30 +390,36 @@ class Emulator:
     # -- tiles ---------------------------------------------------------------------------
 
     def _send_tile(self, device: DeviceRecord, tile: TileTask, admission: Admission | None) -> None:
-        """Send a tile: weight blocks the device can map or already holds go by reference,
-        everything else as bytes. ``admission`` is the device's emulated memory's say
-        (from the timeline); None for a tile moved off a lost device: all bytes."""
+        """Send a tile: blocks of the operand arena or of weights the device can map, or
+        weight blocks it already holds, go by reference, everything else as bytes.
+        ``admission`` is the device's emulated memory's say (from the timeline); None
+        for a tile moved off a lost device: all bytes but what it maps."""
         task = tile.gemm
         g = task.request
         rows, cols = tile.shape
-        sent: list[tuple[np.ndarray, int, list[int]]] = []
+        arena = self.arena if device.arena else None
+        sent: list[tuple[np.ndarray, int, list[int], int]] = []
         for block in tile.operands():
-            if block.offset is None:
-                sent.append((*task.packed(block), []))
-            elif device.colocated:  # it reads the span from its own mapping
-                sent.append((block.span[:0], block.ld, block.ref))
+            at = arena.offset_of(block.span) if arena is not None else None
+            if at is not None:  # it reads the span from its mapping of the arena
+                sent.append((block.span[:0], block.ld, [], at))
+            elif block.offset is None:
+                sent.append((*task.packed(block), [], -1))
+            elif device.colocated:  # it reads the span from its mapping of the weights
+                sent.append((block.span[:0], block.ld, block.ref, -1))
             elif admission is None:
-                sent.append((*task.packed(block), []))
+                sent.append((*task.packed(block), [], -1))
             elif block.key in admission.held:  # it holds the bytes sent before
-                sent.append((block.span[:0], block.sent_ld, block.ref))
+                sent.append((block.span[:0], block.sent_ld, block.ref, -1))
             else:  # bytes, to be kept under the ref if they fit
-                sent.append((*task.packed(block), block.ref if admission.fits else []))
-        (a, lda, ref_a), (b, ldb, ref_b) = sent
+                sent.append((*task.packed(block), block.ref if admission.fits else [], -1))
+        (a, lda, ref_a, at_a), (b, ldb, ref_b, at_b) = sent
         task.bytes_down += a.nbytes + b.nbytes
         drop = admission.evicted if admission is not None and not device.colocated else []
         device.conn.send(Tile(
-            tile=tile.id, dtype=g.dtype, ta=g.ta, tb=g.tb, m=rows, n=cols, k=g.k,
-            lda=lda, ldb=ldb, ref_a=ref_a, ref_b=ref_b, drop=drop, segments=(a, b),
+            tile=tile.id, dtype=g.dtype, ta=g.ta, tb=g.tb, m=rows, n=cols, k=g.k, lda=lda,
+            ldb=ldb, ref_a=ref_a, ref_b=ref_b, drop=drop, arena_a=at_a, arena_b=at_b,
+            segments=(a, b),
         ))  # fmt: skip
 
     def tile_result(self, device: DeviceRecord | None, msg: TileResult) -> None:
@@ -435,6 +456,8 @@ class Emulator:
         loop = asyncio.get_running_loop()
         if self.config.ckpt_path and self.weights is None:
             self.weights = await asyncio.to_thread(SharedWeights.create, self.config.ckpt_path)
+        if self.config.arena_bytes and self.arena is None:
+            self.arena = OperandArena.create(self.config.arena_bytes)
         self._server = await loop.create_server(
             lambda: PeerConnection(self),
             self.config.listen_ip,
@@ -478,8 +501,9 @@ class Emulator:
                 peer.close()
         if self._server is not None:
             await self._server.wait_closed()
-        if self.weights is not None:
-            self.weights.close()
+        for shared in (self.weights, self.arena):
+            if shared is not None:
+                shared.close()
         self.write_run()
         if self._events is not None:
             self._events.close()

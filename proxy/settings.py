@@ -42,6 +42,13 @@ class EmulatorConfig:
     high_water_bytes: int = _opt(4 << 20, "per-device send buffer above which no tile is sent",
                                  min=1, aliases=("--send_high_water_mark",))  # fmt: skip
     max_payload_bytes: int = _opt(1 << 30, "largest frame payload accepted", min=1)
+    arena_bytes: int = _opt(
+        1 << 30,
+        "shared-memory arena for jobs' GEMM operands, which devices on this "
+        "host read in place instead of receiving them as bytes (reserved as "
+        "used); 0: none",
+        min=0,
+    )
     heartbeat_s: float = _opt(5.0, "send a heartbeat after this long without traffic", min=0.01)
     heartbeat_timeout_s: float = _opt(15.0, "drop a peer silent for this long", min=0.01)
     hello_timeout_s: float = _opt(10.0, "drop a connection that sends no HELLO in time", min=0.01)

@@ -12,11 +12,13 @@ AdamW:
 - ``fleet_rss_mib``: peak RSS (VmHWM) of a ``morphling fleet`` process after
   a job ran two steps on it with shared weights (``--ckpt``), with 10 and with
   1,000 virtual devices; the difference.
-- ``weight_refs``: bytes the emulator sent to devices on the wire per step
-  (``wire_down`` of the ``--json`` report) under ``--embedded --devices 8`` with
-  and without ``--ckpt``, and their ratio. (The report's ``bytes_down`` is what
-  crossed the *emulated* links: there a weight changed by the optimizer step must
-  reach the device again, so it is the same with and without shared weights.)
+- ``weight_refs`` and ``operand_arena``: bytes the emulator sent to devices on the
+  wire per step (``wire_down`` of the ``--json`` report) under ``--embedded --devices
+  8``: with every operand as bytes (``--arena-bytes 0``), with weights by reference
+  (``--arena-bytes 0 --ckpt``), and with operands read from the operand arena (the
+  default, no checkpoint); each ratio is to the first. (The report's ``bytes_down`` is
+  what crossed the *emulated* links: there a weight changed by the optimizer step must
+  reach the device again, so it is the same whatever the wire carried.)
 """
 
 from __future__ import annotations
@@ -119,17 +121,31 @@ def bench_fleet_rss(children: Children, script: Path, ckpt: Path) -> dict:
     }  # fmt: skip
 
 
-def bench_weight_refs(script: Path, ckpt: Path, workdir: Path) -> dict:
+def bench_wire_bytes(script: Path, ckpt: Path, workdir: Path) -> dict:
+    """Bytes sent to devices per step, all as bytes vs by weight reference vs read from the
+    operand arena; the first two with the arena off, so each figure isolates one path."""
     down = {}
-    for label, extra in (("without", []), ("with", ["--ckpt", str(ckpt)])):
-        report = workdir / f"refs-{label}.json"
+    for label, extra in (
+        ("bytes", ["--arena-bytes", "0"]),
+        ("weight_refs", ["--arena-bytes", "0", "--ckpt", str(ckpt)]),
+        ("arena", []),
+    ):
+        report = workdir / f"wire-{label}.json"
         step_times(run_cmd(script, 2, "--embedded", "--devices", "8", "--json", str(report),
                            *extra))  # fmt: skip
         down[label] = json.loads(report.read_text())["steps"][-1]["wire_down"]
     return {
-        "bytes_down_per_step_without": down["without"], "bytes_down_per_step_with": down["with"],
-        "bytes_ratio": round(down["with"] / down["without"], 3),
-    }  # fmt: skip
+        "weight_refs": {
+            "bytes_down_per_step_without": down["bytes"],
+            "bytes_down_per_step_with": down["weight_refs"],
+            "bytes_ratio": round(down["weight_refs"] / down["bytes"], 3),
+        },
+        "operand_arena": {
+            "bytes_down_per_step_without": down["bytes"],
+            "bytes_down_per_step_with": down["arena"],
+            "bytes_ratio": round(down["arena"] / down["bytes"], 3),
+        },
+    }
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -158,8 +174,8 @@ def run(args: argparse.Namespace) -> dict:
             bar.set_description("step_overhead")
             results["step_overhead"] = bench_overhead(children, script, args.steps, args.reps)
             bar.update()
-            bar.set_description("weight_refs")
-            results["weight_refs"] = bench_weight_refs(script, ckpt, workdir)
+            bar.set_description("wire bytes")
+            results.update(bench_wire_bytes(script, ckpt, workdir))
             bar.update()
             bar.set_description("fleet_rss_mib")
             results["fleet_rss_mib"] = bench_fleet_rss(children, script, ckpt)

@@ -602,8 +602,10 @@ async def test_window_of_one_bounds_tiles_in_flight(fleet):
 
 async def test_tiles_wait_for_a_full_send_buffer_to_drain(fleet):
     """With a 1-byte high-water mark every big tile pauses its device's connection; tiles
-    resume as the buffers drain (``resume_writing``), and the GEMM completes."""
-    f = await fleet(block_size=128, window=4, high_water_bytes=1, policy="load-balanced")
+    resume as the buffers drain (``resume_writing``), and the GEMM completes. (No operand
+    arena, so that the operands cross the wire.)"""
+    f = await fleet(block_size=128, window=4, high_water_bytes=1, policy="load-balanced",
+                    arena_bytes=0)  # fmt: skip
     for _ in range(2):
         await f.add_device()
     client = await f.client()

@@ -3,7 +3,7 @@
 A checkpoint holds one weight ``w`` [96, 64]. The emulator shares it; the job
 maps the shared copy and sends GEMMs on views of it by reference. Devices on
 this host read weight blocks from their own mapping (no weight bytes on the
-wire); a device that does not map it (``share_weights=False``, as a board on
+wire); a device that does not map it (``share_memory=False``, as a board on
 another host) gets each block once and then a reference, until the weight
 changes. Bytes are counted from each RESULT's ``bytes_down``.
 """
@@ -53,12 +53,12 @@ class Setup:
         self.tasks: list[asyncio.Task] = []
         self.agents: list[DeviceAgent] = []
 
-    async def add_device(self, *, share_weights: bool = True, memory: int = 0) -> DeviceAgent:
+    async def add_device(self, *, share_memory: bool = True, memory: int = 0) -> DeviceAgent:
         profile = BUILTIN["rpi4"]
         if memory:
             profile = dataclasses.replace(profile, memory_bytes=memory)
         agent = DeviceAgent(profile, self.workers, self.pool, name=f"d{len(self.agents)}",
-                            virtual=True, share_weights=share_weights)  # fmt: skip
+                            virtual=True, share_memory=share_memory)  # fmt: skip
         self.agents.append(agent)
         self.tasks.append(asyncio.create_task(agent.run(self.host, self.port, reconnect=False)))
         for _ in range(1000):
@@ -139,7 +139,7 @@ async def test_colocated_devices_read_weights_by_reference(setup):
 
 async def test_remote_device_gets_weight_bytes_once_until_they_change(setup):
     s = await setup()
-    await s.add_device(share_weights=False)
+    await s.add_device(share_memory=False)
     client, w = await s.job()
     x = torch.randn(M, K)
     first = await asyncio.to_thread(product, client, x, w.t())
@@ -163,7 +163,7 @@ async def test_remote_device_gets_weight_bytes_once_until_they_change(setup):
 
 async def test_operands_that_do_not_fit_are_an_emulated_oom(setup, caplog):
     s = await setup()
-    await s.add_device(share_weights=False, memory=8 << 10)  # the smallest tile needs 11 KiB
+    await s.add_device(share_memory=False, memory=8 << 10)  # the smallest tile needs 11 KiB
     client, w = await s.job()
     x = torch.randn(M, K)
     with caplog.at_level(logging.WARNING, logger="morphling.proxy.timeline"):
