@@ -38,12 +38,14 @@ class ConnectConfig:
     tls: bool = _opt(False, "connect with TLS (to an nginx that terminates it)")
     tls_ca: str = _opt("", "CA certificates (PEM) to trust with --tls; empty: the system's")
     tls_server_name: str = _opt("", "name the certificate must carry; empty: the --server host")
-    threads: int = _opt(os.cpu_count() or 1, "BLAS threads per kernel worker", min=1)
 
 
 @dataclass(frozen=True)
 class DeviceConfig(ConnectConfig):
     profile: str = _opt(DEFAULT_PROFILE, "built-in profile name or a profile TOML file")
+    # A board computes one tile at a time with all its cores, as its FLOPS probe measured.
+    workers: int = _opt(1, "kernel workers (tiles computed at once)", min=1)
+    threads: int = _opt(os.cpu_count() or 1, "BLAS threads per kernel worker", min=1)
     name: str = _opt("", "device name in the emulator's logs (default: the host name)")
     reconnect: bool = _opt(True, "reconnect with backoff when the connection is lost")
     share_memory: bool = _opt(
@@ -56,6 +58,11 @@ class DeviceConfig(ConnectConfig):
 @dataclass(frozen=True)
 class FleetConfig(ConnectConfig):
     devices: str = _opt("4", "fleet SPEC: NAME:COUNT,... (e.g. rpi4:12,orin-nano:4) or a count")
+    # Virtual devices' tiles are independent: one single-threaded worker per core keeps
+    # every core busy with no BLAS thread ever waiting at a barrier for a core the event
+    # loop holds (a two-thread MKL call then takes 20x longer).
+    workers: int = _opt(os.cpu_count() or 1, "kernel workers (tiles computed at once)", min=1)
+    threads: int = _opt(1, "BLAS threads per kernel worker", min=1)
     link: str = _opt("", "link preset for every device (empty: the profiles' own)",
                      choices=("", *LINKS))  # fmt: skip
     cooling: str = _opt("", "cooling of every device (empty: the profiles' own)",
@@ -112,7 +119,7 @@ def run_device(args: argparse.Namespace) -> int:
                            share_memory=cfg.share_memory, tls=tls)  # fmt: skip
 
     return _run_until_stopped(
-        cfg.threads, make, lambda a: a.run(host, port, reconnect=cfg.reconnect)
+        cfg.workers, cfg.threads, make, lambda a: a.run(host, port, reconnect=cfg.reconnect)
     )
 
 
@@ -127,6 +134,7 @@ def run_fleet(args: argparse.Namespace) -> int:
         return 2
 
     return _run_until_stopped(
+        cfg.workers,
         cfg.threads,
         lambda workers: Fleet(profiles, workers, BufferPool(), token=cfg.token, tls=tls),
         lambda fleet: fleet.run(host, port),
@@ -134,6 +142,7 @@ def run_fleet(args: argparse.Namespace) -> int:
 
 
 def _run_until_stopped(
+    workers: int,
     threads: int,
     make: Callable[[WorkerPool], DeviceAgent | Fleet],
     run: Callable[[Any], Awaitable[int]],
@@ -147,8 +156,8 @@ def _run_until_stopped(
 
     async def main(stop: asyncio.Event) -> int:
         systemd = Notifier()
-        with WorkerPool([CpuBackend(threads=threads)]) as workers:
-            devices = make(workers)
+        with WorkerPool([CpuBackend(threads) for _ in range(workers)]) as pool:
+            devices = make(pool)
             task = asyncio.ensure_future(run(devices))
             stopper = asyncio.ensure_future(stop.wait())
 

@@ -31,7 +31,7 @@ class EmbeddedFleet:
     """``start()`` returns the emulator's (host, port) once every device is ready."""
 
     def __init__(
-        self, devices: str, config: EmulatorConfig | None = None, *, threads: int | None = None,
+        self, devices: str, config: EmulatorConfig | None = None, *, workers: int | None = None,
         link: str | None = None, cooling: str | None = None, run_info: dict | None = None,
     ) -> None:  # fmt: skip
         # ValueError for a bad SPEC, link or cooling, before any thread starts
@@ -40,7 +40,7 @@ class EmbeddedFleet:
         self.config = dataclasses.replace(
             config or EmulatorConfig(), listen_ip="127.0.0.1", listen_port=0
         )
-        self.threads = threads or os.cpu_count() or 1
+        self.workers = workers or os.cpu_count() or 1  # single-threaded, as morphling fleet's
         self.emulator: Emulator | None = None
         self.address: tuple[str, int] | None = None
         self._ready = threading.Event()  # set when ready, or when starting failed
@@ -66,7 +66,7 @@ class EmbeddedFleet:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         try:
-            with WorkerPool([CpuBackend(threads=self.threads)]) as workers:
+            with WorkerPool([CpuBackend(1) for _ in range(self.workers)]) as workers:
                 pool = BufferPool(pin=False)  # one pool (and memlock budget) for both sides
                 emulator = self.emulator = Emulator(self.config, pool=pool)
                 emulator.run_info.update(self.run_info)
