@@ -529,6 +529,8 @@ class Emulator:
             else {"dl_bw": bottleneck.dl_bw, "ul_bw": bottleneck.ul_bw},
             "fleet": fleet, "jobs": self.timeline.job_names(),
             "events": self.timeline.log.count, "digest": self.timeline.log.digest(),
+            # each job of a standalone emulator chose its own (``morphling run`` says which)
+            "coordinator_time": "per job",
             **self.run_info,
         }  # fmt: skip
         path = Path(cfg.run_dir) / "run.json"

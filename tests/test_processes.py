@@ -346,6 +346,24 @@ async def test_sigterm_emulator_and_sigint_device_exit_cleanly(procs: Procs):
     assert fleet.wait(timeout=5) == 0
 
 
+async def test_a_standalone_emulators_run_directory_is_reported(procs: Procs, tmp_path):
+    run_dir = tmp_path / "run"
+    emulator, port = procs.emulator("--no-probe", "--run-dir", str(run_dir))
+    procs.fleet(port, "2")
+    procs.wait_for(emulator, JOINED, 2)
+    client = await AsyncClient.connect("127.0.0.1", port, name="job")
+    a = np.ones((40, 30), np.float32)
+    np.testing.assert_array_equal(await client.matmul(a, a.T, timeout=30), a @ a.T)
+    await client.step(1)
+    await client.close()
+    emulator.signal(signal.SIGTERM)
+    assert emulator.wait(timeout=5) == 0
+    report = subprocess.run([*MORPHLING, "report", "--no-plots", str(run_dir)],
+                            capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert report.returncode == 0, report.stderr
+    assert "coordinator time per job" in report.stdout
+
+
 async def test_sigint_connected_device_exits_0_and_emulator_sees_it_leave(procs: Procs):
     emulator, port = procs.emulator("--no-probe")
     device = procs.device(port, "dev-0")
