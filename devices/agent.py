@@ -120,25 +120,38 @@ class DeviceConnection(FrameConnection):
             self.cache.pop(tuple(ref), None)
         try:
             a, b = self._operand(msg, "a"), self._operand(msg, "b")
-        except (KeyError, ValueError, TypeError) as exc:
-            self.fail("bad_tile", f"TILE {msg.tile}: {exc}")
-            return
-        out = agent.output(msg.m * msg.n * dtype.itemsize, dtype, (msg.m, msg.n))
-        try:
+            out, ldc = self._result_memory(msg, dtype)
             plan = plan_explicit(dtype, msg.ta, msg.tb, msg.m, msg.n, msg.k, a, msg.lda,
-                                 b, msg.ldb, out, max(1, msg.n))  # fmt: skip
-        except ValueError as exc:
+                                 b, msg.ldb, out, ldc)  # fmt: skip
+        except (KeyError, ValueError, TypeError) as exc:
             self.fail("bad_tile", f"TILE {msg.tile}: {exc}")
             return
         model_ns = int(agent.profile.compute_s(msg.m, msg.n, msg.k) * 1e9)
         if 2 * msg.m * msg.n * msg.k <= agent.inline_flops:
             start = time.perf_counter_ns()
             run_plan(plan)
-            self.send(TileResult(tile=msg.tile, compute_ns=time.perf_counter_ns() - start,
-                                 model_ns=model_ns, segments=(out,)))  # fmt: skip
+            self._result(msg, time.perf_counter_ns() - start, model_ns, out)
             return
         future = agent.workers.submit_plan(plan, out, keep=(a, b))
-        future.add_done_callback(lambda f: self._tile_done(msg.tile, model_ns, f))
+        future.add_done_callback(lambda f: self._tile_done(msg, model_ns, f))
+
+    def _result_memory(self, msg: Tile, dtype: np.dtype) -> tuple[Any, int]:
+        """Where the tile's C goes, and its row stride: the GEMM's output in the operand
+        arena when the emulator says so (``arena_c``), else a buffer to send back."""
+        if msg.arena_c < 0:
+            nbytes = msg.m * msg.n * dtype.itemsize
+            return self.agent.output(nbytes, dtype, (msg.m, msg.n)), max(1, msg.n)
+        if self.arena is None:
+            raise ValueError(f"arena_c={msg.arena_c}, but this device maps no operand arena")
+        if msg.ldc < max(1, msg.n):
+            raise ValueError(f"ldc={msg.ldc} is smaller than the tile's n={msg.n}")
+        count = (msg.m - 1) * msg.ldc + msg.n if msg.m and msg.n else 0
+        return self.arena.region(msg.arena_c, count, msg.dtype), msg.ldc
+
+    def _result(self, msg: Tile, compute_ns: int, model_ns: int, out: Any) -> None:
+        in_place = msg.arena_c >= 0  # C is in the emulator's output already
+        self.send(TileResult(tile=msg.tile, compute_ns=compute_ns, model_ns=model_ns,
+                             in_place=in_place, segments=(b"" if in_place else out,)))  # fmt: skip
 
     def _operand(self, msg: Tile, which: str) -> Any:
         """Operand ``which`` ("a" or "b") of a tile: read from the operand arena, its
@@ -171,15 +184,14 @@ class DeviceConnection(FrameConnection):
         except KeyError:
             raise KeyError(f"weight reference {ref!r} is neither mapped nor held") from None
 
-    def _tile_done(self, tile: int, model_ns: int, future: asyncio.Future[GemmResult]) -> None:
+    def _tile_done(self, msg: Tile, model_ns: int, future: asyncio.Future[GemmResult]) -> None:
         if future.cancelled() or not self.open:
             return
         if (exc := future.exception()) is not None:
-            self.fail("compute_failed", f"TILE {tile}: {exc}")
+            self.fail("compute_failed", f"TILE {msg.tile}: {exc}")
             return
         res = future.result()
-        self.send(TileResult(tile=tile, compute_ns=res.compute_ns, model_ns=model_ns,
-                             segments=(res.out,)))  # fmt: skip
+        self._result(msg, res.compute_ns, model_ns, res.out)
 
     def _challenge(self, msg: ProbeFlops) -> None:
         if not 1 <= msg.dim <= 4096:

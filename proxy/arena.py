@@ -6,8 +6,9 @@ gigabytes per training step of a small model, to devices that share the
 emulator's memory anyway. So the emulator receives a job's operand payloads
 straight into this shared file (announced in GREETING as ``arena``); a device
 that maps it (HELLO ``caps.arena``) gets each block as a byte offset
-(``TILE.arena_a``/``arena_b``) and reads it in place. Devices elsewhere get
-bytes, as before.
+(``TILE.arena_a``/``arena_b``) and reads it in place, and writes its result
+tile straight into the GEMM's output there (``arena_c``) instead of sending
+it back. Devices elsewhere get bytes, as before.
 
 The file is sparse. Its pages are reserved (``posix_fallocate``) the first
 time an allocation reaches them, so a /dev/shm too small for the arena (64 MiB
@@ -38,6 +39,7 @@ class OperandArena(SharedFile):
     """The emulator's arena: ``allocate`` hands out memory in it; see the module docstring."""
 
     KIND = "arena"
+    PEERS_WRITE = True  # devices write their result tiles into GEMM outputs here
 
     def __init__(self, path: Path, *, writable: bool, owner: bool) -> None:
         super().__init__(path, writable=writable, owner=owner)

@@ -226,7 +226,8 @@ class Tile(Message):
 
     ``arena_a``/``arena_b`` >= 0 (segment empty): the operand's first element
     is at that byte offset in the emulator's operand arena, which the device
-    maps; -1: it is not there.
+    maps; -1: it is not there. ``arena_c`` >= 0: write C there instead, rows
+    ``ldc`` elements apart, and answer with an empty TILE_RESULT ``in_place``.
     """
 
     TYPE = MsgType.TILE
@@ -245,17 +246,21 @@ class Tile(Message):
     drop: list = field(default_factory=list)
     arena_a: int = -1
     arena_b: int = -1
+    arena_c: int = -1
+    ldc: int = 0
 
 
 @dataclass(slots=True)
 class TileResult(Message):
-    """Device → server: the tile, [m, n] row-major; measured and modelled compute time."""
+    """Device → server: the tile, [m, n] row-major; measured and modelled compute time.
+    ``in_place``: the segment is empty, C was written where TILE's ``arena_c`` said."""
 
     TYPE = MsgType.TILE_RESULT
     SEGMENTS = 1
     tile: int
     compute_ns: int
     model_ns: int = 0
+    in_place: bool = False
 
 
 @dataclass(slots=True)

@@ -186,11 +186,13 @@ class GemmTask:
         self.remaining = len(tiles)
         return tiles
 
-    def put(self, tile: TileTask, values: np.ndarray) -> bool:
-        """Store a tile's result; False when it was already stored (a duplicate)."""
+    def put(self, tile: TileTask, values: np.ndarray | None) -> bool:
+        """Store a tile's result (its elements, or None when the device wrote them into
+        ``out`` itself); False when it was already stored (a duplicate)."""
         if tile.id in self.done:
             return False
-        self.out[tile.pivot, tile.r0 : tile.r1, tile.c0 : tile.c1] = values
+        if values is not None:
+            self.out[tile.pivot, tile.r0 : tile.r1, tile.c0 : tile.c1] = values.reshape(tile.shape)
         self.done.add(tile.id)
         self.remaining -= 1
         return True

@@ -15,6 +15,7 @@ import logging
 import os
 import time
 import zlib
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO
@@ -58,6 +59,9 @@ from .weights import SharedWeights
 log = logging.getLogger(__name__)
 
 MAX_TILES = 1 << 20  # per GEMM: bounds the bookkeeping a request can cost
+# A device lost while computing into a GEMM's output in the operand arena may still
+# write there for a while: the output's memory is not reused for this long.
+LATE_WRITE_GRACE_S = 60.0
 _REPLIES = (MsgType.PROBE_ACK, MsgType.PROBE_PULLED, MsgType.PROBE_FLOPS_RESULT)
 
 
@@ -112,6 +116,7 @@ class PeerConnection(FrameConnection):
             self.emulator.registry.remove(device.id)
             self.emulator.timeline.remove_device(device.id)
             in_flight, queued = len(device.outstanding), len(device.queue)
+            self.emulator.hold_late_writes(device)
             requeued = scheduler.requeue(device)
             if requeued:
                 log.warning(
@@ -365,6 +370,7 @@ class Emulator:
         self.peers: set[PeerConnection] = set()
         self.weights: SharedWeights | None = None  # the checkpoint's, once started
         self.arena: OperandArena | None = None  # jobs' operands, once started
+        self._late_writes: deque[tuple[float, list[np.ndarray]]] = deque()  # (until, outputs)
         self.probing = asyncio.Semaphore(config.probe_concurrency)
         self._client_ids = 0
         self._server: asyncio.Server | None = None
@@ -376,7 +382,8 @@ class Emulator:
         return self._client_ids
 
     def output(self, msg: Gemm) -> np.ndarray | None:
-        """Pool memory for a GEMM's output, or None for an invalid request (refused later)."""
+        """Memory for a GEMM's output (in the operand arena, where devices on this host
+        write their tiles, when it fits), or None for an invalid request (refused later)."""
         if msg.dtype not in ("float32", "float64") or min(msg.m, msg.n, msg.batch) < 0:
             return None
         shape = (msg.batch, msg.m, msg.n)
@@ -385,7 +392,30 @@ class Emulator:
             raise ProtocolError(
                 f"GEMM {msg.gemm}: output of {nbytes} bytes exceeds max_payload_bytes", "bad_gemm"
             )
-        return np.frombuffer(self.allocate(nbytes), dtype=msg.dtype).reshape(shape)
+        memory = None
+        if self.arena is not None and nbytes >= SMALL_PAYLOAD:
+            memory = self.arena.allocate(nbytes)
+        if memory is None:
+            memory = self.allocate(nbytes)
+        return np.frombuffer(memory, dtype=msg.dtype).reshape(shape)
+
+    def _out_offset(self, device: DeviceRecord, tile: TileTask) -> int | None:
+        """Where in the operand arena ``device`` writes ``tile``'s result, or None when it
+        sends it back as bytes."""
+        if not device.arena:
+            return None
+        out = self.arena.offset_of(tile.gemm.out)
+        if out is None:
+            return None
+        _, m, n = tile.gemm.out.shape
+        return out + ((tile.pivot * m + tile.r0) * n + tile.c0) * tile.gemm.out.itemsize
+
+    def hold_late_writes(self, device: DeviceRecord) -> None:
+        """``device`` is lost: keep the arena outputs it may still be writing alive a while."""
+        outs = {id(t.gemm.out): t.gemm.out for t in device.outstanding.values()
+                if self._out_offset(device, t) is not None}  # fmt: skip
+        if outs:
+            self._late_writes.append((time.monotonic() + LATE_WRITE_GRACE_S, list(outs.values())))
 
     # -- tiles ---------------------------------------------------------------------------
 
@@ -416,9 +446,11 @@ class Emulator:
         (a, lda, ref_a, at_a), (b, ldb, ref_b, at_b) = sent
         task.bytes_down += a.nbytes + b.nbytes
         drop = admission.evicted if admission is not None and not device.colocated else []
+        at_c = self._out_offset(device, tile)
         device.conn.send(Tile(
             tile=tile.id, dtype=g.dtype, ta=g.ta, tb=g.tb, m=rows, n=cols, k=g.k, lda=lda,
             ldb=ldb, ref_a=ref_a, ref_b=ref_b, drop=drop, arena_a=at_a, arena_b=at_b,
+            arena_c=-1 if at_c is None else at_c, ldc=0 if at_c is None else task.out.shape[2],
             segments=(a, b),
         ))  # fmt: skip
 
@@ -433,14 +465,17 @@ class Emulator:
             rows, cols = tile.shape
             item = tile.gemm.out.itemsize
             seg = msg.segments[0]
-            if seg.nbytes != rows * cols * item:
+            in_place = self._out_offset(device, tile) is not None
+            expected = 0 if in_place else rows * cols * item
+            if msg.in_place != in_place or seg.nbytes != expected:
                 self.scheduler.orphans.appendleft((tile, None))
+                asked = "in place" if in_place else f"{rows}×{cols}×{item} bytes"
                 raise ProtocolError(
-                    f"TILE_RESULT {msg.tile}: {seg.nbytes} bytes, expected {rows}×{cols}×{item}",
-                    "bad_result",
-                )
+                    f"TILE_RESULT {msg.tile}: {seg.nbytes} bytes, in_place={msg.in_place}; "
+                    f"expected {asked}", "bad_result",
+                )  # fmt: skip
             tile.gemm.bytes_up += seg.nbytes
-            values = np.frombuffer(seg, dtype=tile.gemm.out.dtype).reshape(rows, cols)
+            values = None if in_place else np.frombuffer(seg, dtype=tile.gemm.out.dtype)
             if tile.gemm.put(tile, values) and tile.gemm.remaining == 0:
                 tile.gemm.owner.finish(tile.gemm)
         self.scheduler.dispatch()
@@ -553,6 +588,8 @@ class Emulator:
         while True:
             await asyncio.sleep(period)
             now = time.monotonic()
+            while self._late_writes and self._late_writes[0][0] <= now:
+                self._late_writes.popleft()
             for peer in list(self.peers):
                 if not peer.open:
                     continue

@@ -34,6 +34,7 @@ class SharedFile:
     """A mapping of one shared file; ``region`` hands out numpy views of it."""
 
     KIND: ClassVar[str] = "file"  # the second word of the file's name
+    PEERS_WRITE: ClassVar[bool] = False  # whether ``shared`` maps it writable
 
     def __init__(self, path: Path, *, writable: bool, owner: bool) -> None:
         self.path = path
@@ -78,10 +79,10 @@ class SharedFile:
 
     @classmethod
     def shared(cls, announced: dict[str, Any]) -> Self | None:
-        """``attach`` read-only, once per process: a fleet's devices share one mapping."""
+        """``attach`` once per process: a fleet's devices share one mapping."""
         key = (cls.KIND, str(announced.get("path", "")), announced.get("nbytes"))
         if key not in _ATTACHED:
-            _ATTACHED[key] = cls.attach(announced)
+            _ATTACHED[key] = cls.attach(announced, writable=cls.PEERS_WRITE)
         return _ATTACHED[key]
 
     def announce(self) -> dict[str, Any]:

@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from typing import Any
 
 import numpy as np
 import pytest
@@ -22,7 +23,7 @@ from morphling.devices.agent import DeviceAgent
 from morphling.devices.profiles import BUILTIN
 from morphling.kernels import BufferPool, CpuBackend, WorkerPool
 from morphling.proxy.arena import PAGE, OperandArena
-from morphling.proxy.client import AsyncClient
+from morphling.proxy.client import AsyncClient, gemm_request, result_array
 from morphling.proxy.server import Emulator
 from morphling.proxy.settings import EmulatorConfig
 
@@ -124,14 +125,13 @@ async def emulator():
     workers.close()
 
 
-async def product(host: str, port: int, a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, int]:
+async def product(host: str, port: int, a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, Any]:
+    """``a @ b`` through a job, and its RESULT (for the byte counts)."""
     client = await AsyncClient.connect(host, port, timeout=5.0)
     try:
-        from morphling.proxy.client import gemm_request, result_array
-
         request, shape = gemm_request(1, a, b, None)
         result = await client.submit(request, timeout=30)
-        return result_array(request, result, shape, None), result.bytes_down
+        return result_array(request, result, shape, None), result
     finally:
         await client.close()
 
@@ -146,13 +146,16 @@ def operands() -> tuple[np.ndarray, np.ndarray]:
     return a, rng.standard_normal(B_SHAPE, dtype=np.float32)
 
 
-async def test_devices_on_this_host_read_operands_in_place(emulator, operands):
+async def test_devices_on_this_host_work_in_place(emulator, operands):
+    """They read the operands and write C (192×128 floats: 96 KiB, in the arena too) there."""
     host, port, emu = await emulator(True, True)
     assert all(d.arena for d in emu.registry.devices.values()), "both map the arena"
     a, b = operands
-    c, wire = await product(host, port, a, b.T.copy().T)  # B stored column-major too
+    c, result = await product(host, port, a, b.T.copy().T)  # B stored column-major too
     np.testing.assert_allclose(c, a @ b, rtol=1e-4, atol=1e-4)
-    assert wire == 0, "no operand bytes on the wire"
+    assert result.bytes_down == 0, "no operand bytes on the wire"
+    assert result.bytes_up == 0, "no result bytes on the wire"
+    assert sorted(result.devices) == [0, 1] and result.tiles == 6
     gc.collect()
     assert emu.arena.free_bytes == emu.arena.nbytes, "the operands' extents were freed"
 
@@ -160,21 +163,22 @@ async def test_devices_on_this_host_read_operands_in_place(emulator, operands):
 async def test_a_device_that_does_not_map_it_gets_bytes(emulator, operands):
     host, port, _ = await emulator(False)
     a, b = operands
-    c, wire = await product(host, port, a, b)
+    c, result = await product(host, port, a, b)
     np.testing.assert_allclose(c, a @ b, rtol=1e-4, atol=1e-4)
     tiles = (A_SHAPE[0] // 64) * (B_SHAPE[1] // 64)
     a_rows = 64 * 160 * 4  # 64 whole rows of A
     b_span = (159 * 128 + 64) * 4  # 64 columns of row-major B: its span (under 2x: not packed)
-    assert wire == tiles * (a_rows + b_span), "each tile's operand blocks as bytes"
+    assert result.bytes_down == tiles * (a_rows + b_span), "each tile's operand blocks as bytes"
+    assert result.bytes_up == c.nbytes, "and its result"
 
 
 async def test_without_an_arena_operands_are_bytes(emulator, operands):
     host, port, emu = await emulator(True, arena_bytes=0)
     assert emu.arena is None
     a, b = operands
-    c, wire = await product(host, port, a, b)
+    c, result = await product(host, port, a, b)
     np.testing.assert_allclose(c, a @ b, rtol=1e-4, atol=1e-4)
-    assert wire > 0
+    assert result.bytes_down > 0 and result.bytes_up == c.nbytes
 
 
 async def test_operands_that_do_not_fit_go_as_bytes(emulator, operands):
@@ -182,6 +186,6 @@ async def test_operands_that_do_not_fit_go_as_bytes(emulator, operands):
     and its tiles as bytes: nothing fails."""
     host, port, emu = await emulator(True, arena_bytes=100 << 10)
     a, b = operands
-    c, wire = await product(host, port, a, b)
+    c, result = await product(host, port, a, b)
     np.testing.assert_allclose(c, a @ b, rtol=1e-4, atol=1e-4)
-    assert wire > 0 and emu.arena.full == 1
+    assert result.bytes_down > 0 and emu.arena.full == 1

@@ -992,7 +992,15 @@ async def test_raw_device_computing_from_the_wire_format(fleet, bogus):
     assert await worker == record.completed
 
 
-async def test_device_returning_a_wrong_sized_tile_is_dropped(fleet):
+@pytest.mark.parametrize(
+    "lie",
+    [
+        {"segments": (np.zeros(3, np.float32),)},  # a tile of the wrong size
+        {"in_place": True, "segments": (b"",)},  # "written in place", unasked (no arena here)
+    ],
+    ids=["wrong_size", "in_place_unasked"],
+)
+async def test_device_returning_a_wrong_tile_is_dropped(fleet, lie):
     f = await fleet(block_size=8, policy="round-robin", window=2)
     peer = await f.raw_peer()
     welcome = await peer.hello("device", name="liar", profile=BUILTIN["rpi4"].to_wire())
@@ -1005,7 +1013,7 @@ async def test_device_returning_a_wrong_sized_tile_is_dropped(fleet):
     running = asyncio.create_task(client.submit(request, timeout=TIMEOUT))
     tile = await peer.recv_skipping_heartbeats()
     assert tile is not None and tile.TYPE == MsgType.TILE, tile
-    peer.send(TileResult(tile=tile.tile, compute_ns=1, segments=(np.zeros(3, np.float32),)))
+    peer.send(TileResult(tile=tile.tile, compute_ns=1, **lie))
     while (msg := await peer.recv()) is not None and msg.TYPE in (MsgType.TILE, MsgType.HEARTBEAT):
         pass  # the window's other tile
     assert isinstance(msg, Error) and msg.code == "bad_result", msg
