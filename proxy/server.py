@@ -132,14 +132,10 @@ class PeerConnection(FrameConnection):
         self.gemms.clear()
 
     def _payload_memory(self, nbytes: int) -> memoryview:
-        """Where a received payload goes: a job's large operands into the operand arena
-        (devices on this host read them there), the rest into the buffer pool."""
-        arena = self.emulator.arena
-        if self.job_id and arena is not None and nbytes >= SMALL_PAYLOAD:
-            view = arena.allocate(nbytes)
-            if view is not None:
-                return view
-        return self.emulator.allocate(nbytes)
+        """Where a received payload goes: a job's operands where devices on this host can
+        read them, the rest into the buffer pool."""
+        emulator = self.emulator
+        return (emulator.shared_memory if self.job_id else emulator.allocate)(nbytes)
 
     def writability_changed(self) -> None:
         if self.writable and self.device is not None:
@@ -392,12 +388,16 @@ class Emulator:
             raise ProtocolError(
                 f"GEMM {msg.gemm}: output of {nbytes} bytes exceeds max_payload_bytes", "bad_gemm"
             )
-        memory = None
+        return np.frombuffer(self.shared_memory(nbytes), dtype=msg.dtype).reshape(shape)
+
+    def shared_memory(self, nbytes: int) -> memoryview:
+        """Memory devices on this host reach too: the operand arena for ``nbytes`` worth it
+        that fit there, else the buffer pool."""
         if self.arena is not None and nbytes >= SMALL_PAYLOAD:
-            memory = self.arena.allocate(nbytes)
-        if memory is None:
-            memory = self.allocate(nbytes)
-        return np.frombuffer(memory, dtype=msg.dtype).reshape(shape)
+            view = self.arena.allocate(nbytes)
+            if view is not None:
+                return view
+        return self.allocate(nbytes)
 
     def _out_offset(self, device: DeviceRecord, tile: TileTask) -> int | None:
         """Where in the operand arena ``device`` writes ``tile``'s result, or None when it
