@@ -145,8 +145,7 @@ class DeviceConnection(FrameConnection):
             raise ValueError(f"arena_c={msg.arena_c}, but this device maps no operand arena")
         if msg.ldc < max(1, msg.n):
             raise ValueError(f"ldc={msg.ldc} is smaller than the tile's n={msg.n}")
-        count = (msg.m - 1) * msg.ldc + msg.n if msg.m and msg.n else 0
-        return self.arena.region(msg.arena_c, count, msg.dtype), msg.ldc
+        return self.arena.block(msg.arena_c, msg.m, msg.n, msg.ldc, msg.dtype), msg.ldc
 
     def _result(self, msg: Tile, compute_ns: int, model_ns: int, out: Any) -> None:
         in_place = msg.arena_c >= 0  # C is in the emulator's output already
@@ -167,7 +166,7 @@ class DeviceConnection(FrameConnection):
         if at >= 0:
             if self.arena is None:
                 raise ValueError(f"arena_{which}={at}, but this device maps no operand arena")
-            return self.arena.region(at, (rows - 1) * ld + cols if rows and cols else 0, dtype)
+            return self.arena.block(at, rows, cols, ld, dtype)
         if not ref:
             return segment
         key = tuple(ref)
@@ -178,7 +177,7 @@ class DeviceConnection(FrameConnection):
             return segment
         if self.weights is not None:
             offset, rows, cols, ld, _ = key
-            return self.weights.region(offset, (rows - 1) * ld + cols if rows else 0, dtype)
+            return self.weights.block(offset, rows, cols, ld, dtype)
         try:
             return self.cache[key]
         except KeyError:

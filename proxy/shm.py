@@ -105,6 +105,11 @@ class SharedFile:
             )
         return self.array[offset:end].view(dtype)
 
+    def block(self, offset: int, rows: int, cols: int, ld: int, dtype: str) -> np.ndarray:
+        """The span of a ``rows × cols`` block stored with leading dimension ``ld`` (elements)
+        from byte ``offset``: ``(rows - 1)·ld + cols`` elements, none for an empty block."""
+        return self.region(offset, (rows - 1) * ld + cols if rows and cols else 0, dtype)
+
     def close(self) -> None:
         """Remove the file if this process created it (mappings stay valid until dropped)."""
         if self.owner:
