@@ -251,6 +251,7 @@ class Timeline:
 
     def close_job(self, job_id: int) -> None:
         self.jobs.pop(job_id, None)
+        self._stalled = [gemm for gemm in self._stalled if gemm.job.id != job_id]  # its memory
         self._advance()
 
     # -- what jobs do ------------------------------------------------------------------
