@@ -12,6 +12,7 @@ the memory they span, with their layout, never made contiguous first.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import socket
 import threading
@@ -22,10 +23,11 @@ from typing import Any
 import numpy as np
 
 from ..kernels import blas_operand
+from .arena import PAGE, OperandArena
 from .auth import hello
 from .codec import Decoder, ProtocolError, encode
-from .connection import FrameConnection
-from .messages import Close, Gemm, Heartbeat, Message, MsgType, Open, Result, Step
+from .connection import SMALL_PAYLOAD, FrameConnection
+from .messages import Close, Gemm, Heartbeat, Message, MsgType, Open, Result, Slab, Step
 from .states import Conversation
 
 DTYPES = ("float32", "float64")
@@ -65,6 +67,31 @@ def gemm_request(
     return request, shape
 
 
+def _pages(nbytes: int) -> int:
+    return -(-nbytes // PAGE) * PAGE
+
+
+def slab_bytes(request: Gemm) -> int:
+    """The slab ``into_slab`` needs for ``request``: its operand segments and C, each
+    starting on a page."""
+    a, b = request.segments
+    c = request.batch * request.m * request.n * np.dtype(request.dtype).itemsize
+    return _pages(a.nbytes) + _pages(b.nbytes) + _pages(c)
+
+
+def into_slab(request: Gemm, slab: np.ndarray) -> Gemm:
+    """``request`` with its operand segments copied into ``slab`` (the job's bytes of the
+    operand arena, at least ``slab_bytes`` long) and C to be put there after them."""
+    fields, segments, at = {}, [], 0
+    for name, seg in zip("ab", request.segments, strict=True):
+        if seg.nbytes:
+            slab[at : at + seg.nbytes] = seg.view(np.uint8)
+            fields[f"slab_{name}"] = at
+            at += _pages(seg.nbytes)
+        segments.append(seg[:0])
+    return dataclasses.replace(request, **fields, slab_c=at, segments=tuple(segments))
+
+
 def _dtype_name(dtype: np.dtype) -> str:
     """``dtype.name``, looked up for the usual ones: the attribute costs microseconds."""
     return _DTYPE_NAMES.get(dtype) or dtype.name
@@ -80,9 +107,19 @@ def _weight_ref(x: Any, span: np.ndarray, shared: tuple[int, int] | None) -> lis
     return [start, getattr(x, "_version", 0)]  # torch bumps _version on in-place updates
 
 
-def result_array(request: Gemm, result: Result, shape: tuple[int, ...], out: Any) -> Any:
-    """C from a RESULT: a view of its segment, or copied into ``out`` when given."""
-    c = np.frombuffer(result.segments[0], dtype=request.dtype).reshape(shape)
+def result_array(
+    request: Gemm, result: Result, shape: tuple[int, ...], out: Any,
+    slab: np.ndarray | None = None,
+) -> Any:  # fmt: skip
+    """C from a RESULT: a view of its segment, or of the job's ``slab`` copied (it is
+    reused) where the request had it put there; copied into ``out`` when given."""
+    if request.slab_c == -1:
+        c = np.frombuffer(result.segments[0], dtype=request.dtype).reshape(shape)
+    else:
+        nbytes = np.dtype(request.dtype).itemsize * int(np.prod(shape))
+        c = slab[request.slab_c : request.slab_c + nbytes].view(request.dtype).reshape(shape)
+        if out is None:
+            return c.copy()
     if out is None:
         return c
     np.copyto(out if isinstance(out, np.ndarray) else out.numpy(), c)
@@ -214,6 +251,11 @@ class Client:
     serialised). A daemon thread sends HEARTBEAT whenever the caller has sent
     nothing for a heartbeat period, so a script busy elsewhere stays connected.
 
+    On the emulator's host (and unless ``share_memory`` is off) it maps the
+    operand arena and asks for a slab of it, grown to the largest GEMM's needs:
+    ``matmul`` copies the operands into the slab and reads C from it, so neither
+    crosses the socket.
+
     Each GEMM and step mark says how long the caller computed on the host since
     its last result (``elapsed_ns``, or the ``host_ns`` it passes): the
     coordinator time between GEMMs in the emulator's virtual timeline. The job's
@@ -222,7 +264,7 @@ class Client:
 
     def __init__(
         self, host: str, port: int, *, token: str = "", name: str = "", block: int = 0,
-        timeout: float = 30.0,
+        timeout: float = 30.0, share_memory: bool = True,
     ) -> None:  # fmt: skip
         self._sock = socket.create_connection((host, port), timeout)
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -237,10 +279,17 @@ class Client:
         self.shared: tuple[int, int] | None = None  # see gemm_request
         self._after = 0  # the GEMM whose result came last (0: a step mark, or none yet)
         self._since_ns: int | None = None  # when it came (perf_counter_ns)
+        self._arena: OperandArena | None = None  # this process's mapping of the arena
+        self._slab: np.ndarray | None = None  # the job's bytes of it (SLAB)
+        self._slab_refused = 1 << 62  # the smallest slab the emulator did not give
+        self._slab_busy = 0  # a GEMM using the slab whose RESULT has not come (timed out)
         try:
             greeting = self._expect(MsgType.GREETING, timeout)
             self.weights: dict[str, Any] = greeting.weights  # what the emulator shares
-            self._send(hello(greeting, token, "job", name=name))
+            if share_memory and greeting.arena:
+                self._arena = OperandArena.shared(greeting.arena)
+            caps = {"arena": str(self._arena.path)} if self._arena is not None else {}
+            self._send(hello(greeting, token, "job", name=name, caps=caps))
             welcome = self._expect(MsgType.WELCOME, timeout)
             self._send(Open(name=name, block=block))
         except BaseException:
@@ -260,22 +309,60 @@ class Client:
     ) -> Any:  # fmt: skip
         """``a @ b`` as in ``AsyncClient.matmul``; ``host_ns`` overrides the measured
         coordinator time since the last result."""
-        request, shape = gemm_request(
-            next(self._ids), a, b, self.shared, after=self._after,
-            host_ns=self.elapsed_ns() if host_ns is None else host_ns,
-        )  # fmt: skip
-        return result_array(request, self.submit(request, timeout=timeout), shape, out)
+        with self._call_lock:
+            request, shape = gemm_request(
+                next(self._ids), a, b, self.shared, after=self._after,
+                host_ns=self.elapsed_ns() if host_ns is None else host_ns,
+            )  # fmt: skip
+            slab = self._slab_for(request)
+            if slab is not None:
+                request = into_slab(request, slab)
+            return result_array(request, self._call(request, timeout), shape, out, slab)
 
     def submit(self, request: Gemm, *, timeout: float | None = None) -> Result:
         """Send an explicit GEMM request (its ``after``/``host_ns`` as the caller set
         them) and wait for its RESULT."""
         with self._call_lock:
-            self._send(request)
-            while True:  # a RESULT for an abandoned (timed-out) request is dropped
-                result = self._expect(MsgType.RESULT, timeout)
-                if result.gemm == request.gemm:
-                    self._after, self._since_ns = result.gemm, time.perf_counter_ns()
-                    return result
+            return self._call(request, timeout)
+
+    def _call(self, request: Gemm, timeout: float | None) -> Result:
+        self._send(request)
+        if request.slab_c != -1:
+            self._slab_busy = request.gemm
+        while True:  # a RESULT for an abandoned (timed-out) request is dropped
+            result = self._expect(MsgType.RESULT, timeout)
+            if result.gemm == self._slab_busy:
+                self._slab_busy = 0
+                if result.slab_retired:  # C is still there to read, but no more
+                    self._slab = None
+            if result.gemm == request.gemm:
+                self._after, self._since_ns = result.gemm, time.perf_counter_ns()
+                return result
+
+    def _slab_for(self, request: Gemm) -> np.ndarray | None:
+        """The job's slab, grown as ``request`` needs, or None when it goes as bytes: too
+        small to be worth it, no arena here, no room there, or the slab still in use by
+        a GEMM that timed out."""
+        arena = self._arena
+        if arena is None or self._slab_busy:
+            return None
+        need = slab_bytes(request)
+        if need < SMALL_PAYLOAD or need >= self._slab_refused:
+            return None
+        have = 0 if self._slab is None else len(self._slab)
+        if need > have:
+            self._send(Slab(nbytes=min(max(need, 2 * have), arena.nbytes // 2)))
+            reply = self._expect(MsgType.SLAB, 30.0)
+            self._slab = None
+            if reply.nbytes:
+                try:
+                    self._slab = arena.region(reply.offset, reply.nbytes, "uint8")
+                except ValueError as exc:
+                    self._fail(EmulatorError("bad_slab", f"SLAB from the emulator: {exc}"))
+            if reply.nbytes < need:
+                self._slab_refused = need
+                return None
+        return self._slab
 
     def step(self, step: int, *, host_ns: int | None = None, local_gemms: int = 0) -> Step:
         """Mark the end of a training step (``local_gemms`` computed on the host in it);

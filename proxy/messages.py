@@ -44,6 +44,7 @@ class MsgType(IntEnum):
     RESULT = 32
     STEP = 33
     CLOSE = 34
+    SLAB = 35
 
 
 ROLES = ("device", "job", "probe")
@@ -305,6 +306,11 @@ class Gemm(Message):
     ref_b: list = field(default_factory=list)
     after: int = 0
     host_ns: int = 0
+    # Byte offsets in the job's slab (see ``Slab``): where it wrote A and B (their segments
+    # are then empty) and where the emulator is to put C (then RESULT carries none); -1: not.
+    slab_a: int = -1
+    slab_b: int = -1
+    slab_c: int = -1
 
 
 @dataclass(slots=True)
@@ -327,6 +333,9 @@ class Result(Message):
     bytes_down: int = 0
     bytes_up: int = 0
     oom: int = 0  # tiles whose operands did not fit a device's emulated memory
+    # The job's slab is gone: a device lost while writing into it might still do so. C is
+    # there all the same (the emulator keeps that memory a while); ask for a new slab.
+    slab_retired: bool = False
 
 
 @dataclass(slots=True)
@@ -368,12 +377,27 @@ class Close(Message):
     oom: int = 0  # tiles whose operands did not fit a device's emulated memory
 
 
+@dataclass(slots=True)
+class Slab(Message):
+    """Job → server: give me a slab of ``nbytes`` in the operand arena (0: none); server →
+    job: the job's slab now, ``nbytes`` at byte ``offset`` of the arena (0 bytes: none).
+
+    A job on the emulator's host that maps the arena (HELLO ``caps.arena``) writes its
+    operands into its slab and has C put there (``Gemm.slab_*``), so neither crosses the
+    socket. A new slab replaces the old; one the emulator cannot give leaves it as it was.
+    """
+
+    TYPE = MsgType.SLAB
+    nbytes: int
+    offset: int = -1
+
+
 MESSAGES: dict[int, type[Message]] = {
     cls.TYPE: cls
     for cls in (
         Greeting, Hello, Welcome, Error, Bye, Heartbeat, ProbeEcho, ProbePush, ProbeAck,
         ProbePull, ProbePulled, ProbeFlops, ProbeFlopsResult, ProbeVerdict, ProbeFlopsRequest,
-        Tile, TileResult, Open, Gemm, Result, Step, Close,
+        Tile, TileResult, Open, Gemm, Result, Step, Close, Slab,
     )
 }  # fmt: skip
 

@@ -117,6 +117,7 @@ class GemmTask:
     virtual_ns: int = 0  # issue to end in virtual time, once the timeline settled it
     bytes_down: int = 0
     bytes_up: int = 0
+    slab_retired: bool = False  # its C is in a slab a lost device may still write into
     _packed: dict[int, tuple[np.ndarray, int]] = field(default_factory=dict)
     # A row of tiles shares its A block and a column its B block: made once each.
     _blocks: dict[tuple[str, int, int, int], Block] = field(default_factory=dict)
@@ -210,12 +211,14 @@ def _extent(name: str, rows: int, cols: int, ld: int, stride: int, batch: int) -
 
 
 def make_task(
-    request: Gemm, out: np.ndarray | None = None, weights: SharedWeights | None = None
-) -> GemmTask:
+    request: Gemm, out: np.ndarray | None = None, weights: SharedWeights | None = None,
+    slab: np.ndarray | None = None,
+) -> GemmTask:  # fmt: skip
     """Validate a GEMM request against its segments; the task with a NaN-filled output.
 
     ``out`` may be supplied (pool memory, ``[batch, m, n]`` of the dtype); an operand
-    sent by reference is found in ``weights``.
+    sent by reference is found in ``weights``, one the job wrote into its slab (the
+    bytes of the arena it was given) in ``slab``, where C then goes too when asked.
     """
     g = request
     if g.dtype not in ("float32", "float64"):
@@ -227,16 +230,21 @@ def make_task(
         raise GemmError(f"batch={g.batch} must be >= 1")
     a_rows, a_cols = (g.k, g.m) if g.ta else (g.m, g.k)
     b_rows, b_cols = (g.n, g.k) if g.tb else (g.k, g.n)
-    arrays, refs = [], {}
-    for name, seg, rows, cols, ld, stride, ref in (
-        ("a", g.segments[0], a_rows, a_cols, g.lda, g.stride_a, g.ref_a),
-        ("b", g.segments[1], b_rows, b_cols, g.ldb, g.stride_b, g.ref_b),
+    item = np.dtype(g.dtype).itemsize
+    arrays, refs, in_slab = [], {}, []
+    for name, seg, rows, cols, ld, stride, ref, at in (
+        ("a", g.segments[0], a_rows, a_cols, g.lda, g.stride_a, g.ref_a, g.slab_a),
+        ("b", g.segments[1], b_rows, b_cols, g.ldb, g.stride_b, g.ref_b, g.slab_b),
     ):
         need = _extent(name, rows, cols, ld, stride, g.batch)
-        item = np.dtype(g.dtype).itemsize
+        if ref and at != -1:
+            raise GemmError(f"operand {name} is both a reference and in the slab")
         if ref:
             seg = _referenced(name, seg, ref, need, g.dtype, weights)
             refs[name] = (ref[0], ref[1])
+        elif at != -1:
+            seg = _slab_range(f"slab_{name}", seg, at, need * item, item, slab)
+            in_slab.append((name, at, need * item))
         if len(seg) % item or len(seg) // item < need:
             raise GemmError(
                 f"operand {name}: {len(seg)} bytes, but its layout (rows {rows}, cols {cols}, "
@@ -244,10 +252,32 @@ def make_task(
             )
         arrays.append(np.frombuffer(seg, dtype=g.dtype))
     shape = (g.batch, g.m, g.n)
-    if out is None:
+    if g.slab_c != -1:
+        nbytes = g.batch * g.m * g.n * item
+        out = np.frombuffer(_slab_range("slab_c", b"", g.slab_c, nbytes, item, slab), g.dtype)
+        out = out.reshape(shape)
+        for name, at, size in in_slab:  # devices write C while others still read A and B
+            if at < g.slab_c + nbytes and g.slab_c < at + size:
+                raise GemmError(f"slab_c [{g.slab_c}, {g.slab_c + nbytes}) overlaps operand "
+                                f"{name} at [{at}, {at + size}) in the slab")  # fmt: skip
+    elif out is None:
         out = np.empty(shape, dtype=g.dtype)
     out[...] = np.nan
     return GemmTask(g, arrays[0], arrays[1], out, weights=refs)
+
+
+def _slab_range(
+    field: str, seg: Any, offset: int, nbytes: int, item: int, slab: np.ndarray | None
+) -> memoryview:  # fmt: skip
+    """``nbytes`` at ``offset`` of the job's slab, for the GEMM field that names them."""
+    if slab is None:
+        raise GemmError(f"{field}={offset}: this job has no slab (SLAB)")
+    if len(seg):
+        raise GemmError(f"{field}: an operand in the slab must have an empty segment")
+    if offset < 0 or offset % item or offset + nbytes > len(slab):
+        raise GemmError(f"{field}: [{offset}, {offset + nbytes}) is not an aligned range "
+                        f"inside the job's slab ({len(slab)} bytes)")  # fmt: skip
+    return memoryview(slab[offset : offset + nbytes])
 
 
 def _referenced(

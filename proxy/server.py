@@ -43,6 +43,7 @@ from .messages import (
     ProbeFlopsRequest,
     ProbeVerdict,
     Result,
+    Slab,
     Step,
     Tile,
     TileResult,
@@ -86,6 +87,9 @@ class PeerConnection(FrameConnection):
         self.job_id = 0  # set by OPEN: the job's id in the timeline
         self.block = cfg.block_size
         self.gemms: dict[int, GemmTask] = {}
+        self.maps_arena = False  # a job that maps the operand arena may ask for a slab
+        self.slab: np.ndarray | None = None  # the job's bytes of the arena (SLAB)
+        self.slab_gemm = 0  # the GEMM in flight that uses the slab (one at a time)
         self.totals = dict.fromkeys(
             ("gemms", "tiles", "model_ns", "bytes_down", "bytes_up", "oom"), 0
         )
@@ -111,6 +115,7 @@ class PeerConnection(FrameConnection):
         scheduler = self.emulator.scheduler
         if self.job_id:
             self.emulator.timeline.close_job(self.job_id)
+            self.slab = None
         if self.device is not None:
             device, self.device = self.device, None
             self.emulator.registry.remove(device.id)
@@ -171,6 +176,8 @@ class PeerConnection(FrameConnection):
             self.spawn(self._challenge(msg))
         elif t == MsgType.OPEN:
             self._open(msg)
+        elif t == MsgType.SLAB:
+            self._slab(msg)
         elif t == MsgType.STEP:
             self.emulator.timeline.mark_step(
                 self.job_id,
@@ -212,6 +219,8 @@ class PeerConnection(FrameConnection):
             peer_id = self.device.id
         elif msg.role in ("job", "probe"):
             peer_id = self.job_id = self.emulator.next_client_id()
+            arena = self.emulator.arena
+            self.maps_arena = arena is not None and msg.caps.get("arena") == str(arena.path)
         else:
             raise ProtocolError(f"HELLO.role {msg.role!r} is not device, job or probe", "bad_hello")
         self.decoder.max_payload = cfg.max_payload_bytes
@@ -279,12 +288,43 @@ class PeerConnection(FrameConnection):
         self.block = msg.block or self.emulator.config.block_size
         self.emulator.timeline.open_job(self.job_id, msg.name or f"job-{self.job_id}")
 
+    def _slab(self, msg: Slab) -> None:
+        """Give the job the slab of the arena it asks for, when there is room (at most half
+        the arena, so one job cannot starve the others); answer with the slab it has now."""
+        arena = self.emulator.arena
+        if not self.maps_arena:
+            raise ProtocolError("SLAB from a job that does not map the operand arena (HELLO "
+                                "caps.arena)", "bad_slab")  # fmt: skip
+        if msg.nbytes < 0:
+            raise ProtocolError(f"SLAB.nbytes={msg.nbytes} is negative", "bad_slab")
+        view = arena.allocate(msg.nbytes) if 0 < msg.nbytes <= arena.nbytes // 2 else None
+        if view is not None or msg.nbytes == 0:
+            self.slab = None if view is None else np.frombuffer(view, np.uint8)
+            self.slab_gemm = 0  # a GEMM still in flight holds on to the old one's memory
+        else:
+            log.info("job %d: no room for a slab of %d bytes in the operand arena",
+                     self.job_id, msg.nbytes)  # fmt: skip
+        slab = self.slab
+        self.send(Slab(nbytes=0, offset=-1) if slab is None else
+                  Slab(nbytes=len(slab), offset=arena.offset_of(slab)))  # fmt: skip
+
+    def retire_slab(self, task: GemmTask) -> None:
+        """A device lost while writing ``task``'s C may still write: if that is in the job's
+        slab, the job gets no more use of it (RESULT.slab_retired says so)."""
+        if self.slab is not None and np.shares_memory(self.slab, task.out):
+            self.slab, self.slab_gemm = None, 0
+            task.slab_retired = True
+
     def _gemm(self, msg: Gemm) -> None:
         if msg.gemm in self.gemms:
             raise ProtocolError(f"GEMM id {msg.gemm} is already in flight", "bad_gemm")
-        out = self.emulator.output(msg)
+        in_slab = msg.slab_a != -1 or msg.slab_b != -1 or msg.slab_c != -1
+        if in_slab and self.slab_gemm:
+            raise ProtocolError(f"GEMM {msg.gemm} uses the slab while GEMM {self.slab_gemm}, "
+                                "which uses it too, is in flight", "bad_gemm")  # fmt: skip
+        out = None if msg.slab_c != -1 else self.emulator.output(msg)
         try:
-            task = make_task(msg, out, self.emulator.weights)
+            task = make_task(msg, out, self.emulator.weights, self.slab)
         except GemmError as exc:
             raise ProtocolError(f"GEMM {msg.gemm}: {exc}", "bad_gemm") from None
         task.owner = self
@@ -299,6 +339,8 @@ class PeerConnection(FrameConnection):
             self.finish(task)
             return
         self.gemms[task.id] = task
+        if in_slab:
+            self.slab_gemm = task.id
         self.emulator.timeline.submit(
             self.job_id, task, tiles, after=msg.after, host_s=msg.host_ns / 1e9,
             place=self.emulator.scheduler.submit, done=_settled(task),
@@ -319,6 +361,8 @@ class PeerConnection(FrameConnection):
     def finish(self, task: GemmTask) -> None:
         """All tiles are in: send C to the job."""
         self.gemms.pop(task.id, None)
+        if task.id == self.slab_gemm:
+            self.slab_gemm = 0
         totals = self.totals
         totals["model_ns"] += task.virtual_ns
         totals["bytes_down"] += task.bytes_down
@@ -328,7 +372,8 @@ class PeerConnection(FrameConnection):
             self.send(Result(
                 gemm=task.id, tiles=len(task.done), devices=sorted(task.devices),
                 requeued=task.requeued, model_ns=task.virtual_ns, bytes_down=task.bytes_down,
-                bytes_up=task.bytes_up, oom=task.oom, segments=(task.out,),
+                bytes_up=task.bytes_up, oom=task.oom, slab_retired=task.slab_retired,
+                segments=(task.out.reshape(-1)[:0] if task.request.slab_c != -1 else task.out,),
             ))  # fmt: skip
 
 
@@ -411,11 +456,16 @@ class Emulator:
         return out + ((tile.pivot * m + tile.r0) * n + tile.c0) * tile.gemm.out.itemsize
 
     def hold_late_writes(self, device: DeviceRecord) -> None:
-        """``device`` is lost: keep the arena outputs it may still be writing alive a while."""
-        outs = {id(t.gemm.out): t.gemm.out for t in device.outstanding.values()
-                if self._out_offset(device, t) is not None}  # fmt: skip
-        if outs:
-            self._late_writes.append((time.monotonic() + LATE_WRITE_GRACE_S, list(outs.values())))
+        """``device`` is lost: keep the arena outputs it may still be writing alive a while,
+        and out of their jobs' use where they are in a job's slab."""
+        tasks = {id(t.gemm): t.gemm for t in device.outstanding.values()
+                 if self._out_offset(device, t) is not None}  # fmt: skip
+        for task in tasks.values():
+            if task.request.slab_c != -1:
+                task.owner.retire_slab(task)
+        if tasks:
+            until = time.monotonic() + LATE_WRITE_GRACE_S
+            self._late_writes.append((until, [task.out for task in tasks.values()]))
 
     # -- tiles ---------------------------------------------------------------------------
 

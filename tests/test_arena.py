@@ -23,7 +23,8 @@ from morphling.devices.agent import DeviceAgent
 from morphling.devices.profiles import BUILTIN
 from morphling.kernels import BufferPool, CpuBackend, WorkerPool
 from morphling.proxy.arena import PAGE, OperandArena
-from morphling.proxy.client import AsyncClient, gemm_request, result_array
+from morphling.proxy.client import AsyncClient, Client, gemm_request, result_array
+from morphling.proxy.messages import Gemm, MsgType, Open, Slab
 from morphling.proxy.server import Emulator
 from morphling.proxy.settings import EmulatorConfig
 
@@ -121,7 +122,8 @@ async def emulator():
         for agent in agents:
             agent.stop()
         await emu.stop()
-        await asyncio.wait(tasks, timeout=5)
+        if tasks:
+            await asyncio.wait(tasks, timeout=5)
     workers.close()
 
 
@@ -189,3 +191,156 @@ async def test_operands_that_do_not_fit_go_as_bytes(emulator, operands):
     c, result = await product(host, port, a, b)
     np.testing.assert_allclose(c, a @ b, rtol=1e-4, atol=1e-4)
     assert result.bytes_down > 0 and emu.arena.full == 1
+
+
+# -- a job's slab ------------------------------------------------------------------------------
+
+
+class CountingSocket:
+    """A job client's socket that counts the bytes through it."""
+
+    def __init__(self, sock: Any) -> None:
+        self.sock, self.sent, self.received = sock, 0, 0
+
+    def sendmsg(self, buffers: Any) -> int:
+        sent = self.sock.sendmsg(buffers)
+        self.sent += sent
+        return sent
+
+    def recv_into(self, buffer: Any) -> int:
+        got = self.sock.recv_into(buffer)
+        self.received += got
+        return got
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.sock, name)
+
+
+def job_products(host: str, port: int, pairs: list[tuple[np.ndarray, np.ndarray]], **kw: Any):
+    """Each ``a @ b`` through a blocking job client (run it in a thread), the bytes its
+    socket sent and received, and its slab's size after each product."""
+    with Client(host, port, name="slab-job", **kw) as client:
+        counted = client._sock = CountingSocket(client._sock)
+        products, slabs = [], []
+        for a, b in pairs:
+            products.append(client.matmul(a, b))
+            slabs.append(0 if client._slab is None else len(client._slab))
+        return products, counted.sent, counted.received, slabs
+
+
+@pytest.mark.parametrize("share", [(True, True), (False,)], ids=["mapping", "elsewhere"])
+async def test_a_job_on_this_host_passes_operands_and_c_through_its_slab(emulator, operands, share):
+    """Neither the operands nor C cross the job's socket, whether the devices map the arena
+    (they read the slab) or not (the emulator sends them bytes from it). The slab grows for
+    a larger GEMM, and goes back to the arena when the job ends."""
+    host, port, emu = await emulator(*share)
+    a, b = operands
+    big_a = np.random.default_rng(4).standard_normal((384, 160), dtype=np.float32)
+    pairs = [(a, b.T.copy().T), (a[:, :96], b[:96]), (big_a, b)]
+    products, sent, received, slabs = await asyncio.to_thread(job_products, host, port, pairs)
+    for (x, y), c in zip(pairs, products, strict=True):
+        np.testing.assert_allclose(c, x @ y, rtol=1e-4, atol=1e-4)
+    operand_bytes = sum(x.nbytes + y.nbytes for x, y in pairs)
+    assert sent < 4096 < operand_bytes, f"{sent} bytes sent: headers only"
+    assert received < 4096, f"{received} bytes received: no C"
+    assert slabs[0] == slabs[1] < slabs[2], "the slab is reused, then grown"
+    gc.collect()
+    assert emu.arena.free_bytes == emu.arena.nbytes, "the slabs went back to the arena"
+
+
+async def test_a_job_without_shared_memory_sends_bytes(emulator, operands):
+    host, port, _ = await emulator(True)
+    a, b = operands
+    products, sent, received, slabs = await asyncio.to_thread(
+        job_products, host, port, [(a, b)], share_memory=False
+    )  # fmt: skip
+    np.testing.assert_allclose(products[0], a @ b, rtol=1e-4, atol=1e-4)
+    assert sent > a.nbytes + b.nbytes and received > products[0].nbytes and slabs == [0]
+
+
+SLAB_MISUSE = {
+    # GEMM fields (besides a 64 × 64 × 64 float32 product), the ERROR code, its reason
+    "no_slab": (None, {"slab_a": 0}, "bad_gemm", "this job has no slab"),
+    "outside": (1 << 16, {"slab_a": 1 << 16}, "bad_gemm", "inside the job's slab"),
+    "unaligned": (1 << 16, {"slab_a": 2}, "bad_gemm", "aligned range"),
+    "c_over_a": (1 << 16, {"slab_a": 0, "slab_c": 8192}, "bad_gemm", "overlaps operand a"),
+    "ref_and_slab": (1 << 16, {"slab_a": 0, "ref_a": [0, 0]}, "bad_gemm", "both a reference"),
+    "two_in_flight": (1 << 16, {"slab_c": 0}, "bad_gemm", "is in flight"),
+    "unmapped": ("unmapped", {}, "bad_slab", "does not map the operand arena"),
+    "negative": (-1, {}, "bad_slab", "negative"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(SLAB_MISUSE))
+async def test_slab_misuse_is_refused(emulator, case):
+    """Each misuse gets an ERROR naming it, and what the job held goes back to the arena."""
+    from test_emulator import RawPeer  # the hand-driven connection of the emulator tests
+
+    slab, fields, code, text = SLAB_MISUSE[case]
+    host, port, emu = await emulator()  # no devices: a GEMM stays in flight
+    raw = await RawPeer.connect(host, port)
+    try:
+        await raw.hello("job", caps={} if slab == "unmapped" else {"arena": str(emu.arena.path)})
+        raw.send(Open())
+        if slab is not None:
+            raw.send(Slab(nbytes=1 << 16 if slab == "unmapped" else slab))
+        if code == "bad_gemm":
+            if slab is not None:
+                reply = await raw.recv_skipping_heartbeats()
+                assert reply.TYPE == MsgType.SLAB and reply.nbytes == slab, reply
+            one = np.ones(64 * 64, np.float32)
+            gemm = {"dtype": "float32", "ta": False, "tb": False, "m": 64, "n": 64, "k": 64,
+                    "lda": 64, "ldb": 64}  # fmt: skip
+            if case == "two_in_flight":
+                raw.send(Gemm(gemm=1, **gemm, slab_c=0, segments=(one, one)))
+            segments = (one[:0] if "slab_a" in fields else one, one)
+            raw.send(Gemm(gemm=2, **gemm, **fields, segments=segments))
+        error = await raw.expect_error(code)
+        assert text in error.reason, error.reason
+    finally:
+        raw.close()
+    for _ in range(200):
+        gc.collect()
+        if emu.arena.free_bytes == emu.arena.nbytes:
+            break
+        await asyncio.sleep(0.01)
+    assert emu.arena.free_bytes == emu.arena.nbytes, "the slab went back to the arena"
+
+
+async def test_a_slab_a_lost_device_may_write_into_is_retired(emulator, operands):
+    """A device on this host that goes away while computing a tile whose C is in the job's
+    slab might still write there: the job gets its C (the tile re-run elsewhere) and is told
+    to stop using that slab (RESULT.slab_retired), which the emulator holds a while; the
+    job's next GEMM gets a new slab."""
+    from test_emulator import RawPeer
+
+    host, port, emu = await emulator(True, policy="round-robin")
+    raw = await RawPeer.connect(host, port)
+    await raw.hello("device", name="leaves", profile=BUILTIN["rpi4"].to_wire(),
+                    caps={"arena": str(emu.arena.path), "virtual": True})  # fmt: skip
+    for _ in range(500):
+        if len(emu.registry.ready()) == 2:
+            break
+        await asyncio.sleep(0.01)
+    a, b = operands
+    seen: dict[str, Any] = {}
+
+    def job() -> list[np.ndarray]:
+        with Client(host, port, name="slab-job") as client:
+            first = client.matmul(a, b)
+            seen["after_first"] = client._slab
+            second = client.matmul(a, b)
+            seen["after_second"] = client._slab
+            return [first, second]
+
+    running = asyncio.create_task(asyncio.to_thread(job))
+    while (tile := await raw.recv_skipping_heartbeats()) is not None and tile.TYPE != MsgType.TILE:
+        pass
+    assert tile is not None and tile.arena_c >= 0, "it was to write its tile into the slab"
+    raw.close()  # gone without an answer
+    products = await asyncio.wait_for(running, 30)
+    for c in products:
+        np.testing.assert_allclose(c, a @ b, rtol=1e-4, atol=1e-4)
+    assert seen["after_first"] is None, "the job dropped the retired slab"
+    assert seen["after_second"] is not None, "and got a new one"
+    assert emu._late_writes, "the retired slab is held for late writes"
