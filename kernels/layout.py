@@ -242,6 +242,10 @@ def blas_operand(x: Any, name: str) -> Operand:
     trans, ld = _matrix_layout(rows, cols, s0, s1, name)
     if arr.size == 0:
         span = np.empty(0, arr.dtype)
+    elif arr.flags.c_contiguous:  # the common layouts, without as_strided's microseconds
+        span = arr.reshape(-1)
+    elif arr.flags.f_contiguous:
+        span = arr.T.reshape(-1)
     else:
         count = 1 + sum(
             (d - 1) * (s // arr.itemsize) for d, s in zip(arr.shape, arr.strides, strict=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import math
 import socket
 import threading
 import time
@@ -116,7 +117,7 @@ def result_array(
     if request.slab_c == -1:
         c = np.frombuffer(result.segments[0], dtype=request.dtype).reshape(shape)
     else:
-        nbytes = np.dtype(request.dtype).itemsize * int(np.prod(shape))
+        nbytes = np.dtype(request.dtype).itemsize * math.prod(shape)
         c = slab[request.slab_c : request.slab_c + nbytes].view(request.dtype).reshape(shape)
         if out is None:
             return c.copy()
