@@ -347,12 +347,12 @@ class Client:
         arena = self._arena
         if arena is None or self._slab_busy:
             return None
-        need = slab_bytes(request)
-        if need < SMALL_PAYLOAD or need >= self._slab_refused:
+        need, most = slab_bytes(request), arena.nbytes // 2  # the emulator gives no more
+        if need < SMALL_PAYLOAD or need > most or need >= self._slab_refused:
             return None
         have = 0 if self._slab is None else len(self._slab)
         if need > have:
-            self._send(Slab(nbytes=min(max(need, 2 * have), arena.nbytes // 2)))
+            self._send(Slab(nbytes=min(max(need, 2 * have), most)))
             reply = self._expect(MsgType.SLAB, 30.0)
             self._slab = None
             if reply.nbytes:

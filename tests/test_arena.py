@@ -258,6 +258,19 @@ async def test_a_job_without_shared_memory_sends_bytes(emulator, operands):
     assert sent > a.nbytes + b.nbytes and received > products[0].nbytes and slabs == [0]
 
 
+async def test_a_gemm_too_large_for_a_slab_goes_as_bytes(emulator, operands):
+    """No job gets more than half the arena: a GEMM needing more (operands and C: 300 KiB
+    of a 512 KiB arena) goes as bytes; a smaller one later still gets a slab."""
+    host, port, _ = await emulator(True, arena_bytes=512 << 10)
+    a, b = operands
+    pairs = [(a, b), (a[:64, :96], b[:96, :96])]
+    products, sent, _, slabs = await asyncio.to_thread(job_products, host, port, pairs)
+    for (x, y), c in zip(pairs, products, strict=True):
+        np.testing.assert_allclose(c, x @ y, rtol=1e-4, atol=1e-4)
+    assert sent > a.nbytes + b.nbytes, "the large one's operands went on the wire"
+    assert slabs[0] == 0 and slabs[1] > 0
+
+
 SLAB_MISUSE = {
     # GEMM fields (besides a 64 × 64 × 64 float32 product), the ERROR code, its reason
     "no_slab": (None, {"slab_a": 0}, "bad_gemm", "this job has no slab"),
