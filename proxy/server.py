@@ -297,11 +297,13 @@ class PeerConnection(FrameConnection):
                                 "caps.arena)", "bad_slab")  # fmt: skip
         if msg.nbytes < 0:
             raise ProtocolError(f"SLAB.nbytes={msg.nbytes} is negative", "bad_slab")
+        # The old slab goes first, so the new one may reuse its pages (a GEMM still in flight
+        # holds on to what it uses of them); the job has none until this is answered.
+        self.slab, self.slab_gemm = None, 0
         view = arena.allocate(msg.nbytes) if 0 < msg.nbytes <= arena.nbytes // 2 else None
-        if view is not None or msg.nbytes == 0:
-            self.slab = None if view is None else np.frombuffer(view, np.uint8)
-            self.slab_gemm = 0  # a GEMM still in flight holds on to the old one's memory
-        else:
+        if view is not None:
+            self.slab = np.frombuffer(view, np.uint8)
+        elif msg.nbytes:
             log.info("job %d: no room for a slab of %d bytes in the operand arena",
                      self.job_id, msg.nbytes)  # fmt: skip
         slab = self.slab
