@@ -384,7 +384,8 @@ class Slab(Message):
 
     A job on the emulator's host that maps the arena (HELLO ``caps.arena``) writes its
     operands into its slab and has C put there (``Gemm.slab_*``), so neither crosses the
-    socket. A new slab replaces the old; one the emulator cannot give leaves it as it was.
+    socket. A request gives the old slab back first; one the emulator cannot grant leaves
+    the job without a slab.
     """
 
     TYPE = MsgType.SLAB
