@@ -332,38 +332,45 @@ class Client:
             self._slab_busy = request.gemm
         while True:  # a RESULT for an abandoned (timed-out) request is dropped
             result = self._expect(MsgType.RESULT, timeout)
-            if result.gemm == self._slab_busy:
-                self._slab_busy = 0
-                if result.slab_retired:  # C is still there to read, but no more
-                    self._slab = None
             if result.gemm == request.gemm:
                 self._after, self._since_ns = result.gemm, time.perf_counter_ns()
                 return result
 
     def _slab_for(self, request: Gemm) -> np.ndarray | None:
         """The job's slab, grown as ``request`` needs, or None when it goes as bytes: too
-        small to be worth it, no arena here, no room there, or the slab still in use by
-        a GEMM that timed out."""
+        small to be worth it, no arena here, no room there (asked again after the next
+        step mark), or the slab still in use by a GEMM that timed out."""
         arena = self._arena
         if arena is None or self._slab_busy:
             return None
         need, most = slab_bytes(request), arena.nbytes // 2  # the emulator gives no more
-        if need < SMALL_PAYLOAD or need > most or need >= self._slab_refused:
-            return None
         have = 0 if self._slab is None else len(self._slab)
-        if need > have:
-            self._send(Slab(nbytes=min(max(need, 2 * have), most)))
-            reply = self._expect(MsgType.SLAB, 30.0)
-            self._slab = None
-            if reply.nbytes:
-                try:
-                    self._slab = arena.region(reply.offset, reply.nbytes, "uint8")
-                except ValueError as exc:
-                    self._fail(EmulatorError("bad_slab", f"SLAB from the emulator: {exc}"))
-            if reply.nbytes < need:
-                self._slab_refused = need
-                return None
-        return self._slab
+        if need < SMALL_PAYLOAD or need <= have:
+            return None if need < SMALL_PAYLOAD else self._slab
+        if need > most or need >= self._slab_refused:
+            return None
+        for ask in dict.fromkeys((min(max(need, 2 * have), most), need)):  # doubled, or just
+            if self._ask_slab(ask) >= need:
+                return self._slab
+        self._slab_refused = need
+        return None
+
+    def _ask_slab(self, nbytes: int) -> int:
+        """Ask for a slab of ``nbytes`` (the old one goes back); the size of the one given.
+
+        Should the exchange be cut short (a timeout, Ctrl-C), this job stops using the
+        arena: the reply, when it comes, would be read as nothing, and the emulator may
+        already have reused the old slab."""
+        arena, self._arena, self._slab = self._arena, None, None
+        self._send(Slab(nbytes=nbytes))
+        reply = self._expect(MsgType.SLAB, 30.0)
+        if reply.nbytes:
+            try:
+                self._slab = arena.region(reply.offset, reply.nbytes, "uint8")
+            except ValueError as exc:
+                self._fail(EmulatorError("bad_slab", f"SLAB from the emulator: {exc}"))
+        self._arena = arena
+        return reply.nbytes
 
     def step(self, step: int, *, host_ns: int | None = None, local_gemms: int = 0) -> Step:
         """Mark the end of a training step (``local_gemms`` computed on the host in it);
@@ -373,6 +380,7 @@ class Client:
             self._send(Step(step=step, host_ns=host, local_gemms=local_gemms))
             reply = self._expect(MsgType.STEP, None)
             self._after, self._since_ns = 0, time.perf_counter_ns()
+            self._slab_refused = 1 << 62  # the arena may have room again
             return reply
 
     def close(self) -> Close | None:
@@ -412,10 +420,15 @@ class Client:
             self._last_sent = time.monotonic()
 
     def _expect(self, kind: MsgType, timeout: float | None) -> Any:
-        """The next message of type ``kind``; HEARTBEATs are skipped, ERROR and BYE raise."""
+        """The next message of type ``kind``; HEARTBEATs are skipped, ERROR and BYE raise,
+        and a RESULT says whether the slab is free again (whatever was expected)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             msg = self._receive(deadline)
+            if msg.TYPE == MsgType.RESULT and msg.gemm == self._slab_busy:
+                self._slab_busy = 0
+                if msg.slab_retired:  # C is still there to read, but no more
+                    self._slab = None
             if kind == msg.TYPE:
                 return msg
             if msg.TYPE in (MsgType.ERROR, MsgType.BYE):

@@ -290,16 +290,20 @@ class PeerConnection(FrameConnection):
 
     def _slab(self, msg: Slab) -> None:
         """Give the job the slab of the arena it asks for, when there is room (at most half
-        the arena, so one job cannot starve the others); answer with the slab it has now."""
+        the arena, and one slab at a time: no job can take it all); answer with the slab it
+        has now."""
         arena = self.emulator.arena
         if not self.maps_arena:
             raise ProtocolError("SLAB from a job that does not map the operand arena (HELLO "
                                 "caps.arena)", "bad_slab")  # fmt: skip
         if msg.nbytes < 0:
             raise ProtocolError(f"SLAB.nbytes={msg.nbytes} is negative", "bad_slab")
-        # The old slab goes first, so the new one may reuse its pages (a GEMM still in flight
-        # holds on to what it uses of them); the job has none until this is answered.
-        self.slab, self.slab_gemm = None, 0
+        if self.slab_gemm:  # it holds on to the slab it uses: a new one would be a second
+            raise ProtocolError(f"SLAB while GEMM {self.slab_gemm}, which uses the slab, is "
+                                "in flight", "bad_slab")  # fmt: skip
+        # The old slab goes first, so the new one may reuse its pages; the job has none
+        # until this is answered.
+        self.slab = None
         view = arena.allocate(msg.nbytes) if 0 < msg.nbytes <= arena.nbytes // 2 else None
         if view is not None:
             self.slab = np.frombuffer(view, np.uint8)
@@ -314,7 +318,7 @@ class PeerConnection(FrameConnection):
         """A device lost while writing ``task``'s C may still write: if that is in the job's
         slab, the job gets no more use of it (RESULT.slab_retired says so)."""
         if self.slab is not None and np.shares_memory(self.slab, task.out):
-            self.slab, self.slab_gemm = None, 0
+            self.slab = None  # held by ``task`` until it is done, and then for late writes
             task.slab_retired = True
 
     def _gemm(self, msg: Gemm) -> None:

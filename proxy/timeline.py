@@ -379,6 +379,8 @@ class Timeline:
         order, each tile's whole passage is known when it is placed. Only the GEMM's
         end is an event of its own.
         """
+        if self.jobs.get(gemm.job.id) is not gemm.job:  # its job left before its issue
+            return
         if not gemm.tiles:
             self._finish(gemm, None)
             return

@@ -15,6 +15,8 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -24,7 +26,7 @@ from morphling.devices.profiles import BUILTIN
 from morphling.kernels import BufferPool, CpuBackend, WorkerPool
 from morphling.proxy.arena import PAGE, OperandArena
 from morphling.proxy.client import AsyncClient, Client, gemm_request, result_array
-from morphling.proxy.messages import Gemm, MsgType, Open, Slab
+from morphling.proxy.messages import Gemm, MsgType, Open, Slab, Step, TileResult
 from morphling.proxy.server import Emulator
 from morphling.proxy.settings import EmulatorConfig
 
@@ -235,15 +237,17 @@ async def test_a_job_on_this_host_passes_operands_and_c_through_its_slab(emulato
     a larger GEMM, and goes back to the arena when the job ends."""
     host, port, emu = await emulator(*share)
     a, b = operands
-    big_a = np.random.default_rng(4).standard_normal((384, 160), dtype=np.float32)
-    pairs = [(a, b.T.copy().T), (a[:, :96], b[:96]), (big_a, b)]
+    rng = np.random.default_rng(4)
+    big_a = rng.standard_normal((384, 160), dtype=np.float32)
+    batched = rng.standard_normal((3, 40, 50)), rng.standard_normal((30, 50)).T  # float64
+    pairs = [(a, b.T.copy().T), (a[:, :96], b[:96]), (big_a, b), batched]
     products, sent, received, slabs = await asyncio.to_thread(job_products, host, port, pairs)
     for (x, y), c in zip(pairs, products, strict=True):
         np.testing.assert_allclose(c, x @ y, rtol=1e-4, atol=1e-4)
     operand_bytes = sum(x.nbytes + y.nbytes for x, y in pairs)
     assert sent < 4096 < operand_bytes, f"{sent} bytes sent: headers only"
     assert received < 4096, f"{received} bytes received: no C"
-    assert slabs[0] == slabs[1] < slabs[2], "the slab is reused, then grown"
+    assert slabs[0] == slabs[1] < slabs[2] == slabs[3], "the slab is reused, then grown"
     gc.collect()
     assert emu.arena.free_bytes == emu.arena.nbytes, "the slabs went back to the arena"
 
@@ -278,7 +282,9 @@ SLAB_MISUSE = {
     "unaligned": (1 << 16, {"slab_a": 2}, "bad_gemm", "aligned range"),
     "c_over_a": (1 << 16, {"slab_a": 0, "slab_c": 8192}, "bad_gemm", "overlaps operand a"),
     "ref_and_slab": (1 << 16, {"slab_a": 0, "ref_a": [0, 0]}, "bad_gemm", "both a reference"),
+    "c_over_b": (1 << 16, {"slab_b": 0, "slab_c": 8192}, "bad_gemm", "overlaps operand b"),
     "two_in_flight": (1 << 16, {"slab_c": 0}, "bad_gemm", "is in flight"),
+    "slab_in_flight": (1 << 16, {"slab_c": 0}, "bad_slab", "which uses the slab, is in"),
     "unmapped": ("unmapped", {}, "bad_slab", "does not map the operand arena"),
     "negative": (-1, {}, "bad_slab", "negative"),
 }  # fmt: skip
@@ -306,8 +312,15 @@ async def test_slab_misuse_is_refused(emulator, case):
                     "lda": 64, "ldb": 64}  # fmt: skip
             if case == "two_in_flight":
                 raw.send(Gemm(gemm=1, **gemm, slab_c=0, segments=(one, one)))
-            segments = (one[:0] if "slab_a" in fields else one, one)
+            segments = (one[:0] if "slab_a" in fields else one,
+                        one[:0] if "slab_b" in fields else one)  # fmt: skip
             raw.send(Gemm(gemm=2, **gemm, **fields, segments=segments))
+        elif case == "slab_in_flight":  # its slab GEMM stays in flight: no devices
+            await raw.recv_skipping_heartbeats()
+            one = np.ones(64 * 64, np.float32)
+            raw.send(Gemm(gemm=1, dtype="float32", ta=False, tb=False, m=64, n=64, k=64,
+                          lda=64, ldb=64, slab_c=0, segments=(one, one)))  # fmt: skip
+            raw.send(Slab(nbytes=1 << 17))
         error = await raw.expect_error(code)
         assert text in error.reason, error.reason
     finally:
@@ -344,6 +357,7 @@ async def test_a_slab_a_lost_device_may_write_into_is_retired(emulator, operands
             seen["after_first"] = client._slab
             second = client.matmul(a, b)
             seen["after_second"] = client._slab
+            seen["job_slab"] = [p.slab for p in emu.peers if p.job_id]
             return [first, second]
 
     running = asyncio.create_task(asyncio.to_thread(job))
@@ -356,4 +370,131 @@ async def test_a_slab_a_lost_device_may_write_into_is_retired(emulator, operands
         np.testing.assert_allclose(c, a @ b, rtol=1e-4, atol=1e-4)
     assert seen["after_first"] is None, "the job dropped the retired slab"
     assert seen["after_second"] is not None, "and got a new one"
-    assert emu._late_writes, "the retired slab is held for late writes"
+    ((_, (retired_out,)),) = emu._late_writes  # the retired slab's C, held for late writes
+    new = seen["job_slab"][0]
+    assert new is not None and not np.shares_memory(new, retired_out), "a different slab"
+
+
+async def test_after_a_timed_out_gemm_its_slab_waits_for_its_result(emulator, operands):
+    """A GEMM that timed out may still be computed into the slab, so the job does not use it
+    until that GEMM's RESULT has come, even when it comes while the job waits for something
+    else (here the STEP reply); then the slab is back in use."""
+    from test_emulator import RawPeer, tile_operand
+
+    host, port, emu = await emulator()
+    raw = await RawPeer.connect(host, port)
+    await raw.hello("device", name="slow", profile=BUILTIN["rpi4"].to_wire(),
+                    caps={"virtual": True})  # fmt: skip
+    for _ in range(500):
+        if emu.registry.ready():
+            break
+        await asyncio.sleep(0.01)
+    timed_out = threading.Event()
+
+    async def device() -> None:  # holds its first tile until the job has given up
+        held = True
+        while (msg := await raw.recv(timeout=30)) is not None:
+            if msg.TYPE != MsgType.TILE:
+                continue
+            while held and not timed_out.is_set():
+                await asyncio.sleep(0.01)
+            held = False
+            x = tile_operand(msg.segments[0], msg.dtype, msg.ta, msg.m, msg.k, msg.lda)
+            y = tile_operand(msg.segments[1], msg.dtype, msg.tb, msg.k, msg.n, msg.ldb)
+            c = np.ascontiguousarray(x @ y, dtype=msg.dtype)
+            raw.send(TileResult(tile=msg.tile, compute_ns=1, segments=(c,)))
+
+    a, b = operands
+
+    def job() -> dict[str, Any]:
+        with Client(host, port, name="patient") as client:
+            counted = client._sock = CountingSocket(client._sock)
+            with pytest.raises(TimeoutError):
+                client.matmul(a, b, timeout=0.3)
+            busy = client._slab_busy
+            timed_out.set()
+            deadline = time.monotonic() + 30
+            while any(p.gemms for p in list(emu.peers)) and time.monotonic() < deadline:
+                time.sleep(0.01)  # until the emulator has sent the late RESULT
+            client.step(1)  # the late RESULT is read while waiting for the STEP reply
+            free = client._slab_busy
+            before = counted.sent
+            c = client.matmul(a, b)
+            return {"busy": busy, "free": free, "sent": counted.sent - before, "c": c}
+
+    serving = asyncio.create_task(device())
+    try:
+        seen = await asyncio.wait_for(asyncio.to_thread(job), 60)
+    finally:
+        raw.close()
+        await asyncio.wait([serving], timeout=5)
+    assert seen["busy"] and not seen["free"], "busy after the timeout, free after the STEP"
+    np.testing.assert_allclose(seen["c"], a @ b, rtol=1e-4, atol=1e-4)
+    assert seen["sent"] < 4096, "the next GEMM went through the slab again"
+
+
+async def test_a_slab_exchange_cut_short_stops_the_job_using_the_arena(emulator, operands):
+    """Interrupted between SLAB and its reply (Ctrl-C, a timeout), the job no longer knows
+    which slab it has (the emulator has already taken the old one back), so it sends bytes
+    from then on, and its results stay right."""
+    host, port, _ = await emulator(True)
+    a, b = operands
+
+    def job() -> tuple[np.ndarray, Any]:
+        with Client(host, port, name="interrupted") as client:
+            client.matmul(a[:64, :96], b[:96, :96])  # a small slab first
+            real = client._expect
+
+            def cut_short(kind: MsgType, timeout: float | None) -> Any:
+                if kind == MsgType.SLAB:
+                    client._expect = real
+                    raise KeyboardInterrupt
+                return real(kind, timeout)
+
+            client._expect = cut_short
+            with pytest.raises(KeyboardInterrupt):
+                client.matmul(a, b)  # needs a larger slab
+            return client.matmul(a, b), client._arena
+
+    c, arena = await asyncio.to_thread(job)
+    np.testing.assert_allclose(c, a @ b, rtol=1e-4, atol=1e-4)
+    assert arena is None, "the job stopped using the arena"
+
+
+async def test_a_gemm_whose_job_left_before_its_issue_is_dropped(emulator):
+    """Job A's GEMM is due in virtual time after job B's clock; A leaves before then. When
+    B moves on, A's GEMM is not issued (no devices: it would wait for one forever, holding
+    A's slab), and the slab goes back to the arena."""
+    from test_emulator import RawPeer
+
+    host, port, emu = await emulator()
+    b = await RawPeer.connect(host, port)
+    await b.hello("job")
+    b.send(Open())
+    b.send(Step(step=1))
+    assert (await b.recv_skipping_heartbeats()).TYPE == MsgType.STEP
+    a = await RawPeer.connect(host, port)
+    await a.hello("job", caps={"arena": str(emu.arena.path)})
+    a.send(Open())
+    a.send(Slab(nbytes=1 << 20))
+    await a.recv_skipping_heartbeats()
+    empty = np.zeros(0, np.float32)
+    a.send(Gemm(gemm=1, dtype="float32", ta=False, tb=False, m=64, n=64, k=64, lda=64,
+                ldb=64, slab_a=0, slab_b=16384, slab_c=32768, host_ns=10**9,
+                segments=(empty, empty)))  # fmt: skip
+    await asyncio.sleep(0.1)
+    a.close()
+    for _ in range(500):  # until the emulator has seen A go
+        if sum(1 for p in emu.peers if p.job_id) == 1:
+            break
+        await asyncio.sleep(0.01)
+    b.send(Step(step=2, host_ns=5 * 10**9))  # B's clock passes A's GEMM's issue
+    assert (await b.recv_skipping_heartbeats()).TYPE == MsgType.STEP
+    for _ in range(200):
+        gc.collect()
+        if emu.arena.free_bytes == emu.arena.nbytes:
+            break
+        await asyncio.sleep(0.01)
+    b.close()
+    assert emu.timeline.stalled == 0, "A's GEMM was not left waiting for a device"
+    assert emu.arena.free_bytes == emu.arena.nbytes, "A's slab went back to the arena"
