@@ -67,6 +67,11 @@ class RunConfig:
         choices=MODES,
     )
     coordinator_scale: float = _opt(1.0, "multiplies measured coordinator time", min=0.0)
+    share_memory: bool = _opt(
+        True,
+        "on the emulator's host, pass GEMM operands and results through its operand arena "
+        "(off: as bytes over the socket, like a job on another host)",
+    )
     arena_bytes: int = _opt(
         EmulatorConfig.arena_bytes,
         "operand arena the embedded devices read operands from (--embedded; 0: none, "
@@ -173,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
             token=cfg.token, block=cfg.block_size, min_flops=cfg.min_flops, name=target[1],
             ckpt=cfg.ckpt or None, coordinator=cfg.coordinator_time,
             scale=cfg.coordinator_scale, link=cfg.link or None, cooling=cfg.cooling or None,
+            share_memory=cfg.share_memory,
         ) as session:  # fmt: skip
             code = _run_script(*target)
     except (OSError, RuntimeError, ValueError) as exc:

@@ -227,6 +227,7 @@ def emulate(
     scale: float = 1.0,
     link: str | None = None,
     cooling: str | None = None,
+    share_memory: bool = True,
 ) -> Iterator[Session]:
     """Run the body's GEMMs on a fleet: a running emulator at ``server``
     (``HOST:PORT``), or an embedded one with the virtual ``devices`` SPEC (the
@@ -236,7 +237,8 @@ def emulate(
     With ``ckpt``, the first module the body calls gets its parameters bound to the
     emulator's shared copy of that checkpoint (an embedded emulator loads it).
     ``coordinator`` is how host time between GEMMs counts (``coordinator.MODES``;
-    measured time is multiplied by ``scale``).
+    measured time is multiplied by ``scale``). ``share_memory`` off sends operands and
+    results as bytes even on the emulator's host.
     """
     if (server is None) == (devices is None):
         raise ValueError("give exactly one of server='HOST:PORT' or devices='SPEC' (embedded)")
@@ -253,7 +255,8 @@ def emulate(
             stack.callback(embedded.stop)
         else:
             host, port = parse_server(server)
-        session = Session(Client(host, port, token=token, name=name, block=block),
+        session = Session(Client(host, port, token=token, name=name, block=block,
+                                 share_memory=share_memory),
                           min_flops=min_flops, coordinator=coordinator,
                           scale=scale)  # fmt: skip
         stack.callback(session.close)

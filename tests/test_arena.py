@@ -498,3 +498,19 @@ async def test_a_gemm_whose_job_left_before_its_issue_is_dropped(emulator):
     b.close()
     assert emu.timeline.stalled == 0, "A's GEMM was not left waiting for a device"
     assert emu.arena.free_bytes == emu.arena.nbytes, "A's slab went back to the arena"
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_morphling_run_share_memory_decides_the_jobs_slab(share):
+    """``emulate(share_memory=...)`` (``morphling run --[no-]share-memory``): the job passes
+    a linear layer's operands through its slab, or sends them as bytes."""
+    torch = pytest.importorskip("torch")
+    from morphling.proxy.session import emulate
+
+    layer = torch.nn.Linear(256, 256)
+    x = torch.randn(128, 256)
+    with emulate(devices="2", share_memory=share) as session:
+        y = layer(x)
+        slab = session.client._slab
+    torch.testing.assert_close(y, torch.nn.functional.linear(x, layer.weight, layer.bias))
+    assert (slab is not None) == share
