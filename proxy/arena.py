@@ -35,6 +35,11 @@ log = logging.getLogger(__name__)
 PAGE = 4096
 
 
+def pages(nbytes: int) -> int:
+    """``nbytes`` rounded up to whole pages."""
+    return -(-nbytes // PAGE) * PAGE
+
+
 class OperandArena(SharedFile):
     """The emulator's arena: ``allocate`` hands out memory in it; see the module docstring."""
 
@@ -54,7 +59,7 @@ class OperandArena(SharedFile):
         """A new arena of ``nbytes`` (rounded up to pages), nothing reserved yet."""
         fd, path = cls.new_file()
         try:
-            os.ftruncate(fd, -(-nbytes // PAGE) * PAGE)
+            os.ftruncate(fd, pages(nbytes))
             arena = cls(path, writable=True, owner=True)
         except BaseException:
             os.close(fd)
@@ -66,7 +71,7 @@ class OperandArena(SharedFile):
 
     def allocate(self, nbytes: int) -> memoryview | None:
         """``nbytes`` of the arena, or None when they do not fit (or /dev/shm is full)."""
-        size = max(PAGE, -(-nbytes // PAGE) * PAGE)
+        size = max(PAGE, pages(nbytes))
         with self._lock:
             i = next((i for i, (_, free) in enumerate(self._free) if free >= size), None)
             if i is None or not self._reserve(self._free[i][0] + size):

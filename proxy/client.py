@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from ..kernels import blas_operand
-from .arena import PAGE, OperandArena
+from .arena import OperandArena, pages
 from .auth import hello
 from .codec import Decoder, ProtocolError, encode
 from .connection import SMALL_PAYLOAD, FrameConnection
@@ -68,16 +68,12 @@ def gemm_request(
     return request, shape
 
 
-def _pages(nbytes: int) -> int:
-    return -(-nbytes // PAGE) * PAGE
-
-
 def slab_bytes(request: Gemm) -> int:
     """The slab ``into_slab`` needs for ``request``: its operand segments and C, each
     starting on a page."""
     a, b = request.segments
     c = request.batch * request.m * request.n * np.dtype(request.dtype).itemsize
-    return _pages(a.nbytes) + _pages(b.nbytes) + _pages(c)
+    return pages(a.nbytes) + pages(b.nbytes) + pages(c)
 
 
 def into_slab(request: Gemm, slab: np.ndarray) -> Gemm:
@@ -88,7 +84,7 @@ def into_slab(request: Gemm, slab: np.ndarray) -> Gemm:
         if seg.nbytes:
             slab[at : at + seg.nbytes] = seg.view(np.uint8)
             fields[f"slab_{name}"] = at
-            at += _pages(seg.nbytes)
+            at += pages(seg.nbytes)
         segments.append(seg[:0])
     return dataclasses.replace(request, **fields, slab_c=at, segments=tuple(segments))
 
@@ -345,8 +341,10 @@ class Client:
             return None
         need, most = slab_bytes(request), arena.nbytes // 2  # the emulator gives no more
         have = 0 if self._slab is None else len(self._slab)
-        if need < SMALL_PAYLOAD or need <= have:
-            return None if need < SMALL_PAYLOAD else self._slab
+        if need < SMALL_PAYLOAD:
+            return None
+        if need <= have:
+            return self._slab
         if need > most or need >= self._slab_refused:
             return None
         for ask in dict.fromkeys((min(max(need, 2 * have), most), need)):  # doubled, or just
