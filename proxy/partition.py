@@ -44,6 +44,7 @@ class TileTask:
     c0: int
     c1: int
     attempts: int = 0
+    wire_bytes: int = 0  # its operand bytes on the wire to the device it was last sent to
     _operands: tuple[Block, Block] | None = field(default=None, repr=False)
 
     @property

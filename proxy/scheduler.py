@@ -7,9 +7,13 @@ per device, in placement order, drained while the device has room.
 A device takes at most ``window`` tiles at once and none while its send
 buffer is above the high-water mark, so a slow device never makes the
 server buffer without bound. Across all devices, at most ``inflight_bytes``
-of tile operands are out at once (a single tile always may go): a window
-per device alone would let a fleet of a thousand virtual devices in one
-process hold a thousand windows of operands.
+of tile operands are on the wire at once (a single tile always may go): a
+window per device alone would let a fleet of a thousand virtual devices in
+one process hold a thousand windows of operands. Operands a device reads
+from its own mapping (the operand arena, shared weights) or already holds
+cost nothing there, so they do not count: counting them would let one tile
+with a long K (a 256-row block of a 50,000-wide matrix is 50 MiB) hold the
+whole fleet to one tile at a time.
 
 A device that leaves has its queued and outstanding tiles sent to the
 device with the least work waiting (ties: lowest id), as bytes: the virtual
@@ -23,6 +27,7 @@ from collections import deque
 from collections.abc import Callable
 
 from .memory import Admission
+from .messages import Tile
 from .partition import GemmTask, TileTask
 from .registry import DeviceRecord, Registry
 
@@ -31,19 +36,16 @@ log = logging.getLogger(__name__)
 Placed = tuple[TileTask, Admission | None]  # None: moved off its device, send as bytes
 
 
-def operand_bytes(tile: TileTask) -> int:
-    """The bytes of the operand blocks a tile needs (op(A)'s rows, op(B)'s columns)."""
-    rows, cols = tile.shape
-    return (rows + cols) * tile.gemm.request.k * tile.gemm.out.itemsize
-
-
 class Scheduler:
-    """Per-device queues; sends through ``send(device, tile, admission)``."""
+    """Per-device queues. ``build(device, tile, admission)`` makes a tile's TILE message
+    for that device (what it reads from its mappings goes as references), and
+    ``send(device, tile, message)`` sends it."""
 
     def __init__(
         self,
         registry: Registry,
-        send: Callable[[DeviceRecord, TileTask, Admission | None], None],
+        build: Callable[[DeviceRecord, TileTask, Admission | None], Tile],
+        send: Callable[[DeviceRecord, TileTask, Tile], None],
         *,
         window: int = 4,
         inflight_bytes: int = 64 << 20,
@@ -54,6 +56,7 @@ class Scheduler:
         self.window = window
         self.max_inflight_bytes = inflight_bytes
         self.inflight_bytes = 0
+        self._build = build
         self._send = send
         self.orphans: deque[Placed] = deque()  # moved tiles waiting for any device
         self._waiting: dict[int, DeviceRecord] = {}  # devices with queued tiles
@@ -78,7 +81,7 @@ class Scheduler:
     def requeue(self, device: DeviceRecord) -> list[TileTask]:
         """Move a lost device's tiles, outstanding first, to the other devices."""
         held = [device.give_back(tile_id) for tile_id in list(device.outstanding)]
-        self.inflight_bytes -= sum(operand_bytes(t) for t in held)
+        self.inflight_bytes -= sum(t.wire_bytes for t in held)
         moved = [t for t in held + [t for t, _ in device.queue] if not t.gemm.cancelled]
         device.queue.clear()
         self._waiting.pop(device.id, None)
@@ -100,7 +103,7 @@ class Scheduler:
         """The device returned ``tile_id``: the task, or None when it was not expected."""
         tile = device.give_back(tile_id)
         if tile is not None:
-            self.inflight_bytes -= operand_bytes(tile)
+            self.inflight_bytes -= tile.wire_bytes
             device.completed += 1
         return tile
 
@@ -132,15 +135,17 @@ class Scheduler:
             if tile.gemm.cancelled:
                 queue.popleft()
                 continue
-            nbytes = operand_bytes(tile)
+            message = self._build(device, tile, admission)
+            nbytes = sum(segment.nbytes for segment in message.segments)
             if self.inflight_bytes and self.inflight_bytes + nbytes > self.max_inflight_bytes:
                 return False
             queue.popleft()
             self.inflight_bytes += nbytes
+            tile.wire_bytes = nbytes
             tile.attempts += 1
             device.take(tile)
             tile.gemm.devices.add(device.id)
-            self._send(device, tile, admission)
+            self._send(device, tile, message)
         if not queue:
             self._waiting.pop(device.id, None)
         return True

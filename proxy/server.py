@@ -400,7 +400,7 @@ class Emulator:
         self.pool = pool or BufferPool(pin=False)  # it never hands buffers to a GPU
         self.registry = Registry()
         self.scheduler = Scheduler(
-            self.registry, self._send_tile, window=config.window,
+            self.registry, self._tile_message, self._send_tile, window=config.window,
             inflight_bytes=config.inflight_bytes,
         )  # fmt: skip
         self._events: IO[str] | None = None
@@ -475,11 +475,13 @@ class Emulator:
 
     # -- tiles ---------------------------------------------------------------------------
 
-    def _send_tile(self, device: DeviceRecord, tile: TileTask, admission: Admission | None) -> None:
-        """Send a tile: blocks of the operand arena or of weights the device can map, or
-        weight blocks it already holds, go by reference, everything else as bytes.
-        ``admission`` is the device's emulated memory's say (from the timeline); None
-        for a tile moved off a lost device: all bytes but what it maps."""
+    def _tile_message(
+        self, device: DeviceRecord, tile: TileTask, admission: Admission | None
+    ) -> Tile:
+        """A tile's TILE for ``device``: blocks of the operand arena or of weights the device
+        can map, or weight blocks it already holds, go by reference, everything else as
+        bytes. ``admission`` is the device's emulated memory's say (from the timeline);
+        None for a tile moved off a lost device: all bytes but what it maps."""
         task = tile.gemm
         g = task.request
         rows, cols = tile.shape
@@ -500,15 +502,18 @@ class Emulator:
             else:  # bytes, to be kept under the ref if they fit
                 sent.append((*task.packed(block), block.ref if admission.fits else [], -1))
         (a, lda, ref_a, at_a), (b, ldb, ref_b, at_b) = sent
-        task.bytes_down += a.nbytes + b.nbytes
         drop = admission.evicted if admission is not None and not device.colocated else []
         at_c = self._out_offset(device, tile)
-        device.conn.send(Tile(
+        return Tile(
             tile=tile.id, dtype=g.dtype, ta=g.ta, tb=g.tb, m=rows, n=cols, k=g.k, lda=lda,
             ldb=ldb, ref_a=ref_a, ref_b=ref_b, drop=drop, arena_a=at_a, arena_b=at_b,
             arena_c=-1 if at_c is None else at_c, ldc=0 if at_c is None else task.out.shape[2],
             segments=(a, b),
-        ))  # fmt: skip
+        )  # fmt: skip
+
+    def _send_tile(self, device: DeviceRecord, tile: TileTask, message: Tile) -> None:
+        tile.gemm.bytes_down += tile.wire_bytes
+        device.conn.send(message)
 
     def tile_result(self, device: DeviceRecord | None, msg: TileResult) -> None:
         if device is None:

@@ -34,9 +34,9 @@ class EmulatorConfig:
     window: int = _opt(4, "tiles in flight per device", min=1, aliases=("--max_inflight",))
     inflight_bytes: int = _opt(
         64 << 20,
-        "tile operand bytes in flight over all devices (one "
-        "tile always may go): bounds what a fleet process holds however "
-        "many devices it runs",
+        "tile operand bytes on the wire over all devices (one tile "
+        "always may go; blocks a device reads in place do not count): "
+        "bounds what a fleet process holds however many devices it runs",
         min=1,
     )
     high_water_bytes: int = _opt(4 << 20, "per-device send buffer above which no tile is sent",

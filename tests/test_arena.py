@@ -164,6 +164,26 @@ async def test_devices_on_this_host_work_in_place(emulator, operands):
     assert emu.arena.free_bytes == emu.arena.nbytes, "the operands' extents were freed"
 
 
+@pytest.mark.parametrize("share", [True, False], ids=["in-place", "bytes"])
+async def test_only_bytes_on_the_wire_count_against_inflight_bytes(emulator, operands, share):
+    """With room for one byte of operands in flight, tiles whose blocks devices read in
+    place still all go out together (nothing of them is buffered); as bytes, one at a time."""
+    host, port, emu = await emulator(share, share, inflight_bytes=1, window=4)
+    most, send = 0, emu.scheduler._send
+
+    def counting(device: Any, tile: Any, message: Any) -> None:
+        nonlocal most
+        send(device, tile, message)
+        most = max(most, sum(len(d.outstanding) for d in emu.registry.devices.values()))
+
+    emu.scheduler._send = counting
+    a, b = operands
+    c, _ = await product(host, port, a, b)
+    np.testing.assert_allclose(c, a @ b, rtol=1e-4, atol=1e-4)
+    assert most == (6 if share else 1)
+    assert emu.scheduler.inflight_bytes == 0
+
+
 async def test_a_device_that_does_not_map_it_gets_bytes(emulator, operands):
     host, port, _ = await emulator(False)
     a, b = operands

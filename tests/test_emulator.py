@@ -1410,10 +1410,10 @@ async def test_inflight_bytes_bound_all_devices_together(fleet):
     most = 0
     send = f.emu.scheduler._send
 
-    def counting(device: DeviceRecord, tile: Any, admission: Any) -> None:
+    def counting(device: DeviceRecord, tile: Any, message: Any) -> None:
         nonlocal most
         most = max(most, sum(len(d.outstanding) for d in f.emu.registry.devices.values()))
-        send(device, tile, admission)
+        send(device, tile, message)
 
     f.emu.scheduler._send = counting
     client = await f.client()
