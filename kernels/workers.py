@@ -16,7 +16,11 @@ task goes to one worker, chosen at submit time by a policy:
   upstream;
 - ``load-balanced``: the fewest outstanding tasks.
 
-Ties go to a GPU, then to the lowest index.
+Ties go to a GPU, then to the lowest index. A choice made at submit time can be
+wrong (a burst of long tasks split 4 to 2 because one worker's average came
+from short ones), so a worker that runs out of tasks takes the oldest queued
+one of a sibling of the same kind before it waits: no worker idles while a
+twin has a backlog.
 """
 
 from __future__ import annotations
@@ -198,10 +202,12 @@ class _Worker:
         backend: Backend,
         window: int,
         on_finished: Callable[[_Worker, int | None], None],
+        steal: Callable[[_Worker], _Task | None],
     ) -> None:
         self.index = index
         self.backend = backend
         self.on_finished = on_finished
+        self.steal = steal
         self.queue: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
         self.outstanding = 0
         self.completed = 0
@@ -237,11 +243,19 @@ class _Worker:
             return
         self.started.set()
         try:
-            while (task := self.queue.get()) is not None:
+            while (task := self._next()) is not None:
                 self._run(task)
                 del task  # do not pin the last task's operands (leases) while idle
         finally:
             self.backend.stop()
+
+    def _next(self) -> _Task | None:
+        """Its own next task, else a sibling's, else wait for one (None: stop)."""
+        try:
+            return self.queue.get_nowait()
+        except queue.Empty:
+            pass
+        return self.steal(self) or self.queue.get()
 
     def _run(self, task: _Task) -> None:
         error: BaseException | None = None
@@ -269,6 +283,7 @@ class WorkerPool:
         *,
         policy: str = "greedy",
         window: int = 64,
+        steal: bool = True,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy={policy!r}: expected one of {', '.join(POLICIES)}")
@@ -279,10 +294,13 @@ class WorkerPool:
         if not backends:
             raise ValueError("a worker pool needs at least one backend")
         self.policy = policy
+        self.steal = steal  # False: the policy's choice is final (to study a policy alone)
         self._lock = threading.Lock()
         self._rr = 0
         self._closed = False
-        self._workers = [_Worker(i, b, window, self._finished) for i, b in enumerate(backends)]
+        self._workers = [
+            _Worker(i, b, window, self._finished, self._steal) for i, b in enumerate(backends)
+        ]
         for w in self._workers:
             w.thread.start()
         for w in self._workers:
@@ -328,6 +346,28 @@ class WorkerPool:
     def _finished(self, worker: _Worker, elapsed_ns: int | None) -> None:
         with self._lock:
             worker.record(None if elapsed_ns is None else elapsed_ns / 1e9)
+
+    def _steal(self, thief: _Worker) -> _Task | None:
+        """The oldest queued task of the same-kind sibling with the longest queue, moved to
+        ``thief``; None when there is none (a sibling's stop sentinel stays where it is)."""
+        if not self.steal:
+            return None
+        with self._lock:
+            siblings = [w for w in self._workers
+                        if w is not thief and w.backend.kind == thief.backend.kind]  # fmt: skip
+            victim = max(siblings, key=lambda w: w.queue.qsize(), default=None)
+            if victim is None:
+                return None
+            try:
+                task = victim.queue.get_nowait()
+            except queue.Empty:  # it took its task itself meanwhile
+                return None
+            if task is None:  # closing: the sentinel was last in its queue, and is again
+                victim.queue.put(None)
+                return None
+            victim.outstanding -= 1
+            thief.outstanding += 1
+            return task
 
     def _enqueue(self, plan: GemmPlan, out: Any, keep: tuple[Any, ...], done: Done) -> None:
         task = _Task(plan, out, keep, done)

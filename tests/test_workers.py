@@ -46,7 +46,7 @@ async def test_concurrent_results_are_correct(policy):
 
 
 async def test_round_robin_takes_turns():
-    with WorkerPool([CpuBackend(1) for _ in range(3)], policy="round-robin") as pool:
+    with WorkerPool([CpuBackend(1) for _ in range(3)], policy="round-robin", steal=False) as pool:
         a = np.ones((8, 8), np.float32)
         results = await asyncio.gather(*(pool.submit(a, a) for _ in range(9)))
     assert [r.worker for r in results] == [0, 1, 2] * 3
@@ -55,9 +55,26 @@ async def test_round_robin_takes_turns():
 async def test_load_balanced_spreads_outstanding_work():
     """Four slow tasks submitted at once land on alternating workers."""
     a = np.random.default_rng(0).standard_normal((700, 700)).astype(np.float32)
-    with WorkerPool([CpuBackend(1), CpuBackend(1)], policy="load-balanced") as pool:
+    with WorkerPool([CpuBackend(1), CpuBackend(1)], policy="load-balanced", steal=False) as pool:
         results = await asyncio.gather(*(pool.submit(a, a) for _ in range(4)))
     assert [r.worker for r in results] == [0, 1, 0, 1]
+
+
+@pytest.mark.parametrize("steal", [True, False])
+async def test_an_idle_worker_takes_a_twins_backlog(steal):
+    """Round-robin puts both long tasks on worker 0 and both short ones on worker 1; worker 1,
+    done with its own, takes a long one instead of idling (unless told not to), so the two
+    run side by side."""
+    rng = np.random.default_rng(4)
+    long = rng.standard_normal((900, 900)).astype(np.float32)
+    short = np.ones((8, 8), np.float32)
+    with WorkerPool([CpuBackend(1), CpuBackend(1)], policy="round-robin", steal=steal) as pool:
+        results = await asyncio.gather(*(pool.submit(x, x) for x in (long, short, long, short)))
+        stats = pool.stats()
+    long_ran_on = {results[0].worker, results[2].worker}
+    assert long_ran_on == ({0, 1} if steal else {0})
+    np.testing.assert_allclose(results[2].out, long @ long, rtol=1e-3, atol=1e-2)
+    assert [s.outstanding for s in stats] == [0, 0], "the move is accounted for"
 
 
 async def test_greedy_keeps_an_idle_pool_on_one_worker():
@@ -75,7 +92,7 @@ async def test_greedy_unmeasured_twin_borrows_its_siblings_average():
     5 ms prior: a burst of equal tasks alternates between the two."""
     tiny = np.ones((16, 16), np.float32)
     a = np.random.default_rng(2).standard_normal((500, 500)).astype(np.float32)
-    with WorkerPool([CpuBackend(1), CpuBackend(1)], policy="greedy") as pool:
+    with WorkerPool([CpuBackend(1), CpuBackend(1)], policy="greedy", steal=False) as pool:
         assert (await pool.submit(tiny, tiny)).worker == 0
         results = await asyncio.gather(*(pool.submit(a, a) for _ in range(6)))
     assert [r.worker for r in results] == [0, 1, 0, 1, 0, 1]
