@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from ..kernels import BufferPool, GemmResult, WorkerPool, plan_explicit, run_plan
-from ..proxy import challenge
+from ..proxy import challenge, local
 from ..proxy.arena import OperandArena
 from ..proxy.auth import hello
 from ..proxy.connection import FrameConnection, pool_allocator
@@ -88,6 +88,8 @@ class DeviceConnection(FrameConnection):
                     self.arena = OperandArena.shared(msg.arena)
                     if self.arena is not None:
                         caps["arena"] = str(self.arena.path)
+                if msg.process == local.PROCESS:
+                    caps["process"] = local.PROCESS
             self.send(hello(
                 msg, agent.token, "device", name=agent.name, uuid=agent.uuid,
                 profile=agent.profile.to_wire(), caps=caps,
@@ -118,9 +120,15 @@ class DeviceConnection(FrameConnection):
         dtype = np.dtype(msg.dtype)
         for ref in msg.drop:
             self.cache.pop(tuple(ref), None)
+        handed = local.take_tile(msg.tile) if msg.local else None
         try:
-            a, b = self._operand(msg, "a"), self._operand(msg, "b")
-            out, ldc = self._result_memory(msg, dtype)
+            if handed is not None:
+                a, b, out, ldc = handed.a, handed.b, handed.c, msg.ldc
+            elif msg.local:
+                raise ValueError("local: nothing was handed over in this process")
+            else:
+                a, b = self._operand(msg, "a"), self._operand(msg, "b")
+                out, ldc = self._result_memory(msg, dtype)
             plan = plan_explicit(dtype, msg.ta, msg.tb, msg.m, msg.n, msg.k, a, msg.lda,
                                  b, msg.ldb, out, ldc)  # fmt: skip
         except (KeyError, ValueError, TypeError) as exc:
@@ -132,8 +140,11 @@ class DeviceConnection(FrameConnection):
             run_plan(plan)
             self._result(msg, time.perf_counter_ns() - start, model_ns, out)
             return
+        writers = handed.writers if handed is not None else None
+        if writers is not None:  # the emulator answers the job only once this kernel is done
+            writers.enter()
         future = agent.workers.submit_plan(plan, out, keep=(a, b))
-        future.add_done_callback(lambda f: self._tile_done(msg, model_ns, f))
+        future.add_done_callback(lambda f: self._tile_done(msg, model_ns, f, writers))
 
     def _result_memory(self, msg: Tile, dtype: np.dtype) -> tuple[Any, int]:
         """Where the tile's C goes, and its row stride: the GEMM's output in the operand
@@ -148,7 +159,7 @@ class DeviceConnection(FrameConnection):
         return self.arena.block(msg.arena_c, msg.m, msg.n, msg.ldc, msg.dtype), msg.ldc
 
     def _result(self, msg: Tile, compute_ns: int, model_ns: int, out: Any) -> None:
-        in_place = msg.arena_c >= 0  # C is in the emulator's output already
+        in_place = msg.arena_c >= 0 or msg.local  # C is in the emulator's output already
         self.send(TileResult(tile=msg.tile, compute_ns=compute_ns, model_ns=model_ns,
                              in_place=in_place, segments=(b"" if in_place else out,)))  # fmt: skip
 
@@ -183,7 +194,12 @@ class DeviceConnection(FrameConnection):
         except KeyError:
             raise KeyError(f"weight reference {ref!r} is neither mapped nor held") from None
 
-    def _tile_done(self, msg: Tile, model_ns: int, future: asyncio.Future[GemmResult]) -> None:
+    def _tile_done(
+        self, msg: Tile, model_ns: int, future: asyncio.Future[GemmResult],
+        writers: local.Writers | None,
+    ) -> None:  # fmt: skip
+        if writers is not None:
+            writers.leave()
         if future.cancelled() or not self.open:
             return
         if (exc := future.exception()) is not None:

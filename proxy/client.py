@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from ..kernels import blas_operand
+from . import local
 from .arena import OperandArena, pages
 from .auth import hello
 from .codec import Decoder, ProtocolError, encode
@@ -251,7 +252,9 @@ class Client:
     On the emulator's host (and unless ``share_memory`` is off) it maps the
     operand arena and asks for a slab of it, grown to the largest GEMM's needs:
     ``matmul`` copies the operands into the slab and reads C from it, so neither
-    crosses the socket.
+    crosses the socket. In the emulator's own process (``morphling run
+    --embedded``) it copies nothing: it hands the emulator the operands and a
+    new output array (``local``; ``hand_over=False`` uses the slab instead).
 
     Each GEMM and step mark says how long the caller computed on the host since
     its last result (``elapsed_ns``, or the ``host_ns`` it passes): the
@@ -261,7 +264,7 @@ class Client:
 
     def __init__(
         self, host: str, port: int, *, token: str = "", name: str = "", block: int = 0,
-        timeout: float = 30.0, share_memory: bool = True,
+        timeout: float = 30.0, share_memory: bool = True, hand_over: bool = True,
     ) -> None:  # fmt: skip
         self._sock = socket.create_connection((host, port), timeout)
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -280,12 +283,16 @@ class Client:
         self._slab: np.ndarray | None = None  # the job's bytes of it (SLAB)
         self._slab_refused = 1 << 62  # the smallest slab the emulator did not give
         self._slab_busy = 0  # a GEMM using the slab whose RESULT has not come (timed out)
+        self._local = False  # in the emulator's process: operands handed over as arrays
         try:
             greeting = self._expect(MsgType.GREETING, timeout)
             self.weights: dict[str, Any] = greeting.weights  # what the emulator shares
             if share_memory and greeting.arena:
                 self._arena = OperandArena.shared(greeting.arena)
             caps = {"arena": str(self._arena.path)} if self._arena is not None else {}
+            if share_memory and hand_over and greeting.process == local.PROCESS:
+                self._local = True
+                caps["process"] = local.PROCESS
             self._send(hello(greeting, token, "job", name=name, caps=caps))
             welcome = self._expect(MsgType.WELCOME, timeout)
             self._send(Open(name=name, block=block))
@@ -311,10 +318,33 @@ class Client:
                 next(self._ids), a, b, self.shared, after=self._after,
                 host_ns=self.elapsed_ns() if host_ns is None else host_ns,
             )  # fmt: skip
+            if self._local:
+                return self._hand_over(request, shape, out, timeout)
             slab = self._slab_for(request)
             if slab is not None:
                 request = into_slab(request, slab)
             return result_array(request, self._call(request, timeout), shape, out, slab)
+
+    def _hand_over(
+        self, request: Gemm, shape: tuple[int, ...], out: Any, timeout: float | None
+    ) -> Any:  # fmt: skip
+        """``request`` with its operands and a new C handed to the emulator in this process
+        (``local``). C is always new: should the call time out, a device may still write
+        into it later, so it must be nobody's yet."""
+        c = np.empty((request.batch, request.m, request.n), request.dtype)
+        spans = [seg.view(np.uint8) for seg in request.segments]
+        local.offer_gemm(self.job_id, request.gemm, local.JobOperands(*spans, c))
+        try:
+            self._call(dataclasses.replace(request, local=True, segments=(
+                spans[0][:0], spans[1][:0])), timeout)  # fmt: skip
+        finally:
+            if self.error is not None:  # the emulator is gone: nobody takes them now
+                local.take_gemm(self.job_id, request.gemm)
+        c = c.reshape(shape)
+        if out is None:
+            return c
+        np.copyto(out if isinstance(out, np.ndarray) else out.numpy(), c)
+        return out
 
     def submit(self, request: Gemm, *, timeout: float | None = None) -> Result:
         """Send an explicit GEMM request (its ``after``/``host_ns`` as the caller set

@@ -78,6 +78,7 @@ class Greeting(Message):
     auth: bool
     weights: dict = field(default_factory=dict)  # the shared weights: path, digest, nbytes
     arena: dict = field(default_factory=dict)  # the operand arena: path, nbytes
+    process: str = ""  # the emulator's process (``local.PROCESS``): peers in it hand over arrays
 
 
 @dataclass(slots=True)
@@ -249,6 +250,9 @@ class Tile(Message):
     arena_b: int = -1
     arena_c: int = -1
     ldc: int = 0
+    # The emulator, in this device's process, handed over the blocks and where C goes as
+    # arrays (``local``), under ``tile``: segments empty, TILE_RESULT ``in_place``.
+    local: bool = False
 
 
 @dataclass(slots=True)
@@ -311,6 +315,9 @@ class Gemm(Message):
     slab_a: int = -1
     slab_b: int = -1
     slab_c: int = -1
+    # A job in the emulator's process handed over its operands (those without a ref) and C
+    # as arrays (``local``), under this job's id and ``gemm``: segments empty, RESULT's too.
+    local: bool = False
 
 
 @dataclass(slots=True)

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from .local import Writers
 from .messages import Gemm
 from .weights import SharedWeights
 
@@ -118,6 +119,7 @@ class GemmTask:
     bytes_down: int = 0
     bytes_up: int = 0
     slab_retired: bool = False  # its C is in a slab a lost device may still write into
+    writers: Writers | None = None  # kernels writing into C, a job's own array (``local``)
     _packed: dict[int, tuple[np.ndarray, int]] = field(default_factory=dict)
     # A row of tiles shares its A block and a column its B block: made once each.
     _blocks: dict[tuple[str, int, int, int], Block] = field(default_factory=dict)
@@ -125,6 +127,11 @@ class GemmTask:
     @property
     def id(self) -> int:
         return self.request.gemm
+
+    @property
+    def in_place(self) -> bool:
+        """C is where the job reads it (its slab, or its own array): RESULT carries none."""
+        return self.request.slab_c != -1 or self.request.local
 
     def block(self, which: str, pivot: int, lo: int, hi: int) -> Block:
         """Rows ``lo:hi`` of op(A) (``which="a"``) or columns of op(B), as stored."""

@@ -28,6 +28,7 @@ class DeviceRecord:
     completed: int = 0
     colocated: bool = False  # maps the emulator's shared weights (same host)
     arena: bool = False  # maps the emulator's operand arena (same host)
+    local: bool = False  # runs in the emulator's process: takes tiles as arrays (``local``)
 
     def take(self, tile: TileTask) -> None:
         self.outstanding[tile.id] = tile
@@ -51,10 +52,10 @@ class Registry:
 
     def add(
         self, name: str, declared: DeviceProfile, conn: Any, *, virtual: bool, colocated: bool,
-        arena: bool = False,
+        arena: bool = False, local: bool = False,
     ) -> DeviceRecord:  # fmt: skip
         record = DeviceRecord(next(self._ids), name, declared, conn, virtual, model=declared,
-                              colocated=colocated, arena=arena)  # fmt: skip
+                              colocated=colocated, arena=arena, local=local)  # fmt: skip
         self.devices[record.id] = record
         return record
 

@@ -69,7 +69,8 @@ class RunConfig:
     coordinator_scale: float = _opt(1.0, "multiplies measured coordinator time", min=0.0)
     share_memory: bool = _opt(
         True,
-        "on the emulator's host, pass GEMM operands and results through its operand arena "
+        "on the emulator's host, pass GEMM operands and results through its operand arena, "
+        "and in its process (--embedded) hand them over as arrays "
         "(off: as bytes over the socket, like a job on another host)",
     )
     arena_bytes: int = _opt(

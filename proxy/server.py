@@ -10,6 +10,7 @@ tiles go back to the queue, and everyone else carries on.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -24,7 +25,7 @@ import numpy as np
 
 from ..devices.profiles import DeviceProfile
 from ..kernels import BufferPool
-from . import probes
+from . import local, probes
 from .arena import OperandArena
 from .auth import mac_matches
 from .codec import ProtocolError
@@ -88,6 +89,7 @@ class PeerConnection(FrameConnection):
         self.block = cfg.block_size
         self.gemms: dict[int, GemmTask] = {}
         self.maps_arena = False  # a job that maps the operand arena may ask for a slab
+        self.local = False  # a peer in this process, which may hand over arrays (``local``)
         self.slab: np.ndarray | None = None  # the job's bytes of the arena (SLAB)
         self.slab_gemm = 0  # the GEMM in flight that uses the slab (one at a time)
         self.totals = dict.fromkeys(
@@ -105,7 +107,8 @@ class PeerConnection(FrameConnection):
         arena = self.emulator.arena
         self.send(Greeting(version=1, nonce=self.nonce, auth=bool(self.emulator.config.token),
                            weights=weights.announce() if weights else {},
-                           arena=arena.announce() if arena else {}))  # fmt: skip
+                           arena=arena.announce() if arena else {},
+                           process=local.PROCESS))  # fmt: skip
 
     def disconnected(self, exc: Exception | None) -> None:
         self.emulator.peers.discard(self)
@@ -123,6 +126,8 @@ class PeerConnection(FrameConnection):
             in_flight, queued = len(device.outstanding), len(device.queue)
             self.emulator.hold_late_writes(device)
             requeued = scheduler.requeue(device)
+            for tile in requeued:  # arrays offered to it that it never took (``local``)
+                local.take_tile(tile.id)
             if requeued:
                 log.warning(
                     "device %d (%s) lost with %d tiles in flight and %d queued; re-queued "
@@ -215,6 +220,7 @@ class PeerConnection(FrameConnection):
                 virtual=bool(msg.caps.get("virtual", False)),
                 colocated=weights is not None and msg.caps.get("weights") == str(weights.path),
                 arena=arena is not None and msg.caps.get("arena") == str(arena.path),
+                local=msg.caps.get("process") == local.PROCESS,
             )  # fmt: skip
             peer_id = self.device.id
         elif msg.role in ("job", "probe"):
@@ -223,6 +229,7 @@ class PeerConnection(FrameConnection):
             self.maps_arena = arena is not None and msg.caps.get("arena") == str(arena.path)
         else:
             raise ProtocolError(f"HELLO.role {msg.role!r} is not device, job or probe", "bad_hello")
+        self.local = msg.caps.get("process") == local.PROCESS
         self.decoder.max_payload = cfg.max_payload_bytes
         self.send(Welcome(peer_id=peer_id, heartbeat_s=cfg.heartbeat_s))
         log.info("%s joined as %s %d (%s)", self.peername, msg.role, peer_id, msg.name or "-")
@@ -328,9 +335,8 @@ class PeerConnection(FrameConnection):
         if in_slab and self.slab_gemm:
             raise ProtocolError(f"GEMM {msg.gemm} uses the slab while GEMM {self.slab_gemm}, "
                                 "which uses it too, is in flight", "bad_gemm")  # fmt: skip
-        out = None if msg.slab_c != -1 else self.emulator.output(msg)
         try:
-            task = make_task(msg, out, self.emulator.weights, self.slab)
+            task = self._task(msg)
         except GemmError as exc:
             raise ProtocolError(f"GEMM {msg.gemm}: {exc}", "bad_gemm") from None
         task.owner = self
@@ -352,6 +358,28 @@ class PeerConnection(FrameConnection):
             place=self.emulator.scheduler.submit, done=_settled(task),
         )  # fmt: skip
 
+    def _task(self, msg: Gemm) -> GemmTask:
+        """The GEMM's task: operands from its segments, the weights or the job's slab, or
+        the arrays the job handed over (``local``)."""
+        if not msg.local:
+            out = None if msg.slab_c != -1 else self.emulator.output(msg)
+            return make_task(msg, out, self.emulator.weights, self.slab)
+        if msg.slab_a != -1 or msg.slab_b != -1 or msg.slab_c != -1:
+            raise GemmError("local operands cannot be in the slab too")
+        handed = local.take_gemm(self.job_id, msg.gemm) if self.local else None
+        if handed is None:
+            raise GemmError("local: no operands were handed over in this emulator's process")
+        shape = (msg.batch, msg.m, msg.n)
+        out = handed.out
+        if out.shape != shape or out.dtype != np.dtype(msg.dtype) or not out.flags.c_contiguous:
+            raise GemmError(f"local: the output is {out.dtype} {out.shape}, expected a "
+                            f"C-contiguous {msg.dtype} {shape}")  # fmt: skip
+        a = msg.segments[0] if msg.ref_a else handed.a  # a weight still goes by its ref
+        b = msg.segments[1] if msg.ref_b else handed.b
+        task = make_task(dataclasses.replace(msg, segments=(a, b)), out, self.emulator.weights)
+        task.writers = local.Writers()
+        return task
+
     def _step_done(self, times: StepTimes) -> None:
         """The step is settled in virtual time: answer the job's STEP."""
         wire = (self.totals["bytes_down"], self.totals["bytes_up"])
@@ -365,7 +393,11 @@ class PeerConnection(FrameConnection):
             ))  # fmt: skip
 
     def finish(self, task: GemmTask) -> None:
-        """All tiles are in: send C to the job."""
+        """All tiles are in: send C to the job, once no kernel writes into it any more (a
+        lost device's, into a job's own array, see ``local``)."""
+        if task.writers is not None and task.writers.count:
+            task.writers.when_none(lambda: self.finish(task))
+            return
         self.gemms.pop(task.id, None)
         if task.id == self.slab_gemm:
             self.slab_gemm = 0
@@ -379,7 +411,7 @@ class PeerConnection(FrameConnection):
                 gemm=task.id, tiles=len(task.done), devices=sorted(task.devices),
                 requeued=task.requeued, model_ns=task.virtual_ns, bytes_down=task.bytes_down,
                 bytes_up=task.bytes_up, oom=task.oom, slab_retired=task.slab_retired,
-                segments=(task.out.reshape(-1)[:0] if task.request.slab_c != -1 else task.out,),
+                segments=(task.out.reshape(-1)[:0] if task.in_place else task.out,),
             ))  # fmt: skip
 
 
@@ -483,6 +515,8 @@ class Emulator:
         bytes. ``admission`` is the device's emulated memory's say (from the timeline);
         None for a tile moved off a lost device: all bytes but what it maps."""
         task = tile.gemm
+        if task.writers is not None and device.local:
+            return self._local_tile(tile)
         g = task.request
         rows, cols = tile.shape
         arena = self.arena if device.arena else None
@@ -511,6 +545,19 @@ class Emulator:
             segments=(a, b),
         )  # fmt: skip
 
+    @staticmethod
+    def _local_tile(tile: TileTask) -> Tile:
+        """A TILE whose blocks and C go to a device in this process as arrays."""
+        task, g = tile.gemm, tile.gemm.request
+        rows, cols = tile.shape
+        (a, b), n = tile.operands(), task.out.shape[2]
+        start = (tile.pivot * task.out.shape[1] + tile.r0) * n + tile.c0
+        c = task.out.reshape(-1)[start : start + (rows - 1) * n + cols if rows and cols else start]
+        local.offer_tile(tile.id, local.TileOperands(a.span, b.span, c, task.writers))
+        return Tile(tile=tile.id, dtype=g.dtype, ta=g.ta, tb=g.tb, m=rows, n=cols, k=g.k,
+                    lda=a.ld, ldb=b.ld, ldc=n, local=True,
+                    segments=(a.span[:0], b.span[:0]))  # fmt: skip
+
     def _send_tile(self, device: DeviceRecord, tile: TileTask, message: Tile) -> None:
         tile.gemm.bytes_down += tile.wire_bytes
         device.conn.send(message)
@@ -526,7 +573,8 @@ class Emulator:
             rows, cols = tile.shape
             item = tile.gemm.out.itemsize
             seg = msg.segments[0]
-            in_place = self._out_offset(device, tile) is not None
+            in_place = (tile.gemm.writers is not None and device.local) or \
+                self._out_offset(device, tile) is not None  # fmt: skip
             expected = 0 if in_place else rows * cols * item
             if msg.in_place != in_place or seg.nbytes != expected:
                 self.scheduler.orphans.appendleft((tile, None))

@@ -240,8 +240,9 @@ class CountingSocket:
 
 def job_products(host: str, port: int, pairs: list[tuple[np.ndarray, np.ndarray]], **kw: Any):
     """Each ``a @ b`` through a blocking job client (run it in a thread), the bytes its
-    socket sent and received, and its slab's size after each product."""
-    with Client(host, port, name="slab-job", **kw) as client:
+    socket sent and received, and its slab's size after each product. The job uses its
+    slab as a job in another process would, unless ``hand_over`` says otherwise."""
+    with Client(host, port, name="slab-job", **{"hand_over": False, **kw}) as client:
         counted = client._sock = CountingSocket(client._sock)
         products, slabs = [], []
         for a, b in pairs:
@@ -372,7 +373,7 @@ async def test_a_slab_a_lost_device_may_write_into_is_retired(emulator, operands
     seen: dict[str, Any] = {}
 
     def job() -> list[np.ndarray]:
-        with Client(host, port, name="slab-job") as client:
+        with Client(host, port, name="slab-job", hand_over=False) as client:
             first = client.matmul(a, b)
             seen["after_first"] = client._slab
             second = client.matmul(a, b)
@@ -427,7 +428,7 @@ async def test_after_a_timed_out_gemm_its_slab_waits_for_its_result(emulator, op
     a, b = operands
 
     def job() -> dict[str, Any]:
-        with Client(host, port, name="patient") as client:
+        with Client(host, port, name="patient", hand_over=False) as client:
             counted = client._sock = CountingSocket(client._sock)
             with pytest.raises(TimeoutError):
                 client.matmul(a, b, timeout=0.3)
@@ -461,7 +462,7 @@ async def test_a_slab_exchange_cut_short_stops_the_job_using_the_arena(emulator,
     a, b = operands
 
     def job() -> tuple[np.ndarray, Any]:
-        with Client(host, port, name="interrupted") as client:
+        with Client(host, port, name="interrupted", hand_over=False) as client:
             client.matmul(a[:64, :96], b[:96, :96])  # a small slab first
             real = client._expect
 
@@ -521,9 +522,10 @@ async def test_a_gemm_whose_job_left_before_its_issue_is_dropped(emulator):
 
 
 @pytest.mark.parametrize("share", [True, False])
-def test_morphling_run_share_memory_decides_the_jobs_slab(share):
-    """``emulate(share_memory=...)`` (``morphling run --[no-]share-memory``): the job passes
-    a linear layer's operands through its slab, or sends them as bytes."""
+def test_morphling_run_share_memory_decides_how_operands_go(share):
+    """``emulate(share_memory=...)`` (``morphling run --[no-]share-memory``): the job, in
+    the embedded emulator's process, hands a linear layer's operands over as arrays, or
+    sends them as bytes; it uses no slab either way."""
     torch = pytest.importorskip("torch")
     from morphling.proxy.session import emulate
 
@@ -531,6 +533,6 @@ def test_morphling_run_share_memory_decides_the_jobs_slab(share):
     x = torch.randn(128, 256)
     with emulate(devices="2", share_memory=share) as session:
         y = layer(x)
-        slab = session.client._slab
+        handed, slab = session.client._local, session.client._slab
     torch.testing.assert_close(y, torch.nn.functional.linear(x, layer.weight, layer.bias))
-    assert (slab is not None) == share
+    assert handed == share and slab is None

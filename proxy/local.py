@@ -1,0 +1,96 @@
+"""Operands handed over as arrays inside one process: the embedded emulator's.
+
+Under ``morphling run --embedded`` the training script, the emulator and the
+fleet share one process, yet the job copied every operand into its slab of the
+operand arena and every C back out of it: a quarter of a training step's wall
+time on the benchmark model, all of it on the script's thread. Here the job
+hands the emulator its operand arrays and an output array themselves, and the
+emulator hands each device in the process the blocks of a tile and the part of
+C it writes: nothing is copied. Messages still go over the sockets as always;
+only the arrays pass through this registry, under keys the messages carry
+(``GEMM.local``: the job's id and the GEMM's; ``TILE.local``: the tile's id).
+
+``PROCESS`` tells who is in this process: the emulator announces it in
+GREETING, and a peer that shares it says so in HELLO (``caps.process``). A peer
+elsewhere that claims it finds nothing under its keys and gets an error.
+
+Lifetimes: an entry holds its arrays (numpy views hold the torch tensors they
+view) until taken, and a device holds what it took until its kernel has run.
+A device lost while its kernel writes into C may still write after the tile
+was computed again elsewhere, so each GEMM's ``Writers`` counts the kernels
+writing into it, and the emulator answers the job only once none is.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+PROCESS = secrets.token_hex(16)
+
+
+@dataclass(slots=True)
+class Writers:
+    """Kernels writing into one GEMM's output; ``when_none`` runs once the count is 0."""
+
+    count: int = 0
+    _then: list[Callable[[], None]] = field(default_factory=list)
+
+    def enter(self) -> None:
+        self.count += 1
+
+    def leave(self) -> None:
+        self.count -= 1
+        if not self.count:
+            then, self._then = self._then, []
+            for action in then:
+                action()
+
+    def when_none(self, action: Callable[[], None]) -> None:
+        if self.count:
+            self._then.append(action)
+        else:
+            action()
+
+
+@dataclass(frozen=True, slots=True)
+class JobOperands:
+    """A job's GEMM: A's and B's spans as bytes (as on the wire) and C, ``[batch, m, n]``."""
+
+    a: np.ndarray
+    b: np.ndarray
+    out: np.ndarray
+
+
+@dataclass(frozen=True, slots=True)
+class TileOperands:
+    """A tile's blocks: spans of op(A)'s rows and op(B)'s columns, and where its C goes
+    (a span of the output from the tile's first element, rows ``TILE.ldc`` apart)."""
+
+    a: np.ndarray
+    b: np.ndarray
+    c: np.ndarray
+    writers: Writers
+
+
+_gemms: dict[tuple[int, int], JobOperands] = {}
+_tiles: dict[int, TileOperands] = {}
+
+
+def offer_gemm(job: int, gemm: int, operands: JobOperands) -> None:
+    _gemms[job, gemm] = operands
+
+
+def take_gemm(job: int, gemm: int) -> JobOperands | None:
+    return _gemms.pop((job, gemm), None)
+
+
+def offer_tile(tile: int, operands: TileOperands) -> None:
+    _tiles[tile] = operands
+
+
+def take_tile(tile: int) -> TileOperands | None:
+    return _tiles.pop(tile, None)

@@ -1,0 +1,177 @@
+"""Operands handed over as arrays in the emulator's own process (``morphling.proxy.local``).
+
+The embedded emulator, its devices and the job share one process: the job hands over its
+operands and a new C, and each device the blocks of its tiles and where its C goes, over
+real sockets that then carry headers only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+from morphling.devices.agent import DeviceAgent
+from morphling.devices.profiles import BUILTIN
+from morphling.kernels import BufferPool, CpuBackend, WorkerPool
+from morphling.proxy import local
+from morphling.proxy.client import Client
+from morphling.proxy.messages import Gemm, Open
+from morphling.proxy.server import Emulator
+from morphling.proxy.settings import EmulatorConfig
+from test_arena import CountingSocket
+from test_emulator import RawPeer
+
+
+class GatedBackend(CpuBackend):
+    """A CPU worker whose kernels wait for ``gate``: a device that is slow to finish."""
+
+    def __init__(self) -> None:
+        super().__init__(1)
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+
+    def run(self, plan: Any) -> None:
+        self.entered.set()
+        self.gate.wait(30)
+        super().run(plan)
+
+
+@pytest.fixture
+async def emulator():
+    """``await emulator(*pools)``: an emulator and one device in this process per worker
+    pool given (its kernels run there), all ready; torn down after."""
+    made: list[tuple[Emulator, list[DeviceAgent], list[asyncio.Task]]] = []
+    buffers = BufferPool(pin=False)
+
+    async def make(*pools: WorkerPool) -> tuple[str, int, Emulator, list[DeviceAgent]]:
+        emu = Emulator(EmulatorConfig(listen_ip="127.0.0.1", listen_port=0, probe=False,
+                                      block_size=64))  # fmt: skip
+        host, port = await emu.start()
+        agents = [DeviceAgent(BUILTIN["rpi4"], pool, buffers, name=f"d{i}", virtual=True)
+                  for i, pool in enumerate(pools)]  # fmt: skip
+        tasks = [asyncio.create_task(a.run(host, port, reconnect=False)) for a in agents]
+        made.append((emu, agents, tasks))
+        for _ in range(1000):
+            if len(emu.registry.ready()) == len(agents):
+                return host, port, emu, agents
+            await asyncio.sleep(0.005)
+        raise AssertionError("devices not ready")
+
+    yield make
+    for emu, agents, tasks in made:
+        for agent in agents:
+            agent.stop()
+        await emu.stop()
+        if tasks:
+            await asyncio.wait(tasks, timeout=5)
+
+
+@pytest.fixture
+def workers():
+    with WorkerPool([CpuBackend(1), CpuBackend(1)]) as pool:
+        yield pool
+
+
+def cases() -> list[tuple[np.ndarray, np.ndarray]]:
+    rng = np.random.default_rng(7)
+    a = rng.standard_normal((150, 130), dtype=np.float32)
+    b = rng.standard_normal((130, 90), dtype=np.float32)
+    batched = rng.standard_normal((3, 70, 40))
+    return [
+        (a, b),
+        (a.T.copy().T, b[:, ::1]),  # A stored column-major (a transposed view)
+        (a[:, :100], b[:100]),  # A with a leading dimension wider than its rows
+        (batched, rng.standard_normal((40, 66))),  # float64, B broadcast over the batch
+        (batched, rng.standard_normal((3, 66, 40)).transpose(0, 2, 1)),  # batched, transposed
+    ]
+
+
+async def test_a_job_in_the_emulators_process_hands_over_its_operands(emulator, workers):
+    """Results right for every layout; the socket carries headers only, no slab is asked
+    for, and nothing stays behind in the registry."""
+    host, port, emu, _ = await emulator(workers, workers)
+    assert all(d.local for d in emu.registry.devices.values())
+    pairs = cases()
+
+    def job() -> tuple[list[np.ndarray], int, int, Any]:
+        with Client(host, port, name="in-process") as client:
+            counted = client._sock = CountingSocket(client._sock)
+            products = [client.matmul(a, b) for a, b in pairs]
+            return products, counted.sent, counted.received, client._slab
+
+    products, sent, received, slab = await asyncio.to_thread(job)
+    for (a, b), c in zip(pairs, products, strict=True):
+        np.testing.assert_allclose(c, a @ b, rtol=1e-4, atol=1e-4)
+        assert c.dtype == a.dtype and c.flags.c_contiguous
+    operand_bytes = sum(a.nbytes + b.nbytes for a, b in pairs)
+    assert sent < 4096 < operand_bytes, f"{sent} bytes sent: headers only"
+    assert received < 4096, f"{received} bytes received: no C"
+    assert slab is None
+    assert not local._gemms and not local._tiles, "every handed-over array was taken"
+
+
+async def test_hand_over_off_uses_the_slab(emulator, workers):
+    host, port, _, _ = await emulator(workers)
+    a, b = cases()[0]
+
+    def job() -> tuple[np.ndarray, Any]:
+        with Client(host, port, hand_over=False) as client:
+            return client.matmul(a, b), client._slab
+
+    c, slab = await asyncio.to_thread(job)
+    np.testing.assert_allclose(c, a @ b, rtol=1e-4, atol=1e-4)
+    assert slab is not None
+
+
+async def test_the_job_gets_c_only_once_a_lost_devices_kernel_is_done(emulator, workers):
+    """A device lost while its kernel computes a tile has that tile computed again
+    elsewhere, but its kernel would still write into C, an array the job owns once it has
+    the result: the emulator answers only after that kernel has run."""
+    gated = GatedBackend()
+    with WorkerPool([gated]) as slow:
+        host, port, emu, agents = await emulator(workers, slow)
+        a, b = cases()[0]
+        answered: list[float] = []
+
+        def job() -> np.ndarray:
+            with Client(host, port) as client:
+                c = client.matmul(a, b, timeout=60)
+                answered.append(time.monotonic())
+                return c
+
+        running = asyncio.create_task(asyncio.to_thread(job))
+        assert await asyncio.to_thread(gated.entered.wait, 10), "the slow device got a tile"
+        agents[1].stop()  # lost with its tiles in flight: they go to device 0
+        devices = emu.registry.devices
+        for _ in range(500):  # until device 0 has computed every tile again
+            if 1 not in devices and not devices[0].outstanding and not emu.scheduler.queued:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.3)  # time enough to answer, were it allowed to
+        assert not answered, "answered while the lost device's kernel could still write"
+        released = time.monotonic()
+        gated.gate.set()
+        c = await asyncio.wait_for(running, 30)
+    np.testing.assert_allclose(c, a @ b, rtol=1e-4, atol=1e-4)
+    assert answered[0] >= released
+
+
+async def test_a_peer_elsewhere_cannot_claim_local_operands(emulator, workers):
+    """A GEMM that says ``local`` but handed nothing over (a job in another process, which
+    cannot) is an ERROR naming the problem."""
+    host, port, _, _ = await emulator(workers)
+    raw = await RawPeer.connect(host, port)
+    try:
+        await raw.hello("job", caps={"process": local.PROCESS})
+        raw.send(Open())
+        empty = np.ones(0, np.float32)
+        raw.send(Gemm(gemm=1, dtype="float32", ta=False, tb=False, m=8, n=8, k=8, lda=8,
+                      ldb=8, local=True, segments=(empty, empty)))  # fmt: skip
+        error = await raw.expect_error("bad_gemm")
+        assert "no operands were handed over" in error.reason, error.reason
+    finally:
+        raw.close()
