@@ -65,6 +65,7 @@ class DeviceConnection(FrameConnection):
         self.weights: SharedWeights | None = None  # the emulator's, when on this host
         self.arena: OperandArena | None = None  # likewise
         self.cache: dict[tuple[int, ...], Any] = {}  # weight blocks sent by value, by ref
+        self.emulator_token = ""  # the emulator's, when it runs in this process (``local``)
 
     def disconnected(self, exc: Exception | None) -> None:
         if not self.closed.done():
@@ -88,8 +89,9 @@ class DeviceConnection(FrameConnection):
                     self.arena = OperandArena.shared(msg.arena)
                     if self.arena is not None:
                         caps["arena"] = str(self.arena.path)
-                if msg.process == local.PROCESS:
-                    caps["process"] = local.PROCESS
+                if local.in_this_process(msg.process):
+                    self.emulator_token = msg.process
+                    caps["process"] = msg.process
             self.send(hello(
                 msg, agent.token, "device", name=agent.name, uuid=agent.uuid,
                 profile=agent.profile.to_wire(), caps=caps,
@@ -120,7 +122,8 @@ class DeviceConnection(FrameConnection):
         dtype = np.dtype(msg.dtype)
         for ref in msg.drop:
             self.cache.pop(tuple(ref), None)
-        handed = local.take_tile(msg.tile) if msg.local else None
+        key = (self.emulator_token, agent.device_id, msg.tile)
+        handed = local.take_tile(key) if msg.local else None
         try:
             if handed is not None:
                 a, b, out, ldc = handed.a, handed.b, handed.c, msg.ldc
@@ -140,10 +143,10 @@ class DeviceConnection(FrameConnection):
             run_plan(plan)
             self._result(msg, time.perf_counter_ns() - start, model_ns, out)
             return
+        future = agent.workers.submit_plan(plan, out, keep=(a, b))
         writers = handed.writers if handed is not None else None
         if writers is not None:  # the emulator answers the job only once this kernel is done
             writers.enter()
-        future = agent.workers.submit_plan(plan, out, keep=(a, b))
         future.add_done_callback(lambda f: self._tile_done(msg, model_ns, f, writers))
 
     def _result_memory(self, msg: Tile, dtype: np.dtype) -> tuple[Any, int]:

@@ -18,9 +18,8 @@ task goes to one worker, chosen at submit time by a policy:
 
 Ties go to a GPU, then to the lowest index. A choice made at submit time can be
 wrong (a burst of long tasks split 4 to 2 because one worker's average came
-from short ones), so a worker that runs out of tasks takes the oldest queued
-one of a sibling of the same kind before it waits: no worker idles while a
-twin has a backlog.
+from short ones), so a CPU worker that runs out of tasks takes the oldest
+queued one of a twin (a CPU worker with as many threads) before it waits.
 """
 
 from __future__ import annotations
@@ -187,6 +186,13 @@ def choose_worker(policy: str, loads: Sequence[WorkerLoad], turn: int) -> int:
     return min(cost)[2]
 
 
+def _twins(a: _Worker, b: _Worker) -> bool:
+    """Whether either may run the other's tasks without changing what is measured: CPU
+    workers with the same thread count (GPU workers differ in device and throttling)."""
+    x, y = a.backend, b.backend
+    return isinstance(x, CpuBackend) and isinstance(y, CpuBackend) and x.threads == y.threads
+
+
 @dataclass(slots=True)
 class _Task:
     plan: GemmPlan | None
@@ -348,13 +354,12 @@ class WorkerPool:
             worker.record(None if elapsed_ns is None else elapsed_ns / 1e9)
 
     def _steal(self, thief: _Worker) -> _Task | None:
-        """The oldest queued task of the same-kind sibling with the longest queue, moved to
+        """The oldest queued task of the twin with the longest queue, moved to
         ``thief``; None when there is none (a sibling's stop sentinel stays where it is)."""
         if not self.steal:
             return None
         with self._lock:
-            siblings = [w for w in self._workers
-                        if w is not thief and w.backend.kind == thief.backend.kind]  # fmt: skip
+            siblings = [w for w in self._workers if w is not thief and _twins(w, thief)]
             victim = max(siblings, key=lambda w: w.queue.qsize(), default=None)
             if victim is None:
                 return None

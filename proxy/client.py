@@ -283,16 +283,16 @@ class Client:
         self._slab: np.ndarray | None = None  # the job's bytes of it (SLAB)
         self._slab_refused = 1 << 62  # the smallest slab the emulator did not give
         self._slab_busy = 0  # a GEMM using the slab whose RESULT has not come (timed out)
-        self._local = False  # in the emulator's process: operands handed over as arrays
+        self._local = ""  # in the emulator's process, its token: operands go as arrays
         try:
             greeting = self._expect(MsgType.GREETING, timeout)
             self.weights: dict[str, Any] = greeting.weights  # what the emulator shares
             if share_memory and greeting.arena:
                 self._arena = OperandArena.shared(greeting.arena)
             caps = {"arena": str(self._arena.path)} if self._arena is not None else {}
-            if share_memory and hand_over and greeting.process == local.PROCESS:
-                self._local = True
-                caps["process"] = local.PROCESS
+            if share_memory and hand_over and local.in_this_process(greeting.process):
+                self._local = greeting.process  # the emulator's token
+                caps["process"] = greeting.process
             self._send(hello(greeting, token, "job", name=name, caps=caps))
             welcome = self._expect(MsgType.WELCOME, timeout)
             self._send(Open(name=name, block=block))
@@ -333,13 +333,16 @@ class Client:
         into it later, so it must be nobody's yet."""
         c = np.empty((request.batch, request.m, request.n), request.dtype)
         spans = [seg.view(np.uint8) for seg in request.segments]
-        local.offer_gemm(self.job_id, request.gemm, local.JobOperands(*spans, c))
+        key = (self._local, self.job_id, request.gemm)
+        local.offer_gemm(key, local.JobOperands(*spans, c))
         try:
             self._call(dataclasses.replace(request, local=True, segments=(
                 spans[0][:0], spans[1][:0])), timeout)  # fmt: skip
-        finally:
-            if self.error is not None:  # the emulator is gone: nobody takes them now
-                local.take_gemm(self.job_id, request.gemm)
+        except TimeoutError:  # sent: the emulator takes them when it reads the GEMM
+            raise
+        except BaseException:  # perhaps never sent, or the emulator is gone
+            local.take_gemm(key)
+            raise
         c = c.reshape(shape)
         if out is None:
             return c

@@ -7,12 +7,14 @@ time on the benchmark model, all of it on the script's thread. Here the job
 hands the emulator its operand arrays and an output array themselves, and the
 emulator hands each device in the process the blocks of a tile and the part of
 C it writes: nothing is copied. Messages still go over the sockets as always;
-only the arrays pass through this registry, under keys the messages carry
-(``GEMM.local``: the job's id and the GEMM's; ``TILE.local``: the tile's id).
+only the arrays pass through this registry, under keys the messages name
+(the emulator's token with the job's id and the GEMM's, or with the device's
+id and the tile's: a tile offered again to another device is that device's).
 
-``PROCESS`` tells who is in this process: the emulator announces it in
-GREETING, and a peer that shares it says so in HELLO (``caps.process``). A peer
-elsewhere that claims it finds nothing under its keys and gets an error.
+Each emulator gets a token (``new_emulator``) and announces it in GREETING; a
+peer that finds it registered here is in the emulator's process and says so in
+HELLO (``caps.process``). A peer elsewhere that claims it finds nothing under
+its keys and gets an error.
 
 Lifetimes: an entry holds its arrays (numpy views hold the torch tensors they
 view) until taken, and a device holds what it took until its kernel has run.
@@ -29,7 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-PROCESS = secrets.token_hex(16)
+_emulators: set[str] = set()  # the tokens of the emulators running in this process
 
 
 @dataclass(slots=True)
@@ -76,21 +78,41 @@ class TileOperands:
     writers: Writers
 
 
-_gemms: dict[tuple[int, int], JobOperands] = {}
-_tiles: dict[int, TileOperands] = {}
+Key = tuple[str, int, int]  # (emulator token, job id, GEMM id) or (token, device id, tile id)
+_gemms: dict[Key, JobOperands] = {}
+_tiles: dict[Key, TileOperands] = {}
 
 
-def offer_gemm(job: int, gemm: int, operands: JobOperands) -> None:
-    _gemms[job, gemm] = operands
+def new_emulator() -> str:
+    """A token for an emulator starting in this process."""
+    token = secrets.token_hex(16)
+    _emulators.add(token)
+    return token
 
 
-def take_gemm(job: int, gemm: int) -> JobOperands | None:
-    return _gemms.pop((job, gemm), None)
+def in_this_process(token: str) -> bool:
+    return token in _emulators
 
 
-def offer_tile(tile: int, operands: TileOperands) -> None:
-    _tiles[tile] = operands
+def end_emulator(token: str) -> None:
+    """The emulator stopped: forget it and whatever was left for it."""
+    _emulators.discard(token)
+    for registry in (_gemms, _tiles):
+        for key in [k for k in registry if k[0] == token]:
+            del registry[key]
 
 
-def take_tile(tile: int) -> TileOperands | None:
-    return _tiles.pop(tile, None)
+def offer_gemm(key: Key, operands: JobOperands) -> None:
+    _gemms[key] = operands
+
+
+def take_gemm(key: Key) -> JobOperands | None:
+    return _gemms.pop(key, None)
+
+
+def offer_tile(key: Key, operands: TileOperands) -> None:
+    _tiles[key] = operands
+
+
+def take_tile(key: Key) -> TileOperands | None:
+    return _tiles.pop(key, None)

@@ -78,7 +78,7 @@ class Greeting(Message):
     auth: bool
     weights: dict = field(default_factory=dict)  # the shared weights: path, digest, nbytes
     arena: dict = field(default_factory=dict)  # the operand arena: path, nbytes
-    process: str = ""  # the emulator's process (``local.PROCESS``): peers in it hand over arrays
+    process: str = ""  # the emulator's token (``local``): peers in its process hand over arrays
 
 
 @dataclass(slots=True)

@@ -137,8 +137,9 @@ class Scheduler:
                 continue
             message = self._build(device, tile, admission)
             nbytes = sum(segment.nbytes for segment in message.segments)
-            if self.inflight_bytes and self.inflight_bytes + nbytes > self.max_inflight_bytes:
-                return False
+            if nbytes and self.inflight_bytes and \
+                    self.inflight_bytes + nbytes > self.max_inflight_bytes:  # fmt: skip
+                return False  # (a tile built is sent: one handed over as arrays is offered)
             queue.popleft()
             self.inflight_bytes += nbytes
             tile.wire_bytes = nbytes

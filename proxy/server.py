@@ -108,7 +108,7 @@ class PeerConnection(FrameConnection):
         self.send(Greeting(version=1, nonce=self.nonce, auth=bool(self.emulator.config.token),
                            weights=weights.announce() if weights else {},
                            arena=arena.announce() if arena else {},
-                           process=local.PROCESS))  # fmt: skip
+                           process=self.emulator.token))  # fmt: skip
 
     def disconnected(self, exc: Exception | None) -> None:
         self.emulator.peers.discard(self)
@@ -125,9 +125,9 @@ class PeerConnection(FrameConnection):
             self.emulator.timeline.remove_device(device.id)
             in_flight, queued = len(device.outstanding), len(device.queue)
             self.emulator.hold_late_writes(device)
+            for tile_id in device.outstanding:  # arrays offered to it it never took (``local``)
+                local.take_tile((self.emulator.token, device.id, tile_id))
             requeued = scheduler.requeue(device)
-            for tile in requeued:  # arrays offered to it that it never took (``local``)
-                local.take_tile(tile.id)
             if requeued:
                 log.warning(
                     "device %d (%s) lost with %d tiles in flight and %d queued; re-queued "
@@ -220,7 +220,7 @@ class PeerConnection(FrameConnection):
                 virtual=bool(msg.caps.get("virtual", False)),
                 colocated=weights is not None and msg.caps.get("weights") == str(weights.path),
                 arena=arena is not None and msg.caps.get("arena") == str(arena.path),
-                local=msg.caps.get("process") == local.PROCESS,
+                local=msg.caps.get("process") == self.emulator.token,
             )  # fmt: skip
             peer_id = self.device.id
         elif msg.role in ("job", "probe"):
@@ -229,7 +229,7 @@ class PeerConnection(FrameConnection):
             self.maps_arena = arena is not None and msg.caps.get("arena") == str(arena.path)
         else:
             raise ProtocolError(f"HELLO.role {msg.role!r} is not device, job or probe", "bad_hello")
-        self.local = msg.caps.get("process") == local.PROCESS
+        self.local = msg.caps.get("process") == self.emulator.token
         self.decoder.max_payload = cfg.max_payload_bytes
         self.send(Welcome(peer_id=peer_id, heartbeat_s=cfg.heartbeat_s))
         log.info("%s joined as %s %d (%s)", self.peername, msg.role, peer_id, msg.name or "-")
@@ -366,7 +366,8 @@ class PeerConnection(FrameConnection):
             return make_task(msg, out, self.emulator.weights, self.slab)
         if msg.slab_a != -1 or msg.slab_b != -1 or msg.slab_c != -1:
             raise GemmError("local operands cannot be in the slab too")
-        handed = local.take_gemm(self.job_id, msg.gemm) if self.local else None
+        key = (self.emulator.token, self.job_id, msg.gemm)
+        handed = local.take_gemm(key) if self.local else None
         if handed is None:
             raise GemmError("local: no operands were handed over in this emulator's process")
         shape = (msg.batch, msg.m, msg.n)
@@ -449,6 +450,7 @@ class Emulator:
         self.peers: set[PeerConnection] = set()
         self.weights: SharedWeights | None = None  # the checkpoint's, once started
         self.arena: OperandArena | None = None  # jobs' operands, once started
+        self.token = local.new_emulator()  # peers in this process hand over arrays under it
         self._late_writes: deque[tuple[float, list[np.ndarray]]] = deque()  # (until, outputs)
         self.probing = asyncio.Semaphore(config.probe_concurrency)
         self._client_ids = 0
@@ -515,8 +517,9 @@ class Emulator:
         bytes. ``admission`` is the device's emulated memory's say (from the timeline);
         None for a tile moved off a lost device: all bytes but what it maps."""
         task = tile.gemm
+        drop = admission.evicted if admission is not None and not device.colocated else []
         if task.writers is not None and device.local:
-            return self._local_tile(tile)
+            return self._local_tile(device, tile, drop)
         g = task.request
         rows, cols = tile.shape
         arena = self.arena if device.arena else None
@@ -536,7 +539,6 @@ class Emulator:
             else:  # bytes, to be kept under the ref if they fit
                 sent.append((*task.packed(block), block.ref if admission.fits else [], -1))
         (a, lda, ref_a, at_a), (b, ldb, ref_b, at_b) = sent
-        drop = admission.evicted if admission is not None and not device.colocated else []
         at_c = self._out_offset(device, tile)
         return Tile(
             tile=tile.id, dtype=g.dtype, ta=g.ta, tb=g.tb, m=rows, n=cols, k=g.k, lda=lda,
@@ -545,17 +547,17 @@ class Emulator:
             segments=(a, b),
         )  # fmt: skip
 
-    @staticmethod
-    def _local_tile(tile: TileTask) -> Tile:
-        """A TILE whose blocks and C go to a device in this process as arrays."""
+    def _local_tile(self, device: DeviceRecord, tile: TileTask, drop: list) -> Tile:
+        """A TILE whose blocks and C go to ``device``, in this process, as arrays."""
         task, g = tile.gemm, tile.gemm.request
         rows, cols = tile.shape
         (a, b), n = tile.operands(), task.out.shape[2]
         start = (tile.pivot * task.out.shape[1] + tile.r0) * n + tile.c0
         c = task.out.reshape(-1)[start : start + (rows - 1) * n + cols if rows and cols else start]
-        local.offer_tile(tile.id, local.TileOperands(a.span, b.span, c, task.writers))
+        local.offer_tile((self.token, device.id, tile.id),
+                         local.TileOperands(a.span, b.span, c, task.writers))  # fmt: skip
         return Tile(tile=tile.id, dtype=g.dtype, ta=g.ta, tb=g.tb, m=rows, n=cols, k=g.k,
-                    lda=a.ld, ldb=b.ld, ldc=n, local=True,
+                    lda=a.ld, ldb=b.ld, ldc=n, drop=drop, local=True,
                     segments=(a.span[:0], b.span[:0]))  # fmt: skip
 
     def _send_tile(self, device: DeviceRecord, tile: TileTask, message: Tile) -> None:
@@ -648,6 +650,7 @@ class Emulator:
         for shared in (self.weights, self.arena):
             if shared is not None:
                 shared.close()
+        local.end_emulator(self.token)
         self.write_run()
         if self._events is not None:
             self._events.close()

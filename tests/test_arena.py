@@ -533,6 +533,6 @@ def test_morphling_run_share_memory_decides_how_operands_go(share):
     x = torch.randn(128, 256)
     with emulate(devices="2", share_memory=share) as session:
         y = layer(x)
-        handed, slab = session.client._local, session.client._slab
+        handed, slab = bool(session.client._local), session.client._slab
     torch.testing.assert_close(y, torch.nn.functional.linear(x, layer.weight, layer.bias))
     assert handed == share and slab is None

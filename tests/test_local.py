@@ -163,10 +163,10 @@ async def test_the_job_gets_c_only_once_a_lost_devices_kernel_is_done(emulator, 
 async def test_a_peer_elsewhere_cannot_claim_local_operands(emulator, workers):
     """A GEMM that says ``local`` but handed nothing over (a job in another process, which
     cannot) is an ERROR naming the problem."""
-    host, port, _, _ = await emulator(workers)
+    host, port, emu, _ = await emulator(workers)
     raw = await RawPeer.connect(host, port)
     try:
-        await raw.hello("job", caps={"process": local.PROCESS})
+        await raw.hello("job", caps={"process": emu.token})
         raw.send(Open())
         empty = np.ones(0, np.float32)
         raw.send(Gemm(gemm=1, dtype="float32", ta=False, tb=False, m=8, n=8, k=8, lda=8,
