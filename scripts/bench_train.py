@@ -12,11 +12,12 @@ AdamW:
 - ``fleet_rss_mib``: peak RSS (VmHWM) of a ``morphling fleet`` process after
   a job ran two steps on it with shared weights (``--ckpt``), with 10 and with
   1,000 virtual devices; the difference.
-- ``weight_refs`` and ``operand_arena``: bytes the emulator sent to devices on the
+- ``weight_refs`` and ``shared_memory``: bytes the emulator sent to devices on the
   wire per step (``wire_down`` of the ``--json`` report) under ``--embedded --devices
-  8``: with every operand as bytes (``--arena-bytes 0``), with weights by reference
-  (``--arena-bytes 0 --ckpt``), and with operands read from the operand arena (the
-  default, no checkpoint); each ratio is to the first. (The report's ``bytes_down`` is
+  8``: with every operand as bytes (``--arena-bytes 0 --no-share-memory``), with weights
+  by reference (the same and ``--ckpt``), and with shared memory (the default, no
+  checkpoint: in the embedded emulator's process the job hands its operands over as
+  arrays); each ratio is to the first. (The report's ``bytes_down`` is
   what crossed the *emulated* links: there a weight changed by the optimizer step must
   reach the device again, so it is the same whatever the wire carried.)
 """
@@ -122,13 +123,13 @@ def bench_fleet_rss(children: Children, script: Path, ckpt: Path) -> dict:
 
 
 def bench_wire_bytes(script: Path, ckpt: Path, workdir: Path) -> dict:
-    """Bytes sent to devices per step, all as bytes vs by weight reference vs read from the
-    operand arena; the first two with the arena off, so each figure isolates one path."""
+    """Bytes sent to devices per step, all as bytes vs by weight reference vs with shared
+    memory; the first two with the arena and hand-over off, so each isolates one path."""
     down = {}
     for label, extra in (
-        ("bytes", ["--arena-bytes", "0"]),
-        ("weight_refs", ["--arena-bytes", "0", "--ckpt", str(ckpt)]),
-        ("arena", []),
+        ("bytes", ["--arena-bytes", "0", "--no-share-memory"]),
+        ("weight_refs", ["--arena-bytes", "0", "--no-share-memory", "--ckpt", str(ckpt)]),
+        ("shared", []),
     ):
         report = workdir / f"wire-{label}.json"
         step_times(run_cmd(script, 2, "--embedded", "--devices", "8", "--json", str(report),
@@ -140,10 +141,10 @@ def bench_wire_bytes(script: Path, ckpt: Path, workdir: Path) -> dict:
             "bytes_down_per_step_with": down["weight_refs"],
             "bytes_ratio": round(down["weight_refs"] / down["bytes"], 3),
         },
-        "operand_arena": {
+        "shared_memory": {
             "bytes_down_per_step_without": down["bytes"],
-            "bytes_down_per_step_with": down["arena"],
-            "bytes_ratio": round(down["arena"] / down["bytes"], 3),
+            "bytes_down_per_step_with": down["shared"],
+            "bytes_ratio": round(down["shared"] / down["bytes"], 3),
         },
     }
 
