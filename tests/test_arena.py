@@ -99,33 +99,48 @@ def test_a_full_dev_shm_means_no_allocation_not_a_crash():
 # -- over real sockets -------------------------------------------------------------------------
 
 
-@pytest.fixture
-async def emulator():
-    made: list[tuple[Emulator, list[DeviceAgent], list[asyncio.Task]]] = []
-    workers = WorkerPool([CpuBackend(1)])
-    pool = BufferPool(pin=False)
+Served = list[tuple[Emulator, list[DeviceAgent], list[asyncio.Task]]]
 
-    async def make(*share: bool, **config: object) -> tuple[str, int, Emulator]:
-        emu = Emulator(EmulatorConfig(listen_ip="127.0.0.1", listen_port=0, probe=False,
-                                      block_size=64, **config))  # fmt: skip
-        host, port = await emu.start()
-        agents = [DeviceAgent(BUILTIN["rpi4"], workers, pool, name=f"d{i}", virtual=True,
-                              share_memory=s) for i, s in enumerate(share)]  # fmt: skip
-        tasks = [asyncio.create_task(a.run(host, port, reconnect=False)) for a in agents]
-        made.append((emu, agents, tasks))
-        for _ in range(1000):
-            if len(emu.registry.ready()) == len(agents):
-                return host, port, emu
-            await asyncio.sleep(0.005)
-        raise AssertionError("devices not ready")
 
-    yield make
-    for emu, agents, tasks in made:
+async def serve(
+    agents: list[DeviceAgent], served: Served, **config: Any
+) -> tuple[str, int, Emulator]:
+    """An emulator (block 64, no probes, ``config``) started with ``agents`` connected to it,
+    once every one is ready; noted in ``served`` for ``stop_served``."""
+    emu = Emulator(EmulatorConfig(listen_ip="127.0.0.1", listen_port=0, probe=False,
+                                  block_size=64, **config))  # fmt: skip
+    host, port = await emu.start()
+    tasks = [asyncio.create_task(a.run(host, port, reconnect=False)) for a in agents]
+    served.append((emu, agents, tasks))
+    for _ in range(1000):
+        if len(emu.registry.ready()) == len(agents):
+            return host, port, emu
+        await asyncio.sleep(0.005)
+    raise AssertionError("devices not ready")
+
+
+async def stop_served(served: Served) -> None:
+    for emu, agents, tasks in served:
         for agent in agents:
             agent.stop()
         await emu.stop()
         if tasks:
             await asyncio.wait(tasks, timeout=5)
+
+
+@pytest.fixture
+async def emulator():
+    served: Served = []
+    workers = WorkerPool([CpuBackend(1)])
+    pool = BufferPool(pin=False)
+
+    async def make(*share: bool, **config: object) -> tuple[str, int, Emulator]:
+        agents = [DeviceAgent(BUILTIN["rpi4"], workers, pool, name=f"d{i}", virtual=True,
+                              share_memory=s) for i, s in enumerate(share)]  # fmt: skip
+        return await serve(agents, served, **config)
+
+    yield make
+    await stop_served(served)
     workers.close()
 
 

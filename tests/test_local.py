@@ -21,8 +21,7 @@ from morphling.proxy import local
 from morphling.proxy.client import Client
 from morphling.proxy.messages import Gemm, Open
 from morphling.proxy.server import Emulator
-from morphling.proxy.settings import EmulatorConfig
-from test_arena import CountingSocket
+from test_arena import CountingSocket, Served, serve, stop_served
 from test_emulator import RawPeer
 
 
@@ -44,30 +43,16 @@ class GatedBackend(CpuBackend):
 async def emulator():
     """``await emulator(*pools)``: an emulator and one device in this process per worker
     pool given (its kernels run there), all ready; torn down after."""
-    made: list[tuple[Emulator, list[DeviceAgent], list[asyncio.Task]]] = []
+    served: Served = []
     buffers = BufferPool(pin=False)
 
     async def make(*pools: WorkerPool) -> tuple[str, int, Emulator, list[DeviceAgent]]:
-        emu = Emulator(EmulatorConfig(listen_ip="127.0.0.1", listen_port=0, probe=False,
-                                      block_size=64))  # fmt: skip
-        host, port = await emu.start()
         agents = [DeviceAgent(BUILTIN["rpi4"], pool, buffers, name=f"d{i}", virtual=True)
                   for i, pool in enumerate(pools)]  # fmt: skip
-        tasks = [asyncio.create_task(a.run(host, port, reconnect=False)) for a in agents]
-        made.append((emu, agents, tasks))
-        for _ in range(1000):
-            if len(emu.registry.ready()) == len(agents):
-                return host, port, emu, agents
-            await asyncio.sleep(0.005)
-        raise AssertionError("devices not ready")
+        return (*await serve(agents, served), agents)
 
     yield make
-    for emu, agents, tasks in made:
-        for agent in agents:
-            agent.stop()
-        await emu.stop()
-        if tasks:
-            await asyncio.wait(tasks, timeout=5)
+    await stop_served(served)
 
 
 @pytest.fixture
