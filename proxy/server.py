@@ -209,6 +209,7 @@ class PeerConnection(FrameConnection):
                 raise ProtocolError("this emulator requires a token; HELLO had none", "auth")
             if not mac_matches(cfg.token, self.nonce, msg.mac):
                 raise ProtocolError("token does not match (HMAC of the nonce differs)", "auth")
+        self.local = msg.caps.get("process") == self.emulator.token
         if msg.role == "device":
             try:
                 declared = DeviceProfile.from_wire(msg.profile)
@@ -220,7 +221,7 @@ class PeerConnection(FrameConnection):
                 virtual=bool(msg.caps.get("virtual", False)),
                 colocated=weights is not None and msg.caps.get("weights") == str(weights.path),
                 arena=arena is not None and msg.caps.get("arena") == str(arena.path),
-                local=msg.caps.get("process") == self.emulator.token,
+                local=self.local,
             )  # fmt: skip
             peer_id = self.device.id
         elif msg.role in ("job", "probe"):
@@ -229,7 +230,6 @@ class PeerConnection(FrameConnection):
             self.maps_arena = arena is not None and msg.caps.get("arena") == str(arena.path)
         else:
             raise ProtocolError(f"HELLO.role {msg.role!r} is not device, job or probe", "bad_hello")
-        self.local = msg.caps.get("process") == self.emulator.token
         self.decoder.max_payload = cfg.max_payload_bytes
         self.send(Welcome(peer_id=peer_id, heartbeat_s=cfg.heartbeat_s))
         log.info("%s joined as %s %d (%s)", self.peername, msg.role, peer_id, msg.name or "-")
