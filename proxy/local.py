@@ -36,7 +36,7 @@ _emulators: set[str] = set()  # the tokens of the emulators running in this proc
 
 @dataclass(slots=True)
 class Writers:
-    """Kernels writing into one GEMM's output; ``when_none`` runs once the count is 0."""
+    """Kernels writing into one GEMM's output; what ``then`` was given runs once none is."""
 
     count: int = 0
     _then: list[Callable[[], None]] = field(default_factory=list)
@@ -51,11 +51,9 @@ class Writers:
             for action in then:
                 action()
 
-    def when_none(self, action: Callable[[], None]) -> None:
-        if self.count:
-            self._then.append(action)
-        else:
-            action()
+    def then(self, action: Callable[[], None]) -> None:
+        """Run ``action`` when the last kernel now writing leaves (call it while one is)."""
+        self._then.append(action)
 
 
 @dataclass(frozen=True, slots=True)

@@ -251,7 +251,8 @@ class Tile(Message):
     arena_c: int = -1
     ldc: int = 0
     # The emulator, in this device's process, handed over the blocks and where C goes as
-    # arrays (``local``), under ``tile``: segments empty, TILE_RESULT ``in_place``.
+    # arrays (``local``), under its token, this device's id and ``tile``: segments empty,
+    # TILE_RESULT ``in_place``.
     local: bool = False
 
 
@@ -316,7 +317,8 @@ class Gemm(Message):
     slab_b: int = -1
     slab_c: int = -1
     # A job in the emulator's process handed over its operands (those without a ref) and C
-    # as arrays (``local``), under this job's id and ``gemm``: segments empty, RESULT's too.
+    # as arrays (``local``), under the emulator's token, this job's id and ``gemm``: segments
+    # empty, RESULT's too.
     local: bool = False
 
 

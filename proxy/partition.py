@@ -52,6 +52,12 @@ class TileTask:
     def shape(self) -> tuple[int, int]:
         return self.r1 - self.r0, self.c1 - self.c0
 
+    @property
+    def out_start(self) -> int:
+        """The element of the GEMM's output ``[batch, m, n]`` where this tile starts."""
+        _, m, n = self.gemm.out.shape
+        return (self.pivot * m + self.r0) * n + self.c0
+
     def operands(self) -> tuple[Block, Block]:
         """Op(A)'s rows and op(B)'s columns that this tile needs (found once: the timeline
         costs them and the server sends them)."""

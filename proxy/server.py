@@ -397,7 +397,7 @@ class PeerConnection(FrameConnection):
         """All tiles are in: send C to the job, once no kernel writes into it any more (a
         lost device's, into a job's own array, see ``local``)."""
         if task.writers is not None and task.writers.count:
-            task.writers.when_none(lambda: self.finish(task))
+            task.writers.then(lambda: self.finish(task))
             return
         self.gemms.pop(task.id, None)
         if task.id == self.slab_gemm:
@@ -492,8 +492,7 @@ class Emulator:
         out = self.arena.offset_of(tile.gemm.out)
         if out is None:
             return None
-        _, m, n = tile.gemm.out.shape
-        return out + ((tile.pivot * m + tile.r0) * n + tile.c0) * tile.gemm.out.itemsize
+        return out + tile.out_start * tile.gemm.out.itemsize
 
     def hold_late_writes(self, device: DeviceRecord) -> None:
         """``device`` is lost: keep the arena outputs it may still be writing alive a while,
@@ -552,7 +551,7 @@ class Emulator:
         task, g = tile.gemm, tile.gemm.request
         rows, cols = tile.shape
         (a, b), n = tile.operands(), task.out.shape[2]
-        start = (tile.pivot * task.out.shape[1] + tile.r0) * n + tile.c0
+        start = tile.out_start
         c = task.out.reshape(-1)[start : start + (rows - 1) * n + cols if rows and cols else start]
         local.offer_tile((self.token, device.id, tile.id),
                          local.TileOperands(a.span, b.span, c, task.writers))  # fmt: skip
