@@ -99,6 +99,8 @@ class DeviceConnection(FrameConnection):
         elif t == MsgType.WELCOME:
             agent.device_id = msg.peer_id
             agent.joined.set()
+            if self.emulator_token:  # only now: a TILE may not overtake WELCOME
+                self.pair_in_process()
             self.start_heartbeats(msg.heartbeat_s, 3 * msg.heartbeat_s)
             log.info("%s registered as device %d", agent.name, msg.peer_id)
         elif self.answer_probe(msg):

@@ -8,6 +8,19 @@ state table and handed to ``message_received``, and outgoing messages go to
 with an ERROR frame naming it, then the connection is closed; other
 connections never notice. Subclasses (the emulator's peers, the device
 agent, the job client) implement the ``message_received`` hook.
+
+Two ends of one connection in the same process and on the same event loop (the
+embedded emulator and its fleet) may be *paired* (``pair_in_process``): then a
+TILE or TILE_RESULT that carries no payload bytes (its operands and C were handed
+over as arrays, ``local``, or lie in the operand arena) is handed to the other
+end's ``message_received`` on the loop instead of being encoded, written, read
+and decoded again. That round through the kernel's loopback cost the loop's
+thread 60 of its 165 µs per tile, and the training benchmark's step a fifth of
+its time (1.53 s, now 1.19 s, with 8 devices on 2 cores).
+Everything else, bytes included, still goes through the socket; the messages
+that skip it are independent of each other and of the rest (each TILE names all
+it needs, each TILE_RESULT its tile), so nothing depends on their order against
+the socket's.
 """
 
 from __future__ import annotations
@@ -29,6 +42,11 @@ log = logging.getLogger(__name__)
 
 DEFAULT_HIGH_WATER = 4 << 20
 SMALL_PAYLOAD = 64 * 1024  # below this a received payload is a plain bytearray
+_IN_PROCESS = (MsgType.TILE, MsgType.TILE_RESULT)  # what paired ends hand over directly
+_NO_BYTES = memoryview(b"")
+# Connection ends that asked to be paired, by (own address, peer's address): each end's
+# partner is filed under the same two addresses the other way round.
+_ends: dict[tuple[Any, Any], FrameConnection] = {}
 
 
 def pool_allocator(pool: Any) -> Callable[[int], memoryview]:
@@ -62,6 +80,9 @@ class FrameConnection(asyncio.BufferedProtocol, abc.ABC):
         self.peername = "?"
         self.last_received = self.last_sent = time.monotonic()
         self.writable = True
+        self.partner: FrameConnection | None = None  # the other end, in this process
+        self._end: tuple[Any, Any] | None = None  # this end's key in ``_ends``
+        self._loop: asyncio.AbstractEventLoop | None = None  # where it was paired
         self._drained: asyncio.Event | None = None
         self._tasks: set[asyncio.Task] = set()  # cancelled when the connection goes
 
@@ -91,11 +112,27 @@ class FrameConnection(asyncio.BufferedProtocol, abc.ABC):
             log.exception("%s: internal error while handling a message", self.peername)
             self.fail("internal", "internal error (see the other side's log)")
 
+    def _handed(self, msg: Message) -> None:
+        """A message the paired other end handed over (``send``), as if decoded here."""
+        if self.transport is None:  # closed since: as lost as bytes on a closed socket
+            return
+        self.last_received = time.monotonic()
+        msg.segments = (_NO_BYTES,) * len(msg.segments)  # what the decoder gives for none
+        try:
+            self.conversation.received(msg)
+            self.message_received(msg)
+        except ProtocolError as exc:
+            self.fail(exc.code, exc.reason)
+        except Exception:
+            log.exception("%s: internal error while handling a message", self.peername)
+            self.fail("internal", "internal error (see the other side's log)")
+
     def eof_received(self) -> bool:
         return False  # close our side too
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
+        self._unpair()
         for task in list(self._tasks):
             task.cancel()
         if self._drained is not None:
@@ -119,11 +156,39 @@ class FrameConnection(asyncio.BufferedProtocol, abc.ABC):
         return self.transport is not None and not self.transport.is_closing()
 
     def send(self, msg: Message) -> None:
-        """Queue ``msg``; its segments are referenced, not copied, until written."""
+        """Queue ``msg``; its segments are referenced, not copied, until written. To a
+        paired end, a TILE or TILE_RESULT without bytes is handed over on the loop."""
         if not self.open:
             raise ConnectionError(f"{self.peername}: connection is closed")
-        self.transport.writelines(encode(msg))
+        partner = self.partner
+        if partner is not None and msg.TYPE in _IN_PROCESS and not any(map(len, msg.segments)):
+            asyncio.get_running_loop().call_soon(partner._handed, msg)
+        else:
+            self.transport.writelines(encode(msg))
         self.last_sent = time.monotonic()
+
+    def pair_in_process(self) -> None:
+        """This end is in the other end's process: once both have said so, and they run on
+        the same event loop, they are paired (see the module docstring)."""
+        if self._end is not None or self.transport is None:
+            return
+        here = self.transport.get_extra_info("sockname")
+        there = self.transport.get_extra_info("peername")
+        if not isinstance(here, tuple) or not isinstance(there, tuple):
+            return
+        self._end, self._loop = (here, there), asyncio.get_running_loop()
+        other = _ends.pop((there, here), None)
+        if other is None:
+            _ends[self._end] = self
+        elif other._loop is self._loop:
+            self.partner, other.partner = other, self
+
+    def _unpair(self) -> None:
+        if self._end is not None and _ends.get(self._end) is self:
+            del _ends[self._end]
+        if self.partner is not None:
+            self.partner.partner = None
+            self.partner = None
 
     async def drain(self) -> None:
         """Wait until the transport's buffer is below the high-water mark."""

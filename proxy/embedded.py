@@ -3,8 +3,10 @@
 ``morphling run --embedded`` and ``morphling.emulate(devices=...)`` need a
 whole fleet without starting services. ``EmbeddedFleet`` runs the real
 emulator and real virtual devices on one uvloop thread, talking over
-loopback sockets exactly as separate processes would; the job connects to it
-like to any emulator. The training script keeps the main thread.
+loopback sockets as separate processes would (except that arrays are handed
+over, ``local``, and TILE / TILE_RESULT without bytes skip the socket between
+paired ends: see ``connection``); the job connects to it like to any emulator.
+The training script keeps the main thread.
 """
 
 from __future__ import annotations

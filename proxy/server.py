@@ -224,6 +224,8 @@ class PeerConnection(FrameConnection):
                 local=self.local,
             )  # fmt: skip
             peer_id = self.device.id
+            if self.local:  # TILE and TILE_RESULT without bytes may skip the socket
+                self.pair_in_process()
         elif msg.role in ("job", "probe"):
             peer_id = self.job_id = self.emulator.next_client_id()
             arena = self.emulator.arena

@@ -17,9 +17,9 @@ import pytest
 from morphling.devices.agent import DeviceAgent
 from morphling.devices.profiles import BUILTIN
 from morphling.kernels import BufferPool, CpuBackend, WorkerPool
-from morphling.proxy import local
+from morphling.proxy import connection, local
 from morphling.proxy.client import Client
-from morphling.proxy.messages import Gemm, Open
+from morphling.proxy.messages import Gemm, MsgType, Open
 from morphling.proxy.server import Emulator
 from test_arena import CountingSocket, Served, serve, stop_served
 from test_emulator import RawPeer
@@ -46,10 +46,12 @@ async def emulator():
     served: Served = []
     buffers = BufferPool(pin=False)
 
-    async def make(*pools: WorkerPool) -> tuple[str, int, Emulator, list[DeviceAgent]]:
+    async def make(
+        *pools: WorkerPool, **config: Any
+    ) -> tuple[str, int, Emulator, list[DeviceAgent]]:
         agents = [DeviceAgent(BUILTIN["rpi4"], pool, buffers, name=f"d{i}", virtual=True)
                   for i, pool in enumerate(pools)]  # fmt: skip
-        return (*await serve(agents, served), agents)
+        return (*await serve(agents, served, **config), agents)
 
     yield make
     await stop_served(served)
@@ -160,3 +162,78 @@ async def test_a_peer_elsewhere_cannot_claim_local_operands(emulator, workers):
         assert "no operands were handed over" in error.reason, error.reason
     finally:
         raw.close()
+
+
+def product(host: str, port: int, a: np.ndarray, b: np.ndarray, **kw: Any) -> np.ndarray:
+    with Client(host, port, **kw) as client:
+        return client.matmul(a, b)
+
+
+@pytest.fixture
+def encoded(monkeypatch) -> list[MsgType]:
+    """The type of every message a connection in this process encodes for its socket."""
+    types: list[MsgType] = []
+    encode = connection.encode
+
+    def recording(msg: Any) -> list:
+        types.append(msg.TYPE)
+        return encode(msg)
+
+    monkeypatch.setattr(connection, "encode", recording)
+    return types
+
+
+async def test_paired_ends_hand_tiles_and_results_over_on_the_loop(emulator, workers, encoded):
+    """An emulator and its devices on one loop pair their ends: TILE and TILE_RESULT without
+    bytes skip the socket, and a lost device's end is unpaired."""
+    host, port, emu, agents = await emulator(workers, workers)
+    ends = [d.conn for d in emu.registry.devices.values()]
+    assert all(end.partner is not None and end.partner.partner is end for end in ends)
+    a, b = cases()[0]
+    encoded.clear()
+    c = await asyncio.to_thread(product, host, port, a, b)
+    np.testing.assert_allclose(c, a @ b, rtol=1e-4, atol=1e-4)
+    assert MsgType.TILE not in encoded and MsgType.TILE_RESULT not in encoded, encoded
+    device_end = ends[1].partner
+    agents[1].stop()
+    for _ in range(500):
+        if ends[1].partner is None and device_end.partner is None:
+            break
+        await asyncio.sleep(0.01)
+    assert ends[1].partner is None and device_end.partner is None
+    assert ends[1]._end not in connection._ends and device_end._end not in connection._ends
+
+
+async def test_tiles_with_bytes_still_cross_the_socket(emulator, workers, encoded):
+    """Without the hand-over or the arena, operands go as bytes: over the socket, paired
+    or not."""
+    host, port, _, _ = await emulator(workers, arena_bytes=0)
+    a, b = cases()[0]
+    encoded.clear()
+    c = await asyncio.to_thread(product, host, port, a, b, hand_over=False)
+    np.testing.assert_allclose(c, a @ b, rtol=1e-4, atol=1e-4)
+    assert MsgType.TILE in encoded and MsgType.TILE_RESULT in encoded, encoded
+
+
+async def test_a_device_joining_while_tiles_wait_gets_welcome_first(emulator, workers):
+    """Tiles queued before a device joins go to it as soon as it is ready, which without
+    probes is right after WELCOME: none may reach it before WELCOME, paired or not."""
+    host, port, emu, _ = await emulator()
+    a, b = cases()[0]
+    running = asyncio.create_task(asyncio.to_thread(product, host, port, a, b))
+    for _ in range(500):  # until the GEMM waits for a device
+        if emu.timeline.stalled:
+            break
+        await asyncio.sleep(0.01)
+    assert emu.timeline.stalled
+    agent = DeviceAgent(BUILTIN["rpi4"], workers, BufferPool(pin=False), name="late",
+                        virtual=True)  # fmt: skip
+    joined = asyncio.create_task(agent.run(host, port, reconnect=False))
+    try:
+        c = await asyncio.wait_for(running, 30)
+        np.testing.assert_allclose(c, a @ b, rtol=1e-4, atol=1e-4)
+        assert agent.last_error is None
+        assert emu.registry.devices[0].conn.partner is not None
+    finally:
+        agent.stop()
+        await asyncio.wait([joined], timeout=5)
