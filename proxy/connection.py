@@ -101,16 +101,7 @@ class FrameConnection(asyncio.BufferedProtocol, abc.ABC):
 
     def buffer_updated(self, nbytes: int) -> None:
         self.last_received = time.monotonic()
-        try:
-            self.decoder.buffer_updated(nbytes)
-            while self.transport is not None and (msg := self.decoder.next_message()):
-                self.conversation.received(msg)
-                self.message_received(msg)
-        except ProtocolError as exc:
-            self.fail(exc.code, exc.reason)
-        except Exception:
-            log.exception("%s: internal error while handling a message", self.peername)
-            self.fail("internal", "internal error (see the other side's log)")
+        self._safely(self._decode, nbytes)
 
     def _handed(self, msg: Message) -> None:
         """A message the paired other end handed over (``send``), as if decoded here."""
@@ -118,9 +109,21 @@ class FrameConnection(asyncio.BufferedProtocol, abc.ABC):
             return
         self.last_received = time.monotonic()
         msg.segments = (_NO_BYTES,) * len(msg.segments)  # what the decoder gives for none
+        self._safely(self._take, msg)
+
+    def _decode(self, nbytes: int) -> None:
+        self.decoder.buffer_updated(nbytes)
+        while self.transport is not None and (msg := self.decoder.next_message()):
+            self._take(msg)
+
+    def _take(self, msg: Message) -> None:
+        self.conversation.received(msg)
+        self.message_received(msg)
+
+    def _safely(self, step: Callable[[Any], None], arg: Any) -> None:
+        """``step(arg)``; a protocol error, or a bug, fails only this connection."""
         try:
-            self.conversation.received(msg)
-            self.message_received(msg)
+            step(arg)
         except ProtocolError as exc:
             self.fail(exc.code, exc.reason)
         except Exception:
