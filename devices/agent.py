@@ -164,7 +164,7 @@ class DeviceConnection(FrameConnection):
         return self.arena.block(msg.arena_c, msg.m, msg.n, msg.ldc, msg.dtype), msg.ldc
 
     def _result(self, msg: Tile, compute_ns: int, model_ns: int, out: Any) -> None:
-        in_place = msg.arena_c >= 0 or msg.local  # C is in the emulator's output already
+        in_place = msg.in_place  # C is in the emulator's output already
         self.send(TileResult(tile=msg.tile, compute_ns=compute_ns, model_ns=model_ns,
                              in_place=in_place, segments=(b"" if in_place else out,)))  # fmt: skip
 

@@ -6,10 +6,11 @@ operand arena and every C back out of it: a quarter of a training step's wall
 time on the benchmark model, all of it on the script's thread. Here the job
 hands the emulator its operand arrays and an output array themselves, and the
 emulator hands each device in the process the blocks of a tile and the part of
-C it writes: nothing is copied. Messages still go over the sockets as always;
-only the arrays pass through this registry, under keys the messages name
-(the emulator's token with the job's id and the GEMM's, or with the device's
-id and the tile's: a tile offered again to another device is that device's).
+C it writes: nothing is copied. Messages still go over the sockets (but for TILE
+and TILE_RESULT between paired ends, ``connection``); the arrays pass through
+this registry, under keys the messages name (the emulator's token with the
+job's id and the GEMM's, or with the device's id and the tile's: a tile offered
+again to another device is that device's).
 
 Each emulator gets a token (``new_emulator``) and announces it in GREETING; a
 peer that finds it registered here is in the emulator's process and says so in

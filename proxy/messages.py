@@ -255,6 +255,12 @@ class Tile(Message):
     # TILE_RESULT ``in_place``.
     local: bool = False
 
+    @property
+    def in_place(self) -> bool:
+        """C goes where the emulator reads it (``arena_c`` or ``local``): the TILE_RESULT
+        carries none."""
+        return self.arena_c >= 0 or self.local
+
 
 @dataclass(slots=True)
 class TileResult(Message):

@@ -46,6 +46,7 @@ class TileTask:
     c1: int
     attempts: int = 0
     wire_bytes: int = 0  # its operand bytes on the wire to the device it was last sent to
+    in_place: bool = False  # that device writes C into the output itself (``Tile.in_place``)
     _operands: tuple[Block, Block] | None = field(default=None, repr=False)
 
     @property

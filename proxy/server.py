@@ -563,6 +563,7 @@ class Emulator:
 
     def _send_tile(self, device: DeviceRecord, tile: TileTask, message: Tile) -> None:
         tile.gemm.bytes_down += tile.wire_bytes
+        tile.in_place = message.in_place
         device.conn.send(message)
 
     def tile_result(self, device: DeviceRecord | None, msg: TileResult) -> None:
@@ -576,8 +577,7 @@ class Emulator:
             rows, cols = tile.shape
             item = tile.gemm.out.itemsize
             seg = msg.segments[0]
-            in_place = (tile.gemm.writers is not None and device.local) or \
-                self._out_offset(device, tile) is not None  # fmt: skip
+            in_place = tile.in_place  # as its TILE asked of this device
             expected = 0 if in_place else rows * cols * item
             if msg.in_place != in_place or seg.nbytes != expected:
                 self.scheduler.orphans.appendleft((tile, None))
