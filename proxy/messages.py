@@ -265,7 +265,8 @@ class Tile(Message):
 @dataclass(slots=True)
 class TileResult(Message):
     """Device → server: the tile, [m, n] row-major; measured and modelled compute time.
-    ``in_place``: the segment is empty, C was written where TILE's ``arena_c`` said."""
+    ``in_place``: the segment is empty, C was written where the TILE said (its ``in_place``:
+    ``arena_c``, or the span handed over with a ``local`` tile)."""
 
     TYPE = MsgType.TILE_RESULT
     SEGMENTS = 1
