@@ -11,6 +11,14 @@ Writes ``bench-results/net.json`` with three groups:
   nothing done on the way; and ``torch.distributed.rpc`` (TensorPipe, default
   options) running the same 64×64 @ 64×64 on a worker process. Microseconds per call.
 
+  A fourth anchor, ``protocol_floor_us``, is the least this protocol costs in Python:
+  the same request through two stand-in processes (uvloop, Morphling's codec) that
+  only decode and re-encode the four frames (GEMM → TILE → TILE_RESULT → RESULT) and
+  multiply with numpy: no handshake, state checks, scheduling or virtual time.
+  ``ratio_vs_protocol_floor`` is what the emulation adds on top of it. On the 2-vCPU
+  VM the targets were set on, the floor alone (225 µs with all processes on one CPU)
+  is above both bounds (2.5× the relay, a third of torch RPC).
+
   The target is against the relay, not the direct ping-pong: each hop wakes another
   process, whose caches other processes have filled since it last ran, so on a
   small machine two hops alone cost several times one before any work is done (on
@@ -213,6 +221,97 @@ def child_relay(port: int) -> None:
     uvloop.run(main())
 
 
+class _Frames:
+    """An ``asyncio.BufferedProtocol`` that decodes frames with Morphling's codec and hands
+    each message to ``handle(self, msg)``: the protocol floor's processes, nothing more."""
+
+    def __init__(self, handle: Callable[[Any, Any], None]) -> None:
+        from morphling.proxy.codec import Decoder
+
+        self.decoder, self.handle, self.peer = Decoder(), handle, None
+
+    def connection_made(self, transport: Any) -> None:
+        _nodelay(transport)
+        self.transport = transport
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.decoder.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.decoder.buffer_updated(nbytes)
+        while (msg := self.decoder.next_message()) is not None:
+            self.handle(self, msg)
+
+    def send(self, msg: Any) -> None:
+        from morphling.proxy.codec import encode
+
+        self.transport.writelines(encode(msg))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        pass
+
+    def eof_received(self) -> bool:
+        return False
+
+
+def child_floor_device() -> None:
+    """The protocol floor's device: each TILE's C = A·B by numpy, sent back as TILE_RESULT."""
+    import asyncio
+
+    import numpy as np
+    import uvloop
+    from morphling.proxy.messages import TileResult
+
+    def tile(conn: _Frames, msg: Any) -> None:
+        a = np.frombuffer(msg.segments[0], np.float32).reshape(msg.m, msg.k)
+        b = np.frombuffer(msg.segments[1], np.float32).reshape(msg.k, msg.n)
+        start = time.perf_counter_ns()
+        c = a @ b
+        conn.send(TileResult(tile=msg.tile, compute_ns=time.perf_counter_ns() - start,
+                             segments=(c,)))  # fmt: skip
+
+    async def main() -> None:
+        server = await asyncio.get_running_loop().create_server(
+            lambda: _Frames(tile), "127.0.0.1", 0
+        )
+        print(server.sockets[0].getsockname()[1], flush=True)
+        await server.serve_forever()
+
+    uvloop.run(main())
+
+
+def child_floor_emulator(port: int) -> None:
+    """The protocol floor's emulator: each GEMM goes on to the device at ``port`` as one
+    TILE with its operands, and the TILE_RESULT comes back as its RESULT; no handshake,
+    scheduling, virtual time or checks beyond the codec's."""
+    import asyncio
+
+    import uvloop
+    from morphling.proxy.messages import Result, Tile
+
+    def from_job(conn: _Frames, g: Any) -> None:
+        conn.peer.send(Tile(tile=g.gemm, dtype=g.dtype, ta=g.ta, tb=g.tb, m=g.m, n=g.n, k=g.k,
+                            lda=g.lda, ldb=g.ldb, segments=g.segments))  # fmt: skip
+
+    def from_device(conn: _Frames, r: Any) -> None:
+        conn.peer.send(Result(gemm=r.tile, tiles=1, segments=r.segments))
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        _, device = await loop.create_connection(lambda: _Frames(from_device), "127.0.0.1", port)
+
+        def accept() -> _Frames:
+            device.peer = job = _Frames(from_job)
+            job.peer = device
+            return job
+
+        server = await loop.create_server(accept, "127.0.0.1", 0)
+        print(server.sockets[0].getsockname()[1], flush=True)
+        await server.serve_forever()
+
+    uvloop.run(main())
+
+
 def child_main(argv: list[str]) -> int:
     role, rest = argv[0], argv[1:]
     _die_with_parent()
@@ -226,6 +325,10 @@ def child_main(argv: list[str]) -> int:
         child_relay_echo()
     elif role == "relay":
         child_relay(int(rest[0]))
+    elif role == "floor-device":
+        child_floor_device()
+    elif role == "floor-emulator":
+        child_floor_emulator(int(rest[0]))
     elif role == "torch":
         child_torch(int(rest[0]), int(rest[1]))
     else:
@@ -449,6 +552,29 @@ class TorchRpc:
         return statistics.median(times)
 
 
+def floor_matmul(sock: socket.socket, a: Any, b: Any) -> Callable[[], Any]:
+    """``a @ b`` through the protocol floor's emulator on ``sock``, as ``Client.matmul``
+    does it: the same request, encoding, decoding and result, with no handshake."""
+    from morphling.proxy.client import gemm_request, result_array
+    from morphling.proxy.codec import Decoder, encode
+
+    decoder, ids = Decoder(), iter(range(1, 1 << 62))
+
+    def once() -> Any:
+        request, shape = gemm_request(next(ids), a, b)
+        buffers = encode(request)
+        if sock.sendmsg(buffers) != sum(map(len, buffers)):  # a blocking socket: all, or
+            raise ChildFailed("a short send to the protocol floor's emulator")  # a signal
+        while (msg := decoder.next_message()) is None:
+            nbytes = sock.recv_into(decoder.get_buffer())
+            if nbytes == 0:
+                raise ChildFailed("the protocol floor's emulator closed the connection")
+            decoder.buffer_updated(nbytes)
+        return result_array(request, msg, shape, None)
+
+    return once
+
+
 def bench_gemm_rtt(children: Children, port: int, reps: int, bar: Any) -> dict:
     import numpy as np
     from morphling.proxy.client import Client
@@ -460,10 +586,15 @@ def bench_gemm_rtt(children: Children, port: int, reps: int, bar: Any) -> dict:
     relay_echo = children.start_child("relay-echo", "relay-echo")
     relay_to = read_line(relay_echo, "the relay's echo server's port", children, 30)
     relay = children.start_child("relay", "relay", relay_to)
+    floor_device = children.start_child("floor-device", "floor-device")
+    floor_to = read_line(floor_device, "the protocol floor's device's port", children, 30)
+    floor_emulator = children.start_child("floor-emulator", "floor-emulator", floor_to)
     bar.set_description("gemm_rtt_64: starting torch RPC")
     torch_rpc = TorchRpc(children)
     direct = connect(int(read_line(echo, "the echo server's port", children, 30)))
     relayed = connect(int(read_line(relay, "the relay's port", children, 30)))
+    floored = connect(int(read_line(floor_emulator, "the protocol floor's port", children, 30)))
+    floor_once = floor_matmul(floored, a, b)
     buf = memoryview(bytearray(PING_BYTES))
 
     def pingpong(sock: socket.socket) -> Callable[[], None]:
@@ -475,29 +606,34 @@ def bench_gemm_rtt(children: Children, port: int, reps: int, bar: Any) -> dict:
         return once
 
     bar.set_description("gemm_rtt_64")
-    ours, sock, via_relay, rpc = [], [], [], []
-    with direct, relayed, Client("127.0.0.1", port, name="bench-net", block=GEMM_DIM) as client:
-        c = client.matmul(a, b, timeout=30)
-        assert np.allclose(c, a @ b, rtol=1e-4, atol=1e-4), "wrong GEMM result"
+    ours, sock, via_relay, floor, rpc = [], [], [], [], []
+    with direct, relayed, floored, Client("127.0.0.1", port, name="bench-net",
+                                          block=GEMM_DIM) as client:  # fmt: skip
+        for c in (client.matmul(a, b, timeout=30), floor_once()):
+            assert np.allclose(c, a @ b, rtol=1e-4, atol=1e-4), "wrong GEMM result"
         for _ in range(reps):
             ours.append(block_ns(lambda: client.matmul(a, b, timeout=30), calls, warm))
             sock.append(block_ns(pingpong(direct), calls, warm))
             via_relay.append(block_ns(pingpong(relayed), calls, warm))
+            floor.append(block_ns(floor_once, calls, warm))
             rpc.append(torch_rpc.block_ns(calls, warm))
             bar.update()
     morphling_us = statistics.median(ours) / 1e3
     socket_us = statistics.median(sock) / 1e3
     relay_us = statistics.median(via_relay) / 1e3
     torch_us = statistics.median(rpc) / 1e3
+    floor_us = statistics.median(floor) / 1e3
     ratio, speedup = morphling_us / relay_us, torch_us / morphling_us
     return {
         "morphling_us": round(morphling_us, 1),
         "socket_pingpong_us": round(socket_us, 1),
         "relay_pingpong_us": round(relay_us, 1),
         "torch_rpc_us": round(torch_us, 1),
+        "protocol_floor_us": round(floor_us, 1),
         "ratio_vs_relay": round(ratio, 3),
         "ratio_vs_pingpong": round(morphling_us / socket_us, 3),
         "speedup_vs_torch_rpc": round(speedup, 3),
+        "ratio_vs_protocol_floor": round(morphling_us / floor_us, 3),
         "target_ratio_vs_relay_max": 2.5,
         "target_speedup_vs_torch_rpc_min": 3.0,
         "met": ratio <= 2.5 and speedup >= 3.0,
@@ -669,7 +805,8 @@ def run(args: argparse.Namespace) -> dict:
             results["gemm_rtt_64"] = bench_gemm_rtt(children, port, args.reps, bar)
             results["bulk_64mib"] = bench_bulk(children, port, args.reps, bar)
             children.stop_named("torch-rank0", "torch-rank1", "echo-server", "relay",
-                                "relay-echo", "bulk-server", "device", "emulator")  # fmt: skip
+                                "relay-echo", "floor-emulator", "floor-device", "bulk-server",
+                                "device", "emulator")  # fmt: skip
             results["fleet_memory"] = bench_fleet_memory(children, bar)
         except ChildFailed as exc:
             raise SystemExit(f"bench_net: {exc}") from None
