@@ -170,10 +170,12 @@ class GemmTask:
 
     def packed(self, block: Block) -> tuple[np.ndarray, int]:
         """The bytes to send for ``block`` and their leading dimension: the span, or the
-        block packed when the span would more than double them (cached per GEMM)."""
+        block packed when the span would more than double them (cached per GEMM, by what
+        fixes the packed bytes: one span may hold A's block and B's, or a broadcast
+        operand's for every pivot)."""
         if not block.packs:
             return block.span, block.ld
-        key = block.span.ctypes.data
+        key = (block.span.ctypes.data, block.rows, block.cols, block.ld)
         if key not in self._packed:
             view = np.lib.stride_tricks.as_strided(
                 block.span, shape=(block.rows, block.cols),

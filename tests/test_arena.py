@@ -27,6 +27,7 @@ from morphling.kernels import BufferPool, CpuBackend, WorkerPool
 from morphling.proxy.arena import PAGE, OperandArena
 from morphling.proxy.client import AsyncClient, Client, gemm_request, result_array
 from morphling.proxy.messages import Gemm, MsgType, Open, Slab, Step, TileResult
+from morphling.proxy.partition import make_task
 from morphling.proxy.server import Emulator
 from morphling.proxy.settings import EmulatorConfig
 
@@ -231,6 +232,26 @@ async def test_operands_that_do_not_fit_go_as_bytes(emulator, operands):
 
 
 # -- a job's slab ------------------------------------------------------------------------------
+
+
+def test_blocks_of_a_and_b_in_one_span_are_packed_each_by_its_own_layout():
+    """A and B at the same offset of the slab, with different leading dimensions: each
+    tile's packed blocks are its own rows and columns, not the other operand's bytes."""
+    slab = np.arange(1024, dtype=np.float32).view(np.uint8)
+    m = n = k = 4
+    request = Gemm(gemm=1, dtype="float32", ta=False, tb=False, m=m, n=n, k=k, lda=64, ldb=16,
+                   slab_a=0, slab_b=0, slab_c=2048, segments=(b"", b""))  # fmt: skip
+    task = make_task(request, slab=slab)
+    flat = slab[:2048].view(np.float32)
+    a = np.lib.stride_tricks.as_strided(flat, (m, k), (64 * 4, 4))
+    b = np.lib.stride_tricks.as_strided(flat, (k, n), (16 * 4, 4))
+    for tile in task.tiles(2):
+        block_a, block_b = tile.operands()
+        assert block_a.packs and block_b.packs
+        (packed_a, lda), (packed_b, ldb) = task.packed(block_a), task.packed(block_b)
+        assert (lda, ldb) == (k, 2)
+        np.testing.assert_array_equal(packed_a.reshape(-1, k), a[tile.r0 : tile.r1])
+        np.testing.assert_array_equal(packed_b.reshape(k, -1), b[:, tile.c0 : tile.c1])
 
 
 class CountingSocket:
