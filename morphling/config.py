@@ -209,6 +209,10 @@ def _convert(f: _Field, raw: Any, where: str, *, text_ok: bool) -> Any:
     return value
 
 
+# The tables a settings file may have: one per command that reads one.
+SECTIONS = ("emulator", "device", "fleet", "run")
+
+
 def _unknown_key(key: str, where: str, names: list[str]) -> ConfigError:
     close = difflib.get_close_matches(key, names, n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
@@ -232,6 +236,11 @@ def _read_toml(path: Path, section: str | None, names: list[str]) -> tuple[dict[
                     f"{path}: top-level key {key!r} = {value!r} is not a table; "
                     f"settings belong under [{section}]"
                 )
+            if key not in SECTIONS and key != section:  # a misspelling would configure nothing
+                close = difflib.get_close_matches(key, SECTIONS, n=1)
+                hint = f"; did you mean [{close[0]}]?" if close else ""
+                raise ConfigError(f"{path}: unknown table [{key}] (known: "
+                                  f"{', '.join(SECTIONS)}){hint}")  # fmt: skip
         # Other tables are other roles' sections; a file without ours configures nothing here.
         data = data.get(section, {})
         where = f"{path} [{section}]"

@@ -306,6 +306,13 @@ def test_section_reads_its_table_and_allows_other_roles_tables(tmp_path):
     assert config == Example() and set(sources.values()) == {"default"}
 
 
+def test_section_rejects_a_table_no_command_reads(tmp_path):
+    path = write(tmp_path, "[emulatr]\nwindow = 3\n")
+    with raises(f"{path}: unknown table [emulatr] (known: emulator, device, fleet, run); "
+                "did you mean [emulator]?"):  # fmt: skip
+        load(Example, env={}, toml_path=path, section="emulator")
+
+
 def test_section_rejects_top_level_values(tmp_path):
     path = write(tmp_path, "window = 2\n\n[emulator]\nratio = 1.0\n")
     with raises(
