@@ -7,7 +7,7 @@ Precedence, highest first::
     command-line flag  >  MORPHLING_<FIELD>  >  TOML file  >  field default
 
 Field types are ``int``, ``float``, ``bool`` and ``str``. Optional field metadata:
-``help`` (str), ``choices`` (tuple), ``min`` (inclusive lower bound) and
+``help`` (str), ``choices`` (tuple), ``min`` and ``max`` (inclusive bounds) and
 ``aliases`` (extra flag spellings, e.g. ``("--listen_ip",)``).
 
 Values given as text (flags, environment) are parsed: ints accept a plain integer
@@ -19,7 +19,7 @@ already have the field's type (a float field also takes an integer), so
 
 Every layer that supplies a value is validated, even one a higher layer
 overrides, so a typo in a file or variable fails at start instead of waiting
-for the day the override is dropped. ``choices`` and ``min`` apply to every
+for the day the override is dropped. ``choices`` and the bounds apply to every
 source, defaults included.
 """
 
@@ -41,7 +41,7 @@ ENV_PREFIX = "MORPHLING_"
 T = TypeVar("T")
 
 _TYPES = (int, float, bool, str)
-_METADATA_KEYS = frozenset({"help", "choices", "min", "aliases"})
+_METADATA_KEYS = frozenset({"help", "choices", "min", "max", "aliases"})
 _INT_TEXT = re.compile(r"\s*([+-]?\d+)\s*(B|KiB|MiB|GiB)?\s*")
 SIZE_UNITS = {None: 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 _TRUE = frozenset({"1", "true", "yes"})
@@ -62,6 +62,7 @@ class _Field:
     help: str
     choices: tuple[Any, ...] | None
     min: float | None
+    max: float | None
     aliases: tuple[str, ...]
 
     @property
@@ -100,6 +101,7 @@ def _fields(schema: type) -> list[_Field]:
                 help=f.metadata.get("help", ""),
                 choices=None if choices is None else tuple(choices),
                 min=f.metadata.get("min"),
+                max=f.metadata.get("max"),
                 aliases=tuple(f.metadata.get("aliases", ())),
             )
         )
@@ -107,7 +109,7 @@ def _fields(schema: type) -> list[_Field]:
 
 
 def option(default: Any, help: str, **metadata: Any) -> Any:
-    """A schema field: its default, help text and metadata (choices, min, aliases)."""
+    """A schema field: its default, help text and metadata (choices, bounds, aliases)."""
     return dataclasses.field(default=default, metadata={"help": help, **metadata})
 
 
@@ -190,7 +192,7 @@ def _parse_text(f: _Field, text: str, where: str) -> Any:
 
 
 def _convert(f: _Field, raw: Any, where: str, *, text_ok: bool) -> Any:
-    """Type-check (or, where ``text_ok``, parse) one value and enforce choices and min."""
+    """Type-check (or, where ``text_ok``, parse) one value and enforce choices and bounds."""
     if text_ok and isinstance(raw, str):
         value = _parse_text(f, raw, where)
     elif f.type is float and type(raw) is int:
@@ -206,6 +208,8 @@ def _convert(f: _Field, raw: Any, where: str, *, text_ok: bool) -> Any:
         raise ConfigError(f"{where}: {raw!r} is not one of {allowed}")
     if f.min is not None and value < f.min:
         raise ConfigError(f"{where}: {raw!r} is below the minimum {f.min!r}")
+    if f.max is not None and value > f.max:
+        raise ConfigError(f"{where}: {raw!r} is above the maximum {f.max!r}")
     return value
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 from morphling import __version__
 
@@ -43,6 +44,16 @@ def test_console_script_is_installed():
     assert exe is not None
     proc = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=60)
     assert proc.stdout.strip() == f"morphling {__version__}"
+
+
+def test_emulator_alias_takes_log_level_and_the_emulators_flags():
+    """``morphling-emulator`` is ``morphling emulator``, ``--log-level`` included: here it
+    gets as far as refusing a port no TCP socket has."""
+    exe = Path(sys.executable).parent / "morphling-emulator"
+    proc = subprocess.run([str(exe), "--listen_port", "70000", "--log-level", "warning"],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 2
+    assert "flag --listen-port: '70000' is above the maximum 65535" in proc.stderr, proc.stderr
 
 
 def test_profile_refuses_to_overwrite_without_force(tmp_path):
