@@ -44,6 +44,7 @@ DEFAULT_HIGH_WATER = 4 << 20
 SMALL_PAYLOAD = 64 * 1024  # below this a received payload is a plain bytearray
 _IN_PROCESS = (MsgType.TILE, MsgType.TILE_RESULT)  # what paired ends hand over directly
 _NO_BYTES = memoryview(b"")
+_PROBE_REQUESTS = (MsgType.PROBE_ECHO, MsgType.PROBE_PUSH, MsgType.PROBE_PULL)
 # Connection ends that asked to be paired, by (own address, peer's address): each end's
 # partner is filed under the same two addresses the other way round.
 _ends: dict[tuple[Any, Any], FrameConnection] = {}
@@ -202,20 +203,28 @@ class FrameConnection(asyncio.BufferedProtocol, abc.ABC):
 
     def answer_probe(self, msg: Message) -> bool:
         """Answer the probes either side may send (PROBE_ECHO, PROBE_PUSH, PROBE_PULL);
-        False when ``msg`` is not one of them (or is a reply to one of ours)."""
+        False when ``msg`` is not one of them (or is a reply to one of ours).
+
+        A request while earlier replies still fill the send buffer past its high-water
+        mark is refused: a peer that asks without reading would grow it without bound."""
         t = msg.TYPE
-        if t == MsgType.PROBE_ECHO and not msg.reply:
+        if t not in _PROBE_REQUESTS or (t == MsgType.PROBE_ECHO and msg.reply):
+            return False
+        if not self.writable:
+            unsent = self.transport.get_write_buffer_size()
+            raise ProtocolError(f"{t.name} while {unsent} bytes of replies to earlier probes are "
+                                "still unsent: read each reply before asking again",
+                                "overload")  # fmt: skip
+        if t == MsgType.PROBE_ECHO:
             self.send(ProbeEcho(probe=msg.probe, reply=True, segments=msg.segments))
         elif t == MsgType.PROBE_PUSH:
             self.send(ProbeAck(probe=msg.probe, nbytes=msg.segments[0].nbytes))
-        elif t == MsgType.PROBE_PULL:
+        else:
             if not 0 <= msg.nbytes <= self.max_pull:
                 raise ProtocolError(
                     f"PROBE_PULL.nbytes={msg.nbytes} is outside 0..{self.max_pull}", "bad_probe"
                 )
             self.send(ProbePulled(probe=msg.probe, segments=(np.zeros(msg.nbytes, np.uint8),)))
-        else:
-            return False
         return True
 
     def spawn(self, coro: Any) -> None:

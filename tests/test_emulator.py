@@ -859,6 +859,19 @@ async def test_gemm_with_too_many_tiles_is_refused(fleet):
     await check_serving(client)
 
 
+async def test_probe_requests_past_the_high_water_mark_are_refused(fleet):
+    """Past the send buffer's high-water mark (``pause_writing``, called here as the transport
+    would), a peer's probe request is refused as ``overload``: one that asks without reading
+    cannot make the replies pile up. Everyone else is served throughout."""
+    f, client = await serving_fleet(fleet)
+    device = await f.raw_peer()
+    await device.hello("device", name="flood", profile=BUILTIN["rpi4"].to_wire())
+    next(p for p in f.emu.peers if p.device and p.device.name == "flood").pause_writing()
+    device.send(ProbeEcho(probe=1, segments=(np.zeros(64, np.uint8),)))
+    await device.expect_error("overload")
+    await check_serving(client)
+
+
 async def test_silent_connection_times_out_waiting_for_hello(fleet):
     f, client = await serving_fleet(fleet, hello_timeout_s=0.4)
     messages, eof, elapsed = await asyncio.to_thread(blocking_exchange, f.host, f.port, b"")
