@@ -32,7 +32,7 @@ import math
 import os
 import re
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar, get_type_hints
 
@@ -217,9 +217,15 @@ def _convert(f: _Field, raw: Any, where: str, *, text_ok: bool) -> Any:
 SECTIONS = ("emulator", "device", "fleet", "run")
 
 
+def _did_you_mean(word: str, names: Sequence[str], spell: str = "{!r}") -> str:
+    """The "did you mean" ending of an error for a misspelt ``word``: the closest known
+    name, written by ``spell``; empty when none is close."""
+    close = difflib.get_close_matches(word, names, n=1)
+    return f"; did you mean {spell.format(close[0])}?" if close else ""
+
+
 def _unknown_key(key: str, where: str, names: list[str]) -> ConfigError:
-    close = difflib.get_close_matches(key, names, n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
+    hint = _did_you_mean(key, names)
     return ConfigError(f"unknown key {key!r} in {where} (known: {', '.join(names)}){hint}")
 
 
@@ -241,8 +247,7 @@ def _read_toml(path: Path, section: str | None, names: list[str]) -> tuple[dict[
                     f"settings belong under [{section}]"
                 )
             if key not in SECTIONS and key != section:  # a misspelling would configure nothing
-                close = difflib.get_close_matches(key, SECTIONS, n=1)
-                hint = f"; did you mean [{close[0]}]?" if close else ""
+                hint = _did_you_mean(key, SECTIONS, "[{}]")
                 raise ConfigError(f"{path}: unknown table [{key}] (known: "
                                   f"{', '.join(SECTIONS)}){hint}")  # fmt: skip
         # Other tables are other roles' sections; a file without ours configures nothing here.

@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import itertools
 import json
 import os
 import re
@@ -164,6 +165,15 @@ def _nodelay(transport: Any) -> None:
     transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
+async def _serve(factory: Callable[[], Any]) -> None:
+    """Serve ``factory``'s protocols on a free loopback port, printed for the parent."""
+    import asyncio
+
+    server = await asyncio.get_running_loop().create_server(factory, "127.0.0.1", 0)
+    print(server.sockets[0].getsockname()[1], flush=True)
+    await server.serve_forever()
+
+
 def child_relay_echo() -> None:
     """Echo what arrives on each connection, from a uvloop event loop (the device's place)."""
     import asyncio
@@ -178,12 +188,7 @@ def child_relay_echo() -> None:
         def data_received(self, data: bytes) -> None:
             self.transport.write(data)
 
-    async def main() -> None:
-        server = await asyncio.get_running_loop().create_server(Echo, "127.0.0.1", 0)
-        print(server.sockets[0].getsockname()[1], flush=True)
-        await server.serve_forever()
-
-    uvloop.run(main())
+    uvloop.run(_serve(Echo))
 
 
 def child_relay(port: int) -> None:
@@ -214,9 +219,7 @@ def child_relay(port: int) -> None:
             upstream.peer = Forward(upstream)
             return upstream.peer
 
-        server = await loop.create_server(accept, "127.0.0.1", 0)
-        print(server.sockets[0].getsockname()[1], flush=True)
-        await server.serve_forever()
+        await _serve(accept)
 
     uvloop.run(main())
 
@@ -226,9 +229,9 @@ class _Frames:
     each message to ``handle(self, msg)``: the protocol floor's processes, nothing more."""
 
     def __init__(self, handle: Callable[[Any, Any], None]) -> None:
-        from morphling.proxy.codec import Decoder
+        from morphling.proxy.codec import Decoder, encode
 
-        self.decoder, self.handle, self.peer = Decoder(), handle, None
+        self.decoder, self.encode, self.handle, self.peer = Decoder(), encode, handle, None
 
     def connection_made(self, transport: Any) -> None:
         _nodelay(transport)
@@ -243,9 +246,7 @@ class _Frames:
             self.handle(self, msg)
 
     def send(self, msg: Any) -> None:
-        from morphling.proxy.codec import encode
-
-        self.transport.writelines(encode(msg))
+        self.transport.writelines(self.encode(msg))
 
     def connection_lost(self, exc: Exception | None) -> None:
         pass
@@ -256,7 +257,6 @@ class _Frames:
 
 def child_floor_device() -> None:
     """The protocol floor's device: each TILE's C = A·B by numpy, sent back as TILE_RESULT."""
-    import asyncio
 
     import numpy as np
     import uvloop
@@ -270,14 +270,7 @@ def child_floor_device() -> None:
         conn.send(TileResult(tile=msg.tile, compute_ns=time.perf_counter_ns() - start,
                              segments=(c,)))  # fmt: skip
 
-    async def main() -> None:
-        server = await asyncio.get_running_loop().create_server(
-            lambda: _Frames(tile), "127.0.0.1", 0
-        )
-        print(server.sockets[0].getsockname()[1], flush=True)
-        await server.serve_forever()
-
-    uvloop.run(main())
+    uvloop.run(_serve(lambda: _Frames(tile)))
 
 
 def child_floor_emulator(port: int) -> None:
@@ -305,9 +298,7 @@ def child_floor_emulator(port: int) -> None:
             job.peer = device
             return job
 
-        server = await loop.create_server(accept, "127.0.0.1", 0)
-        print(server.sockets[0].getsockname()[1], flush=True)
-        await server.serve_forever()
+        await _serve(accept)
 
     uvloop.run(main())
 
@@ -558,7 +549,7 @@ def floor_matmul(sock: socket.socket, a: Any, b: Any) -> Callable[[], Any]:
     from morphling.proxy.client import gemm_request, result_array
     from morphling.proxy.codec import Decoder, encode
 
-    decoder, ids = Decoder(), iter(range(1, 1 << 62))
+    decoder, ids = Decoder(), itertools.count(1)
 
     def once() -> Any:
         request, shape = gemm_request(next(ids), a, b)
