@@ -5,7 +5,8 @@ direction: downlink from sending a PROBE_PUSH to its PROBE_ACK, uplink from
 sending a PROBE_PULL to the whole PROBE_PULLED, each less one small-message
 RTT. FLOPS come from the device's own compute time for the seeded challenge
 (so network time does not pollute them), and only count once its result
-matches a reference computed here, off the event loop.
+matches a reference computed here, off the event loop, one check at a time
+(at the largest size a check takes seconds and hundreds of MB).
 """
 
 from __future__ import annotations
@@ -36,12 +37,20 @@ class Asker(Protocol):
 
 
 @dataclass(frozen=True)
-class Measurement:
-    """What the probes found; ``flops`` only if the challenge result verified."""
+class Link:
+    """What the network probes found."""
 
     latency_s: float
     dl_bw: float
     ul_bw: float
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """What the probes found: ``link`` None when the network probes ran out of time (the
+    declared figures stand); ``flops`` only if the challenge result verified."""
+
+    link: Link | None
     flops: float
     flops_verified: bool
     reason: str = ""
@@ -76,33 +85,55 @@ async def measure_pull(peer: Asker, nbytes: int, rtt: float, timeout: float) -> 
     return nbytes / max(time.perf_counter() - start - rtt, 1e-9)
 
 
-async def flops_challenge(
-    peer: Asker, seed: int, dim: int, tolerance: float, timeout: float
-) -> tuple[float, str]:
-    """(FLOP/s from the peer's own compute time, "" or why the result is wrong)."""
-    reply = await peer.ask(ProbeFlops(probe=next_probe_id(), seed=seed, dim=dim), timeout)
-    a, b = challenge.matrices(seed, dim)
-    reference = await asyncio.to_thread(gemm, a, b)
-    got = reply.segments[0]
+def check_result(seed: int, dim: int, got: memoryview, tolerance: float) -> str:
+    """Empty, or why ``got`` is not the challenge's C. Rebuilds A and B and computes the
+    reference, which blocks for up to seconds: call it off the event loop."""
     if got.nbytes != dim * dim * 4:
-        return 0.0, f"result has {got.nbytes} bytes, expected {dim * dim * 4}"
-    problem = challenge.verify(
-        np.frombuffer(got, np.float32).reshape(dim, dim), reference, tolerance
-    )
+        return f"result has {got.nbytes} bytes, expected {dim * dim * 4}"
+    a, b = challenge.matrices(seed, dim)
+    result = np.frombuffer(got, np.float32).reshape(dim, dim)
+    return challenge.verify(result, gemm(a, b), tolerance)
+
+
+async def flops_challenge(
+    peer: Asker, seed: int, dim: int, cfg: EmulatorConfig, checking: asyncio.Semaphore
+) -> tuple[float, str]:
+    """(FLOP/s from the peer's own compute time, "" or why the result is wrong or late).
+    ``checking`` bounds how many results are checked at once, across all peers."""
+    timeout = cfg.probe_timeout_s
+    try:
+        reply = await peer.ask(ProbeFlops(probe=next_probe_id(), seed=seed, dim=dim), timeout)
+    except TimeoutError:
+        return 0.0, f"no result within {timeout} s"
+    async with checking:
+        problem = await asyncio.to_thread(
+            check_result, seed, dim, reply.segments[0], cfg.probe_tolerance
+        )
     flops = 2 * dim**3 / max(reply.compute_ns, 1) * 1e9
     return (0.0, problem) if problem else (flops, "")
 
 
-async def probe(peer: Asker, cfg: EmulatorConfig, seed: int) -> Measurement:
-    """All three probes in order; raises TimeoutError when one runs out of time."""
+async def measure_link(peer: Asker, cfg: EmulatorConfig) -> Link | None:
+    """Latency, then bandwidth each way; None when one of them runs out of time."""
     timeout = cfg.probe_timeout_s
-    latency = await measure_latency(peer, cfg.probe_latency_bytes, timeout)
-    dl = await measure_push(peer, cfg.probe_bandwidth_bytes, 2 * latency, timeout)
-    ul = await measure_pull(peer, cfg.probe_bandwidth_bytes, 2 * latency, timeout)
-    flops, problem = await flops_challenge(
-        peer, seed, cfg.probe_flops_dim, cfg.probe_tolerance, timeout
-    )
-    return Measurement(latency, dl, ul, flops, not problem, problem)
+    try:
+        latency = await measure_latency(peer, cfg.probe_latency_bytes, timeout)
+        dl = await measure_push(peer, cfg.probe_bandwidth_bytes, 2 * latency, timeout)
+        ul = await measure_pull(peer, cfg.probe_bandwidth_bytes, 2 * latency, timeout)
+    except TimeoutError:
+        return None
+    return Link(latency, dl, ul)
+
+
+async def probe(
+    peer: Asker, cfg: EmulatorConfig, seed: int, checking: asyncio.Semaphore
+) -> Measurement:
+    """The network probes, then the FLOPS challenge. The challenge runs even when the
+    network probes ran out of time: otherwise a device could skip its check (and take
+    tiles it computes wrongly) just by leaving a PROBE_PUSH unanswered."""
+    link = await measure_link(peer, cfg)
+    flops, problem = await flops_challenge(peer, seed, cfg.probe_flops_dim, cfg, checking)
+    return Measurement(link, flops, not problem, problem)
 
 
 def choose_profile(
@@ -122,13 +153,20 @@ def choose_profile(
             else ("declared (auto: virtual device, its host is not the board it models)")
         )
         return declared, why
+    flops = measured.flops if measured.flops_verified else declared.flops
+    link = measured.link
+    if link is None:
+        return replace(declared, flops=flops, source="measured FLOPS, declared link"), (
+            f"measured FLOPS and declared link (profile_source={source}; "
+            "the network probes ran out of time)"
+        )
     model = replace(
         declared,
-        dl_lat_s=measured.latency_s,
-        ul_lat_s=measured.latency_s,
-        dl_bw=measured.dl_bw,
-        ul_bw=measured.ul_bw,
-        flops=measured.flops if measured.flops_verified else declared.flops,
+        dl_lat_s=link.latency_s,
+        ul_lat_s=link.latency_s,
+        dl_bw=link.dl_bw,
+        ul_bw=link.ul_bw,
+        flops=flops,
         source="measured",
     )
     return model, f"measured (profile_source={source})"
@@ -141,11 +179,16 @@ def describe(declared: DeviceProfile, measured: Measurement) -> str:
         ratio = f"×{meas / dec:.3g}" if dec else "declared zero"  # an ideal link's latency
         return f"{name} {dec * scale:.4g}→{meas * scale:.4g} {unit} ({ratio})"
 
-    parts = [
-        row("latency", "ms", 1e3, declared.dl_lat_s, measured.latency_s),
-        row("down", "MB/s", 1e-6, declared.dl_bw, measured.dl_bw),
-        row("up", "MB/s", 1e-6, declared.ul_bw, measured.ul_bw),
-    ]
+    link = measured.link
+    parts = (
+        [
+            row("latency", "ms", 1e3, declared.dl_lat_s, link.latency_s),
+            row("down", "MB/s", 1e-6, declared.dl_bw, link.dl_bw),
+            row("up", "MB/s", 1e-6, declared.ul_bw, link.ul_bw),
+        ]
+        if link
+        else ["link not measured (its probes ran out of time)"]
+    )
     if measured.flops_verified:
         parts.append(row("flops", "GFLOP/s", 1e-9, declared.flops, measured.flops))
     else:

@@ -97,6 +97,7 @@ class PeerConnection(FrameConnection):
         )
         self._wire_at_step = (0, 0)  # totals' bytes at the last STEP
         self._waiters: dict[int, asyncio.Future[Message]] = {}
+        self._challenged = False  # a FLOPS challenge this peer asked for is running
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -178,7 +179,7 @@ class PeerConnection(FrameConnection):
             if waiter is not None and not waiter.done():
                 waiter.set_result(msg)
         elif t == MsgType.PROBE_FLOPS_REQUEST:
-            self.spawn(self._challenge(msg))
+            self._challenge_requested(msg)
         elif t == MsgType.OPEN:
             self._open(msg)
         elif t == MsgType.SLAB:
@@ -244,22 +245,18 @@ class PeerConnection(FrameConnection):
     async def _probe_device(self, uuid: str) -> None:
         device = self.device
         seed = zlib.crc32(f"{uuid}:{device.id}".encode())
+        emulator = self.emulator
         try:
-            async with self.emulator.probing:
-                measured = await probes.probe(self, self.emulator.config, seed)
-        except (TimeoutError, ConnectionError) as exc:
-            log.warning(
-                "device %d (%s): probes did not finish (%s); using its declared profile",
-                device.id, device.name, type(exc).__name__,
-            )  # fmt: skip
-            self._device_ready(None)
-            return
+            async with emulator.probing:
+                measured = await probes.probe(self, emulator.config, seed, emulator.checking)
+        except ConnectionError:
+            return  # it left while being probed, and disconnected() has forgotten it
         log.info("device %d (%s) PROFILE_DELTA %s", device.id, device.name,
                  probes.describe(device.declared, measured))  # fmt: skip
         self.send(ProbeVerdict(probe=0, ok=measured.flops_verified, reason=measured.reason,
                                flops=measured.flops))  # fmt: skip
         if not measured.flops_verified:
-            self.fail("flops_failed", f"FLOPS challenge result is wrong: {measured.reason}")
+            self.fail("flops_failed", f"FLOPS challenge failed: {measured.reason}")
             return
         self._device_ready(measured)
 
@@ -277,18 +274,28 @@ class PeerConnection(FrameConnection):
         self.emulator.timeline.add_device(device.id, device.name, device.model)
         self.emulator.scheduler.dispatch()
 
-    async def _challenge(self, msg: ProbeFlopsRequest) -> None:
-        cfg = self.emulator.config
+    def _challenge_requested(self, msg: ProbeFlopsRequest) -> None:
+        """One at a time per peer: each holds the peer's result (up to 64 MiB) until it is
+        checked, and a peer asking faster than the checks run would pile them up."""
         if not 1 <= msg.dim <= 4096:
-            self.fail("bad_probe", f"PROBE_FLOPS_REQUEST.dim={msg.dim} outside 1..4096")
-            return
+            raise ProtocolError(f"PROBE_FLOPS_REQUEST.dim={msg.dim} outside 1..4096", "bad_probe")
+        if self._challenged:
+            raise ProtocolError("PROBE_FLOPS_REQUEST while the one asked for earlier is still "
+                                "running: wait for its PROBE_VERDICT", "overload")  # fmt: skip
+        self._challenged = True
+        self.spawn(self._challenge(msg.dim))
+
+    async def _challenge(self, dim: int) -> None:
+        emulator = self.emulator
         seed = int.from_bytes(os.urandom(4), "little")
         try:
             flops, problem = await probes.flops_challenge(
-                self, seed, msg.dim, cfg.probe_tolerance, cfg.probe_timeout_s
+                self, seed, dim, emulator.config, emulator.checking
             )
-        except TimeoutError:
-            flops, problem = 0.0, f"no result within {cfg.probe_timeout_s} s"
+        except ConnectionError:
+            return  # the peer that asked has gone
+        finally:
+            self._challenged = False
         self.send(ProbeVerdict(probe=0, ok=not problem, reason=problem, flops=flops))
 
     def _open(self, msg: Open) -> None:
@@ -455,6 +462,9 @@ class Emulator:
         self.token = local.new_emulator()  # peers in this process hand over arrays under it
         self._late_writes: deque[tuple[float, list[np.ndarray]]] = deque()  # (until, outputs)
         self.probing = asyncio.Semaphore(config.probe_concurrency)
+        # FLOPS results checked at once: each check is a reference GEMM (up to 4096³, on
+        # every core) and its operands, so more at once only share the cores and add memory.
+        self.checking = asyncio.Semaphore(1)
         self._client_ids = 0
         self._server: asyncio.Server | None = None
         self._housekeeping: asyncio.Task | None = None

@@ -42,6 +42,8 @@ from morphling.proxy.messages import (
     Open,
     ProbeAck,
     ProbeEcho,
+    ProbeFlops,
+    ProbeFlopsRequest,
     ProbeFlopsResult,
     ProbePulled,
     Result,
@@ -1267,19 +1269,20 @@ async def test_probed_device_profile_source(fleet, caplog, source, virtual, meas
     await check_serving(client)
 
 
-async def raw_device(peer: RawPeer, flops_reply: Any) -> dict[str, Any]:
-    """Speak the device side by hand, answering the FLOPS challenge with ``flops_reply``."""
+async def raw_device(peer: RawPeer, flops_reply: Any, *, ack_push: bool = True) -> dict[str, Any]:
+    """Speak the device side by hand, answering the FLOPS challenge with ``flops_reply``
+    (not at all if None) and PROBE_PUSH only if ``ack_push``."""
     seen: dict[str, Any] = {"tiles": 0, "verdict": None, "error": None, "types": []}
     while (msg := await peer.recv(timeout=10)) is not None:
         seen["types"].append(msg.TYPE.name)
         t = msg.TYPE
         if t == MsgType.PROBE_ECHO and not msg.reply:
             peer.send(ProbeEcho(probe=msg.probe, reply=True, segments=(bytes(msg.segments[0]),)))
-        elif t == MsgType.PROBE_PUSH:
+        elif t == MsgType.PROBE_PUSH and ack_push:
             peer.send(ProbeAck(probe=msg.probe, nbytes=msg.segments[0].nbytes))
         elif t == MsgType.PROBE_PULL:
             peer.send(ProbePulled(probe=msg.probe, segments=(np.zeros(msg.nbytes, np.uint8),)))
-        elif t == MsgType.PROBE_FLOPS:
+        elif t == MsgType.PROBE_FLOPS and flops_reply is not None:
             c = flops_reply(msg.seed, msg.dim)
             peer.send(ProbeFlopsResult(probe=msg.probe, compute_ns=10_000, segments=(c,)))
         elif t == MsgType.PROBE_VERDICT:
@@ -1339,6 +1342,84 @@ async def test_flops_challenge_through_a_raw_device(fleet, caplog, reply):
     peer.close()
     assert_gemm_close(await running, a, b)
     await check_serving(client)
+
+
+@pytest.mark.parametrize("answers", [True, False], ids=["answers", "silent"])
+async def test_a_device_that_leaves_a_push_unanswered_is_still_challenged(fleet, answers):
+    """A network probe that runs out of time keeps the declared link but never skips the
+    FLOPS check: a device that answers no challenge gets no tiles."""
+    f = await fleet(probe=True, profile_source="measured", probe_timeout_s=0.3, block_size=8)
+    peer = await f.raw_peer()
+    welcome = await peer.hello(
+        "device", name="no-ack", uuid="raw", profile=BUILTIN["rpi4"].to_wire(),
+        caps={"virtual": False},
+    )  # fmt: skip
+    flops_reply = _right if answers else None
+    seen = await asyncio.wait_for(raw_device(peer, flops_reply, ack_push=False), 15)
+    assert "PROBE_FLOPS" in seen["types"], seen["types"]
+    assert seen["verdict"] is not None and seen["verdict"].ok is answers, seen
+    if answers:
+        await wait_for_condition(
+            lambda: f.emu.registry.devices[welcome.peer_id].ready, 5, "the raw device ready"
+        )
+        model = f.emu.registry.devices[welcome.peer_id].model
+        assert model.source == "measured FLOPS, declared link"
+        assert model.flops == pytest.approx(seen["verdict"].flops)
+        declared = BUILTIN["rpi4"]
+        assert (model.dl_bw, model.ul_bw, model.dl_lat_s) == (
+            declared.dl_bw, declared.ul_bw, declared.dl_lat_s
+        )  # fmt: skip
+    else:
+        assert seen["error"].code == "flops_failed" and "no result within" in seen["error"].reason
+        assert seen["tiles"] == 0 and welcome.peer_id not in f.emu.registry.devices
+    peer.close()
+
+
+async def test_a_peer_asks_for_one_challenge_at_a_time(fleet):
+    f = await fleet()
+    await f.add_device()
+    peer = await f.raw_peer()
+    await peer.hello("probe", name="eager")
+    for _ in range(2):  # one after the other: each verdict frees the next
+        peer.send(ProbeFlopsRequest(dim=16))
+        challenge_msg = await peer.recv_skipping_heartbeats()
+        assert isinstance(challenge_msg, ProbeFlops) and challenge_msg.dim == 16
+        c = _right(challenge_msg.seed, 16)
+        peer.send(ProbeFlopsResult(probe=challenge_msg.probe, compute_ns=1000, segments=(c,)))
+        verdict = await peer.recv_skipping_heartbeats()
+        assert verdict.TYPE == MsgType.PROBE_VERDICT and verdict.ok, verdict
+    peer.send(ProbeFlopsRequest(dim=16))
+    assert isinstance(await peer.recv_skipping_heartbeats(), ProbeFlops)
+    peer.send(ProbeFlopsRequest(dim=16))  # before the first one's verdict
+    refused = await peer.recv_skipping_heartbeats()
+    assert isinstance(refused, Error) and refused.code == "overload", refused
+    assert "PROBE_VERDICT" in refused.reason
+    assert await peer.recv_skipping_heartbeats() is None
+    await check_serving(await f.client())
+
+
+async def test_checking_the_largest_challenge_does_not_stall_the_server(fleet):
+    """The reference for dim 4096 (its operands rebuilt, a 137 GFLOP GEMM, the check) is
+    computed off the event loop: on it, this stalled every peer for seconds."""
+    f = await fleet(heartbeat_s=2.0, heartbeat_timeout_s=10.0)  # a stall must not trip these
+    peer = await f.raw_peer()
+    await peer.hello("probe", name="big")
+    peer.send(ProbeFlopsRequest(dim=4096))
+    challenge_msg = await peer.recv_skipping_heartbeats()
+    assert isinstance(challenge_msg, ProbeFlops)
+    c = np.zeros((4096, 4096), np.float32)  # wrong, but checked in full all the same
+    peer.send(ProbeFlopsResult(probe=challenge_msg.probe, compute_ns=1000, segments=(c,)))
+    gaps: list[float] = []
+    last = time.monotonic()
+    verdict = asyncio.create_task(peer.recv_skipping_heartbeats(timeout=60))
+    while not verdict.done():
+        await asyncio.sleep(0.01)
+        now = time.monotonic()
+        gaps.append(now - last)
+        last = now
+    assert verdict.result().TYPE == MsgType.PROBE_VERDICT and not verdict.result().ok
+    assert "elements off" in verdict.result().reason
+    assert max(gaps) < 0.2, f"the event loop stalled for {max(gaps):.2f} s"
 
 
 # -- 9. dynamic membership ------------------------------------------------------------------------
