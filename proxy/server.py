@@ -60,7 +60,6 @@ from .weights import SharedWeights
 
 log = logging.getLogger(__name__)
 
-MAX_TILES = 1 << 20  # per GEMM: bounds the bookkeeping a request can cost
 # A device lost while computing into a GEMM's output in the operand arena may still
 # write there for a while: the output's memory is not reused for this long.
 LATE_WRITE_GRACE_S = 60.0
@@ -88,6 +87,7 @@ class PeerConnection(FrameConnection):
         self.job_id = 0  # set by OPEN: the job's id in the timeline
         self.block = cfg.block_size
         self.gemms: dict[int, GemmTask] = {}
+        self.tiles_in_flight = 0  # of the GEMMs in ``gemms`` (max_job_tiles bounds it)
         self.maps_arena = False  # a job that maps the operand arena may ask for a slab
         self.local = False  # a peer in this process, which may hand over arrays (``local``)
         self.slab: np.ndarray | None = None  # the job's bytes of the arena (SLAB)
@@ -349,11 +349,18 @@ class PeerConnection(FrameConnection):
         except GemmError as exc:
             raise ProtocolError(f"GEMM {msg.gemm}: {exc}", "bad_gemm") from None
         task.owner = self
-        count = task.tile_count(self.block)
-        if count > MAX_TILES:
+        count, limit = task.tile_count(self.block), self.emulator.config.max_job_tiles
+        if count > limit:
             raise ProtocolError(f"GEMM {msg.gemm}: {count} tiles of {self.block}² exceed "
-                                f"{MAX_TILES}; use a larger block", "bad_gemm")  # fmt: skip
+                                f"max_job_tiles={limit}; use a larger block",
+                                "bad_gemm")  # fmt: skip
+        if self.tiles_in_flight + count > limit:
+            raise ProtocolError(f"GEMM {msg.gemm}: its {count} tiles and the "
+                                f"{self.tiles_in_flight} of this job's GEMMs in flight exceed "
+                                f"max_job_tiles={limit}; wait for their RESULTs",
+                                "overload")  # fmt: skip
         tiles = task.tiles(self.block)
+        self.tiles_in_flight += len(tiles)
         self.totals["gemms"] += 1
         self.totals["tiles"] += len(tiles)
         if not tiles:
@@ -409,6 +416,7 @@ class PeerConnection(FrameConnection):
             task.writers.then(lambda: self.finish(task))
             return
         self.gemms.pop(task.id, None)
+        self.tiles_in_flight -= len(task.done)  # all its tiles, now in
         if task.id == self.slab_gemm:
             self.slab_gemm = 0
         totals = self.totals

@@ -43,6 +43,12 @@ class EmulatorConfig:
     high_water_bytes: int = _opt(4 << 20, "per-device send buffer above which no tile is sent",
                                  min=1, aliases=("--send_high_water_mark",))  # fmt: skip
     max_payload_bytes: int = _opt(1 << 30, "largest frame payload accepted", min=1)
+    max_job_tiles: int = _opt(
+        1 << 20,
+        "tiles a job's GEMMs in flight may have together (each costs the emulator about "
+        "250 bytes, and cutting a GEMM into them about 1.5 µs a tile on its event loop)",
+        min=1,
+    )
     arena_bytes: int = _opt(
         1 << 30,
         "shared-memory arena for jobs' GEMM operands, which devices on this "

@@ -27,7 +27,6 @@ from morphling.devices.links import LINKS
 from morphling.devices.profiles import BUILTIN
 from morphling.kernels import BufferPool, CpuBackend, WorkerPool
 from morphling.proxy import challenge, codec
-from morphling.proxy import server as server_module
 from morphling.proxy.auth import expected_mac
 from morphling.proxy.client import AsyncClient, Client, EmulatorError
 from morphling.proxy.messages import (
@@ -844,21 +843,41 @@ async def test_duplicate_gemm_id_is_refused(fleet):
     await wait_for_condition(lambda: not f.emu.scheduler.queued, 5, "its tiles to be dropped")
 
 
-async def test_gemm_with_too_many_tiles_is_refused(fleet):
-    max_tiles = getattr(server_module, "MAX_TILES", None)
-    if max_tiles is None:
-        pytest.skip("this emulator has no MAX_TILES bound")
-    f, client = await serving_fleet(fleet)
-    raw = await f.raw_peer()
-    await raw.hello("job", name="greedy-job")
-    raw.send(Open(block=1))
-    side = int(max_tiles**0.5) + 1  # side² tiles of 1×1, just past the bound; k = 0: no data
-    raw.send(Gemm(gemm=1, dtype="float32", ta=False, tb=False, m=side, n=side, k=0, lda=1,
-                  ldb=side, segments=(b"", b"")))  # fmt: skip
-    error = await raw.expect_error("bad_gemm")
-    assert "tiles" in error.reason
+def _empty_gemm(gemm: int, rows: int) -> Gemm:
+    """rows × 10 tiles of 1×1 at block 1, with k = 0: no operand bytes."""
+    return Gemm(gemm=gemm, dtype="float32", ta=False, tb=False, m=rows, n=10, k=0, lda=1,
+                ldb=10, segments=(b"", b""))  # fmt: skip
+
+
+async def test_a_jobs_tiles_in_flight_are_bounded(fleet):
+    """``max_job_tiles`` bounds the tiles a job's GEMMs in flight have together: one GEMM
+    past it is refused, and so is one that would take the job past it while earlier ones
+    wait, but not once their RESULTs are out. Everyone else is served throughout."""
+    f = await fleet(max_job_tiles=100)
+
+    async def job(name: str) -> RawPeer:
+        peer = await f.raw_peer()
+        await peer.hello("job", name=name)
+        peer.send(Open(block=1))
+        return peer
+
+    alone = await job("one-too-many")
+    alone.send(_empty_gemm(1, 11))
+    error = await alone.expect_error("bad_gemm")
+    assert "110 tiles" in error.reason and "max_job_tiles=100" in error.reason
+    waiting = await job("pipelined")  # no device yet: its first GEMM stays in flight
+    waiting.send(_empty_gemm(1, 6))
+    waiting.send(_empty_gemm(2, 6))
+    error = await waiting.expect_error("overload")
+    assert "its 60 tiles and the 60" in error.reason and "RESULT" in error.reason
+    await f.add_device()
+    patient = await job("one-at-a-time")
+    for gemm in (1, 2, 3):
+        patient.send(_empty_gemm(gemm, 6))
+        result = await patient.recv_skipping_heartbeats(timeout=TIMEOUT)
+        assert isinstance(result, Result) and result.gemm == gemm and result.tiles == 60
     assert not f.emu.scheduler.queued
-    await check_serving(client)
+    await check_serving(await f.client())
 
 
 async def test_probe_requests_past_the_high_water_mark_are_refused(fleet):
