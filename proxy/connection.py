@@ -81,6 +81,7 @@ class FrameConnection(asyncio.BufferedProtocol, abc.ABC):
         self.peername = "?"
         self.last_received = self.last_sent = time.monotonic()
         self.writable = True
+        self.reading = True  # False: see ``pause_reading``
         self.partner: FrameConnection | None = None  # the other end, in this process
         self._end: tuple[Any, Any] | None = None  # this end's key in ``_ends``
         self._loop: asyncio.AbstractEventLoop | None = None  # where it was paired
@@ -114,17 +115,20 @@ class FrameConnection(asyncio.BufferedProtocol, abc.ABC):
 
     def _decode(self, nbytes: int) -> None:
         self.decoder.buffer_updated(nbytes)
-        while self.transport is not None and (msg := self.decoder.next_message()):
+        self._take_decoded()
+
+    def _take_decoded(self) -> None:
+        while self.transport is not None and self.reading and (msg := self.decoder.next_message()):
             self._take(msg)
 
     def _take(self, msg: Message) -> None:
         self.conversation.received(msg)
         self.message_received(msg)
 
-    def _safely(self, step: Callable[[Any], None], arg: Any) -> None:
-        """``step(arg)``; a protocol error, or a bug, fails only this connection."""
+    def _safely(self, step: Callable[..., None], *args: Any) -> None:
+        """``step(*args)``; a protocol error, or a bug, fails only this connection."""
         try:
-            step(arg)
+            step(*args)
         except ProtocolError as exc:
             self.fail(exc.code, exc.reason)
         except Exception:
@@ -152,6 +156,27 @@ class FrameConnection(asyncio.BufferedProtocol, abc.ABC):
         if self._drained is not None:
             self._drained.set()
         self.writability_changed()
+
+    # -- flow control ----------------------------------------------------------------
+
+    def pause_reading(self) -> None:
+        """Take no more messages until ``resume_reading``: the socket is left unread, so
+        TCP holds the peer back, and messages already decoded wait in the decoder. (Not
+        what a paired end hands over: only jobs are paused, and jobs are never paired.)"""
+        if self.reading:
+            self.reading = False
+            if self.transport is not None:
+                self.transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        """Take messages again: those that waited first, on the loop's next turn (not
+        inside whatever handler decided to resume)."""
+        if self.reading or not self.open:
+            return
+        self.reading = True
+        self.last_received = time.monotonic()  # the silence while paused was ours
+        self.transport.resume_reading()
+        asyncio.get_running_loop().call_soon(self._safely, self._take_decoded)
 
     # -- sending -------------------------------------------------------------------
 

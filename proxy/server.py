@@ -84,10 +84,12 @@ class PeerConnection(FrameConnection):
         self.nonce = os.urandom(16)
         self.connected_at = time.monotonic()
         self.device: DeviceRecord | None = None
-        self.job_id = 0  # set by OPEN: the job's id in the timeline
+        self.job_id = 0  # a job's or probe peer's id (HELLO), the job's in the timeline
         self.block = cfg.block_size
         self.gemms: dict[int, GemmTask] = {}
-        self.tiles_in_flight = 0  # of the GEMMs in ``gemms`` (max_job_tiles bounds it)
+        self.tiles_in_flight = 0  # of the GEMMs in ``gemms`` (see ``_regulate``)
+        self.bytes_in_flight = 0  # the memory they hold: operands received, outputs
+        self._unread: tuple[int, float] | None = None  # (send buffer, when): ``unread_for``
         self.maps_arena = False  # a job that maps the operand arena may ask for a slab
         self.local = False  # a peer in this process, which may hand over arrays (``local``)
         self.slab: np.ndarray | None = None  # the job's bytes of the arena (SLAB)
@@ -149,7 +151,11 @@ class PeerConnection(FrameConnection):
         return (emulator.shared_memory if self.job_id else emulator.allocate)(nbytes)
 
     def writability_changed(self) -> None:
-        if self.writable and self.device is not None:
+        if self.writable:
+            self._unread = None  # it read enough to empty the send buffer
+        if self.device is None:
+            self._regulate()
+        elif self.writable:
             self.emulator.scheduler.dispatch()
 
     async def ask(self, msg: Message, timeout: float) -> Message:
@@ -354,13 +360,9 @@ class PeerConnection(FrameConnection):
             raise ProtocolError(f"GEMM {msg.gemm}: {count} tiles of {self.block}² exceed "
                                 f"max_job_tiles={limit}; use a larger block",
                                 "bad_gemm")  # fmt: skip
-        if self.tiles_in_flight + count > limit:
-            raise ProtocolError(f"GEMM {msg.gemm}: its {count} tiles and the "
-                                f"{self.tiles_in_flight} of this job's GEMMs in flight exceed "
-                                f"max_job_tiles={limit}; wait for their RESULTs",
-                                "overload")  # fmt: skip
         tiles = task.tiles(self.block)
         self.tiles_in_flight += len(tiles)
+        self.bytes_in_flight += _held_bytes(task)
         self.totals["gemms"] += 1
         self.totals["tiles"] += len(tiles)
         if not tiles:
@@ -373,6 +375,7 @@ class PeerConnection(FrameConnection):
             self.job_id, task, tiles, after=msg.after, host_s=msg.host_ns / 1e9,
             place=self.emulator.scheduler.submit, done=_settled(task),
         )  # fmt: skip
+        self._regulate()
 
     def _task(self, msg: Gemm) -> GemmTask:
         """The GEMM's task: operands from its segments, the weights or the job's slab, or
@@ -417,6 +420,7 @@ class PeerConnection(FrameConnection):
             return
         self.gemms.pop(task.id, None)
         self.tiles_in_flight -= len(task.done)  # all its tiles, now in
+        self.bytes_in_flight -= _held_bytes(task)
         if task.id == self.slab_gemm:
             self.slab_gemm = 0
         totals = self.totals
@@ -431,6 +435,45 @@ class PeerConnection(FrameConnection):
                 bytes_up=task.bytes_up, oom=task.oom, slab_retired=task.slab_retired,
                 segments=(task.out.reshape(-1)[:0] if task.in_place else task.out,),
             ))  # fmt: skip
+        self._regulate()
+
+    def _regulate(self) -> None:
+        """Read a job's (or probe peer's) requests only while it reads the replies and its
+        GEMMs in flight stay below ``max_job_tiles`` and ``max_job_bytes``: otherwise one
+        that sends without reading would grow the emulator's memory without bound. Never a
+        device's: its TILE_RESULTs are what a pause would wait for."""
+        if not self.job_id:
+            return
+        cfg = self.emulator.config
+        if (
+            self.writable
+            and self.tiles_in_flight < cfg.max_job_tiles
+            and self.bytes_in_flight < cfg.max_job_bytes
+        ):
+            self.resume_reading()
+        else:
+            self.pause_reading()
+
+    def unread_for(self, now: float) -> float:
+        """Seconds the peer has read nothing we sent while the send buffer is past its
+        high-water mark (0 otherwise), judged by whether the buffer shrank, or emptied,
+        since the last call: how the emulator tells a peer that stopped reading from one
+        that reads slowly."""
+        if self.writable or self.transport is None:
+            return 0.0
+        size = self.transport.get_write_buffer_size()
+        if self._unread is None or size < self._unread[0]:
+            self._unread = (size, now)
+        return now - self._unread[1]
+
+
+def _held_bytes(task: GemmTask) -> int:
+    """The emulator's memory ``task`` holds: the operand bytes it arrived with, and its C
+    unless C is the job's own (in place)."""
+    if task.request.local:
+        return 0  # its operands and C are the job's own arrays, handed over
+    received = sum(memoryview(s).nbytes for s in task.request.segments)
+    return received + (0 if task.in_place else task.out.nbytes)
 
 
 def _settled(task: GemmTask) -> Callable[[float, float], None]:
@@ -727,7 +770,9 @@ class Emulator:
                 if peer.conversation.state == "hello":
                     if now - peer.connected_at > cfg.hello_timeout_s:
                         peer.fail("timeout", f"no HELLO within {cfg.hello_timeout_s} s")
-                elif now - peer.last_received > cfg.heartbeat_timeout_s:
+                elif not peer.reading and peer.unread_for(now) > cfg.heartbeat_timeout_s:
+                    peer.fail("timeout", f"read nothing sent to it for {cfg.heartbeat_timeout_s} s")
+                elif peer.reading and now - peer.last_received > cfg.heartbeat_timeout_s:
                     peer.fail("timeout", f"nothing received for {cfg.heartbeat_timeout_s} s")
                 elif now - peer.last_sent >= cfg.heartbeat_s:
                     peer.send(Heartbeat())

@@ -45,8 +45,15 @@ class EmulatorConfig:
     max_payload_bytes: int = _opt(1 << 30, "largest frame payload accepted", min=1)
     max_job_tiles: int = _opt(
         1 << 20,
-        "tiles a job's GEMMs in flight may have together (each costs the emulator about "
-        "250 bytes, and cutting a GEMM into them about 1.5 µs a tile on its event loop)",
+        "tiles of a job's GEMMs in flight past which its next requests wait (each costs "
+        "the emulator about 250 bytes and 1.5 µs of its event loop); one GEMM with more "
+        "is refused",
+        min=1,
+    )
+    max_job_bytes: int = _opt(
+        1 << 30,
+        "bytes a job's GEMMs in flight hold (operands received, outputs) past which its "
+        "next requests wait",
         min=1,
     )
     arena_bytes: int = _opt(

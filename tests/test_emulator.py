@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import re
@@ -132,8 +133,8 @@ class Fleet:
         self.clients.append(client)
         return client
 
-    async def raw_peer(self) -> RawPeer:
-        peer = await RawPeer.connect(self.host, self.port)
+    async def raw_peer(self, *, rcvbuf: int = 0) -> RawPeer:
+        peer = await RawPeer.connect(self.host, self.port, rcvbuf=rcvbuf)
         self.raw.append(peer)
         return peer
 
@@ -254,9 +255,19 @@ class RawPeer:
         self.greeting: Greeting | None = None
 
     @classmethod
-    async def connect(cls, host: str, port: int) -> RawPeer:
-        reader, writer = await asyncio.open_connection(host, port)
-        return cls(reader, writer)
+    async def connect(cls, host: str, port: int, *, rcvbuf: int = 0) -> RawPeer:
+        """``rcvbuf``: a small kernel receive buffer, so that not reading soon backs up."""
+        if not rcvbuf:
+            return cls(*await asyncio.open_connection(host, port))
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, (host, port))
+        return cls(*await asyncio.open_connection(sock=sock))
+
+    def stop_reading(self) -> None:
+        """Read nothing more from the socket until ``recv`` is called."""
+        self.writer.transport.pause_reading()
 
     def send(self, msg: Message) -> None:
         self.writer.write(codec.encode_bytes(msg))
@@ -266,6 +277,7 @@ class RawPeer:
 
     async def recv(self, timeout: float = 5.0) -> Message | None:
         """The next message, or None at EOF (or a reset)."""
+        self.writer.transport.resume_reading()
         while (msg := self.decoder.next_message()) is None:
             try:
                 data = await asyncio.wait_for(self.reader.read(1 << 20), timeout)
@@ -849,35 +861,120 @@ def _empty_gemm(gemm: int, rows: int) -> Gemm:
                 ldb=10, segments=(b"", b""))  # fmt: skip
 
 
-async def test_a_jobs_tiles_in_flight_are_bounded(fleet):
-    """``max_job_tiles`` bounds the tiles a job's GEMMs in flight have together: one GEMM
-    past it is refused, and so is one that would take the job past it while earlier ones
-    wait, but not once their RESULTs are out. Everyone else is served throughout."""
-    f = await fleet(max_job_tiles=100)
+def _server_end(f: Fleet, peer_id: int) -> Any:
+    """The emulator's connection to the job (or probe peer) it welcomed as ``peer_id``."""
+    return next(p for p in f.emu.peers if p.job_id == peer_id)
 
-    async def job(name: str) -> RawPeer:
-        peer = await f.raw_peer()
-        await peer.hello("job", name=name)
-        peer.send(Open(block=1))
-        return peer
 
-    alone = await job("one-too-many")
+async def test_a_job_waits_while_its_gemms_in_flight_hold_max_job_tiles(fleet):
+    """Past ``max_job_tiles`` tiles in flight the emulator reads no more of the job's
+    requests (they wait, nothing is lost) until RESULTs bring it back below. A GEMM that
+    alone has more is refused. Waiting is not silence: the job is not dropped."""
+    f = await fleet(max_job_tiles=100, heartbeat_s=0.1, heartbeat_timeout_s=0.5)
+    alone = await f.raw_peer()
+    await alone.hello("job", name="one-too-many")
+    alone.send(Open(block=1))
     alone.send(_empty_gemm(1, 11))
     error = await alone.expect_error("bad_gemm")
     assert "110 tiles" in error.reason and "max_job_tiles=100" in error.reason
-    waiting = await job("pipelined")  # no device yet: its first GEMM stays in flight
-    waiting.send(_empty_gemm(1, 6))
-    waiting.send(_empty_gemm(2, 6))
-    error = await waiting.expect_error("overload")
-    assert "its 60 tiles and the 60" in error.reason and "RESULT" in error.reason
+
+    job = await f.raw_peer()
+    welcome = await job.hello("job", name="pipelined")
+    job.send(Open(block=1))
+    for gemm in (1, 2, 3):  # 60 tiles each; no device yet, so none finishes
+        job.send(_empty_gemm(gemm, 6))
+    end = _server_end(f, welcome.peer_id)
+    await wait_for_condition(lambda: not end.reading, 5, "the emulator to stop reading")
+    await asyncio.sleep(1.0)  # twice heartbeat_timeout_s
+    assert end.open and end.tiles_in_flight == 120 and sorted(end.gemms) == [1, 2]
     await f.add_device()
-    patient = await job("one-at-a-time")
-    for gemm in (1, 2, 3):
-        patient.send(_empty_gemm(gemm, 6))
-        result = await patient.recv_skipping_heartbeats(timeout=TIMEOUT)
-        assert isinstance(result, Result) and result.gemm == gemm and result.tiles == 60
-    assert not f.emu.scheduler.queued
+    results = [await job.recv_skipping_heartbeats(timeout=TIMEOUT) for _ in range(3)]
+    assert sorted(r.gemm for r in results) == [1, 2, 3] and {r.tiles for r in results} == {60}
+    assert end.tiles_in_flight == 0 and end.reading
     await check_serving(await f.client())
+
+
+async def test_a_job_waits_while_its_gemms_in_flight_hold_max_job_bytes(fleet):
+    """The operands the emulator received count, as well as the outputs it holds."""
+    f = await fleet(max_job_bytes=1 << 20)
+    job = await f.raw_peer()
+    welcome = await job.hello("job", name="wide")
+    job.send(Open())
+    k = 1 << 16  # 1×k times k×1: 512 KiB of operands for a 4-byte C
+    for gemm in (1, 2, 3):
+        a, b = np.ones((1, k), np.float32), np.full((k, 1), gemm, np.float32)
+        job.send(dataclasses.replace(gemm_request(a, b), gemm=gemm))
+    end = _server_end(f, welcome.peer_id)
+    await wait_for_condition(lambda: not end.reading, 5, "the emulator to stop reading")
+    assert sorted(end.gemms) == [1, 2] and end.bytes_in_flight == 2 * (8 * k + 4)
+    await f.add_device()
+    results = [await job.recv_skipping_heartbeats(timeout=TIMEOUT) for _ in range(3)]
+    assert {r.gemm: np.frombuffer(r.segments[0], np.float32)[0] for r in results} == {
+        1: k,
+        2: 2 * k,
+        3: 3 * k,
+    }
+    assert end.bytes_in_flight == 0
+
+
+def _outer_gemm(gemm: int, side: int) -> Gemm:
+    """A side × side C from a side × 1 and a 1 × side operand: little in, much out."""
+    a, b = np.ones((side, 1), np.float32), np.full((1, side), float(gemm), np.float32)
+    return dataclasses.replace(gemm_request(a, b), gemm=gemm)
+
+
+async def test_a_job_that_does_not_read_its_results_is_held_back_then_dropped(fleet):
+    """RESULTs a job leaves unread fill the send buffer: past its high-water mark the
+    emulator reads no more requests from it, so what it holds for the job stays within
+    the send buffer's mark plus ``max_job_bytes`` of outputs in flight; a job that reads
+    nothing for heartbeat_timeout_s is dropped. Before, it buffered every RESULT."""
+    high_water, max_bytes, side, count = 64 << 10, 1 << 20, 256, 96  # 256 KiB a RESULT
+    f = await fleet(high_water_bytes=high_water, max_job_bytes=max_bytes, block_size=256,
+                    heartbeat_s=0.2, heartbeat_timeout_s=1.5)  # fmt: skip
+    await f.add_device()
+    job = await f.raw_peer(rcvbuf=8 << 10)
+    welcome = await job.hello("job", name="deaf")
+    job.stop_reading()
+    job.send(Open())
+    for gemm in range(1, count + 1):
+        job.send(_outer_gemm(gemm, side))
+    end = _server_end(f, welcome.peer_id)
+    most = 0
+    while end.open:
+        most = max(most, end.transport.get_write_buffer_size())
+        await asyncio.sleep(0.005)
+    assert most <= high_water + max_bytes + 2 * side * side * 4, most
+    assert end.totals["gemms"] < count / 2, end.totals  # the rest were never read
+    await check_serving(await f.client())
+
+
+async def test_a_job_that_reads_its_results_late_gets_them_all(fleet):
+    """Held back, not dropped, while it reads within heartbeat_timeout_s: every RESULT
+    arrives, in full."""
+    side, count = 256, 48
+    f = await fleet(high_water_bytes=64 << 10, max_job_bytes=1 << 20, block_size=256,
+                    heartbeat_s=0.2, heartbeat_timeout_s=1.5)  # fmt: skip
+    await f.add_device()
+    job = await f.raw_peer(rcvbuf=8 << 10)
+    welcome = await job.hello("job", name="slow")
+    job.stop_reading()
+    job.send(Open())
+    for gemm in range(1, count + 1):
+        job.send(_outer_gemm(gemm, side))
+    end = _server_end(f, welcome.peer_id)
+    await wait_for_condition(lambda: not end.reading, 5, "the emulator to stop reading")
+    seen: set[int] = set()
+    while len(seen) < count:
+        await asyncio.sleep(0.3)  # a fifth of heartbeat_timeout_s
+        job.send(Heartbeat())  # it says it is alive, as a client does
+        for _ in range(4):
+            result = await job.recv_skipping_heartbeats(timeout=TIMEOUT)
+            assert isinstance(result, Result), result
+            c = np.frombuffer(result.segments[0], np.float32)
+            assert c.size == side * side and np.all(c == result.gemm)
+            seen.add(result.gemm)
+        job.stop_reading()
+    assert seen == set(range(1, count + 1)) and end.open
 
 
 async def test_probe_requests_past_the_high_water_mark_are_refused(fleet):
