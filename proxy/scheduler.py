@@ -90,6 +90,12 @@ class Scheduler:
         self.orphans.extend((t, None) for t in moved)
         return moved
 
+    def retry(self, tile: TileTask) -> None:
+        """Send ``tile`` again, before anything else, to any device: the result its device
+        sent was unusable (and that device is being dropped)."""
+        tile.gemm.requeued += 1
+        self.orphans.appendleft((tile, None))
+
     def cancel(self, gemm: GemmTask) -> None:
         """Drop the tiles of a GEMM whose job is gone (those out come back ignored)."""
         gemm.cancelled = True

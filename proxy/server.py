@@ -641,11 +641,11 @@ class Emulator:
             in_place = tile.in_place  # as its TILE asked of this device
             expected = 0 if in_place else rows * cols * item
             if msg.in_place != in_place or seg.nbytes != expected:
-                self.scheduler.orphans.appendleft((tile, None))
+                self.scheduler.retry(tile)
                 asked = "in place" if in_place else f"{rows}×{cols}×{item} bytes"
                 raise ProtocolError(
                     f"TILE_RESULT {msg.tile}: {seg.nbytes} bytes, in_place={msg.in_place}; "
-                    f"expected {asked}", "bad_result",
+                    f"expected {asked} (the tile goes to another device)", "bad_result",
                 )  # fmt: skip
             tile.gemm.bytes_up += seg.nbytes
             values = None if in_place else np.frombuffer(seg, dtype=tile.gemm.out.dtype)

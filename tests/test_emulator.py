@@ -1131,7 +1131,8 @@ async def test_raw_device_computing_from_the_wire_format(fleet, bogus):
     ],
     ids=["wrong_size", "in_place_unasked"],
 )
-async def test_device_returning_a_wrong_tile_is_dropped(fleet, lie):
+async def test_device_returning_a_wrong_tile_is_dropped(fleet, caplog, lie):
+    caplog.set_level(logging.INFO, logger="morphling")
     f = await fleet(block_size=8, policy="round-robin", window=2)
     peer = await f.raw_peer()
     welcome = await peer.hello("device", name="liar", profile=BUILTIN["rpi4"].to_wire())
@@ -1154,6 +1155,10 @@ async def test_device_returning_a_wrong_tile_is_dropped(fleet, lie):
     assert_gemm_close(result_array(result, request), a, b)
     assert welcome.peer_id in result.devices
     assert welcome.peer_id not in f.emu.registry.devices
+    # The wrong tile counts as re-queued, beside those the liar held when it was dropped.
+    lost = [r.getMessage() for r in caplog.records if "re-queued tiles" in r.getMessage()]
+    held = re.search(r"lost with (\d+) tiles in flight and (\d+) queued", "".join(lost))
+    assert result.requeued == 1 + (int(held[1]) + int(held[2]) if held else 0), lost
     await check_serving(client)
 
 
