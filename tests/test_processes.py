@@ -62,7 +62,6 @@ def reference(a, b) -> np.ndarray:
 def check(c: np.ndarray, a, b) -> None:
     ref = reference(a, b)
     assert c.shape == ref.shape
-    assert not np.isnan(c).any(), "a tile never arrived"
     if c.dtype == np.float32:
         np.testing.assert_allclose(c, ref, rtol=1e-4, atol=1e-4)
     else:
@@ -187,8 +186,8 @@ async def test_eight_devices_compute_many_layouts_correctly(procs: Procs):
     assert totals.gemms == len(cases) and totals.tiles == client.tiles
     assert client.tiles > 4 * len(cases)  # several tiles per GEMM on average
     assert client.requeued == 0
-    assert len(client.devices) > 4, f"tiles went only to devices {sorted(client.devices)}"
-    assert client.devices <= set(range(8))
+    # Round-robin over the eight, all ready before the first GEMM: each gets tiles.
+    assert client.devices == set(range(8)), f"tiles went only to {sorted(client.devices)}"
     assert all(p.alive for p in [emulator, *devices, fleet])
 
 
