@@ -230,6 +230,14 @@ class DeviceConnection(FrameConnection):
                                        segments=(best.out,)))  # fmt: skip
 
 
+def backoff_s(attempt: int, max_s: float) -> float:
+    """The wait before reconnect ``attempt`` (0, 1, ...): 0.25 s doubling up to ``max_s``,
+    times a random 0.5–1, so that a fleet cut off at once does not call back at once. The
+    exponent stops growing long before a float would overflow (an agent may retry for
+    days while its emulator is down)."""
+    return min(max_s, 0.25 * 2.0 ** min(attempt, 64)) * random.uniform(0.5, 1.0)
+
+
 class DeviceAgent:
     """One device; see the module docstring."""
 
@@ -330,7 +338,7 @@ class DeviceAgent:
                 return 2
             if not reconnect or self._stopping:
                 break
-            delay = min(max_backoff_s, 0.25 * 2**attempt) * random.uniform(0.5, 1.0)
+            delay = backoff_s(attempt, max_backoff_s)
             attempt += 1
             log.info("%s: reconnecting in %.2f s", self.name, delay)
             await asyncio.sleep(delay)

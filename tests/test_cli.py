@@ -1,12 +1,20 @@
-"""The `morphling` command: help, version, and errors with conventional exit codes."""
+"""The `morphling` command: help, version, errors with conventional exit codes, and the
+defaults and server addresses every command shares."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+from morphling.proxy.settings import EmulatorConfig
+
 from morphling import __version__
+from morphling import config as configuration
+from morphling.cli import build_parser
+from morphling.runtime import DEFAULT_PORT, parse_server
 
 
 def morphling(*args: str) -> subprocess.CompletedProcess:
@@ -63,3 +71,43 @@ def test_profile_refuses_to_overwrite_without_force(tmp_path):
     assert proc.returncode == 2 and "--force" in proc.stderr
     assert existing.read_text() == "kept"
     assert morphling("profile", "--help").returncode == 0
+
+
+def test_emulator_listens_on_every_address_at_port_39000_unless_told():
+    """The README's promise: boards reach the emulator on port 39000 from anywhere."""
+    args = build_parser().parse_args(["emulator"])
+    cfg, sources = configuration.load(EmulatorConfig, args, env={}, section="emulator")
+    assert (cfg.listen_ip, cfg.listen_port) == ("0.0.0.0", DEFAULT_PORT) == ("0.0.0.0", 39000)
+    assert sources["listen_ip"] == sources["listen_port"] == "default"
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("10.0.0.2:40000", ("10.0.0.2", 40000)),
+        ("10.0.0.2", ("10.0.0.2", 39000)),
+        ("emulator.lab:41000", ("emulator.lab", 41000)),  # a hostname, resolved on connect
+        ("[fd00::3]:42000", ("fd00::3", 42000)),
+        ("[fd00::3]", ("fd00::3", 39000)),
+        ("fd00::3", ("fd00::3", 39000)),  # a bare IPv6 address: its colons are not a port
+    ],
+)
+def test_server_addresses_parse(text, expected):
+    assert parse_server(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (":39000", "no host"),
+        ("host:0", "is not 1..65535"),
+        ("host:65536", "is not 1..65535"),
+        ("host:port", "'port' is not 1..65535"),
+        ("[fd00::3", "expected [ADDRESS]:PORT"),
+        ("[fd00::3]x", "expected [ADDRESS]:PORT"),
+    ],
+)
+def test_bad_server_addresses_are_refused_naming_the_setting(text, message):
+    with pytest.raises(ValueError, match=re.escape(message)) as info:
+        parse_server(text, "--server")
+    assert str(info.value).startswith(f"--server {text!r}")

@@ -23,7 +23,7 @@ from typing import Any
 import msgpack
 import numpy as np
 import pytest
-from morphling.devices.agent import INLINE_FLOPS, DeviceAgent
+from morphling.devices.agent import INLINE_FLOPS, DeviceAgent, backoff_s
 from morphling.devices.links import LINKS
 from morphling.devices.profiles import BUILTIN
 from morphling.kernels import BufferPool, CpuBackend, WorkerPool
@@ -1579,6 +1579,36 @@ async def test_devices_leave_and_rejoin_between_gemms(fleet):
     await f.add_device(name="second")
     assert_gemm_close(await running, a, b)
     assert sorted(f.emu.registry.devices) == [1], "ids are never reused"
+
+
+def test_reconnect_waits_double_with_jitter_up_to_the_cap():
+    for attempt in range(8):
+        base = min(4.0, 0.25 * 2**attempt)
+        waits = [backoff_s(attempt, 4.0) for _ in range(200)]
+        assert base / 2 <= min(waits) and max(waits) <= base, (attempt, waits)
+        assert max(waits) - min(waits) > base / 4, "no jitter"
+    # An agent retrying for days: still capped, where 0.25·2**n overflowed past n = 1023.
+    assert 2.0 <= backoff_s(5000, 4.0) <= 4.0
+
+
+async def test_a_device_retries_an_emulator_that_is_not_there(fleet, caplog):
+    """Each wait is as ``backoff_s`` says, and ``stop()`` still ends it with 0."""
+    caplog.set_level(logging.INFO, logger="morphling")
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    f = await fleet()
+    agent = f.agent(name="patient")
+    running = asyncio.create_task(agent.run("127.0.0.1", port, max_backoff_s=0.5))
+    await asyncio.sleep(1.5)
+    waits = [float(m) for m in re.findall(r"patient: reconnecting in ([\d.]+) s", caplog.text)]
+    assert len(waits) >= 3, waits
+    for attempt, wait in enumerate(waits):
+        base = min(0.5, 0.25 * 2**attempt)
+        assert base / 2 - 0.005 <= wait <= base + 0.005, (attempt, waits)  # logged as %.2f
+    assert f"cannot reach 127.0.0.1:{port}" in caplog.text
+    agent.stop()
+    assert await asyncio.wait_for(running, 5) == 0
 
 
 async def test_job_waiting_longer_than_heartbeat_timeout_keeps_its_connection(fleet):

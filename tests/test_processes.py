@@ -318,6 +318,21 @@ async def test_thousand_virtual_devices_all_receive_tiles(procs: Procs):
 # -- 4. clean shutdown on signals -----------------------------------------------------------
 
 
+async def test_a_device_finds_the_emulator_by_hostname_and_both_log_their_settings(procs):
+    """``--server localhost:PORT`` is resolved when connecting; each side logs the settings
+    it runs with and where each came from."""
+    emulator, port = procs.emulator("--no-probe", "--window", "3")
+    device = procs.device(port, "by-name", host="localhost")
+    procs.wait_for(emulator, JOINED)
+    procs.wait_for(device, "registered as device 0")
+    text = emulator.text()
+    assert "effective configuration:" in text
+    for line in ("listen_ip = '127.0.0.1'  (flag)", "window = 3  (flag)",
+                 "block_size = 256  (default)", "probe = False  (flag)"):  # fmt: skip
+        assert line in text, line
+    assert f"server = 'localhost:{port}'  (flag)" in device.text()
+
+
 async def test_sigterm_emulator_and_sigint_device_exit_cleanly(procs: Procs):
     emulator, port = procs.emulator("--no-probe")
     device = procs.device(port, "dev-0")
