@@ -42,7 +42,7 @@ def verify(result: np.ndarray, reference: np.ndarray, tolerance: float) -> str:
     err = np.abs(reference - result)
     bad = ~(err <= tolerance + tolerance * np.abs(reference))  # NaN counts as bad
     if bad.any():
-        i, j = np.argwhere(bad)[0]
+        i, j = np.unravel_index(int(bad.argmax()), bad.shape)  # the first one
         return (
             f"{int(bad.sum())} of {bad.size} elements off, first at ({i}, {j}): "
             f"{result[i, j]!r} vs {reference[i, j]!r} (tolerance {tolerance})"

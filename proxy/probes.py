@@ -5,7 +5,7 @@ direction: downlink from sending a PROBE_PUSH to its PROBE_ACK, uplink from
 sending a PROBE_PULL to the whole PROBE_PULLED, each less one small-message
 RTT. FLOPS come from the device's own compute time for the seeded challenge
 (so network time does not pollute them), and only count once its result
-matches a reference computed here, off the event loop, one check at a time
+matches a reference computed here, off the event loop, a few checks at a time
 (at the largest size a check takes seconds and hundreds of MB).
 """
 
@@ -16,7 +16,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -96,21 +96,31 @@ def check_result(seed: int, dim: int, got: memoryview, tolerance: float) -> str:
 
 
 async def flops_challenge(
-    peer: Asker, seed: int, dim: int, cfg: EmulatorConfig, checking: asyncio.Semaphore
-) -> tuple[float, str]:
+    peer: Asker, seed: int, dim: int, tolerance: float, timeout: float,
+    checking: asyncio.Semaphore,
+) -> tuple[float, str]:  # fmt: skip
     """(FLOP/s from the peer's own compute time, "" or why the result is wrong or late).
-    ``checking`` bounds how many results are checked at once, across all peers."""
-    timeout = cfg.probe_timeout_s
+    ``checking`` bounds how many results are checked at once."""
     try:
         reply = await peer.ask(ProbeFlops(probe=next_probe_id(), seed=seed, dim=dim), timeout)
     except TimeoutError:
-        return 0.0, f"no result within {timeout} s"
-    async with checking:
-        problem = await asyncio.to_thread(
-            check_result, seed, dim, reply.segments[0], cfg.probe_tolerance
-        )
+        return 0.0, f"no result within {timeout:.3g} s"
+    problem = await _checked(checking, seed, dim, reply.segments[0], tolerance)
     flops = 2 * dim**3 / max(reply.compute_ns, 1) * 1e9
     return (0.0, problem) if problem else (flops, "")
+
+
+async def _checked(checking: asyncio.Semaphore, *args: Any) -> str:
+    """``check_result(*args)`` in a thread, holding a ``checking`` slot until the thread
+    is done, even when the peer that asked goes meanwhile (its task is cancelled, the
+    thread runs on): else a peer that leaves mid-check could start any number."""
+    async with checking:
+        done = asyncio.ensure_future(asyncio.to_thread(check_result, *args))
+        try:
+            return await asyncio.shield(done)
+        except asyncio.CancelledError:
+            await asyncio.wait([done])
+            raise
 
 
 async def measure_link(peer: Asker, cfg: EmulatorConfig) -> Link | None:
@@ -126,13 +136,21 @@ async def measure_link(peer: Asker, cfg: EmulatorConfig) -> Link | None:
 
 
 async def probe(
-    peer: Asker, cfg: EmulatorConfig, seed: int, checking: asyncio.Semaphore
-) -> Measurement:
+    peer: Asker, cfg: EmulatorConfig, seed: int, declared: DeviceProfile,
+    checking: asyncio.Semaphore,
+) -> Measurement:  # fmt: skip
     """The network probes, then the FLOPS challenge. The challenge runs even when the
     network probes ran out of time: otherwise a device could skip its check (and take
-    tiles it computes wrongly) just by leaving a PROBE_PUSH unanswered."""
+    tiles it computes wrongly) just by leaving a PROBE_PUSH unanswered. Then the bytes of
+    the probes that ran out may still be ahead of the challenge on the link, so it gets
+    the time they take at the device's declared bandwidth on top."""
     link = await measure_link(peer, cfg)
-    flops, problem = await flops_challenge(peer, seed, cfg.probe_flops_dim, cfg, checking)
+    timeout = cfg.probe_timeout_s
+    if link is None:
+        timeout += 2 * cfg.probe_bandwidth_bytes / min(declared.dl_bw, declared.ul_bw)
+    flops, problem = await flops_challenge(
+        peer, seed, cfg.probe_flops_dim, cfg.probe_tolerance, timeout, checking
+    )
     return Measurement(link, flops, not problem, problem)
 
 

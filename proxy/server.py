@@ -254,7 +254,9 @@ class PeerConnection(FrameConnection):
         emulator = self.emulator
         try:
             async with emulator.probing:
-                measured = await probes.probe(self, emulator.config, seed, emulator.checking)
+                measured = await probes.probe(
+                    self, emulator.config, seed, device.declared, emulator.checking
+                )
         except ConnectionError:
             return  # it left while being probed, and disconnected() has forgotten it
         log.info("device %d (%s) PROFILE_DELTA %s", device.id, device.name,
@@ -292,11 +294,11 @@ class PeerConnection(FrameConnection):
         self.spawn(self._challenge(msg.dim))
 
     async def _challenge(self, dim: int) -> None:
-        emulator = self.emulator
+        emulator, cfg = self.emulator, self.emulator.config
         seed = int.from_bytes(os.urandom(4), "little")
         try:
             flops, problem = await probes.flops_challenge(
-                self, seed, dim, emulator.config, emulator.checking
+                self, seed, dim, cfg.probe_tolerance, cfg.probe_timeout_s, emulator.checking_asked
             )
         except ConnectionError:
             return  # the peer that asked has gone
@@ -515,7 +517,10 @@ class Emulator:
         self.probing = asyncio.Semaphore(config.probe_concurrency)
         # FLOPS results checked at once: each check is a reference GEMM (up to 4096³, on
         # every core) and its operands, so more at once only share the cores and add memory.
+        # Those of arriving devices apart from those peers ask for (``morphling-bench``):
+        # a peer asking for large ones cannot hold up devices joining.
         self.checking = asyncio.Semaphore(1)
+        self.checking_asked = asyncio.Semaphore(1)
         self._client_ids = 0
         self._server: asyncio.Server | None = None
         self._housekeeping: asyncio.Task | None = None
