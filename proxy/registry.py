@@ -63,4 +63,5 @@ class Registry:
         return self.devices.pop(device_id, None)
 
     def ready(self) -> list[DeviceRecord]:
-        return [d for d in self.devices.values() if d.ready]
+        """Devices that may be given tiles (one being closed may not: its tiles go back)."""
+        return [d for d in self.devices.values() if d.ready and d.conn.open]
