@@ -15,6 +15,7 @@ import asyncio
 import dataclasses
 import itertools
 import math
+import select
 import socket
 import threading
 import time
@@ -268,10 +269,12 @@ class Client:
     ) -> None:  # fmt: skip
         self._sock = socket.create_connection((host, port), timeout)
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._sock.setblocking(False)  # every wait is a poll: see ``_await_room``
         self._decoder = Decoder()
         self._conversation = Conversation("peer", "job")
         self._call_lock = threading.Lock()  # one request and its reply at a time
         self._send_lock = threading.Lock()  # the caller and the heartbeat thread
+        self._recv_lock = threading.Lock()  # the decoder: the caller, or a waiting send
         self._ids = itertools.count(1)
         self._last_sent = time.monotonic()
         self._stopped = threading.Event()
@@ -441,14 +444,32 @@ class Client:
         with self._send_lock:
             if self.error is not None:
                 raise self.error
-            while buffers:
-                sent = self._sock.sendmsg(buffers)
+            while True:
+                try:
+                    sent = self._sock.sendmsg(buffers)
+                except BlockingIOError:
+                    sent = 0
                 while buffers and sent >= len(buffers[0]):
                     sent -= len(buffers[0])
                     buffers.pop(0)
-                if buffers:
-                    buffers[0] = buffers[0][sent:]
+                if not buffers:
+                    break
+                buffers[0] = buffers[0][sent:]
+                self._await_room()
             self._last_sent = time.monotonic()
+
+    def _await_room(self) -> None:
+        """Wait until the socket takes more, reading what arrives meanwhile (unless the
+        caller's thread is reading already): the emulator reads no more of a job that
+        leaves its replies unread, so a send that only waited could wait for ever."""
+        reading = self._recv_lock.acquire(blocking=False)
+        try:
+            events = self._wait(select.POLLOUT | (select.POLLIN if reading else 0), None)
+            if reading and events & ~select.POLLOUT:  # data, or the end of the connection
+                self._read_some()
+        finally:
+            if reading:
+                self._recv_lock.release()
 
     def _expect(self, kind: MsgType, timeout: float | None) -> Any:
         """The next message of type ``kind``; HEARTBEATs are skipped, ERROR and BYE raise,
@@ -467,26 +488,41 @@ class Client:
                 self._fail(EmulatorError(code, msg.reason))
 
     def _receive(self, deadline: float | None) -> Message:
+        with self._recv_lock:
+            while (msg := self._decoder.next_message()) is None:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError("no reply from the emulator in time")
+                if self._wait(select.POLLIN, left):
+                    self._read_some()
+            try:
+                self._conversation.received(msg)
+            except ProtocolError as exc:
+                self._fail(EmulatorError(exc.code, f"bad frame from the emulator: {exc.reason}"))
+        return msg
+
+    def _read_some(self) -> None:
+        """Decode what has arrived (if anything has: the socket does not block)."""
         decoder = self._decoder
         try:
-            while (msg := decoder.next_message()) is None:
-                if deadline is not None:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise TimeoutError("no reply from the emulator in time")
-                    self._sock.settimeout(left)
-                elif self._sock.gettimeout() is not None:  # each call is a system call
-                    self._sock.settimeout(None)
-                nbytes = self._sock.recv_into(decoder.get_buffer())
-                if nbytes == 0:
-                    self._fail(EmulatorError("disconnected", "the emulator closed the connection"))
-                decoder.buffer_updated(nbytes)
-            self._conversation.received(msg)
+            nbytes = self._sock.recv_into(decoder.get_buffer())
+            if nbytes == 0:
+                self._fail(EmulatorError("disconnected", "the emulator closed the connection"))
+            decoder.buffer_updated(nbytes)
+        except BlockingIOError:
+            pass
         except ProtocolError as exc:
             self._fail(EmulatorError(exc.code, f"bad frame from the emulator: {exc.reason}"))
         except ConnectionError as exc:
             self._fail(EmulatorError("disconnected", f"connection lost ({exc})"))
-        return msg
+
+    def _wait(self, events: int, timeout: float | None) -> int:
+        """The poll events (of ``events``, or an error) the socket has within ``timeout``
+        seconds (None: however long it takes); 0 if none."""
+        poller = select.poll()
+        poller.register(self._sock, events)
+        ready = poller.poll(None if timeout is None else math.ceil(timeout * 1000))
+        return ready[0][1] if ready else 0
 
     def _fail(self, error: EmulatorError) -> None:
         self.error = error

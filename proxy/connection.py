@@ -27,7 +27,10 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import fcntl
 import logging
+import struct
+import termios
 import time
 from collections.abc import Callable
 from typing import Any
@@ -61,6 +64,20 @@ def pool_allocator(pool: Any) -> Callable[[int], memoryview]:
     return allocate
 
 
+def undelivered_bytes(transport: asyncio.Transport) -> int:
+    """Bytes written to ``transport`` that the peer's end has not taken yet: those in its
+    buffer, and those in the kernel's send queue (SIOCOUTQ, where there is one). Only
+    together do they shrink as a peer reads: the kernel's queue (megabytes, on a fast
+    link) drains first."""
+    queued = transport.get_write_buffer_size()
+    sock = transport.get_extra_info("socket")
+    try:
+        unsent = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4)
+    except (AttributeError, OSError):  # no socket (a pipe, a test double), or not Linux
+        return queued
+    return queued + struct.unpack("i", unsent)[0]
+
+
 class FrameConnection(asyncio.BufferedProtocol, abc.ABC):
     """One framed connection; see the module docstring."""
 
@@ -82,6 +99,8 @@ class FrameConnection(asyncio.BufferedProtocol, abc.ABC):
         self.last_received = self.last_sent = time.monotonic()
         self.writable = True
         self.reading = True  # False: see ``pause_reading``
+        self.appended = 0  # bytes queued behind the high-water mark (see ``send``)
+        self._closing_since: float | None = None  # see ``abort_if_lingering``
         self.partner: FrameConnection | None = None  # the other end, in this process
         self._end: tuple[Any, Any] | None = None  # this end's key in ``_ends``
         self._loop: asyncio.AbstractEventLoop | None = None  # where it was paired
@@ -192,8 +211,12 @@ class FrameConnection(asyncio.BufferedProtocol, abc.ABC):
         partner = self.partner
         if partner is not None and msg.TYPE in _IN_PROCESS and not any(map(len, msg.segments)):
             asyncio.get_running_loop().call_soon(partner._handed, msg)
-        else:
+        elif self.writable:
             self.transport.writelines(encode(msg))
+        else:  # all of it waits in the buffer: counted, to tell a reader from a deaf peer
+            before = self.transport.get_write_buffer_size()
+            self.transport.writelines(encode(msg))
+            self.appended += self.transport.get_write_buffer_size() - before
         self.last_sent = time.monotonic()
 
     def pair_in_process(self) -> None:
@@ -273,17 +296,33 @@ class FrameConnection(asyncio.BufferedProtocol, abc.ABC):
 
         self.spawn(beat())
 
-    def fail(self, code: str, reason: str) -> None:
-        """Tell the peer what went wrong (if it is still there) and close."""
+    def fail(self, code: str, reason: str, *, abort: bool = False) -> None:
+        """Tell the peer what went wrong (if it is still there) and close; ``abort``: drop
+        the connection at once, unsent bytes and all (a peer that reads nothing would
+        never take them)."""
         log.warning("%s: %s: %s; closing the connection", self.peername, code, reason)
         if self.open:
             self.transport.writelines(encode(Error(code=code, reason=reason)))
-            self.transport.close()
+            self.close()
+        if abort and self.transport is not None:
+            self.transport.abort()
         self.conversation.state = "closed"
 
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
+
+    def abort_if_lingering(self, now: float, grace_s: float) -> None:
+        """Called now and then once the connection is closing: abort it if it is still
+        writing out its last bytes ``grace_s`` after it was first seen so, since a peer
+        that reads nothing would keep it, and all it holds, open for ever."""
+        if self.transport is None:
+            return
+        if self._closing_since is None:
+            self._closing_since = now
+        elif now - self._closing_since > grace_s:
+            log.warning("%s: still unread %.3g s after closing; dropped", self.peername, grace_s)
+            self.transport.abort()
 
     # -- hooks for subclasses ------------------------------------------------------
 

@@ -29,7 +29,7 @@ from . import local, probes
 from .arena import OperandArena
 from .auth import mac_matches
 from .codec import ProtocolError
-from .connection import SMALL_PAYLOAD, FrameConnection, pool_allocator
+from .connection import SMALL_PAYLOAD, FrameConnection, pool_allocator, undelivered_bytes
 from .memory import Admission
 from .messages import (
     Bye,
@@ -152,7 +152,7 @@ class PeerConnection(FrameConnection):
 
     def writability_changed(self) -> None:
         if self.writable:
-            self._unread = None  # it read enough to empty the send buffer
+            self._unread, self.appended = None, 0  # it read enough to empty the buffer
         if self.device is None:
             self._regulate()
         elif self.writable:
@@ -458,14 +458,18 @@ class PeerConnection(FrameConnection):
 
     def unread_for(self, now: float) -> float:
         """Seconds the peer has read nothing we sent while the send buffer is past its
-        high-water mark (0 otherwise), judged by whether the buffer shrank, or emptied,
-        since the last call: how the emulator tells a peer that stopped reading from one
-        that reads slowly."""
+        high-water mark (0 otherwise). Called now and then, it compares what the peer has
+        still to take with what it was at the last call plus what was queued since: less
+        means the peer read, which tells one that stopped reading from one that reads
+        slower than RESULTs come."""
         if self.writable or self.transport is None:
             return 0.0
-        size = self.transport.get_write_buffer_size()
-        if self._unread is None or size < self._unread[0]:
+        size = undelivered_bytes(self.transport)
+        appended, self.appended = self.appended, 0
+        if self._unread is None or size < self._unread[0] + appended:
             self._unread = (size, now)
+        else:
+            self._unread = (size, self._unread[1])
         return now - self._unread[1]
 
 
@@ -771,12 +775,14 @@ class Emulator:
                 self._late_writes.popleft()
             for peer in list(self.peers):
                 if not peer.open:
+                    peer.abort_if_lingering(now, cfg.heartbeat_timeout_s)
                     continue
                 if peer.conversation.state == "hello":
                     if now - peer.connected_at > cfg.hello_timeout_s:
                         peer.fail("timeout", f"no HELLO within {cfg.hello_timeout_s} s")
                 elif not peer.reading and peer.unread_for(now) > cfg.heartbeat_timeout_s:
-                    peer.fail("timeout", f"read nothing sent to it for {cfg.heartbeat_timeout_s} s")
+                    peer.fail("timeout", f"read nothing sent to it for {cfg.heartbeat_timeout_s} s",
+                              abort=True)  # fmt: skip
                 elif peer.reading and now - peer.last_received > cfg.heartbeat_timeout_s:
                     peer.fail("timeout", f"nothing received for {cfg.heartbeat_timeout_s} s")
                 elif now - peer.last_sent >= cfg.heartbeat_s:

@@ -46,14 +46,14 @@ class EmulatorConfig:
     max_job_tiles: int = _opt(
         1 << 20,
         "tiles of a job's GEMMs in flight past which its next requests wait (each costs "
-        "the emulator about 250 bytes and 1.5 µs of its event loop); one GEMM with more "
-        "is refused",
+        "the emulator about 250 bytes and 1.5 µs of its event loop; the GEMM that "
+        "crosses the mark is taken); one GEMM with more is refused",
         min=1,
     )
     max_job_bytes: int = _opt(
         1 << 30,
         "bytes a job's GEMMs in flight hold (operands received, outputs) past which its "
-        "next requests wait",
+        "next requests wait (the GEMM that crosses the mark is taken)",
         min=1,
     )
     arena_bytes: int = _opt(

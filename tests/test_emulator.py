@@ -27,7 +27,7 @@ from morphling.devices.agent import INLINE_FLOPS, DeviceAgent, backoff_s
 from morphling.devices.links import LINKS
 from morphling.devices.profiles import BUILTIN
 from morphling.kernels import BufferPool, CpuBackend, WorkerPool
-from morphling.proxy import challenge, codec
+from morphling.proxy import challenge, codec, probes
 from morphling.proxy.auth import expected_mac
 from morphling.proxy.client import AsyncClient, Client, EmulatorError
 from morphling.proxy.messages import (
@@ -870,7 +870,7 @@ async def test_a_job_waits_while_its_gemms_in_flight_hold_max_job_tiles(fleet):
     """Past ``max_job_tiles`` tiles in flight the emulator reads no more of the job's
     requests (they wait, nothing is lost) until RESULTs bring it back below. A GEMM that
     alone has more is refused. Waiting is not silence: the job is not dropped."""
-    f = await fleet(max_job_tiles=100, heartbeat_s=0.1, heartbeat_timeout_s=0.5)
+    f = await fleet(max_job_tiles=100, heartbeat_s=0.1, heartbeat_timeout_s=1.0)
     alone = await f.raw_peer()
     await alone.hello("job", name="one-too-many")
     alone.send(Open(block=1))
@@ -885,8 +885,9 @@ async def test_a_job_waits_while_its_gemms_in_flight_hold_max_job_tiles(fleet):
         job.send(_empty_gemm(gemm, 6))
     end = _server_end(f, welcome.peer_id)
     await wait_for_condition(lambda: not end.reading, 5, "the emulator to stop reading")
-    await asyncio.sleep(1.0)  # twice heartbeat_timeout_s
+    await asyncio.sleep(1.5)  # past heartbeat_timeout_s
     assert end.open and end.tiles_in_flight == 120 and sorted(end.gemms) == [1, 2]
+    job.send(Heartbeat())  # read once the emulator reads again, as a client's would be
     await f.add_device()
     results = [await job.recv_skipping_heartbeats(timeout=TIMEOUT) for _ in range(3)]
     assert sorted(r.gemm for r in results) == [1, 2, 3] and {r.tiles for r in results} == {60}
@@ -917,6 +918,38 @@ async def test_a_job_waits_while_its_gemms_in_flight_hold_max_job_bytes(fleet):
     assert end.bytes_in_flight == 0
 
 
+async def test_the_blocking_client_reads_replies_while_its_send_waits(fleet):
+    """A GEMM that timed out leaves its RESULT (4 MiB) unread, past the high-water mark: the
+    emulator reads no more from the job. The next GEMM's 32 MiB of operands cannot all fit
+    in the socket buffers, so the client's send must read that RESULT while it waits, or
+    both sides would wait on each other (until the job was dropped)."""
+    f = await fleet(high_water_bytes=64 << 10, block_size=256, heartbeat_timeout_s=3.0)
+    rng = np.random.default_rng(31)
+    stale = rng.standard_normal((1024, 8), dtype=np.float32)
+    a = rng.standard_normal((1024, 4096), dtype=np.float32)
+    b = rng.standard_normal((4096, 1024), dtype=np.float32)
+
+    def job() -> np.ndarray:
+        with Client(f.host, f.port, name="patient", share_memory=False) as client:
+            with pytest.raises(TimeoutError):
+                client.matmul(stale, stale.T, timeout=0.2)  # no device yet
+            assert added.wait(10)
+            end = _server_end(f, client.job_id)
+            deadline = time.monotonic() + 10
+            while end.reading and time.monotonic() < deadline:
+                time.sleep(0.01)  # until its 4 MiB RESULT is queued, unread
+            assert not end.reading, "the emulator still reads the job"
+            return client.matmul(a, b, timeout=60)
+
+    added = threading.Event()
+    running = asyncio.create_task(asyncio.to_thread(job))
+    await asyncio.sleep(0.5)
+    await f.add_device()
+    added.set()
+    c = await asyncio.wait_for(running, 90)
+    np.testing.assert_allclose(c, reference(a, b), rtol=1e-3, atol=1e-3)
+
+
 def _outer_gemm(gemm: int, side: int) -> Gemm:
     """A side × side C from a side × 1 and a 1 × side operand: little in, much out."""
     a, b = np.ones((side, 1), np.float32), np.full((1, side), float(gemm), np.float32)
@@ -939,42 +972,49 @@ async def test_a_job_that_does_not_read_its_results_is_held_back_then_dropped(fl
     for gemm in range(1, count + 1):
         job.send(_outer_gemm(gemm, side))
     end = _server_end(f, welcome.peer_id)
-    most = 0
-    while end.open:
+    most, deadline = 0, time.monotonic() + 20
+    while end.transport is not None and time.monotonic() < deadline:
         most = max(most, end.transport.get_write_buffer_size())
         await asyncio.sleep(0.005)
     assert most <= high_water + max_bytes + 2 * side * side * 4, most
     assert end.totals["gemms"] < count / 2, end.totals  # the rest were never read
+    # Dropped for good, and what it held with it: not left closing behind unread bytes.
+    assert end.transport is None and end not in f.emu.peers
     await check_serving(await f.client())
 
 
-async def test_a_job_that_reads_its_results_late_gets_them_all(fleet):
-    """Held back, not dropped, while it reads within heartbeat_timeout_s: every RESULT
-    arrives, in full."""
-    side, count = 256, 48
-    f = await fleet(high_water_bytes=64 << 10, max_job_bytes=1 << 20, block_size=256,
+async def test_a_job_that_reads_slower_than_its_results_come_gets_them_all(fleet):
+    """Held back, not dropped, while it reads, however slowly, and every RESULT arrives in
+    full. What it takes is judged from the emulator's buffer and the kernel's send queue
+    together: on loopback the queue holds megabytes, and drains first."""
+    count, rows, cols = 32, 256, 1024  # 1 MiB a RESULT
+    f = await fleet(high_water_bytes=64 << 10, max_job_bytes=8 << 20, block_size=256,
                     heartbeat_s=0.2, heartbeat_timeout_s=1.5)  # fmt: skip
     await f.add_device()
-    job = await f.raw_peer(rcvbuf=8 << 10)
+    job = await f.raw_peer(rcvbuf=16 << 10)
     welcome = await job.hello("job", name="slow")
     job.stop_reading()
     job.send(Open())
     for gemm in range(1, count + 1):
-        job.send(_outer_gemm(gemm, side))
+        a, b = np.ones((rows, 1), np.float32), np.full((1, cols), gemm, np.float32)
+        job.send(dataclasses.replace(gemm_request(a, b), gemm=gemm))
     end = _server_end(f, welcome.peer_id)
     await wait_for_condition(lambda: not end.reading, 5, "the emulator to stop reading")
+    job.writer.transport.resume_reading()
+    start = time.monotonic()
+    while time.monotonic() - start < 4.0:  # over twice heartbeat_timeout_s, at ~400 KB/s
+        job.decoder.receive_data(await job.reader.read(40_000))
+        job.send(Heartbeat())
+        await asyncio.sleep(0.1)
+    assert end.open, "dropped while it read"
     seen: set[int] = set()
     while len(seen) < count:
-        await asyncio.sleep(0.3)  # a fifth of heartbeat_timeout_s
-        job.send(Heartbeat())  # it says it is alive, as a client does
-        for _ in range(4):
-            result = await job.recv_skipping_heartbeats(timeout=TIMEOUT)
-            assert isinstance(result, Result), result
-            c = np.frombuffer(result.segments[0], np.float32)
-            assert c.size == side * side and np.all(c == result.gemm)
-            seen.add(result.gemm)
-        job.stop_reading()
-    assert seen == set(range(1, count + 1)) and end.open
+        result = await job.recv_skipping_heartbeats(timeout=TIMEOUT)
+        assert isinstance(result, Result), result
+        c = np.frombuffer(result.segments[0], np.float32)
+        assert c.size == rows * cols and np.all(c == result.gemm)
+        seen.add(result.gemm)
+    assert seen == set(range(1, count + 1))
 
 
 async def test_probe_requests_past_the_high_water_mark_are_refused(fleet):
@@ -1469,7 +1509,7 @@ async def test_flops_challenge_through_a_raw_device(fleet, caplog, reply):
 async def test_a_device_that_leaves_a_push_unanswered_is_still_challenged(fleet, answers):
     """A network probe that runs out of time keeps the declared link but never skips the
     FLOPS check: a device that answers no challenge gets no tiles."""
-    f = await fleet(probe=True, profile_source="measured", probe_timeout_s=0.3, block_size=8)
+    f = await fleet(probe=True, profile_source="measured", probe_timeout_s=1.0, block_size=8)
     peer = await f.raw_peer()
     welcome = await peer.hello(
         "device", name="no-ack", uuid="raw", profile=BUILTIN["rpi4"].to_wire(),
@@ -1519,10 +1559,44 @@ async def test_a_peer_asks_for_one_challenge_at_a_time(fleet):
     await check_serving(await f.client())
 
 
+async def test_a_check_keeps_its_slot_until_done_though_its_peer_left(fleet, monkeypatch):
+    """The check of a challenge a peer asked for runs on after the peer leaves, and holds
+    its slot until it ends: else a peer could start any number by leaving mid-check. The
+    checks of arriving devices have a slot of their own meanwhile."""
+    release = threading.Event()
+    check = probes.check_result
+
+    def held(seed: int, dim: int, got: memoryview, tolerance: float) -> str:
+        if dim == 16:  # the peer's; an arriving device's is FAST's 32
+            release.wait(30)
+        return check(seed, dim, got, tolerance)
+
+    monkeypatch.setattr(probes, "check_result", held)
+    f = await fleet(probe=True)
+    peer = await f.raw_peer()
+    welcome = await peer.hello("probe", name="leaver")
+    peer.send(ProbeFlopsRequest(dim=16))
+    asked = await peer.recv_skipping_heartbeats()
+    assert isinstance(asked, ProbeFlops)
+    c = _right(asked.seed, 16)
+    peer.send(ProbeFlopsResult(probe=asked.probe, compute_ns=1000, segments=(c,)))
+    slot = f.emu.checking_asked
+    await wait_for_condition(slot.locked, 5, "the check to start")
+    peer.close()
+    await wait_for_condition(
+        lambda: all(p.job_id != welcome.peer_id for p in f.emu.peers), 5, "the peer to go"
+    )
+    assert slot.locked(), "the slot was given back while its check still runs"
+    device = await asyncio.wait_for(f.add_device(name="arriving"), 10)  # checked meanwhile
+    assert f.record(device).ready and slot.locked()
+    release.set()
+    await wait_for_condition(lambda: not slot.locked(), 5, "the check to end")
+
+
 async def test_checking_the_largest_challenge_does_not_stall_the_server(fleet):
     """The reference for dim 4096 (its operands rebuilt, a 137 GFLOP GEMM, the check) is
     computed off the event loop: on it, this stalled every peer for seconds."""
-    f = await fleet(heartbeat_s=2.0, heartbeat_timeout_s=10.0)  # a stall must not trip these
+    f = await fleet(heartbeat_s=2.0, heartbeat_timeout_s=30.0)  # a stall must not trip these
     peer = await f.raw_peer()
     await peer.hello("probe", name="big")
     peer.send(ProbeFlopsRequest(dim=4096))
@@ -1540,7 +1614,7 @@ async def test_checking_the_largest_challenge_does_not_stall_the_server(fleet):
         last = now
     assert verdict.result().TYPE == MsgType.PROBE_VERDICT and not verdict.result().ok
     assert "elements off" in verdict.result().reason
-    assert max(gaps) < 0.2, f"the event loop stalled for {max(gaps):.2f} s"
+    assert max(gaps) < 0.5, f"the event loop stalled for {max(gaps):.2f} s"
 
 
 # -- 9. dynamic membership ------------------------------------------------------------------------
