@@ -270,6 +270,8 @@ class Client:
         self._sock = socket.create_connection((host, port), timeout)
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._sock.setblocking(False)  # every wait is a poll: see ``_await_room``
+        self._readable = select.poll()  # for the thread that holds ``_recv_lock``
+        self._readable.register(self._sock, select.POLLIN)
         self._decoder = Decoder()
         self._conversation = Conversation("peer", "job")
         self._call_lock = threading.Lock()  # one request and its reply at a time
@@ -464,7 +466,9 @@ class Client:
         leaves its replies unread, so a send that only waited could wait for ever."""
         reading = self._recv_lock.acquire(blocking=False)
         try:
-            events = self._wait(select.POLLOUT | (select.POLLIN if reading else 0), None)
+            poller = select.poll()
+            poller.register(self._sock, select.POLLOUT | (select.POLLIN if reading else 0))
+            [(_, events)] = poller.poll()
             if reading and events & ~select.POLLOUT:  # data, or the end of the connection
                 self._read_some()
         finally:
@@ -490,19 +494,20 @@ class Client:
     def _receive(self, deadline: float | None) -> Message:
         with self._recv_lock:
             while (msg := self._decoder.next_message()) is None:
+                if self._read_some():
+                    continue
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise TimeoutError("no reply from the emulator in time")
-                if self._wait(select.POLLIN, left):
-                    self._read_some()
+                self._readable.poll(None if left is None else math.ceil(left * 1000))
             try:
                 self._conversation.received(msg)
             except ProtocolError as exc:
                 self._fail(EmulatorError(exc.code, f"bad frame from the emulator: {exc.reason}"))
         return msg
 
-    def _read_some(self) -> None:
-        """Decode what has arrived (if anything has: the socket does not block)."""
+    def _read_some(self) -> bool:
+        """Decode what has arrived; False if nothing has (the socket does not block)."""
         decoder = self._decoder
         try:
             nbytes = self._sock.recv_into(decoder.get_buffer())
@@ -510,19 +515,12 @@ class Client:
                 self._fail(EmulatorError("disconnected", "the emulator closed the connection"))
             decoder.buffer_updated(nbytes)
         except BlockingIOError:
-            pass
+            return False
         except ProtocolError as exc:
             self._fail(EmulatorError(exc.code, f"bad frame from the emulator: {exc.reason}"))
         except ConnectionError as exc:
             self._fail(EmulatorError("disconnected", f"connection lost ({exc})"))
-
-    def _wait(self, events: int, timeout: float | None) -> int:
-        """The poll events (of ``events``, or an error) the socket has within ``timeout``
-        seconds (None: however long it takes); 0 if none."""
-        poller = select.poll()
-        poller.register(self._sock, events)
-        ready = poller.poll(None if timeout is None else math.ceil(timeout * 1000))
-        return ready[0][1] if ready else 0
+        return True
 
     def _fail(self, error: EmulatorError) -> None:
         self.error = error
