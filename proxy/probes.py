@@ -143,11 +143,13 @@ async def probe(
     network probes ran out of time: otherwise a device could skip its check (and take
     tiles it computes wrongly) just by leaving a PROBE_PUSH unanswered. Then the bytes of
     the probes that ran out may still be ahead of the challenge on the link, so it gets
-    the time they take at the device's declared bandwidth on top."""
+    the time they take at the device's declared bandwidth on top (at most 60 time limits
+    more: a hostile device could declare a bandwidth near zero)."""
     link = await measure_link(peer, cfg)
     timeout = cfg.probe_timeout_s
     if link is None:
-        timeout += 2 * cfg.probe_bandwidth_bytes / min(declared.dl_bw, declared.ul_bw)
+        late = 2 * cfg.probe_bandwidth_bytes / min(declared.dl_bw, declared.ul_bw)
+        timeout += min(late, 60 * cfg.probe_timeout_s)
     flops, problem = await flops_challenge(
         peer, seed, cfg.probe_flops_dim, cfg.probe_tolerance, timeout, checking
     )

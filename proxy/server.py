@@ -89,7 +89,7 @@ class PeerConnection(FrameConnection):
         self.gemms: dict[int, GemmTask] = {}
         self.tiles_in_flight = 0  # of the GEMMs in ``gemms`` (see ``_regulate``)
         self.bytes_in_flight = 0  # the memory they hold: operands received, outputs
-        self._unread: tuple[int, float] | None = None  # (send buffer, when): ``unread_for``
+        self._unread: tuple[int, float] | None = None  # (undelivered, since): ``unread_for``
         self.maps_arena = False  # a job that maps the operand arena may ask for a slab
         self.local = False  # a peer in this process, which may hand over arrays (``local``)
         self.slab: np.ndarray | None = None  # the job's bytes of the arena (SLAB)

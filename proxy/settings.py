@@ -40,8 +40,13 @@ class EmulatorConfig:
         "bounds what a fleet process holds however many devices it runs",
         min=1,
     )
-    high_water_bytes: int = _opt(4 << 20, "per-device send buffer above which no tile is sent",
-                                 min=1, aliases=("--send_high_water_mark",))  # fmt: skip
+    high_water_bytes: int = _opt(
+        4 << 20,
+        "send buffer per peer past which no tile is sent to a device and no request is "
+        "read from a job",
+        min=1,
+        aliases=("--send_high_water_mark",),
+    )
     max_payload_bytes: int = _opt(1 << 30, "largest frame payload accepted", min=1)
     max_job_tiles: int = _opt(
         1 << 20,
