@@ -919,25 +919,26 @@ async def test_a_job_waits_while_its_gemms_in_flight_hold_max_job_bytes(fleet):
 
 
 async def test_the_blocking_client_reads_replies_while_its_send_waits(fleet):
-    """A GEMM that timed out leaves its RESULT (4 MiB) unread, past the high-water mark: the
-    emulator reads no more from the job. The next GEMM's 32 MiB of operands cannot all fit
-    in the socket buffers, so the client's send must read that RESULT while it waits, or
-    both sides would wait on each other (until the job was dropped)."""
+    """A GEMM that timed out leaves its RESULT (32 MiB: more than the kernel's socket
+    buffers hold) unread, past the high-water mark: the emulator reads no more from the
+    job. The next GEMM's 32 MiB of operands cannot all fit in the socket buffers either, so
+    the client's send must read that RESULT while it waits, or both sides would wait on
+    each other (until the job was dropped)."""
     f = await fleet(high_water_bytes=64 << 10, block_size=256, heartbeat_timeout_s=3.0)
     rng = np.random.default_rng(31)
-    stale = rng.standard_normal((1024, 8), dtype=np.float32)
+    stale = rng.standard_normal((2048, 8), dtype=np.float32)
     a = rng.standard_normal((1024, 4096), dtype=np.float32)
     b = rng.standard_normal((4096, 1024), dtype=np.float32)
 
     def job() -> np.ndarray:
         with Client(f.host, f.port, name="patient", share_memory=False) as client:
             with pytest.raises(TimeoutError):
-                client.matmul(stale, stale.T, timeout=0.2)  # no device yet
+                client.matmul(np.vstack([stale, stale]), stale.T, timeout=0.2)  # no device
             assert added.wait(10)
             end = _server_end(f, client.job_id)
             deadline = time.monotonic() + 10
             while end.reading and time.monotonic() < deadline:
-                time.sleep(0.01)  # until its 4 MiB RESULT is queued, unread
+                time.sleep(0.01)  # until its RESULT is queued, unread
             assert not end.reading, "the emulator still reads the job"
             return client.matmul(a, b, timeout=60)
 
@@ -950,10 +951,23 @@ async def test_the_blocking_client_reads_replies_while_its_send_waits(fleet):
     np.testing.assert_allclose(c, reference(a, b), rtol=1e-3, atol=1e-3)
 
 
-def _outer_gemm(gemm: int, side: int) -> Gemm:
-    """A side × side C from a side × 1 and a 1 × side operand: little in, much out."""
-    a, b = np.ones((side, 1), np.float32), np.full((1, side), float(gemm), np.float32)
+def _outer_gemm(gemm: int, rows: int, cols: int) -> Gemm:
+    """A rows × cols C of ``gemm``s from a rows × 1 and a 1 × cols operand: little in, much
+    out."""
+    a, b = np.ones((rows, 1), np.float32), np.full((1, cols), float(gemm), np.float32)
     return dataclasses.replace(gemm_request(a, b), gemm=gemm)
+
+
+async def _job_not_reading(f: Fleet, name: str, gemms: list[Gemm]) -> tuple[RawPeer, Any]:
+    """A job that sends ``gemms`` and reads nothing from its socket (with a small receive
+    buffer, so that its RESULTs soon back up), and the emulator's end of it."""
+    job = await f.raw_peer(rcvbuf=16 << 10)
+    welcome = await job.hello("job", name=name)
+    job.stop_reading()
+    job.send(Open())
+    for gemm in gemms:
+        job.send(gemm)
+    return job, _server_end(f, welcome.peer_id)
 
 
 async def test_a_job_that_does_not_read_its_results_is_held_back_then_dropped(fleet):
@@ -965,13 +979,8 @@ async def test_a_job_that_does_not_read_its_results_is_held_back_then_dropped(fl
     f = await fleet(high_water_bytes=high_water, max_job_bytes=max_bytes, block_size=256,
                     heartbeat_s=0.2, heartbeat_timeout_s=1.5)  # fmt: skip
     await f.add_device()
-    job = await f.raw_peer(rcvbuf=8 << 10)
-    welcome = await job.hello("job", name="deaf")
-    job.stop_reading()
-    job.send(Open())
-    for gemm in range(1, count + 1):
-        job.send(_outer_gemm(gemm, side))
-    end = _server_end(f, welcome.peer_id)
+    gemms = [_outer_gemm(gemm, side, side) for gemm in range(1, count + 1)]
+    _, end = await _job_not_reading(f, "deaf", gemms)
     most, deadline = 0, time.monotonic() + 20
     while end.transport is not None and time.monotonic() < deadline:
         most = max(most, end.transport.get_write_buffer_size())
@@ -991,14 +1000,8 @@ async def test_a_job_that_reads_slower_than_its_results_come_gets_them_all(fleet
     f = await fleet(high_water_bytes=64 << 10, max_job_bytes=8 << 20, block_size=256,
                     heartbeat_s=0.2, heartbeat_timeout_s=1.5)  # fmt: skip
     await f.add_device()
-    job = await f.raw_peer(rcvbuf=16 << 10)
-    welcome = await job.hello("job", name="slow")
-    job.stop_reading()
-    job.send(Open())
-    for gemm in range(1, count + 1):
-        a, b = np.ones((rows, 1), np.float32), np.full((1, cols), gemm, np.float32)
-        job.send(dataclasses.replace(gemm_request(a, b), gemm=gemm))
-    end = _server_end(f, welcome.peer_id)
+    gemms = [_outer_gemm(gemm, rows, cols) for gemm in range(1, count + 1)]
+    job, end = await _job_not_reading(f, "slow", gemms)
     await wait_for_condition(lambda: not end.reading, 5, "the emulator to stop reading")
     job.writer.transport.resume_reading()
     start = time.monotonic()
