@@ -42,13 +42,15 @@ class DeviceMemory:
 
     def admit(self, blocks: list[tuple[Key, int, int]], transient: int) -> Admission:
         """Place a tile: weight ``blocks`` as (key, version, bytes), plus ``transient``
-        bytes (its other operands and its output) that live only while it runs."""
-        if transient + sum(nbytes for _, _, nbytes in blocks) > self.capacity:
+        bytes (its other operands and its output) that live only while it runs. A and B
+        may be one block (the diagonal tiles of W·Wᵀ): it is held once, and is held
+        already only if it was before this tile."""
+        wanted = {key: (version, nbytes) for key, version, nbytes in blocks}
+        if transient + sum(nbytes for _, nbytes in wanted.values()) > self.capacity:
             self.oom_events += 1
             return Admission(fits=False)
         admission = Admission(fits=True)
-        wanted = {key for key, _, _ in blocks}
-        for key, version, nbytes in blocks:
+        for key, (version, nbytes) in wanted.items():
             held = self.resident.get(key)
             if held is not None and held[0] == version:
                 self.resident.move_to_end(key)

@@ -185,6 +185,53 @@ def test_resident_weight_blocks_do_not_travel_again():
     assert again == 100 * 100 * 4  # only A's rows: the block is resident, same version
 
 
+def test_a_block_that_is_both_operands_is_not_held_before_it_was_sent():
+    """The diagonal tiles of W·Wᵀ: A and B are one weight block. The first time, both go
+    (a board that holds nothing yet would get two references to nothing); then neither."""
+    m, k = 100, 1000
+    w = memoryview(np.ones((m, k), np.float32)).cast("B")
+    tl, sink = new_timeline()
+    tl.add_device(0, "d0", profile())
+    tl.open_job(1, "job")
+    admissions = []
+    for gemm in (1, 2):
+        t = make_task(Gemm(gemm=gemm, dtype="float32", ta=False, tb=True, m=m, n=m, k=k,
+                           lda=k, ldb=k, segments=(w, w)))  # fmt: skip
+        t.weights["a"] = t.weights["b"] = (0, 1)
+        tl.submit(1, t, t.tiles(256), after=gemm - 1, host_s=0.0, place=admissions.extend,
+                  done=lambda issue, end: None)  # fmt: skip
+    (tile, _, first), (_, _, again) = admissions
+    a, b = tile.operands()
+    assert a.key == b.key
+    assert not first.held and again.held == {a.key}
+    assert [t["bytes_down"] for t in records(sink, "tile")] == [2 * m * k * 4, 0]
+
+
+def test_a_gemm_id_used_again_before_the_first_ended_in_virtual_time():
+    """Ids are unique among a job's GEMMs in flight, and a RESULT may go out before its
+    GEMM ends in virtual time (another job holds the clock): an id may then come again.
+    What waited on the first GEMM of that id still runs when it ends."""
+    tl, _ = new_timeline()
+    tl.add_device(0, "d0", profile(lat=0.0))
+    tl.open_job(1, "one")
+    tl.open_job(2, "two")
+    times: dict[str, tuple[float, float]] = {}
+    steps: list = []
+
+    def send(job: int, label: str, t: GemmTask, after: int, host_s: float = 0.0) -> None:
+        tl.submit(job, t, t.tiles(256), after=after, host_s=host_s, place=lambda placed: None,
+                  done=lambda issue, end: times.__setitem__(label, (issue, end)))  # fmt: skip
+
+    send(2, "other", task(9, 10, 10, 10), 0)  # job 2 then computes on the host
+    send(1, "first 1", task(1, 100, 100, 100), 0)
+    send(1, "2 after 1", task(2, 100, 100, 100), 1, host_s=0.1)
+    send(1, "second 1", task(1, 100, 100, 100), 0)  # id 1 again
+    tl.mark_step(1, 1, host_s=0.0, done=steps.append)
+    tl.close_job(2)  # nothing holds the clock back any more
+    assert [s.gemms for s in steps] == [3], "the step never closed"
+    assert times["2 after 1"][0] == pytest.approx(times["first 1"][1] + 0.1)
+
+
 def test_a_tile_without_weights_makes_room_by_evicting_resident_blocks():
     """A tile with no weight blocks changes the emulated memory only when it does not fit
     beside the blocks resident: then the least recently used go."""
