@@ -173,9 +173,14 @@ class _Job:
     name: str
     clock: float  # the time of its last settled event
     waiting: int = 0  # GEMMs and step marks submitted and not yet settled
+    # GEMMs not yet ended, by submission number (a GEMM id may come again once its RESULT
+    # is out, before its GEMM ended in virtual time), each with what waits for its end
     inflight: dict[int, list[Callable[[float], None]]] = field(default_factory=dict)
     barrier: list[Callable[[float], None]] = field(default_factory=list)  # after all of them
-    ends: dict[int, float] = field(default_factory=dict)
+    submitted: int = 0  # submission numbers given
+    latest: dict[int, int] = field(default_factory=dict)  # GEMM id → its last, in flight
+    # GEMM id → (submission number, end) of the last GEMM of that id to end
+    ends: dict[int, tuple[int, float]] = field(default_factory=dict)
     step: StepTimes | None = None  # the step under way
     steps: int = 0  # steps closed
     step_end: float = 0.0  # when the last one closed
@@ -201,6 +206,7 @@ class _Gemm:
     step: int
     place: Callable[[list[tuple[TileTask, int, Admission]]], None]
     done: Callable[[float, float], None]
+    seq: int  # its submission number in its job
 
 
 class Timeline:
@@ -272,20 +278,22 @@ class Timeline:
         placed; ``done(issue, end)`` is called when the GEMM ends in virtual time."""
         job = self._active(job_id)
         job.waiting += 1
-        job.inflight[task.id] = []
+        waits = job.inflight.get(job.latest.get(after, 0))  # ``after`` as it was until now
+        job.submitted += 1
+        seq = job.latest[task.id] = job.submitted
+        job.inflight[seq] = []
 
         def issue(base: float) -> None:
             at = max(base + host_s, self.clock.now)  # later only for a released job
             times = self._step_of(job, at)
             self._coordinator(job, times, base, at)
-            gemm = _Gemm(job, task, tiles, at, times.step, place, done)
+            gemm = _Gemm(job, task, tiles, at, times.step, place, done, seq)
             self.clock.at(at, self._issue, gemm, tile=task.id)
 
-        waits = job.inflight.get(after) if after != task.id else None
         if waits is not None:
             waits.append(issue)
         else:
-            issue(job.ends.get(after, job.clock))
+            issue(job.ends[after][1] if after in job.ends else job.clock)
         self._advance()
 
     def mark_step(self, job_id: int, step: int, *, host_s: float, local_gemms: int = 0,
@@ -512,11 +520,14 @@ class Timeline:
                       (g.m, g.n, g.k, g.batch))  # fmt: skip
         job.clock = max(job.clock, now)
         job.waiting -= 1
-        job.ends[task.id] = now
-        if len(job.ends) > ENDS_KEPT:
-            del job.ends[next(iter(job.ends))]
+        if job.latest.get(task.id) == gemm.seq:
+            del job.latest[task.id]
+        if job.ends.get(task.id, (0, 0.0))[0] < gemm.seq:  # not an earlier GEMM of its id
+            job.ends[task.id] = (gemm.seq, now)
+            if len(job.ends) > ENDS_KEPT:
+                del job.ends[next(iter(job.ends))]
         gemm.done(gemm.issue, now)
-        for action in job.inflight.pop(task.id, []):
+        for action in job.inflight.pop(gemm.seq):
             action(now)
         if not job.inflight:
             barrier, job.barrier = job.barrier, []
