@@ -1,8 +1,9 @@
 """The discrete-event core of the virtual clock: an event queue and FIFO resources.
 
 Small on purpose (the shape of ``simpy``'s core, without processes): events
-are callbacks at a virtual time, run in order of ``(time, device, tile,
-sequence)``, so ties break the same way on every run; a ``Fifo`` serves
+are callbacks at a virtual time, run in order of ``(time, device, job, tile,
+sequence)``, so ties break the same way on every run, whichever job's
+message came first; a ``Fifo`` serves
 requests one at a time in the order they arrive. Nothing here reads a wall
 clock: the same calls give the same timeline however loaded the host is.
 """
@@ -25,15 +26,15 @@ class Clock:
 
     def __init__(self) -> None:
         self.now = 0.0
-        self._queue: list[tuple[float, int, int, int, Callable[[Any], None], Any]] = []
+        self._queue: list[tuple[float, int, int, int, int, Callable[[Any], None], Any]] = []
         self._seq = itertools.count()
 
     def at(self, time: float, action: Callable[[Any], None], arg: Any = None, *,
-           device: int = NO_DEVICE, tile: int = 0) -> None:  # fmt: skip
+           device: int = NO_DEVICE, job: int = 0, tile: int = 0) -> None:  # fmt: skip
         """Run ``action(arg)`` at virtual ``time`` (never before now: the past is settled)."""
         if math.isnan(time):
             raise ValueError("event time is NaN")
-        entry = (max(time, self.now), device, tile, next(self._seq), action, arg)
+        entry = (max(time, self.now), device, job, tile, next(self._seq), action, arg)
         heapq.heappush(self._queue, entry)
 
     def next_time(self) -> float:
@@ -49,7 +50,7 @@ class Clock:
         count = 0
         queue = self._queue
         while queue and queue[0][0] < before():
-            time, _, _, _, action, arg = heapq.heappop(queue)
+            time, _, _, _, _, action, arg = heapq.heappop(queue)
             self.now = time
             action(arg)
             count += 1

@@ -288,7 +288,7 @@ class Timeline:
             times = self._step_of(job, at)
             self._coordinator(job, times, base, at)
             gemm = _Gemm(job, task, tiles, at, times.step, place, done, seq)
-            self.clock.at(at, self._issue, gemm, tile=task.id)
+            self.clock.at(at, self._issue, gemm, job=job.id, tile=task.id)
 
         if waits is not None:
             waits.append(issue)
@@ -422,7 +422,8 @@ class Timeline:
         times.link_down += link_down
         times.link_up += link_up
         gemm.place(placed)
-        self.clock.at(end, self._returned, _Back(gemm, end, end_tile, end_device), tile=end_tile)
+        self.clock.at(end, self._returned, _Back(gemm, end, end_tile, end_device),
+                      job=gemm.job.id, tile=end_tile)  # fmt: skip
 
     def _work(self, task: GemmTask, tile: TileTask, a: Block, b: Block) -> Work:
         """What ``tile`` asks of a device. Tiles that agree on everything it depends on

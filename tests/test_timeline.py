@@ -425,6 +425,26 @@ def test_two_jobs_interleave_by_virtual_time_not_by_arrival(one_first):
     assert tiles[1, 2]["down"][0] > each + 1.0
 
 
+def test_two_jobs_issuing_at_the_same_time_tie_by_job_not_by_arrival():
+    """Both jobs' GEMM 1 issue at the same virtual time: job 1's goes first however their
+    messages arrived, so the log is the same bit for bit."""
+
+    def run(first: int) -> str:
+        tl, _ = new_timeline()
+        tl.add_device(0, "d0", profile(lat=0.0))
+        for job in (1, 2, 3):
+            tl.open_job(job, f"job-{job}")
+        rec = Recorder()
+        submit(tl, rec, 3, task(5, 10, 10, 10), block=256)  # then job 3 holds the clock
+        for job in (first, 3 - first):
+            submit(tl, rec, job, task(1, 100, 100, 100), block=256, host_s=0.5)
+        for job in (3, 1, 2):
+            tl.close_job(job)
+        return tl.log.digest()
+
+    assert run(1) == run(2)
+
+
 def test_a_job_that_has_not_issued_yet_holds_nobody_back():
     tl, _ = new_timeline()
     tl.add_device(0, "d0", profile())
