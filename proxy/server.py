@@ -367,16 +367,17 @@ class PeerConnection(FrameConnection):
         self.bytes_in_flight += _held_bytes(task)
         self.totals["gemms"] += 1
         self.totals["tiles"] += len(tiles)
-        if not tiles:
-            self.finish(task)
-            return
-        self.gemms[task.id] = task
-        if in_slab:
-            self.slab_gemm = task.id
-        self.emulator.timeline.submit(
+        if tiles:
+            self.gemms[task.id] = task
+            if in_slab:
+                self.slab_gemm = task.id
+        self.emulator.timeline.submit(  # an empty one too: its host_ns is coordinator time
             self.job_id, task, tiles, after=msg.after, host_s=msg.host_ns / 1e9,
             place=self.emulator.scheduler.submit, done=_settled(task),
         )  # fmt: skip
+        if not tiles:
+            self.finish(task)  # (which regulates)
+            return
         self._regulate()
 
     def _task(self, msg: Gemm) -> GemmTask:

@@ -421,9 +421,9 @@ class Timeline:
         times.tiles += len(placed)
         times.link_down += link_down
         times.link_up += link_up
-        gemm.place(placed)
         self.clock.at(end, self._returned, _Back(gemm, end, end_tile, end_device),
                       job=gemm.job.id, tile=end_tile)  # fmt: skip
+        gemm.place(placed)  # last: should it raise, the GEMM still ends in virtual time
 
     def _work(self, task: GemmTask, tile: TileTask, a: Block, b: Block) -> Work:
         """What ``tile`` asks of a device. Tiles that agree on everything it depends on

@@ -47,6 +47,7 @@ from morphling.proxy.messages import (
     ProbeFlopsResult,
     ProbePulled,
     Result,
+    Step,
     TileResult,
     Welcome,
 )
@@ -1697,6 +1698,24 @@ async def test_job_waiting_longer_than_heartbeat_timeout_keeps_its_connection(fl
     await asyncio.sleep(1.0)  # no device yet; 2.5 heartbeat timeouts
     await f.add_device(name="late")
     assert_gemm_close(await running, a, a)
+
+
+async def test_an_empty_gemms_host_time_is_coordinator_time(fleet):
+    """A GEMM with no output has no tiles, but the host time before it is still the
+    script's own: it counts in the step (it was dropped)."""
+    f = await fleet()
+    job = await f.raw_peer()
+    await job.hello("job", name="empty")
+    job.send(Open())
+    for gemm, host_ns in ((1, 0), (2, 50_000_000)):  # (the first's is setting up the job)
+        b = np.zeros(15, np.float32)
+        job.send(Gemm(gemm=gemm, dtype="float32", ta=False, tb=False, m=0, n=5, k=3, lda=3,
+                      ldb=5, host_ns=host_ns, segments=(b"", b)))  # fmt: skip
+        result = await job.recv_skipping_heartbeats()
+        assert isinstance(result, Result) and result.gemm == gemm and result.tiles == 0
+    job.send(Step(step=1))
+    step = await job.recv_skipping_heartbeats()
+    assert step.TYPE == MsgType.STEP and step.coord_ns == 50_000_000, step
 
 
 async def test_empty_output_gemm_does_not_stall_the_server(fleet):
