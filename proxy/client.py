@@ -39,13 +39,14 @@ _DTYPE_NAMES = {np.dtype(name): name for name in DTYPES}
 
 def gemm_request(
     gemm: int, a: Any, b: Any, shared: tuple[int, int] | None = None, *, after: int = 0,
-    host_ns: int = 0,
+    host_ns: int = 0, epoch: int = 0,
 ) -> tuple[Gemm, tuple[int, ...]]:  # fmt: skip
     """The GEMM message for ``a @ b`` and the shape of its result.
 
     An operand inside ``shared`` (the address and size of this process's mapping of
-    the emulator's shared weights) goes by reference, with its tensor version.
-    ``after`` and ``host_ns`` place it in virtual time (see ``Gemm``).
+    the emulator's shared weights) goes by reference, with a version made of its
+    tensor's and ``epoch`` (see ``_weight_ref``). ``after`` and ``host_ns`` place it
+    in virtual time (see ``Gemm``).
     """
     oa, ob = blas_operand(a, "a"), blas_operand(b, "b")
     dtype = _dtype_name(oa.span.dtype)
@@ -57,7 +58,7 @@ def gemm_request(
     if oa.batch >= 0 and ob.batch >= 0 and oa.batch != ob.batch:
         raise ValueError(f"batch sizes differ: {oa.batch} and {ob.batch}")
     batch = max(oa.batch, ob.batch)
-    ref_a, ref_b = _weight_ref(a, oa.span, shared), _weight_ref(b, ob.span, shared)
+    ref_a, ref_b = (_weight_ref(x, o.span, shared, epoch) for x, o in ((a, oa), (b, ob)))
     request = Gemm(
         gemm=gemm, dtype=dtype, ta=bool(oa.trans), tb=bool(ob.trans),
         m=oa.rows, n=ob.cols, k=oa.cols, lda=oa.ld, ldb=ob.ld, batch=max(batch, 1),
@@ -96,14 +97,21 @@ def _dtype_name(dtype: np.dtype) -> str:
     return _DTYPE_NAMES.get(dtype) or dtype.name
 
 
-def _weight_ref(x: Any, span: np.ndarray, shared: tuple[int, int] | None) -> list[int]:
-    """[byte offset, version] when ``span`` lies in the shared weights, else []."""
+def _weight_ref(
+    x: Any, span: np.ndarray, shared: tuple[int, int] | None, epoch: int
+) -> list[int]:  # fmt: skip
+    """[byte offset, version] when ``span`` lies in the shared weights, else [].
+
+    Torch bumps a tensor's ``_version`` on in-place updates, but not those through
+    ``.data`` nor those of fused optimizers (``AdamW(fused=True)``): ``epoch``, the
+    steps marked so far, is in the version too, so no block a step may have changed
+    is taken for the one a device holds."""
     if shared is None or span.size == 0:
         return []
     start = span.ctypes.data - shared[0]
     if start < 0 or start + span.nbytes > shared[1]:
         return []
-    return [start, getattr(x, "_version", 0)]  # torch bumps _version on in-place updates
+    return [start, (epoch << 32) + getattr(x, "_version", 0)]
 
 
 def result_array(
@@ -283,6 +291,7 @@ class Client:
         self.error: EmulatorError | None = None
         self.shared: tuple[int, int] | None = None  # see gemm_request
         self._after = 0  # the GEMM whose result came last (0: a step mark, or none yet)
+        self.steps = 0  # step marks made
         self._since_ns: int | None = None  # when it came (perf_counter_ns)
         self._arena: OperandArena | None = None  # this process's mapping of the arena
         self._slab: np.ndarray | None = None  # the job's bytes of it (SLAB)
@@ -320,7 +329,7 @@ class Client:
         coordinator time since the last result."""
         with self._call_lock:
             request, shape = gemm_request(
-                next(self._ids), a, b, self.shared, after=self._after,
+                next(self._ids), a, b, self.shared, after=self._after, epoch=self.steps,
                 host_ns=self.elapsed_ns() if host_ns is None else host_ns,
             )  # fmt: skip
             if self._local:
@@ -415,6 +424,7 @@ class Client:
             host = self.elapsed_ns() if host_ns is None else host_ns
             self._send(Step(step=step, host_ns=host, local_gemms=local_gemms))
             reply = self._expect(MsgType.STEP, None)
+            self.steps += 1  # the optimizer may have changed any weight (``_weight_ref``)
             self._after, self._since_ns = 0, time.perf_counter_ns()
             self._slab_refused = 1 << 62  # the arena may have room again
             return reply

@@ -108,7 +108,7 @@ def product(client: Client, a: torch.Tensor, b: torch.Tensor) -> tuple[np.ndarra
     """``a @ b`` through the client, and its RESULT (for the byte counts)."""
     from morphling.proxy.client import gemm_request, result_array
 
-    request, shape = gemm_request(1000 + client.job_id, a, b, client.shared)
+    request, shape = gemm_request(1000 + client.job_id, a, b, client.shared, epoch=client.steps)
     result = client.submit(request, timeout=30)
     return result_array(request, result, shape, None), result
 
@@ -158,6 +158,25 @@ async def test_remote_device_gets_weight_bytes_once_until_they_change(setup):
     assert_product(c1, g, w)
     assert_product(c2, g, w)
     assert r2.bytes_down == 2 * M * N * 4 < r1.bytes_down, "the second time, only grad's rows"
+    await asyncio.to_thread(client.close)
+
+
+async def test_weights_changed_without_a_new_version_are_sent_again_after_a_step(setup):
+    """Fused optimizers (``AdamW(fused=True)``) and updates through ``.data`` leave the
+    tensor's ``_version`` as it was: after a step mark (made by the optimizer step's hook)
+    no weight block counts as the one a device holds."""
+    s = await setup()
+    await s.add_device(share_memory=False)
+    client, w = await s.job()
+    x = torch.randn(M, K)
+    await asyncio.to_thread(product, client, x, w.t())
+    version = w._version
+    w.data.add_(1.0)
+    assert w._version == version
+    await asyncio.to_thread(client.step, 1)
+    after = await asyncio.to_thread(product, client, x, w.t())
+    assert after[1].bytes_down == X_BYTES + W_BYTES, "changed weights are sent again"
+    assert_product(after[0], x, w.t())  # the stale block gave the old product
     await asyncio.to_thread(client.close)
 
 
