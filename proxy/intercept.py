@@ -34,6 +34,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import os
 import time
 import warnings
 from collections.abc import Callable
@@ -50,6 +51,15 @@ aten = torch.ops.aten
 
 REMOTE_DTYPES = (torch.float32, torch.float64)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # other subclasses may mean anything: run locally
+_forked = False  # this is a child forked from the script (a DataLoader worker): all local
+
+
+def _in_forked_child() -> None:
+    global _forked
+    _forked = True  # the job's connection is the parent's: a child must not use it
+
+
+os.register_at_fork(after_in_child=_in_forked_child)
 
 Remote = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -134,6 +144,8 @@ class GemmInterceptor:
         stamps ``entered_ns`` and ``returned_ns``."""
 
         def kernel(keyset: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+            if _forked:
+                return original.call_boxed(keyset, *args, **kwargs)
             self.entered_ns = time.perf_counter_ns()
             remote = self.counts.remote
             out = handler(functools.partial(original.call_boxed, keyset), *args, **kwargs)
@@ -147,7 +159,7 @@ class GemmInterceptor:
         """One aten op under ``_CountingMode``: a GEMM to its handler, the rest run and
         counted as host work."""
         handler = self._handlers.get(func)
-        if handler is not None:
+        if handler is not None and not _forked:
             return handler(func, *args, **kwargs)
         out = func(*args, **kwargs)
         self._count_local(out)

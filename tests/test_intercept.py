@@ -299,6 +299,29 @@ def test_empty_gemm_runs_locally(server: Address, m: int, k: int, n: int) -> Non
     assert session.counts.remote == 0
 
 
+class _Squares(torch.utils.data.Dataset):
+    """Samples made with a GEMM (``x @ xᵀ``), as augmentations built on bmm are."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        x = torch.full((64, 64), float(i + 1))
+        return x @ x.T
+
+
+def test_dataloader_workers_compute_their_gemms_themselves(server: Address) -> None:
+    """A forked worker inherits the interceptor and the job's connection, which is the
+    parent's: its GEMMs run locally (they failed the job: bad_gemm, or disconnected)."""
+    loader = torch.utils.data.DataLoader(_Squares(), batch_size=2, num_workers=1,
+                                         multiprocessing_context="fork")  # fmt: skip
+    batches, session = on_fleet(server, lambda: [b @ b for b in loader])
+    for i, batch in enumerate(batches):
+        squares = torch.stack([_Squares()[2 * i + j] for j in range(2)])
+        torch.testing.assert_close(batch, squares @ squares)
+    assert session.counts.remote == len(batches), "only the parent's GEMMs went out"
+
+
 def test_parameter_operand_goes_remote(server: Address) -> None:
     weight, bias, x = nn.Parameter(randn(24, 16)), nn.Parameter(randn(16)), randn(8, 24)
     with torch.no_grad():
