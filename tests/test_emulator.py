@@ -952,6 +952,39 @@ async def test_the_blocking_client_reads_replies_while_its_send_waits(fleet):
     np.testing.assert_allclose(c, reference(a, b), rtol=1e-3, atol=1e-3)
 
 
+async def test_a_send_cut_short_leaves_the_blocking_client_closed_not_stuck(fleet):
+    """Ctrl-C in the middle of a large request: what went out is part of a frame, so the
+    connection is given up at once (``close`` does not wait 30 s for a CLOSE that cannot
+    come, and the next call fails instead of hanging)."""
+    f = await fleet()
+    await f.add_device()
+    a = np.ones((2048, 4096), np.float32)  # 32 MiB: more than one send takes
+
+    def job() -> tuple[EmulatorError | None, float, str]:
+        client = Client(f.host, f.port, name="interrupted", share_memory=False)
+
+        wait = client._await_room
+
+        def interrupted() -> None:
+            client._await_room = wait  # once: a second Ctrl-C would stop the test run
+            raise KeyboardInterrupt
+
+        client._await_room = interrupted  # as if Ctrl-C came while the send waited
+        with pytest.raises(KeyboardInterrupt):
+            client.matmul(a, a[:1].T, timeout=30)
+        start = time.monotonic()
+        client.close()
+        closing = time.monotonic() - start
+        with pytest.raises(EmulatorError) as info:
+            client.matmul(a[:4], a[:1].T, timeout=30)
+        return client.error, closing, info.value.code
+
+    error, closing, code = await asyncio.wait_for(asyncio.to_thread(job), 60)
+    assert error is not None and "cut off" in error.reason
+    assert closing < 2.0 and code == "disconnected"
+    await check_serving(await f.client())
+
+
 def _outer_gemm(gemm: int, rows: int, cols: int) -> Gemm:
     """A rows × cols C of ``gemm``s from a rows × 1 and a 1 × cols operand: little in, much
     out."""
