@@ -99,11 +99,11 @@ class GemmInterceptor:
         self.min_flops = min_flops
         self.host_work = host_work
         self.counts = GemmCounts()
-        self._handlers: dict[Any, Callable[..., torch.Tensor]] = {
-            aten.mm.default: self._mm,
-            aten.bmm.default: self._mm,
-            aten.addmm.default: self._addmm,
-            aten.baddbmm.default: self._addmm,
+        self._handlers: dict[Any, Callable[..., torch.Tensor]] = {  # each with its rank
+            aten.mm.default: functools.partial(self._mm, 2),
+            aten.bmm.default: functools.partial(self._mm, 3),
+            aten.addmm.default: functools.partial(self._addmm, 2),
+            aten.baddbmm.default: functools.partial(self._addmm, 3),
         }
         self._active: contextlib.ExitStack | None = None
         # Where the script's own time between fleet GEMMs ends and starts again (kernel way
@@ -175,13 +175,17 @@ class GemmInterceptor:
     # -- handlers: ``func`` computes the op locally; torch ops in them do not come back
     # here (the mode is off inside them; a kernel's own ops are not GEMMs) ---------------
 
-    def _mm(self, func: Any, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return self._product(a, b) if self._eligible(a, b) else func(a, b)
+    def _mm(self, rank: int, func: Any, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        if _well_formed(rank, a, b) and self._eligible(a, b):
+            return self._product(a, b)
+        return func(a, b)
 
     def _addmm(
-        self, func: Any, c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *,
+        self, rank: int, func: Any, c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *,
         beta: float = 1, alpha: float = 1,
     ) -> torch.Tensor:  # fmt: skip
+        if alpha == 0 or not _well_formed(rank, a, b):  # (alpha 0: a·b is not even read)
+            return func(c, a, b, beta=beta, alpha=alpha)
         if not self._eligible(a, b) or c.dtype != a.dtype:
             return func(c, a, b, beta=beta, alpha=alpha)
         ab = self._product(a, b)
@@ -229,6 +233,13 @@ class GemmInterceptor:
             self.counts.copied += 1
             return x.contiguous()
         return x
+
+
+def _well_formed(rank: int, a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Operands the op takes (both ``rank``-D, inner and batch sizes that agree); others
+    go to torch's own kernel, which raises its own error for them."""
+    return (a.dim() == b.dim() == rank and a.shape[-1] == b.shape[-2]
+            and (rank == 2 or a.shape[0] == b.shape[0]))  # fmt: skip
 
 
 class _CountingMode(TorchDispatchMode):

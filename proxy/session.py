@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -70,8 +71,8 @@ class Session:
     ) -> None:  # fmt: skip
         if coordinator not in MODES:
             raise ValueError(f"coordinator={coordinator!r}: expected one of {', '.join(MODES)}")
-        if not scale > 0:
-            raise ValueError(f"coordinator scale={scale!r}: must be > 0")
+        if not 0 <= scale < math.inf:  # 0: the script's own time does not count at all
+            raise ValueError(f"coordinator scale={scale!r}: must be finite and >= 0")
         self.client = client
         self.checkpoint: Checkpoint | None = None
         self.work = HostWork() if coordinator == "model" else None

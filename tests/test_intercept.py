@@ -15,6 +15,7 @@ import contextlib
 import json
 import re
 import threading
+import time
 from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
@@ -150,6 +151,48 @@ def test_baddbmm_beta_zero_ignores_nan_in_c(server: Address) -> None:
     assert not got.isnan().any()
     torch.testing.assert_close(got, torch.bmm(a, b))
     assert session.counts.remote == 1
+
+
+def test_addmm_alpha_zero_does_not_read_the_product(server: Address) -> None:
+    """As in PyTorch: with alpha=0, a·b is not computed, so NaN in it does not leak."""
+    c, a, b = randn(30, 20), torch.full((30, 40), float("nan")), randn(40, 20)
+    got, session = on_fleet(server, lambda: torch.addmm(c, a, b, beta=2, alpha=0))
+    torch.testing.assert_close(got, torch.addmm(c, a, b, beta=2, alpha=0))
+    torch.testing.assert_close(got, 2 * c)
+    assert session.counts.remote == 0
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: torch.mm(randn(4, 5), randn(3, 5, 6)),
+        lambda: torch.mm(randn(3, 4, 5), randn(5, 6)),
+        lambda: torch.bmm(randn(4, 5), randn(5, 6)),
+        lambda: torch.bmm(randn(3, 4, 5), randn(5, 6)),
+        lambda: torch.bmm(randn(3, 4, 5), randn(2, 5, 6)),
+        lambda: torch.mm(randn(4, 5), randn(6, 7)),
+    ],
+    ids=["mm-2d-3d", "mm-3d-2d", "bmm-2d-2d", "bmm-3d-2d", "bmm-batches", "mm-inner"],
+)
+def test_operands_the_op_does_not_take_raise_torchs_own_error(server: Address, call) -> None:
+    with pytest.raises(RuntimeError) as native:
+        call()
+    with pytest.raises(RuntimeError) as intercepted:
+        on_fleet(server, call)
+    assert str(intercepted.value) == str(native.value)
+
+
+def test_coordinator_scale_zero_leaves_the_fleet_time_alone(server: Address) -> None:
+    """Scale 0 asks what the step would take were the script's own work free."""
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with emulate(server=server, min_flops=0, scale=0.0) as session:
+        for _ in range(2):
+            model(randn(8, 16)).square().sum().backward()
+            time.sleep(0.05)  # host work the step would otherwise count
+            opt.step()
+    assert [s.coord_s for s in session.steps] == [0.0, 0.0]
+    assert all(s.emulated_s == s.fleet_s > 0 for s in session.steps)
 
 
 def test_nn_linear_module(server: Address) -> None:
