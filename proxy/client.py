@@ -290,6 +290,8 @@ class Client:
         self._stopped = threading.Event()
         self.error: EmulatorError | None = None
         self.shared: tuple[int, int] | None = None  # see gemm_request
+        self._last_received = time.monotonic()
+        self._silence_s = math.inf  # until WELCOME gives the heartbeat period
         self._after = 0  # the GEMM whose result came last (0: a step mark, or none yet)
         self.steps = 0  # step marks made
         self._since_ns: int | None = None  # when it came (perf_counter_ns)
@@ -314,6 +316,7 @@ class Client:
             self._sock.close()
             raise
         self.job_id: int = welcome.peer_id
+        self._silence_s = 3 * welcome.heartbeat_s  # as the AsyncClient: an emulator gone
         threading.Thread(target=self._beat, args=(welcome.heartbeat_s,), daemon=True,
                          name=f"morphling-heartbeat-{self.job_id}").start()  # fmt: skip
 
@@ -515,10 +518,16 @@ class Client:
             while (msg := self._decoder.next_message()) is None:
                 if self._read_some():
                     continue
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
                     raise TimeoutError("no reply from the emulator in time")
-                self._readable.poll(None if left is None else math.ceil(left * 1000))
+                if now - self._last_received > self._silence_s:  # it heartbeats when idle
+                    self._fail(EmulatorError("timeout", f"nothing from the emulator for "
+                                             f"{self._silence_s:.3g} s"))  # fmt: skip
+                until = min(self._last_received + self._silence_s,
+                            math.inf if deadline is None else deadline)  # fmt: skip
+                self._readable.poll(None if until == math.inf else
+                                    math.ceil(max(until - now, 0.0) * 1000))  # fmt: skip
             try:
                 self._conversation.received(msg)
             except ProtocolError as exc:
@@ -532,6 +541,7 @@ class Client:
             nbytes = self._sock.recv_into(decoder.get_buffer())
             if nbytes == 0:
                 self._fail(EmulatorError("disconnected", "the emulator closed the connection"))
+            self._last_received = time.monotonic()
             decoder.buffer_updated(nbytes)
         except BlockingIOError:
             return False

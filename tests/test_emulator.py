@@ -985,6 +985,35 @@ async def test_a_send_cut_short_leaves_the_blocking_client_closed_not_stuck(flee
     await check_serving(await f.client())
 
 
+async def test_the_blocking_client_gives_up_on_a_silent_emulator():
+    """An emulator heartbeats a quiet peer; one that says nothing for three periods (a
+    SIGSTOPped process, a host gone without a FIN) is given up, as ``AsyncClient`` does,
+    instead of waiting for ever."""
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(codec.encode_bytes(Greeting(version=1, nonce=bytes(16), auth=False)))
+        await reader.read(1 << 16)  # HELLO
+        writer.write(codec.encode_bytes(Welcome(peer_id=1, heartbeat_s=0.2)))
+        while await reader.read(1 << 20):  # then reads everything and answers nothing
+            pass
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+
+    def job() -> tuple[str, float]:
+        with Client("127.0.0.1", port, name="patient", share_memory=False) as client:
+            start = time.monotonic()
+            with pytest.raises(EmulatorError) as info:
+                client.matmul(np.ones((8, 8), np.float32), np.ones((8, 8), np.float32))
+            return info.value.code, time.monotonic() - start
+
+    try:
+        code, waited = await asyncio.wait_for(asyncio.to_thread(job), 20)
+    finally:
+        server.close()
+    assert code == "timeout" and 0.5 < waited < 5.0, (code, waited)
+
+
 def _outer_gemm(gemm: int, rows: int, cols: int) -> Gemm:
     """A rows × cols C of ``gemm``s from a rows × 1 and a 1 × cols operand: little in, much
     out."""
