@@ -459,13 +459,14 @@ class Client:
         with self._send_lock:
             if self.error is not None:
                 raise self.error
-            whole = sum(map(len, buffers))
+            started = False  # some of the frame went out
             try:
                 while True:
                     try:
                         sent = self._sock.sendmsg(buffers)
                     except BlockingIOError:
                         sent = 0
+                    started = started or sent > 0
                     while buffers and sent >= len(buffers[0]):
                         sent -= len(buffers[0])
                         buffers.pop(0)
@@ -474,7 +475,7 @@ class Client:
                     buffers[0] = buffers[0][sent:]
                     self._await_room()
             except BaseException:  # Ctrl-C, say: a frame cut short leaves the stream unusable
-                if 0 < sum(map(len, buffers)) < whole and self.error is None:
+                if started and buffers and self.error is None:
                     self.error = EmulatorError("disconnected", "a request was cut off while "
                                                "being sent; the connection is closed")  # fmt: skip
                     self._stopped.set()

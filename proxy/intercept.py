@@ -184,9 +184,12 @@ class GemmInterceptor:
         self, rank: int, func: Any, c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *,
         beta: float = 1, alpha: float = 1,
     ) -> torch.Tensor:  # fmt: skip
-        if alpha == 0 or not _well_formed(rank, a, b):  # (alpha 0: a·b is not even read)
-            return func(c, a, b, beta=beta, alpha=alpha)
-        if not self._eligible(a, b) or c.dtype != a.dtype:
+        if (
+            alpha == 0  # a·b is not even read
+            or not _well_formed(rank, a, b)
+            or not self._eligible(a, b)
+            or c.dtype != a.dtype
+        ):
             return func(c, a, b, beta=beta, alpha=alpha)
         ab = self._product(a, b)
         if alpha != 1:
