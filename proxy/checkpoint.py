@@ -28,6 +28,8 @@ tied copy, so checkpoints converted from them simply lack that name; the stored 
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import hashlib
 import json
 import logging
@@ -69,6 +71,11 @@ DTYPES: dict[str, torch.dtype] = {
 
 class CheckpointError(ValueError):
     """A checkpoint (or a model being converted) is missing, malformed or corrupt."""
+
+
+class OutputError(CheckpointError):
+    """The output path cannot take a checkpoint: the user's choice of path is wrong, not the
+    model, so the command line says so with a usage error."""
 
 
 @dataclass(frozen=True)
@@ -131,20 +138,27 @@ def write_checkpoint(
     """Stream ``tensors`` into a new checkpoint at ``output``; return the index entries.
 
     Tensors are consumed one at a time, so memory stays at one tensor (plus its cast copy).
-    Everything is written into a hidden sibling directory and renamed into place at the end,
-    so a crash never leaves a directory that looks like a valid checkpoint. Floating tensors
+    Everything is written into a hidden sibling directory and swapped into place at the end,
+    so a crash never leaves a directory that looks like a valid checkpoint, and a save that
+    fails leaves the checkpoint it was to replace as it was. Floating tensors
     are cast to ``dtype`` when it is given; integer and bool buffers keep theirs.
 
     An existing ``output`` must be absent or empty, unless ``force``; even then only a previous
-    checkpoint (a directory holding ``index.json``) is replaced, never an arbitrary directory.
+    checkpoint is replaced (see ``_not_a_checkpoint``), never an arbitrary directory.
     """
     output = Path(output)
     _check_output(output, force)
-    output.parent.mkdir(parents=True, exist_ok=True)
     # mkdir (not mkdtemp, which forces 0700) so the checkpoint gets the usual umask modes and
     # an emulator running as another user can read it.
     staging = output.parent / f".{output.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-    staging.mkdir()
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        staging.mkdir()
+    except OSError as exc:  # FileExistsError: a file where a parent directory should be
+        reason = os.strerror(errno.ENOTDIR) if isinstance(exc, FileExistsError) else exc.strerror
+        raise OutputError(
+            f"{output}: cannot create a directory in {output.parent}: {reason}"
+        ) from None
     try:
         entries = _write_data(staging / DATA_NAME, tensors, dtype, progress)
         header: dict[str, Any] = {"format": FORMAT, "version": VERSION, "data": DATA_NAME}
@@ -173,32 +187,58 @@ def _index_text(header: dict[str, Any], entries: list[TensorEntry]) -> str:
 def _check_output(output: Path, force: bool) -> None:
     if not output.exists() and not output.is_symlink():
         return
+    if output.is_symlink():  # replacing it would replace the link, not what it points to
+        raise OutputError(f"{output}: is a symbolic link; give the directory it points to")
     if not output.is_dir():
-        raise CheckpointError(f"{output}: exists and is not a directory; choose another --output")
+        raise OutputError(f"{output}: exists and is not a directory; choose another --output")
     if not any(output.iterdir()):
         return
     if not force:
-        raise CheckpointError(f"{output}: already exists and is not empty (use --force to replace)")
-    if not (output / INDEX_NAME).is_file():
-        raise CheckpointError(
-            f"{output}: not empty and not a Morphling checkpoint (no {INDEX_NAME}); "
+        raise OutputError(f"{output}: already exists and is not empty (use --force to replace)")
+    problem = _not_a_checkpoint(output)
+    if problem:
+        raise OutputError(
+            f"{output}: not a Morphling checkpoint ({problem}); "
             "refusing to replace it even with --force"
         )
 
 
-def _install(staging: Path, output: Path) -> None:
-    """Rename the finished staging directory to ``output``, moving an old one aside first."""
-    old = None
-    if output.exists() and any(output.iterdir()):
-        old = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".old", dir=output.parent))
-        os.replace(output, old / "checkpoint")
+def _not_a_checkpoint(directory: Path) -> str:
+    """Why ``directory`` is not a checkpoint (empty if it is one): --force deletes what it
+    replaces, so the directory must prove it holds nothing else, not merely an index.json."""
     try:
-        os.replace(staging, output)
-    except OSError:
-        if old is not None:
-            os.replace(old / "checkpoint", output)
-            old.rmdir()
-        raise
+        index = json.loads((directory / INDEX_NAME).read_bytes())
+    except FileNotFoundError:
+        return f"no {INDEX_NAME}"
+    except (OSError, ValueError) as exc:  # ValueError: not JSON, not UTF-8
+        return f"{INDEX_NAME} is unreadable: {getattr(exc, 'strerror', None) or exc}"
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+        return f"{INDEX_NAME} does not say format {FORMAT!r}"
+    data = index.get("data")
+    if not isinstance(data, str) or not data or Path(data).name != data:
+        return f"{INDEX_NAME} names no data file"
+    others = sorted(
+        entry.name
+        for entry in directory.iterdir()
+        if entry.name not in (INDEX_NAME, data) or entry.is_dir()
+    )
+    if others:
+        return f"it holds {', '.join(others)}, which a checkpoint does not"
+    return ""
+
+
+def _install(staging: Path, output: Path) -> None:
+    """Put the finished staging directory at ``output``.
+
+    An old checkpoint there is swapped with the new one in one step, so ``output`` names a
+    whole checkpoint, old or new, at every instant; only then is the old one deleted.
+    """
+    old = None
+    if output.is_dir() and any(output.iterdir()):
+        # After the swap the old checkpoint is under the staging name.
+        old = staging if _exchange(staging, output) else _move_aside(staging, output)
+    else:
+        os.replace(staging, output)  # over nothing, or over an empty directory
     dir_fd = os.open(output.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
@@ -206,6 +246,38 @@ def _install(staging: Path, output: Path) -> None:
         os.close(dir_fd)
     if old is not None:
         shutil.rmtree(old)
+
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two directory entries atomically (Linux ``renameat2(RENAME_EXCHANGE)``, which
+    Python's os lacks); False where the C library or the file system cannot."""
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
+def _move_aside(staging: Path, output: Path) -> Path:
+    """Replace ``output`` in two renames where it cannot be swapped in one; return where the
+    old checkpoint went. Between the renames ``output`` is briefly missing, never partial."""
+    old = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".old", dir=output.parent))
+    os.replace(output, old / "checkpoint")
+    try:
+        os.replace(staging, output)
+    except OSError:
+        os.replace(old / "checkpoint", output)
+        old.rmdir()
+        raise
+    return old
 
 
 def _write_data(

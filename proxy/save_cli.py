@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
 def _save(args: argparse.Namespace) -> int:
     import torch
 
-    from .checkpoint import CheckpointError, write_checkpoint
+    from .checkpoint import CheckpointError, OutputError, write_checkpoint
     from .hf_models import build_model, bundled_configs, iter_tensors, load_config, model_files
 
     if args.seed is not None and not args.random_init:
@@ -102,7 +102,10 @@ def _save(args: argparse.Namespace) -> int:
             force=args.force,
             progress=not args.no_progress,
         )
-    except CheckpointError as exc:
+    except OutputError as exc:  # the --output the user gave cannot be used
+        print(f"morphling save: {exc}", file=sys.stderr)
+        return 2
+    except (CheckpointError, OSError) as exc:  # OSError: e.g. the disk filled up
         print(f"morphling save: {exc}", file=sys.stderr)
         return 1
     stored = {(e.offset, e.nbytes) for e in entries}

@@ -25,6 +25,7 @@ from morphling.proxy.hf_models import (
     load_config,
     model_files,
 )
+from processes import MORPHLING, child_env
 
 TIED = "lm_head.weight"  # transformers drops the tied copy when it writes safetensors
 
@@ -318,7 +319,7 @@ def test_refuses_overwrite_without_force(tmp_path, capsys):
     assert "saved 37 tensors" in capsys.readouterr().out
     before = (out / "tensors.bin").read_bytes()
     args = ("--model", "opt-tiny", "--random_init", "--seed", 5, "--output", out)
-    assert save(*args) == 1
+    assert save(*args) == 2
     assert "already exists and is not empty (use --force" in capsys.readouterr().err
     assert (out / "tensors.bin").read_bytes() == before
     assert save(*args, "--force") == 0
@@ -326,14 +327,90 @@ def test_refuses_overwrite_without_force(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
 
 
-def test_force_never_replaces_a_foreign_directory(tmp_path, capsys):
-    (tmp_path / "notes").mkdir()
-    (tmp_path / "notes" / "thesis.tex").write_text("precious")
-    assert (
-        save("--model", "opt-tiny", "--random-init", "--output", tmp_path / "notes", "--force") == 1
+def morphling_save(*argv: object) -> subprocess.CompletedProcess[str]:
+    """``morphling save`` as a user runs it, its log quiet so stderr holds only the errors."""
+    return subprocess.run([*MORPHLING, "--log-level", "warning", "save", "--no-progress",
+                           *map(str, argv)],
+                          capture_output=True, text=True, timeout=300, env=child_env())  # fmt: skip
+
+
+def a_checkpoint_plus_notes(directory: Path) -> None:
+    assert save("--model", "opt-tiny", "--random-init", "--output", directory) == 0
+    (directory / "notes.txt").write_text("precious")
+
+
+def a_web_app(directory: Path) -> None:
+    """The issue's case: a directory that merely has a file named index.json."""
+    directory.mkdir()
+    (directory / "index.json").write_text('{"name": "app"}')
+    (directory / "important.txt").write_text("precious")
+
+
+def a_thesis(directory: Path) -> None:
+    directory.mkdir()
+    (directory / "thesis.tex").write_text("precious")
+
+
+@pytest.mark.parametrize(
+    ("make", "why"),
+    [
+        (a_web_app, "index.json does not say format 'morphling-checkpoint'"),
+        (a_checkpoint_plus_notes, "it holds notes.txt, which a checkpoint does not"),
+        (a_thesis, "no index.json"),
+    ],
+)
+def test_force_never_replaces_a_directory_that_is_not_a_checkpoint(tmp_path, make, why):
+    out = tmp_path / "out"
+    make(out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    proc = morphling_save("--model", "opt-tiny", "--random-init", "--output", out, "--force")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == (
+        f"morphling save: {out}: not a Morphling checkpoint ({why}); "
+        "refusing to replace it even with --force\n"
     )
-    assert "not a Morphling checkpoint" in capsys.readouterr().err
-    assert (tmp_path / "notes" / "thesis.tex").read_text() == "precious"
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no staging leftovers
+
+
+def test_a_save_that_fails_midway_leaves_the_old_checkpoint_intact(tmp_path, model):
+    out = tmp_path / "ckpt"
+    assert morphling_save("--model", "opt-tiny", "--random-init", "--output", out).returncode == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    model.save_pretrained(tmp_path / "hf", max_shard_size="200KB")
+    shards = sorted((tmp_path / "hf").glob("model-*.safetensors"))
+    shards[-1].write_bytes(shards[-1].read_bytes()[:1000])  # the last shard is corrupt
+    proc = morphling_save("--model", tmp_path / "hf", "--output", out, "--force")
+    assert proc.returncode == 1
+    assert proc.stderr.startswith(f"morphling save: {shards[-1]}: cannot read safetensors file")
+    assert proc.stderr.count("\n") == 1, proc.stderr
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    with Checkpoint.open(out) as ckpt:  # verifies every checksum
+        assert ckpt.source == "random-init opt-tiny seed=0"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "hf"]
+
+
+@pytest.mark.parametrize(
+    ("output", "problem"),
+    [
+        ("/proc/nope", "cannot create a directory in /proc: No such file or directory"),
+        ("afile/sub", "cannot create a directory in afile: Not a directory"),
+        ("afile", "exists and is not a directory; choose another --output"),
+        ("link", "is a symbolic link; give the directory it points to"),
+    ],
+)
+def test_an_unusable_output_is_one_line_and_exit_2(tmp_path, output, problem):
+    (tmp_path / "afile").write_text("kept")
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "link").symlink_to("dir")
+    proc = subprocess.run(
+        [*MORPHLING, "--log-level", "warning", "save", "--no-progress", "--model", "opt-tiny",
+         "--random-init", "--output", output],
+        capture_output=True, text=True, timeout=300, env=child_env(), cwd=tmp_path,
+    )  # fmt: skip
+    assert (proc.returncode, proc.stderr) == (2, f"morphling save: {output}: {problem}\n")
+    assert (tmp_path / "afile").read_text() == "kept"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "dir", "link"]
 
 
 def test_cli_usage_errors(tmp_path, capsys):
