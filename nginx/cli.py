@@ -34,7 +34,11 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.output)
     if out.exists() and not args.force:
         print(f"morphling nginx-config: {out} exists (use --force to replace it)", file=sys.stderr)
-        return 1
-    out.write_text(text)
+        return 2
+    try:
+        out.write_text(text)
+    except OSError as exc:  # no such directory, a directory in the way, no permission
+        print(f"morphling nginx-config: cannot write {out}: {exc.strerror}", file=sys.stderr)
+        return 2
     print(f"wrote {out}; check it with: nginx -t -c {out.resolve()}", file=sys.stderr)
     return 0

@@ -17,11 +17,14 @@ Every directive follows from a device's needs:
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import re
+import socket
 from dataclasses import dataclass
 
 from ..config import option as _opt
+from ..proxy.settings import check_heartbeats
 from ..runtime import parse_server
 
 UPSTREAM = "morphling_emulators"
@@ -59,11 +62,59 @@ class NginxConfig:
     part: str = _opt("full", "a whole nginx.conf, or only its stream {} block to include",
                      choices=("full", "stream"))  # fmt: skip
 
+    def __post_init__(self) -> None:
+        check_heartbeats(self.heartbeat_s, self.heartbeat_timeout_s)
+
 
 def address(text: str, what: str) -> str:
     """``HOST:PORT`` as nginx writes it (IPv6 in brackets); ValueError names ``what``."""
     host, port = parse_server(text, what)
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _addresses(host: str) -> set[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    """The IP addresses ``host`` names (itself, for an address); none if it does not resolve."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return set()
+    return {ipaddress.ip_address(info[4][0]) for info in infos}
+
+
+def _is_local(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    """Whether connecting to ``ip`` reaches this machine: loopback, the wildcard, or an
+    address of one of its interfaces (the only addresses a socket can bind)."""
+    if ip.is_loopback or ip.is_unspecified:
+        return True
+    family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((str(ip), 0))
+        except OSError:
+            return False
+    return True
+
+
+def _refuse_itself(listen: str, emulator: str) -> None:
+    """ValueError if ``emulator`` is nginx's own ``listen`` address: nginx would proxy each
+    connection to itself until it ran out of sockets. A wildcard listen address (0.0.0.0,
+    ::) is every address of this machine."""
+    listen_host, listen_port = parse_server(listen, "--listen")
+    host, port = parse_server(emulator, "--emulators")
+    if port != listen_port:
+        return
+    listening = _addresses(listen_host)
+    targets = _addresses(host)
+    if any(ip.is_unspecified for ip in listening):
+        itself = any(_is_local(ip) for ip in targets)
+    else:
+        itself = bool(listening & targets)
+    if itself:
+        raise ValueError(
+            f"--emulators {emulator!r} (port {port}) is nginx's own --listen {listen!r}: "
+            "nginx would proxy to itself; give the emulator's address (its --listen-port "
+            "differs from nginx's)"
+        )
 
 
 def _path(text: str, what: str) -> str:
@@ -91,11 +142,10 @@ def render(cfg: NginxConfig) -> str:
     if not names:
         raise ValueError("--emulators: give at least one HOST:PORT")
     upstreams = [address(e, "--emulators") for e in names]
+    for name in names:
+        _refuse_itself(cfg.listen, name)
     if bool(cfg.tls_cert) != bool(cfg.tls_key):
         raise ValueError("--tls-cert and --tls-key go together: give both or neither")
-    if cfg.heartbeat_timeout_s <= cfg.heartbeat_s:
-        raise ValueError(f"--heartbeat-timeout-s ({cfg.heartbeat_timeout_s}) must exceed "
-                         f"--heartbeat-s ({cfg.heartbeat_s})")  # fmt: skip
     tls = bool(cfg.tls_cert)
     log = "off" if cfg.access_log == "off" else f"{_path(cfg.access_log, '--access-log')} morphling"
 

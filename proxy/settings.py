@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..config import ConfigError
 from ..config import option as _opt
 from .placement import POLICIES
 
@@ -12,6 +13,17 @@ PROFILE_SOURCES = ("auto", "declared", "measured")
 
 # A job's GEMMs under 2·32³ FLOPs stay local: their round trip would dwarf their compute.
 DEFAULT_MIN_FLOPS = 2 * 32**3
+
+
+def check_heartbeats(heartbeat_s: float, heartbeat_timeout_s: float) -> None:
+    """The rule the emulator and ``nginx-config`` share: a live peer is quiet for up to
+    ``heartbeat_s`` before it heartbeats, so a timeout no longer than that drops it."""
+    if heartbeat_timeout_s <= heartbeat_s:
+        raise ConfigError(
+            f"--heartbeat-timeout-s ({heartbeat_timeout_s}) must exceed --heartbeat-s "
+            f"({heartbeat_s}): peers heartbeat only after --heartbeat-s of quiet, so a "
+            "shorter timeout drops live ones"
+        )
 
 
 @dataclass(frozen=True)
@@ -109,3 +121,6 @@ class EmulatorConfig:
         "devices, declared for virtual ones, whose host is not the board they model)",
         choices=PROFILE_SOURCES,
     )
+
+    def __post_init__(self) -> None:
+        check_heartbeats(self.heartbeat_s, self.heartbeat_timeout_s)

@@ -10,6 +10,7 @@ and real ``morphling device`` processes; jobs talk to the emulator directly.
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -112,22 +113,111 @@ def test_bad_settings_name_the_option(settings, message):
     assert message in str(info.value)
 
 
+def nginx_config(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*MORPHLING, "nginx-config", *args], capture_output=True,
+                          text=True, timeout=60, env=child_env())  # fmt: skip
+
+
 def test_cli_writes_refuses_to_overwrite_and_rejects_unknown_flags(tmp_path):
     out = tmp_path / "nginx.conf"
-
-    def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([*MORPHLING, "nginx-config", *args], capture_output=True,
-                              text=True, timeout=60, env=child_env())  # fmt: skip
-
+    cli = nginx_config
     assert cli("--output", str(out), "--devices", "10").returncode == 0
     assert "worker_connections 84;" in out.read_text()
     again = cli("--output", str(out))
-    assert again.returncode == 1 and "exists (use --force" in again.stderr
+    assert again.returncode == 2 and "exists (use --force" in again.stderr
     assert cli("--output", str(out), "--force", "--part", "stream").returncode == 0
     assert out.read_text().startswith("stream {")
     bad = cli("--devices", "0")
     assert bad.returncode == 2 and "--devices" in bad.stderr
     assert cli("--listne", "x").returncode == 2
+
+
+@pytest.mark.parametrize(
+    ("output", "problem"),
+    [("nodir/x.conf", "No such file or directory"), (".", "Is a directory")],
+)
+def test_an_unwritable_output_is_one_line_and_exit_2(tmp_path, output, problem):
+    path = tmp_path / output
+    done = nginx_config("--output", str(path), "--force")
+    assert (done.returncode, done.stderr) == (
+        2, f"morphling nginx-config: cannot write {path}: {problem}\n",
+    )  # fmt: skip
+
+
+def test_the_emulator_and_nginx_config_refuse_the_same_contradicting_heartbeats(tmp_path):
+    """A timeout below the heartbeat period dropped every device every second (the emulator
+    took the pair nginx-config refused); both now refuse it with the one shared rule."""
+    pair = ("--heartbeat-s", "3", "--heartbeat-timeout-s", "1")
+    rule = (
+        "--heartbeat-timeout-s (1.0) must exceed --heartbeat-s (3.0): peers heartbeat "
+        "only after --heartbeat-s of quiet, so a shorter timeout drops live ones\n"
+    )
+    emulator = subprocess.run(
+        [*MORPHLING, "emulator", "--listen-ip", "127.0.0.1", "--listen-port", "0", *pair],
+        capture_output=True, text=True, timeout=60, env=child_env(),
+    )  # fmt: skip
+    assert (emulator.returncode, emulator.stderr) == (2, f"morphling emulator: {rule}")
+    settings = tmp_path / "emulator.toml"
+    settings.write_text("[emulator]\nheartbeat_s = 3.0\nheartbeat_timeout_s = 1.0\n")
+    from_file = subprocess.run(
+        [*MORPHLING, "emulator", "--listen-ip", "127.0.0.1", "--listen-port", "0",
+         "--config", str(settings)],
+        capture_output=True, text=True, timeout=60, env=child_env(),
+    )  # fmt: skip
+    assert (from_file.returncode, from_file.stderr) == (2, f"morphling emulator: {rule}")
+    nginx = nginx_config(*pair)
+    assert (nginx.returncode, nginx.stdout, nginx.stderr) == (
+        2,
+        "",
+        f"morphling nginx-config: {rule}",
+    )
+
+
+def test_nginx_config_refuses_an_upstream_that_is_its_own_listen_address():
+    """``--emulators 127.0.0.1`` wrote an upstream equal to nginx's own 0.0.0.0:39000:
+    nginx proxied every connection to itself."""
+    done = nginx_config("--emulators", "127.0.0.1")
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == (
+        "morphling nginx-config: --emulators '127.0.0.1' (port 39000) is nginx's own "
+        "--listen '0.0.0.0:39000': nginx would proxy to itself; give the emulator's address "
+        "(its --listen-port differs from nginx's)\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("listen", "emulators", "itself"),
+    [
+        ("0.0.0.0:39000", "localhost:39000", True),
+        ("0.0.0.0:39000", "10.0.0.2:39000,0.0.0.0", True),
+        ("[::]:39000", "127.0.0.1", True),
+        ("0.0.0.0:39000", "[::1]:39000", True),
+        ("127.0.0.1:40000", "localhost:40000", True),
+        ("0.0.0.0:39000", "127.0.0.1:39001", False),
+        ("127.0.0.1:39000", "127.0.0.2:39000", False),  # another socket: nginx binds only .1
+        ("0.0.0.0:39000", "203.0.113.7:39000", False),  # another machine
+        ("0.0.0.0:39000", "emulator.invalid:39000", False),  # resolved by nginx, elsewhere
+    ],
+)
+def test_an_upstream_is_itself_when_it_is_an_address_nginx_listens_on(listen, emulators, itself):
+    cfg = NginxConfig(listen=listen, emulators=emulators)
+    if itself:
+        with pytest.raises(ValueError, match="nginx would proxy to itself"):
+            render(cfg)
+    else:
+        assert "proxy_pass morphling_emulators;" in render(cfg)
+
+
+def test_an_address_of_this_hosts_interfaces_is_itself_under_a_wildcard_listen():
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("203.0.113.7", 9))  # no packet: only picks the outgoing interface
+        except OSError:
+            pytest.skip("no route off this host, so no interface address to try")
+        own = probe.getsockname()[0]
+    with pytest.raises(ValueError, match="nginx would proxy to itself"):
+        render(NginxConfig(emulators=f"{own}:39000"))
+    assert f"server {own}:39001;" in render(NginxConfig(emulators=f"{own}:39001"))
 
 
 def test_checked_in_config_is_what_the_documented_command_writes():
