@@ -34,7 +34,7 @@ class ConnectConfig:
     """How a device process reaches the emulator (directly, or through nginx)."""
 
     server: str = _opt("127.0.0.1:39000", _SERVER, aliases=("--proxy_host",))
-    token: str = _opt("", "shared secret, if the emulator requires one")
+    token: str = _opt("", "shared secret, if the emulator requires one", secret=True)
     tls: bool = _opt(False, "connect with TLS (to an nginx that terminates it)")
     tls_ca: str = _opt("", "CA certificates (PEM) to trust with --tls; empty: the system's")
     tls_server_name: str = _opt("", "name the certificate must carry; empty: the --server host")

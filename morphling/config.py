@@ -7,8 +7,13 @@ Precedence, highest first::
     command-line flag  >  MORPHLING_<FIELD>  >  TOML file  >  field default
 
 Field types are ``int``, ``float``, ``bool`` and ``str``. Optional field metadata:
-``help`` (str), ``choices`` (tuple), ``min`` and ``max`` (inclusive bounds) and
-``aliases`` (extra flag spellings, e.g. ``("--listen_ip",)``).
+``help`` (str), ``choices`` (tuple), ``min`` and ``max`` (inclusive bounds),
+``aliases`` (extra flag spellings, e.g. ``("--listen_ip",)``) and ``secret``.
+
+A ``secret`` field (a str, e.g. ``token``) is never shown: ``describe`` and error
+messages mask it. Every layer also takes it from a file, ``--token-file PATH``,
+``MORPHLING_TOKEN_FILE`` or ``token_file`` in the TOML file, so that it need not be on
+the command line (which ``ps`` shows every user) or in a widely readable settings file.
 
 Values given as text (flags, environment) are parsed: ints accept a plain integer
 or one with a binary size suffix, ``B``, ``KiB``, ``MiB`` or ``GiB`` (``4MiB`` is
@@ -41,7 +46,7 @@ ENV_PREFIX = "MORPHLING_"
 T = TypeVar("T")
 
 _TYPES = (int, float, bool, str)
-_METADATA_KEYS = frozenset({"help", "choices", "min", "max", "aliases"})
+_METADATA_KEYS = frozenset({"help", "choices", "min", "max", "aliases", "secret"})
 _INT_TEXT = re.compile(r"\s*([+-]?\d+)\s*(B|KiB|MiB|GiB)?\s*")
 SIZE_UNITS = {None: 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 _TRUE = frozenset({"1", "true", "yes"})
@@ -64,14 +69,39 @@ class _Field:
     min: float | None
     max: float | None
     aliases: tuple[str, ...]
+    secret: bool
 
     @property
     def flag(self) -> str:
-        return "--" + self.name.replace("_", "-")
+        return _flag(self.name)
 
     @property
     def env(self) -> str:
-        return ENV_PREFIX + self.name.upper()
+        return _env(self.name)
+
+    @property
+    def file_key(self) -> str:
+        """The key (flag, variable, TOML) that names a file holding a secret field's value."""
+        return f"{self.name}_file"
+
+    def show(self, value: Any) -> str:
+        """``value`` as logs and errors may print it: a secret only says whether it is set."""
+        if self.secret:
+            return "<secret>" if value else "''"
+        return repr(value)
+
+
+def _flag(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def _env(key: str) -> str:
+    return ENV_PREFIX + key.upper()
+
+
+def _keys(fields: list[_Field]) -> list[str]:
+    """Every key a source may give: the fields, and the file form of each secret."""
+    return [f.name for f in fields] + [f.file_key for f in fields if f.secret]
 
 
 def _fields(schema: type) -> list[_Field]:
@@ -93,6 +123,9 @@ def _fields(schema: type) -> list[_Field]:
         if extra:
             raise TypeError(f"{where}: unknown metadata {sorted(extra)}")
         choices = f.metadata.get("choices")
+        secret = bool(f.metadata.get("secret", False))
+        if secret and typ is not str:
+            raise TypeError(f"{where}: a secret must be a str")
         fields.append(
             _Field(
                 name=f.name,
@@ -103,14 +136,22 @@ def _fields(schema: type) -> list[_Field]:
                 min=f.metadata.get("min"),
                 max=f.metadata.get("max"),
                 aliases=tuple(f.metadata.get("aliases", ())),
+                secret=secret,
             )
         )
+    names = {f.name for f in fields}
+    for f in fields:
+        if f.secret and f.file_key in names:
+            raise TypeError(f"{schema.__name__}.{f.file_key}: the name is taken by {f.name}'s file")
     return fields
 
 
 def option(default: Any, help: str, **metadata: Any) -> Any:
-    """A schema field: its default, help text and metadata (choices, bounds, aliases)."""
-    return dataclasses.field(default=default, metadata={"help": help, **metadata})
+    """A schema field: its default, help text and metadata (choices, bounds, aliases,
+    secret). A secret is also left out of the dataclass's repr."""
+    return dataclasses.field(
+        default=default, metadata={"help": help, **metadata}, repr=not metadata.get("secret")
+    )
 
 
 def add_command(
@@ -144,6 +185,8 @@ def add_arguments(parser: argparse.ArgumentParser, schema: type) -> None:
     """
     for f in _fields(schema):
         note = f"(default: {f.default!r}; env: {f.env})"
+        if f.secret:
+            note = f"(default: none; env: {f.env}; ps shows it here: prefer {_flag(f.file_key)})"
         text = f"{f.help} {note}" if f.help else note
         kwargs: dict[str, Any] = {"dest": f.name, "default": None, "help": text.replace("%", "%%")}
         if f.type is bool:
@@ -151,6 +194,12 @@ def add_arguments(parser: argparse.ArgumentParser, schema: type) -> None:
         elif f.choices is not None:
             kwargs["metavar"] = "{" + ",".join(str(c) for c in f.choices) + "}"
         parser.add_argument(f.flag, *f.aliases, **kwargs)
+        if f.secret:
+            parser.add_argument(
+                _flag(f.file_key), dest=f.file_key, metavar="PATH", default=None,
+                help=f"read {f.flag} from this file, one line (env: {_env(f.file_key)}; "
+                f"TOML: {f.file_key})",
+            )  # fmt: skip
     parser.add_argument(
         "--config",
         metavar="PATH",
@@ -191,6 +240,23 @@ def _parse_text(f: _Field, text: str, where: str) -> Any:
         raise ConfigError(f"{where}: expected float, got {text!r}") from None
 
 
+def read_secret(path: str, where: str) -> str:
+    """The secret in file ``path``: its one line, without the line end. An empty file is an
+    error, not an empty secret, which would quietly turn authentication off."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{where}: cannot read {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{where}: {path} is not UTF-8 text") from None
+    secret = text.rstrip("\r\n")
+    if not secret:
+        raise ConfigError(f"{where}: {path} is empty")
+    if "\n" in secret:
+        raise ConfigError(f"{where}: {path} has more than one line")
+    return secret
+
+
 def _convert(f: _Field, raw: Any, where: str, *, text_ok: bool) -> Any:
     """Type-check (or, where ``text_ok``, parse) one value and enforce choices and bounds."""
     if text_ok and isinstance(raw, str):
@@ -200,7 +266,8 @@ def _convert(f: _Field, raw: Any, where: str, *, text_ok: bool) -> Any:
     elif type(raw) is f.type:  # exact: True must not pass as an int
         value = raw
     else:
-        raise ConfigError(f"{where}: expected {f.type.__name__}, got {raw!r}")
+        got = type(raw).__name__ if f.secret else repr(raw)
+        raise ConfigError(f"{where}: expected {f.type.__name__}, got {got}")
     if f.type is float and not math.isfinite(value):
         raise ConfigError(f"{where}: expected a finite float, got {raw!r}")
     if f.choices is not None and value not in f.choices:
@@ -298,26 +365,36 @@ def load(
     top-level key must be a table. Raises ConfigError on any invalid value.
     """
     fields = _fields(schema)
-    names = [f.name for f in fields]
+    keys = _keys(fields)
     environ = os.environ if env is None else env
-    flags = _given_flags(args, names)
+    flags = _given_flags(args, keys)
     if isinstance(args, argparse.Namespace) and getattr(args, "config", None) is not None:
         toml_path = args.config
     file_values: dict[str, Any] = {}
     file_where = ""
     if toml_path is not None:
-        file_values, file_where = _read_toml(Path(toml_path), section, names)
+        file_values, file_where = _read_toml(Path(toml_path), section, keys)
+    given = (  # per source: what it gives, how errors name a key of it, whether it is text
+        ("flag", flags, lambda key: f"flag {_flag(key)}", True),
+        ("env", {k: environ[_env(k)] for k in keys if _env(k) in environ},
+         lambda key: f"env {_env(key)}", True),
+        ("file", file_values, lambda key: f"{file_where} {key}", False),
+    )  # fmt: skip
 
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for f in fields:
         layers: list[tuple[str, Any, str, bool]] = []
-        if f.name in flags:
-            layers.append(("flag", flags[f.name], f"flag {f.flag}", True))
-        if f.env in environ:
-            layers.append(("env", environ[f.env], f"env {f.env}", True))
-        if f.name in file_values:
-            layers.append(("file", file_values[f.name], f"{file_where} {f.name}", False))
+        for source, supplied, spell, text_ok in given:
+            if f.name in supplied:
+                layers.append((source, supplied[f.name], spell(f.name), text_ok))
+            if f.secret and f.file_key in supplied:
+                path, where = supplied[f.file_key], spell(f.file_key)
+                if f.name in supplied:
+                    raise ConfigError(f"{spell(f.name)} and {where}: give one, not both")
+                if not isinstance(path, str):
+                    raise ConfigError(f"{where}: expected a file path, got {path!r}")
+                layers.append((source, read_secret(path, where), where, False))
         layers.append(("default", f.default, f"default {schema.__name__}.{f.name}", False))
         for source, raw, where, text_ok in layers:
             value = _convert(f, raw, where, text_ok=text_ok)
@@ -327,8 +404,9 @@ def load(
 
 
 def describe(config: Any, sources: Mapping[str, str]) -> str:
-    """The effective configuration, one ``name = value  (source)`` line per field, for logs."""
+    """The effective configuration, one ``name = value  (source)`` line per field, for logs
+    (which end up in the journal: secrets are masked)."""
     return "\n".join(
-        f"{f.name} = {getattr(config, f.name)!r}  ({sources[f.name]})"
-        for f in dataclasses.fields(config)
+        f"{f.name} = {f.show(getattr(config, f.name))}  ({sources[f.name]})"
+        for f in _fields(type(config))
     )

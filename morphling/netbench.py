@@ -38,7 +38,7 @@ import uvloop
 from tqdm import tqdm
 
 from . import __version__
-from .config import SIZE_UNITS, parse_int
+from .config import SIZE_UNITS, parse_int, read_secret
 from .kernels import BufferPool, gemm
 from .proxy import challenge
 from .proxy.auth import hello
@@ -502,8 +502,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--server", required=True, metavar="HOST:PORT",
                         help="emulator address (HOST alone means port 39000; [v6]:PORT "
                         "for IPv6)")  # fmt: skip
-    parser.add_argument("--token", default="",
-                        help="shared secret, if the emulator requires one")  # fmt: skip
+    token = parser.add_mutually_exclusive_group()
+    token.add_argument("--token", default="",
+                       help="shared secret, if the emulator requires one (ps shows it here: "
+                       "prefer --token-file)")  # fmt: skip
+    token.add_argument("--token-file", metavar="PATH",
+                       help="read the shared secret from this file, one line")  # fmt: skip
     parser.add_argument("--sizes", type=_sizes_arg, default=parse_sizes(DEFAULT_SIZES),
                         metavar="LIST",
                         help="bandwidth payload sizes, comma-separated, with B/KiB/MiB/GiB "
@@ -533,7 +537,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         host, port = parse_server(args.server)
-    except ValueError as exc:
+        if args.token_file is not None:
+            args.token = read_secret(args.token_file, "--token-file")
+    except ValueError as exc:  # ConfigError is one
         parser.error(str(exc))
     logging.basicConfig(
         level=args.log_level.upper(),

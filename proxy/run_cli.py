@@ -43,7 +43,7 @@ class RunConfig:
     embedded: bool = _opt(False, "start an emulator and a virtual fleet in this process")
     devices: str = _opt("4", "fleet SPEC for --embedded: NAME:COUNT,... or a count (NAME 'host': "
                         "this host, measured on first use and cached)")  # fmt: skip
-    token: str = _opt("", "shared secret, if the emulator requires one")
+    token: str = _opt("", "shared secret, if the emulator requires one", secret=True)
     ckpt: str = _opt(
         "",
         "checkpoint (morphling save) the emulator shares: the model's "

@@ -33,7 +33,8 @@ class EmulatorConfig:
     listen_ip: str = _opt("0.0.0.0", "address to listen on", aliases=("--listen_ip",))
     listen_port: int = _opt(39000, "TCP port to listen on (0: any free one)", min=0,
                             max=65535, aliases=("--listen_port",))  # fmt: skip
-    token: str = _opt("", "shared secret peers must prove (HMAC); empty: no authentication")
+    token: str = _opt("", "shared secret peers must prove (HMAC); empty: no authentication",
+                      secret=True)  # fmt: skip
     ckpt_path: str = _opt(
         "",
         "checkpoint (morphling save) whose weights jobs and devices "

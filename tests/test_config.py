@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from morphling.config import ConfigError, add_arguments, describe, load
+from morphling.config import ConfigError, add_arguments, describe, load, option
 
 
 @dataclass(frozen=True)
@@ -368,6 +368,104 @@ def test_describe(tmp_path):
     ]
 
 
+# --- secrets ------------------------------------------------------------------------------------
+
+SECRET = "s3cret-Token-7f1c"
+
+
+@dataclass(frozen=True)
+class Connect:
+    server: str = option("127.0.0.1:39000", "emulator address")
+    token: str = option("", "shared secret", secret=True)
+
+
+def connect(*argv: str, env: dict[str, str] | None = None, toml: Path | None = None):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, Connect)
+    return load(Connect, parser.parse_args(argv), env=env or {}, toml_path=toml, section="device")
+
+
+def secret_file(tmp_path: Path, text: str = SECRET + "\n", name: str = "token") -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_a_secret_comes_from_a_file_in_every_layer(tmp_path):
+    path = secret_file(tmp_path)
+    toml = write(tmp_path, f"[device]\ntoken_file = {path!r}\n")
+    for config, source in [
+        (connect("--token-file", path), "flag"),
+        (connect(env={"MORPHLING_TOKEN_FILE": path}), "env"),
+        (connect(toml=toml), "file"),
+    ]:
+        assert (config[0].token, config[1]["token"]) == (SECRET, source)
+    crlf = secret_file(tmp_path, SECRET + "\r\n", "crlf")
+    assert connect("--token-file", crlf)[0].token == SECRET
+
+
+def test_a_secret_file_obeys_the_precedence_of_its_layer(tmp_path):
+    other = secret_file(tmp_path, "from-the-variable\n", "other")
+    env = {"MORPHLING_TOKEN_FILE": other}
+    toml = write(tmp_path, '[device]\ntoken = "from-the-file"\n')
+    assert connect("--token-file", secret_file(tmp_path), env=env)[0].token == SECRET
+    assert connect("--token", "from-the-flag", env=env)[0].token == "from-the-flag"
+    assert connect(env=env, toml=toml)[0].token == "from-the-variable"
+
+
+def test_a_secret_and_its_file_in_one_layer_is_an_error(tmp_path):
+    path = secret_file(tmp_path)
+    with raises("flag --token and flag --token-file: give one, not both"):
+        connect("--token", "x", "--token-file", path)
+    with raises("env MORPHLING_TOKEN and env MORPHLING_TOKEN_FILE: give one, not both"):
+        connect(env={"MORPHLING_TOKEN": "x", "MORPHLING_TOKEN_FILE": path})
+    toml = write(tmp_path, f'[device]\ntoken = "x"\ntoken_file = {path!r}\n')
+    with raises(f"{toml} [device] token and {toml} [device] token_file: give one, not both"):
+        connect(toml=toml)
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [("", "is empty"), ("\n", "is empty"), ("a\nb\n", "has more than one line")],
+)
+def test_a_secret_file_must_hold_one_line(tmp_path, text, problem):
+    path = secret_file(tmp_path, text)
+    with raises(f"flag --token-file: {path} {problem}"):
+        connect("--token-file", path)
+
+
+def test_an_unreadable_secret_file_is_an_error(tmp_path):
+    with raises(f"env MORPHLING_TOKEN_FILE: cannot read {tmp_path}/nope: No such file"):
+        connect(env={"MORPHLING_TOKEN_FILE": str(tmp_path / "nope")})
+    toml = write(tmp_path, "[device]\ntoken_file = 7\n")
+    with raises(f"{toml} [device] token_file: expected a file path, got 7"):
+        connect(toml=toml)
+
+
+def test_a_secret_is_masked_in_describe_repr_and_errors(tmp_path):
+    config, sources = connect("--token", SECRET)
+    assert describe(config, sources).splitlines() == [
+        "server = '127.0.0.1:39000'  (default)",
+        "token = <secret>  (flag)",
+    ]
+    assert SECRET not in repr(config)
+    assert "token = ''  (default)" in describe(*connect())
+    toml = write(tmp_path, "[device]\ntoken = 271828\n")
+    with pytest.raises(ConfigError) as info:
+        connect(toml=toml)
+    assert str(info.value) == f"{toml} [device] token: expected str, got int"
+
+
+def test_help_offers_the_file_form_of_a_secret():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, Connect)
+    text = " ".join(parser.format_help().split())
+    assert "ps shows it here: prefer --token-file" in text
+    assert (
+        "--token-file PATH read --token from this file, one line (env: MORPHLING_TOKEN_FILE" in text
+    )
+
+
 def test_config_error_is_a_value_error():
     assert issubclass(ConfigError, ValueError)
 
@@ -389,11 +487,22 @@ def test_schema_mistakes_are_type_errors():
     class Typo:
         window: int = field(default=1, metadata={"minimum": 1})
 
+    @dataclass(frozen=True)
+    class NumericSecret:
+        pin: int = option(0, "a PIN", secret=True)
+
+    @dataclass(frozen=True)
+    class TakenFileKey:
+        token: str = option("", "a secret", secret=True)
+        token_file: str = ""
+
     for schema, message in [
         (ListField, "is not one of int, float, bool, str"),
         (NoDefault, "every field needs a plain default"),
         (Reserved, "the name 'config' is taken by --config"),
         (Typo, "unknown metadata ['minimum']"),
+        (NumericSecret, "NumericSecret.pin: a secret must be a str"),
+        (TakenFileKey, "TakenFileKey.token_file: the name is taken by token's file"),
         (dict, "is not a dataclass"),
     ]:
         with pytest.raises(TypeError, match=re.escape(message)):
