@@ -11,9 +11,10 @@ Field types are ``int``, ``float``, ``bool`` and ``str``. Optional field metadat
 ``aliases`` (extra flag spellings, e.g. ``("--listen_ip",)``) and ``secret``.
 
 A ``secret`` field (a str, e.g. ``token``) is never shown: ``describe`` and error
-messages mask it. Every layer also takes it from a file, ``--token-file PATH``,
-``MORPHLING_TOKEN_FILE`` or ``token_file`` in the TOML file, so that it need not be on
-the command line (which ``ps`` shows every user) or in a widely readable settings file.
+messages mask it. Every layer also takes it from a file (for ``token``:
+``--token-file PATH``, ``MORPHLING_TOKEN_FILE``, ``token_file`` in the TOML file), so
+that it need not be on the command line, which ``ps`` shows every user, or in a widely
+readable settings file. A value and a file in the same layer is an error.
 
 Values given as text (flags, environment) are parsed: ints accept a plain integer
 or one with a binary size suffix, ``B``, ``KiB``, ``MiB`` or ``GiB`` (``4MiB`` is

@@ -327,11 +327,11 @@ def test_refuses_overwrite_without_force(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
 
 
-def morphling_save(*argv: object) -> subprocess.CompletedProcess[str]:
+def morphling_save(*argv: object, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     """``morphling save`` as a user runs it, its log quiet so stderr holds only the errors."""
     return subprocess.run([*MORPHLING, "--log-level", "warning", "save", "--no-progress",
-                           *map(str, argv)],
-                          capture_output=True, text=True, timeout=300, env=child_env())  # fmt: skip
+                           *map(str, argv)], capture_output=True, text=True, timeout=300,
+                          env=child_env(), cwd=cwd)  # fmt: skip
 
 
 def a_checkpoint_plus_notes(directory: Path) -> None:
@@ -403,11 +403,7 @@ def test_an_unusable_output_is_one_line_and_exit_2(tmp_path, output, problem):
     (tmp_path / "afile").write_text("kept")
     (tmp_path / "dir").mkdir()
     (tmp_path / "link").symlink_to("dir")
-    proc = subprocess.run(
-        [*MORPHLING, "--log-level", "warning", "save", "--no-progress", "--model", "opt-tiny",
-         "--random-init", "--output", output],
-        capture_output=True, text=True, timeout=300, env=child_env(), cwd=tmp_path,
-    )  # fmt: skip
+    proc = morphling_save("--model", "opt-tiny", "--random-init", "--output", output, cwd=tmp_path)
     assert (proc.returncode, proc.stderr) == (2, f"morphling save: {output}: {problem}\n")
     assert (tmp_path / "afile").read_text() == "kept"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "dir", "link"]
