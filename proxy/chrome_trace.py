@@ -4,7 +4,8 @@ One process per job (tracks: steps, GEMMs, coordinator) listed first, then one p
 device (tracks: downlink, compute, uplink; counters for temperature and frequency;
 OOMs as instant events), then the shared bottleneck when the run had one. Complete
 ("X") events carry ts and dur in microseconds of virtual time. Events are generated
-one at a time and streamed to the file: a long run has millions of tiles.
+one at a time and streamed to the file: a long run has millions of tiles. From a
+``steps`` log there are no tiles, GEMMs or coordinator spans: the header says so.
 """
 
 from __future__ import annotations
@@ -105,6 +106,9 @@ def _header(run: Run) -> dict[str, Any]:
             "clock": "virtual seconds from the run's start, as µs",
             "policy": run.policy,
             "command": " ".join(run.command),
+            "event_log": run.level
+            if run.level == "full"
+            else f"{run.level}: no tiles, GEMMs or coordinator spans (--events full has them)",
         },
     }
 

@@ -43,10 +43,13 @@ def _steps(summary: dict[str, Any]) -> list[dict[str, Any]]:
     return [s for job in summary["jobs"] for s in job["steps"]]
 
 
-def plot_timeline(run: Run, summary: dict[str, Any], path: Path) -> Path:
-    """One row per device: compute bars, thin downlink bars above, uplink bars below."""
+def plot_timeline(run: Run, summary: dict[str, Any], path: Path) -> Path | None:
+    """One row per device: compute bars, thin downlink bars above, uplink bars below; None
+    (and no file) from a ``steps`` log, which has no tiles to draw."""
     from matplotlib.patches import Patch
 
+    if run.level != "full":
+        return None
     shown, note = _busiest(summary, MAX_TIMELINE_DEVICES)
     row = {d["id"]: i for i, d in enumerate(shown)}
     bars: dict[int, dict[str, list[tuple[float, float]]]] = {

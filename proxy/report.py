@@ -1,14 +1,17 @@
 """Read a run directory the engine wrote and reduce it to what a researcher reads.
 
 The engine logs every tile, GEMM, coordinator span, step, OOM and thermal step in virtual
-time (``docs/REPORTS.md`` has the format and the definitions). ``load_run`` checks the log
-as a whole, not line by line only: a report built on an inconsistent log would be quietly
-wrong, so a contradiction is an error naming the line. ``summarize`` computes the figures
-that ``summary.json``, the text table, the trace and the plots all share.
+time (``docs/REPORTS.md`` has the format and the definitions); a ``steps`` log keeps only
+each step's and each device's totals per step, and the report leaves out (and says so) what
+needs the rest. ``load_run`` checks the log as a whole, not line by line only: a report
+built on an inconsistent log would be quietly wrong, so a contradiction is an error naming
+the line. ``summarize`` computes the figures that ``summary.json``, the text table, the
+trace and the plots all share.
 """
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import itertools
 import json
@@ -21,6 +24,13 @@ from pathlib import Path
 from typing import Any
 
 RUN_FILE, EVENTS_FILE = "run.json", "events.jsonl"
+COMPRESSED_EVENTS_FILE = EVENTS_FILE + ".gz"  # what the engine writes; older runs: EVENTS_FILE
+# What the engine logs: every record; each step's and each device's totals per step; nothing.
+EVENT_LEVELS = ("full", "steps", "off")
+STEPS_LOG_LACKS = (
+    "per-GEMM critical path segments, stragglers and lateness, and the per-tile trace and "
+    "timeline plot"
+)
 SUMMARY_FILE, TRACE_FILE = "summary.json", "trace.json"
 FORMAT_VERSION = 1
 # A device straggles when, over the GEMMs it takes part in, it finishes on average this
@@ -141,6 +151,40 @@ class Step:
     t1: float
     gemms: int
     local_gemms: int
+    # The step's totals: what a ``steps`` log has instead of its tiles, GEMMs and
+    # coordinator spans (older engines did not write them).
+    tiles: int | None = None
+    coord_s: float | None = None
+    gemm_s: float | None = None
+    bytes_down: int | None = None
+    bytes_up: int | None = None
+    link_queue_s: float | None = None
+    download_s: float | None = None
+    compute_queue_s: float | None = None
+    compute_s: float | None = None
+    upload_queue_s: float | None = None
+    upload_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceStep:
+    """A device's tiles of one step, summed (a ``steps`` log), and its state at the compute
+    start ``t`` of the last of them."""
+
+    line: int
+    job: int
+    step: int
+    device: int
+    tiles: int
+    bytes_down: int
+    bytes_up: int
+    down_s: float
+    compute_s: float
+    up_s: float
+    last_in: int
+    t: float
+    freq_mhz: float | None
+    temp_c: float | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,6 +217,7 @@ class Run:
     policy: str
     block: int
     coordinator_time: str
+    level: str  # "full" or "steps" (``EVENT_LEVELS``)
     bottleneck: dict[str, float] | None
     command: tuple[str, ...]
     fleet: tuple[Device, ...]
@@ -183,6 +228,7 @@ class Run:
     steps: tuple[Step, ...]
     ooms: tuple[Oom, ...]
     freqs: tuple[Freq, ...]
+    device_steps: tuple[DeviceStep, ...]
     span_s: float  # the last thing that happened
 
 
@@ -242,6 +288,7 @@ _CHECKS: dict[str, Callable[[object, str], Any]] = {
     "Interval": _interval,
     "Interval | None": _nullable(_interval),
     "float | None": _nullable(_finite),
+    "int | None": _nullable(_count),
 }
 
 
@@ -269,20 +316,29 @@ _KINDS: dict[str, type] = {
     "step": Step,
     "oom": Oom,
     "freq": Freq,
+    "device_step": DeviceStep,
 }
+# What a ``steps`` log's step records must have: the totals that stand for its other records.
+STEP_TOTALS = tuple(f.name for f in fields(Step) if f.default is None)
 
 
 def load_run(path: str | Path) -> Run:
     """The run in directory ``path``, checked; RunError (a ValueError) says what is wrong."""
     root = Path(path)
-    meta_file, events_file = root / RUN_FILE, root / EVENTS_FILE
+    meta_file = root / RUN_FILE
     if not root.is_dir():
         raise RunError(f"{root}: not a directory")
     if not meta_file.is_file():
         raise RunError(f"{root} is not a Morphling run directory: it has no {RUN_FILE}")
-    if not events_file.is_file():
-        raise RunError(f"{root} is not a complete run directory: it has no {EVENTS_FILE}")
     meta = _read_meta(meta_file)
+    if meta["event_log"] == "off":
+        raise RunError(
+            f"{root} was run with --events off: it has no event log to report on (run it "
+            "with --events full or --events steps for a report)"
+        )
+    events_file = root / meta["event_file"]
+    if not events_file.is_file():
+        raise RunError(f"{root} is not a complete run directory: it has no {events_file.name}")
     try:
         fleet = tuple(_record(Device, d) for d in _list(meta, "fleet"))
         jobs = tuple(_record(Job, j) for j in _list(meta, "jobs"))
@@ -300,6 +356,7 @@ def load_run(path: str | Path) -> Run:
         policy=meta["policy"],
         block=meta["block"],
         coordinator_time=meta["coordinator_time"],
+        level=meta["event_log"],
         bottleneck=meta["bottleneck"],
         command=tuple(meta["command"]),
         fleet=fleet,
@@ -310,6 +367,7 @@ def load_run(path: str | Path) -> Run:
         steps=tuple(records[Step]),
         ooms=tuple(records[Oom]),
         freqs=tuple(records[Freq]),
+        device_steps=tuple(records[DeviceStep]),
         span_s=max(ends, default=0.0),
     )
     try:
@@ -342,6 +400,16 @@ def _read_meta(meta_file: Path) -> dict[str, Any]:
             if key not in meta:
                 raise ValueError(f"missing field {key!r}")
             check(meta[key], key)
+        level = meta.setdefault("event_log", "full")  # older engines logged everything
+        if level not in EVENT_LEVELS:
+            raise ValueError(f"field 'event_log' must be one of {EVENT_LEVELS}, got {level!r}")
+        # older engines wrote it uncompressed; a name, not a path: the log is in the run
+        name = meta.setdefault("event_file", EVENTS_FILE)
+        if level != "off" and name not in (EVENTS_FILE, COMPRESSED_EVENTS_FILE):
+            raise ValueError(
+                f"field 'event_file' must be {EVENTS_FILE!r} or {COMPRESSED_EVENTS_FILE!r}, "
+                f"got {name!r}"
+            )
         command = meta.setdefault("command", [])  # descriptive only: may be left out
         if not isinstance(command, list) or not all(isinstance(a, str) for a in command):
             raise ValueError(f"field 'command' must be a list of strings, got {command!r}")
@@ -361,16 +429,19 @@ def _read_meta(meta_file: Path) -> dict[str, Any]:
 
 def _read_events(events_file: Path, meta: dict[str, Any]) -> dict[type, list[Any]]:
     """Every known event, by record type; unknown kinds are skipped (newer engines). When
-    run.json has the log's line count (``events``) and sha256 (``digest``), they must match:
-    a log cut short by a crash or edited afterwards is not silently reported on."""
+    run.json has the log's line count (``events``) and sha256 (``digest``, of the lines
+    uncompressed), they must match: a log cut short by a crash or edited afterwards is not
+    silently reported on. A compressed log is read as a stream, as it was written."""
     records: dict[type, list[Any]] = {cls: [] for cls in _KINDS.values()}
     digest, line = hashlib.sha256(), 0
+    steps = meta["event_log"] == "steps"
+    opener = gzip.open if events_file.name.endswith(".gz") else open
     try:
-        with events_file.open("rb") as f:
+        with opener(events_file, "rb") as f:
             for line, raw in enumerate(f, 1):
                 digest.update(raw)
-                _read_event(raw, f"{events_file} line {line}", line, records)
-    except OSError as exc:
+                _read_event(raw, f"{events_file} line {line}", line, records, steps)
+    except (OSError, EOFError, gzip.BadGzipFile) as exc:  # EOFError: a stream cut short
         raise RunError(f"{events_file}: cannot read it: {exc}") from exc
     if meta.get("events", line) != line:
         raise RunError(
@@ -382,7 +453,9 @@ def _read_events(events_file: Path, meta: dict[str, Any]) -> dict[type, list[Any
     return records
 
 
-def _read_event(raw: bytes, where: str, line: int, records: dict[type, list[Any]]) -> None:
+def _read_event(
+    raw: bytes, where: str, line: int, records: dict[type, list[Any]], steps: bool
+) -> None:
     if not raw.strip():
         return
     try:
@@ -397,6 +470,10 @@ def _read_event(raw: bytes, where: str, line: int, records: dict[type, list[Any]
     if cls is None:
         return
     try:
+        if steps and cls is Step:
+            missing = [name for name in STEP_TOTALS if name not in obj]
+            if missing:
+                raise ValueError(f"a steps log's step needs its totals: missing {missing}")
         records[cls].append(_record(cls, obj, line))
     except ValueError as exc:
         raise RunError(f"{where}: {obj['ev']} event: {exc}") from exc
@@ -405,10 +482,10 @@ def _read_event(raw: bytes, where: str, line: int, records: dict[type, list[Any]
 def _check(run: Run) -> None:
     """Cross-event consistency; each error starts with ``line N:``."""
     devices, jobs = {d.id for d in run.fleet}, {j.id for j in run.jobs}
-    for e in (*run.tiles, *run.ooms, *run.freqs):
+    for e in (*run.tiles, *run.ooms, *run.freqs, *run.device_steps):
         if e.device not in devices:
             raise ValueError(f"line {e.line}: device {e.device} is not in run.json's fleet")
-    for e in (*run.tiles, *run.gemms, *run.coords, *run.steps, *run.ooms):
+    for e in (*run.tiles, *run.gemms, *run.coords, *run.steps, *run.ooms, *run.device_steps):
         if e.job not in jobs:
             raise ValueError(f"line {e.line}: job {e.job} is not in run.json's jobs")
     for t in run.tiles:
@@ -420,6 +497,11 @@ def _check(run: Run) -> None:
     tiles = _unique(run.tiles, lambda t: (t.job, t.gemm, t.tile), "tile")
     _unique(run.gemms, lambda g: (g.job, g.gemm), "gemm")
     steps = _unique(run.steps, lambda s: (s.job, s.step), "step")
+    _unique(run.device_steps, lambda d: (d.job, d.step, d.device), "device_step")
+    for d in run.device_steps:
+        if (d.job, d.step) not in steps:
+            raise ValueError(f"line {d.line}: device_step of job {d.job} step {d.step}, "
+                             "which is not logged")  # fmt: skip
     for g in run.gemms:
         last = tiles.get((g.job, g.gemm, g.last_tile))
         if last is None:
@@ -483,25 +565,31 @@ def union_s(intervals: Iterable[Interval]) -> float:
 
 def thermal_samples(run: Run) -> dict[int, list[tuple[float, float | None, float | None]]]:
     """Per device with a thermal model, (t, MHz, °C) in time order: the frequency changes,
-    and each tile's state at its compute start (a later sample wins a tie)."""
+    and each tile's state at its compute start (a ``steps`` log: the last tile's of each
+    step); a later sample wins a tie."""
     samples: dict[int, list[tuple[float, float | None, float | None]]] = defaultdict(list)
     for f in run.freqs:
         samples[f.device].append((f.t, f.freq_mhz, f.temp_c))
-    for t in run.tiles:
+    for t in (*run.tiles, *run.device_steps):  # a DeviceStep's ``t`` is its compute start
+        start = t.compute[0] if isinstance(t, Tile) else t.t
         if t.freq_mhz is not None or t.temp_c is not None:
-            samples[t.device].append((t.compute[0], t.freq_mhz, t.temp_c))
+            samples[t.device].append((start, t.freq_mhz, t.temp_c))
     return {d: sorted(s, key=lambda x: x[0]) for d, s in sorted(samples.items())}
 
 
-def critical_breakdown(gemm: Gemm, tile: Tile) -> dict[str, float]:
-    """Where a GEMM's time went, following its last tile from the GEMM's issue to its end."""
+def critical_breakdown(
+    issue: float, down: Interval, compute: Interval, up: Interval
+) -> dict[str, float]:
+    """Where a GEMM's time went, following its last tile (its stages ``down``, ``compute``,
+    ``up``) from the GEMM's issue to its end. The engine sums these per step for a
+    ``steps`` log, as ``summarize`` does from a full one."""
     return {
-        "link_queue_s": tile.down[0] - gemm.issue,
-        "download_s": tile.down[1] - tile.down[0],
-        "compute_queue_s": tile.compute[0] - tile.down[1],
-        "compute_s": tile.compute[1] - tile.compute[0],
-        "upload_queue_s": tile.up[0] - tile.compute[1],
-        "upload_s": tile.up[1] - tile.up[0],
+        "link_queue_s": down[0] - issue,
+        "download_s": down[1] - down[0],
+        "compute_queue_s": compute[0] - down[1],
+        "compute_s": compute[1] - compute[0],
+        "upload_queue_s": up[0] - compute[1],
+        "upload_s": up[1] - up[0],
     }
 
 
@@ -517,21 +605,23 @@ def summarize(run: Run) -> dict[str, Any]:
         mean_utilisation=statistics.fmean(d["utilisation"] for d in devices),
     )
     names = {d.id: d.name for d in run.fleet}
+    detail = run.level == "full"  # every tile, GEMM and coordinator span is logged
     info: dict[str, Any] = {
         "path": str(run.path),
         "policy": run.policy,
         "block": run.block,
         "coordinator_time": run.coordinator_time,
+        "event_log": run.level,
         "bottleneck": run.bottleneck,
         "command": list(run.command),
     }
     if run.bottleneck is not None:
         nic_down = union_s(t.nic_down for t in run.tiles if t.nic_down)
         nic_up = union_s(t.nic_up for t in run.tiles if t.nic_up)
-        info["bottleneck"] = {
+        info["bottleneck"] = {  # from the tiles: not known from a steps log
             "parameters": run.bottleneck,
-            "downlink_utilisation": _share(nic_down, run),
-            "uplink_utilisation": _share(nic_up, run),
+            "downlink_utilisation": _share(nic_down, run) if detail else None,
+            "uplink_utilisation": _share(nic_up, run) if detail else None,
         }
     stragglers = [d for d in devices if (d["lateness"] or 0.0) >= STRAGGLER_LATENESS]
     return {
@@ -546,7 +636,9 @@ def summarize(run: Run) -> dict[str, Any]:
             "devices": [
                 {k: d[k] for k in ("id", "name", "lateness", "gemms", "last_in", "expected_last")}
                 for d in sorted(stragglers, key=lambda d: -d["lateness"])
-            ],
+            ]
+            if detail
+            else None,  # a steps log has no device's finish within a GEMM
         },
         "ooms": {
             "count": len(run.ooms),
@@ -578,6 +670,8 @@ def _sum_rows(rows: list[dict[str, Any]], keys: Iterable[str]) -> dict[str, Any]
 
 def _jobs(run: Run) -> list[dict[str, Any]]:
     """Per job, its steps (with their critical paths) and their sums."""
+    if run.level == "steps":
+        return _jobs_from_totals(run)
     by_step: dict[tuple[int, int], dict[str, list[Any]]] = defaultdict(lambda: defaultdict(list))
     for kind, events in (
         ("tiles", run.tiles),
@@ -597,6 +691,36 @@ def _jobs(run: Run) -> list[dict[str, Any]]:
             for (j, step) in sorted(by_step)
             if j == job.id
         ]
+        jobs.append({"id": job.id, "name": job.name, **_sum_rows(steps, _SUMMED), "steps": steps})
+    return jobs
+
+
+def _jobs_from_totals(run: Run) -> list[dict[str, Any]]:
+    """``_jobs`` from a ``steps`` log: each step's totals as the engine summed them, its
+    critical path without its segments."""
+    names = {d.id: d.name for d in run.fleet}
+    critical: dict[tuple[int, int], Counter[str]] = defaultdict(Counter)
+    for d in run.device_steps:
+        critical[d.job, d.step][names[d.device]] += d.last_in
+    ooms = Counter((o.job, o.step) for o in run.ooms)
+    jobs = []
+    for job in run.jobs:
+        steps = []
+        for s in sorted((s for s in run.steps if s.job == job.id), key=lambda s: s.step):
+            breakdown = {"coordinator_s": s.coord_s, **{k: getattr(s, k) for k in COMPONENTS}}
+            breakdown["unattributed_s"] = 0.0  # as ``_step`` sums it: over every part
+            breakdown["unattributed_s"] = (s.t1 - s.t0) - sum(breakdown.values())
+            devices = critical[job.id, s.step]
+            steps.append({
+                "job": job.id, "step": s.step, "complete": True, "t0": s.t0, "t1": s.t1,
+                "emulated_s": s.t1 - s.t0, "coordinator_s": s.coord_s, "gemm_s": s.gemm_s,
+                "gemms": s.gemms, "local_gemms": s.local_gemms, "tiles": s.tiles,
+                "bytes_down": s.bytes_down, "bytes_up": s.bytes_up,
+                "oom": ooms[job.id, s.step],
+                "critical_path": {"breakdown": breakdown,
+                                  "devices": {n: c for n, c in devices.most_common() if c},
+                                  "segments": None},
+            })  # fmt: skip
         jobs.append({"id": job.id, "name": job.name, **_sum_rows(steps, _SUMMED), "steps": steps})
     return jobs
 
@@ -626,7 +750,7 @@ def _step(
             path.append({"kind": "coordinator", "t0": seg.t0, "t1": seg.t1})
             continue
         tile = tiles[seg.job, seg.gemm, seg.last_tile]
-        parts = critical_breakdown(seg, tile)
+        parts = critical_breakdown(seg.issue, tile.down, tile.compute, tile.up)
         for k, v in parts.items():
             breakdown[k] += v
         critical[names[tile.device]] += 1
@@ -667,16 +791,18 @@ def _step(
 
 
 def _devices(run: Run) -> list[dict[str, Any]]:
-    """Per device: work, utilisation of compute and links, thermal state, lateness."""
-    mine: dict[int, list[Tile]] = defaultdict(list)
-    for t in run.tiles:
-        mine[t.device].append(t)
+    """Per device: work, utilisation of compute and links, thermal state, lateness (not
+    from a ``steps`` log: it needs each tile)."""
+    work = _work(run) if run.level == "full" else _work_from_totals(run)
     thermal = thermal_samples(run)
     lateness, last_in, expected, gemms = _lateness(run)
+    if run.level == "steps":
+        last_in = Counter[int]()
+        for ds in run.device_steps:
+            last_in[ds.device] += ds.last_in
     rows = []
     for d in run.fleet:
-        tiles = mine[d.id]
-        busy = union_s(t.compute for t in tiles)
+        tiles, busy, down, up, bytes_down, bytes_up = work.get(d.id, (0, 0.0, 0.0, 0.0, 0, 0))
         temps = [temp for _, _, temp in thermal.get(d.id, []) if temp is not None]
         top, below = _below_top(thermal.get(d.id, []), run.span_s)
         rows.append(
@@ -685,23 +811,64 @@ def _devices(run: Run) -> list[dict[str, Any]]:
                 "name": d.name,
                 "profile": d.profile,
                 "kind": d.kind,
-                "tiles": len(tiles),
+                "tiles": tiles,
                 "busy_s": busy,
                 "utilisation": _share(busy, run),
-                "downlink_utilisation": _share(union_s(t.down for t in tiles), run),
-                "uplink_utilisation": _share(union_s(t.up for t in tiles), run),
-                "bytes_down": sum(t.bytes_down for t in tiles),
-                "bytes_up": sum(t.bytes_up for t in tiles),
+                "downlink_utilisation": _share(down, run),
+                "uplink_utilisation": _share(up, run),
+                "bytes_down": bytes_down,
+                "bytes_up": bytes_up,
                 "final_temp_c": temps[-1] if temps else None,
                 "top_freq_mhz": top,
                 "below_top_s": below,
-                "gemms": gemms[d.id],
+                "gemms": gemms[d.id] if run.level == "full" else None,
                 "last_in": last_in[d.id],
-                "expected_last": expected[d.id],
+                "expected_last": expected[d.id] if run.level == "full" else None,
                 "lateness": statistics.fmean(lateness[d.id]) if lateness[d.id] else None,
             }
         )
     return rows
+
+
+# A device's tiles, compute, downlink and uplink busy seconds, bytes down and up.
+Work = tuple[int, float, float, float, int, int]
+
+
+def _work(run: Run) -> dict[int, Work]:
+    """Per device, from its tiles: busy seconds are the union of their stages' intervals."""
+    mine: dict[int, list[Tile]] = defaultdict(list)
+    for t in run.tiles:
+        mine[t.device].append(t)
+    return {
+        device: (
+            len(tiles),
+            union_s(t.compute for t in tiles),
+            union_s(t.down for t in tiles),
+            union_s(t.up for t in tiles),
+            sum(t.bytes_down for t in tiles),
+            sum(t.bytes_up for t in tiles),
+        )
+        for device, tiles in mine.items()
+    }
+
+
+def _work_from_totals(run: Run) -> dict[int, Work]:
+    """Per device, from its totals per step: a device's stages are FIFOs, so its tiles'
+    intervals never overlap and their union is their sum (up to float rounding)."""
+    mine: dict[int, list[DeviceStep]] = defaultdict(list)
+    for d in run.device_steps:
+        mine[d.device].append(d)
+    return {
+        device: (
+            sum(d.tiles for d in steps),
+            math.fsum(d.compute_s for d in steps),
+            math.fsum(d.down_s for d in steps),
+            math.fsum(d.up_s for d in steps),
+            sum(d.bytes_down for d in steps),
+            sum(d.bytes_up for d in steps),
+        )
+        for device, steps in mine.items()
+    }
 
 
 def _below_top(
@@ -778,6 +945,11 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"{run['coordinator_time']}, {totals['devices']} devices, "
         f"{totals['span_s']:.4f} s emulated in all",
     ]
+    if run["event_log"] == "steps":
+        out.append(
+            f"event log: steps (each step's and each device's totals), so this report has no "
+            f"{STEPS_LOG_LACKS}: run with --events full for them"
+        )
     if run["bottleneck"]:
         b = run["bottleneck"]
         parameters = ", ".join(f"{k} {v:.4g}" for k, v in b["parameters"].items())
@@ -842,14 +1014,23 @@ def _devices_table(summary: dict[str, Any]) -> list[str]:
             f"{_percent(d['utilisation']):>9} {_percent(d['downlink_utilisation']):>6} "
             f"{_percent(d['uplink_utilisation']):>6} {_maybe(d['final_temp_c'], '.1f'):>7} "
             f"{_maybe(d['top_freq_mhz'], '.0f'):>8} {_maybe(d['below_top_s'], '.3f'):>8} "
-            f"{_maybe(d['lateness'], '+.3f'):>9} {'{}/{}'.format(d['last_in'], d['gemms']):>9}"
+            f"{_maybe(d['lateness'], '+.3f'):>9} {_last_in(d):>9}"
         )
     return rows
+
+
+def _last_in(device: dict[str, Any]) -> str:
+    """Critical tiles of GEMMs taken part in; their count alone from a ``steps`` log."""
+    if device["gemms"] is None:
+        return str(device["last_in"])
+    return f"{device['last_in']}/{device['gemms']}"
 
 
 def _stragglers_text(summary: dict[str, Any]) -> list[str]:
     stragglers = summary["stragglers"]["devices"]
     head = f"stragglers (lateness >= {STRAGGLER_LATENESS} of a GEMM's duration):"
+    if stragglers is None:
+        return [f"{head} not known from a steps log"]
     if not stragglers:
         return [f"{head} none"]
     return [head] + [

@@ -31,6 +31,7 @@ from ..devices.thermal import COOLING
 from ..runtime import parse_server
 from .coordinator import MODES
 from .placement import POLICIES
+from .report import EVENT_LEVELS
 from .settings import DEFAULT_MIN_FLOPS, EmulatorConfig
 
 log = logging.getLogger("morphling.job")
@@ -84,6 +85,13 @@ class RunConfig:
         "",
         "where the virtual timeline and its reports go (--embedded; empty: "
         "morphling-runs/SCRIPT-TIME)",
+    )
+    events: str = _opt(
+        EmulatorConfig.events,
+        "what the run directory's event log keeps (--embedded): full (every tile: trace, "
+        "timeline, stragglers), steps (each step's and device's totals: a fraction of the "
+        "size, for long runs) or off (none, and no report)",
+        choices=EVENT_LEVELS,
     )
     report: bool = _opt(True, "write the reports (summary, trace, plots) into the run directory")
     json: str = _opt("", "also write the per-step report as JSON to this file")
@@ -170,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
         run_dir=run_dir,
         bottleneck_dl_bw=cfg.bottleneck_bw,
         arena_bytes=cfg.arena_bytes,
+        events=cfg.events,
     )
     if cfg.block_size:
         emulator = dataclasses.replace(emulator, block_size=cfg.block_size)
@@ -188,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
     print(session.table(), file=sys.stderr)
     if cfg.json:
         Path(cfg.json).write_text(json.dumps(session.summary(), indent=1) + "\n")
-    if run_dir and cfg.report:
+    if run_dir and cfg.report and cfg.events != "off":
         _report(Path(run_dir))
     return code
 

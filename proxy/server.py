@@ -52,10 +52,11 @@ from .messages import (
 )
 from .partition import GemmError, GemmTask, TileTask, make_task
 from .registry import DeviceRecord, Registry
+from .report import COMPRESSED_EVENTS_FILE
 from .scheduler import Scheduler
 from .settings import EmulatorConfig
 from .states import Conversation
-from .timeline import Bottleneck, EventLog, StepTimes, Timeline
+from .timeline import Bottleneck, EventLog, StepTimes, Timeline, open_event_file
 from .weights import SharedWeights
 
 log = logging.getLogger(__name__)
@@ -503,15 +504,17 @@ class Emulator:
             self.registry, self._tile_message, self._send_tile, window=config.window,
             inflight_bytes=config.inflight_bytes,
         )  # fmt: skip
-        self._events: IO[str] | None = None
+        self._events: IO[bytes] | None = None
         if config.run_dir:
             Path(config.run_dir).mkdir(parents=True, exist_ok=True)
-            self._events = open(Path(config.run_dir) / "events.jsonl", "w")  # noqa: SIM115
+            if config.events != "off":
+                self._events = open_event_file(Path(config.run_dir) / COMPRESSED_EVENTS_FILE)
         bottleneck = None
         if config.bottleneck_dl_bw:
             up = config.bottleneck_ul_bw or config.bottleneck_dl_bw
             bottleneck = Bottleneck(config.bottleneck_dl_bw, up)
-        self.timeline = Timeline(config.policy, log=EventLog(self._events), bottleneck=bottleneck)
+        log = EventLog(self._events, level=config.events)
+        self.timeline = Timeline(config.policy, log=log, bottleneck=bottleneck)
         self.run_info: dict = {}  # extra keys for run.json (the command, the job's settings)
         self.allocate = pool_allocator(self.pool)
         self.peers: set[PeerConnection] = set()
@@ -723,17 +726,16 @@ class Emulator:
             if shared is not None:
                 shared.close()
         local.end_emulator(self.token)
-        self.write_run()
         if self._events is not None:
-            self._events.close()
+            self._events.close()  # the end of the compressed stream: then run.json
             self._events = None
+        self.write_run()
         await asyncio.sleep(0)
 
     def write_run(self) -> None:
         """Write ``run.json`` beside the event log: the fleet, the jobs, the settings."""
-        if not self.config.run_dir or self._events is None:
+        if not self.config.run_dir:
             return
-        self._events.flush()
         cfg = self.config
         bottleneck = self.timeline.bottleneck
         fleet = [
@@ -746,8 +748,10 @@ class Emulator:
             "version": 1, "policy": cfg.policy, "block": cfg.block_size,
             "bottleneck": None if bottleneck is None
             else {"dl_bw": bottleneck.dl_bw, "ul_bw": bottleneck.ul_bw},
-            "fleet": fleet, "jobs": self.timeline.job_names(),
-            "events": self.timeline.log.count, "digest": self.timeline.log.digest(),
+            "fleet": fleet, "jobs": self.timeline.job_names(), "event_log": cfg.events,
+            **({} if cfg.events == "off" else {
+                "event_file": COMPRESSED_EVENTS_FILE, "events": self.timeline.log.count,
+                "digest": self.timeline.log.digest()}),
             # each job of a standalone emulator chose its own (``morphling run`` says which)
             "coordinator_time": "per job",
             **self.run_info,
@@ -761,8 +765,8 @@ class Emulator:
         seen = -1
         while True:
             await asyncio.sleep(self.config.sync_timeout_s)
-            held = timeline.blocked() and timeline.log.count == seen
-            seen = timeline.log.count
+            held = timeline.blocked() and timeline.log.records == seen
+            seen = timeline.log.records
             if held:
                 timeline.release_idle()
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from ..config import ConfigError
 from ..config import option as _opt
 from .placement import POLICIES
+from .report import EVENT_LEVELS
 
 PROFILE_SOURCES = ("auto", "declared", "measured")
 
@@ -98,8 +99,15 @@ class EmulatorConfig:
     probe_tolerance: float = _opt(1e-3, "FLOPS check: |ref - c| <= tol + tol*|ref|", min=0.0)
     run_dir: str = _opt(
         "",
-        "directory for the virtual timeline's event log (events.jsonl, run.json) that "
+        "directory for the virtual timeline's event log (events.jsonl.gz, run.json) that "
         "morphling report reads; empty: keep only its hash",
+    )
+    events: str = _opt(
+        "full",
+        "what the event log keeps: full (every tile, GEMM and coordinator span: the trace, "
+        "timeline and stragglers), steps (each step's and each device's totals: per-step "
+        "times, utilisation; a fraction of the size for long runs) or off (no log)",
+        choices=EVENT_LEVELS,
     )
     sync_timeout_s: float = _opt(
         1.0,

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..devices.profiles import expand_fleet
-from .report import format_bytes, load_run, summarize
+from .report import EVENT_LEVELS, format_bytes, load_run, summarize
 
 COOLINGS = ("none", "fan")
 LOG_TAIL_LINES = 20
@@ -77,6 +77,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="mean step time skips each job's first N steps (warm-up) when it has more "
         "(default: 1)",
     )  # fmt: skip
+    p.add_argument(
+        "--events", choices=[level for level in EVENT_LEVELS if level != "off"],
+        help="what each run's event log keeps, as morphling run --events (default: "
+        "morphling run's); the comparison needs a log",
+    )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the comparison as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(
@@ -93,9 +98,13 @@ def combinations(args: argparse.Namespace) -> list[Combination]:
     ]
 
 
-def child_command(combo: Combination, run_dir: Path, command: list[str]) -> list[str]:
-    """The ``morphling run`` child for one combination."""
+def child_command(
+    combo: Combination, run_dir: Path, command: list[str], events: str | None = None
+) -> list[str]:
+    """The ``morphling run`` child for one combination (``events``: its --events, if set)."""
     flags = ["--embedded", "--devices", combo.fleet, "--run-dir", str(run_dir)]
+    if events is not None:
+        flags += ["--events", events]
     if combo.link is not None:
         flags += ["--link", combo.link]
     if combo.cooling is not None:
@@ -192,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
     with tqdm(combos, desc="sweep", unit="run", disable=args.no_progress) as bar:
         for combo in bar:
             bar.set_postfix_str(combo.label)
-            code, result = _run_one(combo, out, command)
+            code, result = _run_one(combo, out, command, args.events)
             if not isinstance(result, str):
                 rows.append(comparison_row(combo, result, args.steps_from))
                 continue
@@ -211,13 +220,16 @@ def run(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _run_one(combo: Combination, out: Path, command: list[str]) -> tuple[int, dict | str]:
+def _run_one(
+    combo: Combination, out: Path, command: list[str], events: str | None
+) -> tuple[int, dict | str]:
     """Run one combination: (exit code, its run's summary, or what went wrong)."""
     run_dir, log = out / combo.label, out / f"{combo.label}.log"
     with log.open("w") as f:
         code = subprocess.run(
-            child_command(combo, run_dir, command), stdout=f, stderr=subprocess.STDOUT, check=False
-        ).returncode
+            child_command(combo, run_dir, command, events), stdout=f, stderr=subprocess.STDOUT,
+            check=False,
+        ).returncode  # fmt: skip
     if code != 0:
         tail = log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
         return code, f"exit {code}; the end of {log}:\n" + "\n".join(tail)

@@ -27,12 +27,15 @@ issue then starts no earlier than the clock (a warning says so).
 
 from __future__ import annotations
 
+import gzip
 import hashlib
+import io
 import json
 import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import IO, Any, NamedTuple
 
 from ..devices.compute_model import GemmShape
@@ -41,10 +44,15 @@ from .engine import Clock, Fifo, Span
 from .memory import Admission
 from .partition import Block, GemmTask, TileTask
 from .placement import Placement
+from .report import COMPONENTS, EVENT_LEVELS, critical_breakdown
 from .vdevice import VirtualDevice, Work
 
 log = logging.getLogger(__name__)
 
+# gzip's fastest level: the engine writes a line per tile, and higher levels cost several
+# times the time of formatting the line for a few per cent less size (docs/REPORTS.md).
+COMPRESS_LEVEL = 1
+WRITE_BUFFER = 1 << 16  # bytes gathered before each compression call
 ENDS_KEPT = 4096  # GEMM end times a job remembers for GEMMs issued "after" them
 WORKS_KEPT = 4096  # distinct tile ``Work``s kept for reuse (a run has few)
 
@@ -66,13 +74,22 @@ class Bottleneck:
 class EventLog:
     """The timeline's records, one JSON object per line, hashed as written.
 
-    The hash is what the determinism tests compare; ``sink`` (a text file)
-    is what ``morphling report`` reads.
+    ``level`` (``EVENT_LEVELS``) says which records are kept: ``full``, every one;
+    ``steps``, those of steps, devices' totals per step, OOMs and frequency changes
+    (``Timeline`` writes the totals at that level only); ``off``, none. The hash of the
+    lines kept is what the determinism tests compare and run.json records; ``sink`` (a
+    binary file: the server's is compressed) is what ``morphling report`` reads.
     """
 
-    def __init__(self, sink: IO[str] | None = None) -> None:
+    def __init__(self, sink: IO[bytes] | None = None, *, level: str = "full") -> None:
+        if level not in EVENT_LEVELS:
+            raise ValueError(f"event log level {level!r}: one of {', '.join(EVENT_LEVELS)}")
         self.sink = sink
-        self.count = 0
+        self.level = level
+        self.detail = level == "full"  # tile, GEMM and coordinator records
+        self.steps = level != "off"  # step, device_step, OOM and frequency records
+        self.count = 0  # lines written
+        self.records = 0  # records offered, kept or not: how far the timeline has got
         self._hash = hashlib.sha256()
         # texts ``tile`` made already (see there)
         self._levels: dict[float | None, str] = {None: "null"}  # clock levels
@@ -80,7 +97,10 @@ class EventLog:
         self._start: tuple[float | None, str] = (None, "")  # the last new download start
 
     def write(self, record: dict[str, Any]) -> None:
-        self._line(json.dumps(record, separators=(",", ":")))
+        """A record kept at the ``steps`` level and above."""
+        self.records += 1
+        if self.steps:
+            self._line(json.dumps(record, separators=(",", ":")))
 
     @staticmethod
     def tile_head(job: int, gemm: int, step: int) -> str:
@@ -98,6 +118,9 @@ class EventLog:
         when the device's last one ended, or at the time the GEMM's other downloads
         started; matched by identity, the text is the one ``repr`` gives. Clock levels and
         the fields a GEMM's tiles share (``head``, from ``tile_head``) are written once too."""
+        self.records += 1
+        if not self.detail:
+            return
         (down0, down1), (compute0, compute1), (up0, up1) = down, compute, up
         end = self._ends.get(device)
         if end is not None and end[0] is down0:
@@ -123,12 +146,17 @@ class EventLog:
 
     def coord(self, job: int, step: int, t0: float, t1: float) -> None:
         """A coordinator-time record, formatted by hand as ``tile``'s (one per GEMM)."""
-        self._line(f'{{"ev":"coord","job":{job},"step":{step},"t0":{t0!r},"t1":{t1!r}}}')
+        self.records += 1
+        if self.detail:
+            self._line(f'{{"ev":"coord","job":{job},"step":{step},"t0":{t0!r},"t1":{t1!r}}}')
 
     def gemm(self, job: int, gemm: int, step: int, issue: float, end: float, tiles: int,
              last: tuple[int, int] | None, shape: tuple[int, int, int, int]) -> None:  # fmt: skip
         """A GEMM's record, formatted by hand as ``tile``'s (one per GEMM): its issue and
         end, and the tile back last and its device (``last``; None for an empty GEMM)."""
+        self.records += 1
+        if not self.detail:
+            return
         last_tile, last_device = ("null", "null") if last is None else last
         m, n, k, batch = shape
         self._line(
@@ -138,14 +166,49 @@ class EventLog:
         )
 
     def digest(self) -> str:
+        """The sha256 of the lines kept, uncompressed."""
         return self._hash.hexdigest()
 
     def _line(self, text: str) -> None:
-        line = text + "\n"
-        self._hash.update(line.encode())
+        line = (text + "\n").encode()
+        self._hash.update(line)
         self.count += 1
         if self.sink is not None:
             self.sink.write(line)
+
+
+def open_event_file(path: Path) -> IO[bytes]:
+    """A gzip stream for an ``EventLog``'s lines, in memory only its buffer and the
+    compressor's window. Modification time 0: the same run gives the same bytes."""
+    return io.BufferedWriter(gzip.GzipFile(path, "wb", COMPRESS_LEVEL, mtime=0), WRITE_BUFFER)
+
+
+@dataclass(slots=True)
+class DeviceTotals:
+    """What one device did for one step of a job, for a ``steps`` log: its tiles' totals,
+    and its state at its last tile's compute start (the thermal report's sample)."""
+
+    tiles: int = 0
+    bytes_down: int = 0
+    bytes_up: int = 0
+    down_s: float = 0.0
+    compute_s: float = 0.0
+    up_s: float = 0.0
+    last_in: int = 0  # the step's GEMMs whose last tile back was its
+    t: float = 0.0
+    freq_mhz: float | None = None
+    temp_c: float | None = None
+
+    def add(self, work: Work, down: Span, compute: Span, up: Span, freq: float | None,
+            temp: float | None) -> None:  # fmt: skip
+        self.tiles += 1
+        self.bytes_down += work.bytes_down
+        self.bytes_up += work.bytes_up
+        self.down_s += down[1] - down[0]
+        self.compute_s += compute[1] - compute[0]
+        self.up_s += up[1] - up[0]
+        if compute[0] >= self.t:
+            self.t, self.freq_mhz, self.temp_c = compute[0], freq, temp
 
 
 @dataclass
@@ -161,6 +224,10 @@ class StepTimes:
     link_down: int  # bytes the fleet's links would carry
     link_up: int
     oom: int
+    gemm_s: float = 0.0  # its GEMMs' issue to end, summed
+    # its GEMMs' critical paths (``report.critical_breakdown``), summed
+    critical: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COMPONENTS, 0.0))
+    devices: dict[int, DeviceTotals] = field(default_factory=dict)  # for a ``steps`` log
 
     @property
     def emulated_s(self) -> float:
@@ -195,6 +262,7 @@ class _Back(NamedTuple):
     time: float
     tile: int  # its number in this timeline: ids of its own, the same on every run
     device: int
+    stages: tuple[Span, Span, Span]  # its down, compute and up
 
 
 @dataclass(eq=False)
@@ -312,10 +380,7 @@ class Timeline:
             job.step, job.step_end = None, at
             job.clock = max(job.clock, at)
             job.waiting -= 1
-            self.log.write({"ev": "step", "job": job.id, "step": step, "t0": times.t0,
-                            "t1": times.t1, "gemms": times.gemms, "local_gemms": local_gemms,
-                            "tiles": times.tiles,
-                            "coord_s": times.coord_s, "oom": times.oom})  # fmt: skip
+            self._log_step(job, times, local_gemms)
             done(times)
 
         if job.inflight:
@@ -323,6 +388,22 @@ class Timeline:
         else:
             close(job.clock)
         self._advance()
+
+    def _log_step(self, job: _Job, times: StepTimes, local_gemms: int) -> None:
+        """A closed step's record: its times and totals (all a ``steps`` log has of its
+        GEMMs), and at the ``steps`` level its devices' totals."""
+        self.log.write({"ev": "step", "job": job.id, "step": times.step, "t0": times.t0,
+                        "t1": times.t1, "gemms": times.gemms, "local_gemms": local_gemms,
+                        "tiles": times.tiles, "coord_s": times.coord_s, "oom": times.oom,
+                        "gemm_s": times.gemm_s, "bytes_down": times.link_down,
+                        "bytes_up": times.link_up, **times.critical})  # fmt: skip
+        for device, totals in sorted(times.devices.items()):
+            self.log.write({"ev": "device_step", "job": job.id, "step": times.step,
+                            "device": device, "tiles": totals.tiles,
+                            "bytes_down": totals.bytes_down, "bytes_up": totals.bytes_up,
+                            "down_s": totals.down_s, "compute_s": totals.compute_s,
+                            "up_s": totals.up_s, "last_in": totals.last_in, "t": totals.t,
+                            "freq_mhz": totals.freq_mhz, "temp_c": totals.temp_c})  # fmt: skip
 
     # -- the clock ---------------------------------------------------------------------
 
@@ -403,6 +484,7 @@ class Timeline:
         placed = []
         end: float | None = None  # of the tile back last (``_Back``)
         end_tile = end_device = 0
+        end_stages: tuple[Span, Span, Span] | None = None
         link_down = link_up = 0
         for tile in gemm.tiles:
             a, b = tile.operands()
@@ -411,17 +493,19 @@ class Timeline:
             device = placement.devices[index]
             self._tiles += 1
             admission, work = self._admit(gemm, times, device, a, b, work)
-            back = self._run(now, device, head, work)
+            stages = self._run(now, device, head, work, times)
             placement.placed(index)
             link_down += work.bytes_down
             link_up += work.bytes_up
+            back = stages[2][1]
             if end is None or back > end:
-                end, end_tile, end_device = back, self._tiles, device.id
+                end, end_tile, end_device, end_stages = back, self._tiles, device.id, stages
             placed.append((tile, device.id, admission))
+        assert end is not None and end_stages is not None  # there was a tile
         times.tiles += len(placed)
         times.link_down += link_down
         times.link_up += link_up
-        self.clock.at(end, self._returned, _Back(gemm, end, end_tile, end_device),
+        self.clock.at(end, self._returned, _Back(gemm, end, end_tile, end_device, end_stages),
                       job=gemm.job.id, tile=end_tile)  # fmt: skip
         gemm.place(placed)  # last: should it raise, the GEMM still ends in virtual time
 
@@ -471,9 +555,11 @@ class Timeline:
             work = Work(work.bytes_down - resident, work.bytes_up, work.shape)
         return admission, work
 
-    def _run(self, now: float, device: VirtualDevice, head: str, work: Work) -> float:
-        """The tile's passage, logged (``head``: ``EventLog.tile_head``): down the link (and
-        the shared FIFO), compute, up. When it is back."""
+    def _run(self, now: float, device: VirtualDevice, head: str, work: Work,
+             times: StepTimes) -> tuple[Span, Span, Span]:  # fmt: skip
+        """The tile's passage, logged (``head``: ``EventLog.tile_head``; at the ``steps``
+        level, added to its device's totals in ``times``): down the link (and the shared
+        FIFO), compute, up."""
         bottleneck, thermal = self.bottleneck, device.thermal
         if not work.bytes_down:
             down = (now, now)
@@ -497,7 +583,12 @@ class Timeline:
                               device.profile.ul_lat_s)  # fmt: skip
         device.returns_at(up[1])
         self.log.tile(head, self._tiles, device.id, work, down, compute, up, freq, temp)
-        return up[1]
+        if self.log.steps and not self.log.detail:
+            totals = times.devices.get(device.id)
+            if totals is None:
+                totals = times.devices[device.id] = DeviceTotals()
+            totals.add(work, down, compute, up, freq, temp)
+        return down, compute, up
 
     @staticmethod
     def _shared(arrival: float, link: Fifo, seconds: float, nic: Fifo, nbytes: int,
@@ -519,6 +610,14 @@ class Timeline:
         self.log.gemm(job.id, task.id, gemm.step, gemm.issue, now, len(gemm.tiles),
                       None if last is None else (last.tile, last.device),
                       (g.m, g.n, g.k, g.batch))  # fmt: skip
+        times = job.step  # its step: a step closes only once its GEMMs have ended
+        if times is not None:
+            times.gemm_s += now - gemm.issue
+            if last is not None:  # as the report sums a full log's, GEMM by GEMM
+                for part, seconds in critical_breakdown(gemm.issue, *last.stages).items():
+                    times.critical[part] += seconds
+                if last.device in times.devices:
+                    times.devices[last.device].last_in += 1
         job.clock = max(job.clock, now)
         job.waiting -= 1
         if job.latest.get(task.id) == gemm.seq:

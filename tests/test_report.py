@@ -20,6 +20,7 @@ The schedule (3 devices; b-1 is slow and has a thermal model; times in s):
 from __future__ import annotations
 
 import argparse
+import gzip
 import hashlib
 import json
 import statistics
@@ -406,6 +407,9 @@ def test_missing_field(tmp_path: Path) -> None:
         # 10 tiles, 3 GEMMs, 5 coordinator spans, 2 steps, a freq, an OOM, a newer kind
         ({"events": 3}, "has 23 lines but run.json says 3: the log is incomplete"),
         ({"digest": "0" * 64}, "does not match run.json's digest"),
+        ({"event_log": "some"}, "'event_log' must be one of"),
+        ({"event_file": "../elsewhere.jsonl"}, "'event_file' must be 'events.jsonl' or"),
+        ({"event_file": "events.jsonl.gz"}, "it has no events.jsonl.gz"),
     ],
 )
 def test_bad_run_json(tmp_path: Path, meta: dict[str, Any], message: str) -> None:
@@ -418,6 +422,43 @@ def test_log_matches_run_json(tmp_path: Path) -> None:
     run_dir = write_run(tmp_path, run_events())
     digest = hashlib.sha256((run_dir / "events.jsonl").read_bytes()).hexdigest()
     load_run(write_run(tmp_path, run_events(), events=23, digest=digest))
+
+
+def test_compressed_log_matches_run_json(tmp_path: Path) -> None:
+    """A compressed log is read as the lines it holds; run.json's sha256 is theirs."""
+    text = "".join(json.dumps(e) + "\n" for e in run_events()).encode()
+    digest = hashlib.sha256(text).hexdigest()
+    run_dir = write_run(tmp_path, [], event_file="events.jsonl.gz", events=23, digest=digest)
+    (run_dir / "events.jsonl.gz").write_bytes(gzip.compress(text))
+    assert len(load_run(run_dir).tiles) == 10
+    (run_dir / "events.jsonl.gz").write_bytes(gzip.compress(text.replace(b"512", b"513")))
+    with pytest.raises(RunError, match=r"does not match run\.json's digest"):
+        load_run(run_dir)
+
+
+STEP_TOTALS = {"tiles": 0, "coord_s": 0.0, "gemm_s": 0.0, "bytes_down": 0, "bytes_up": 0,
+               **dict.fromkeys(BREAKDOWN[1:-1], 0.0)}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("events", "message"),
+    [
+        ([{"ev": "step", "job": JOB, "step": 0, "t0": 0.0, "t1": 1.0, "gemms": 0,
+           "local_gemms": 0}],
+         r"line 1: step event: a steps log's step needs its totals: missing \['tiles'"),
+        ([{"ev": "step", "job": JOB, "step": 0, "t0": 0.0, "t1": 1.0, "gemms": 0,
+           "local_gemms": 0, **STEP_TOTALS},
+          {"ev": "device_step", "job": JOB, "step": 1, "device": 0, "tiles": 1, "bytes_down": 1,
+           "bytes_up": 1, "down_s": 0.0, "compute_s": 0.0, "up_s": 0.0, "last_in": 0, "t": 0.5,
+           "freq_mhz": None, "temp_c": None}],
+         "line 2: device_step of job 1 step 1, which is not logged"),
+    ],
+)  # fmt: skip
+def test_steps_log_is_checked(tmp_path: Path, events: list[dict[str, Any]], message: str) -> None:
+    """A steps log's step records stand for its tiles, GEMMs and coordinator spans: they
+    must have the totals, and each device's totals belong to a logged step."""
+    with pytest.raises(RunError, match=message):
+        load_run(write_run(tmp_path, events, event_log="steps"))
 
 
 def test_missing_run_json_field(tmp_path: Path) -> None:

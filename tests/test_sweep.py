@@ -91,6 +91,21 @@ def test_sweep_end_to_end(train: Path, tmp_path: Path, capsys: pytest.CaptureFix
     assert rows[1]["speedup"] == rows[0]["mean_step_s"] / rows[1]["mean_step_s"]
 
 
+def test_events_level_reaches_every_run(
+    train: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--events steps``: each run keeps per-step totals only, which the table needs."""
+    out = tmp_path / "out"
+    code = sweep("--fleet", "rpi4:2", "--events", "steps", "--json", "--out", out,
+                 "--", "python", train)  # fmt: skip
+    stdout, stderr = capsys.readouterr()
+    assert code == 0, stderr
+    (row,) = json.loads(stdout)["runs"]
+    run_dir = out / "rpi4-2_default_default"
+    assert json.loads((run_dir / "run.json").read_text())["event_log"] == "steps"
+    assert row["steps"] == 3 and row["mean_step_s"] > 0 and row["bytes_moved"] > 0
+
+
 def test_unknown_link_preset_is_reported(
     train: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -129,7 +144,13 @@ def test_bad_arguments(
 
 
 @pytest.mark.parametrize(
-    "argv", [["--cooling", "ice", "--fleet", "rpi4"], ["--link", "lan"], ["--fleet"]]
+    "argv",
+    [
+        ["--cooling", "ice", "--fleet", "rpi4"],
+        ["--link", "lan"],
+        ["--fleet"],
+        ["--fleet", "rpi4", "--events", "off"],  # the comparison needs a log
+    ],
 )
 def test_argparse_errors(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:

@@ -75,13 +75,13 @@ def submit(tl: Timeline, rec: Recorder, job: int, t: GemmTask, block: int, *, af
               done=rec.done_for(t.id))  # fmt: skip
 
 
-def records(sink: io.StringIO, kind: str) -> list[dict]:
+def records(sink: io.BytesIO, kind: str) -> list[dict]:
     return [r for r in map(json.loads, sink.getvalue().splitlines()) if r["ev"] == kind]
 
 
-def new_timeline(policy: str = "greedy", **kw) -> tuple[Timeline, io.StringIO]:
-    sink = io.StringIO()
-    return Timeline(policy, log=EventLog(sink), **kw), sink
+def new_timeline(policy: str = "greedy", level: str = "full", **kw) -> tuple[Timeline, io.BytesIO]:
+    sink = io.BytesIO()
+    return Timeline(policy, log=EventLog(sink, level=level), **kw), sink
 
 
 # --- the core ------------------------------------------------------------------------------
@@ -331,7 +331,7 @@ def test_tile_records_are_what_write_would_give():
         (gemm, 0, (t[2], t[5]), (t[5], t[6]), (t[6], t[7]), 1000.0, 80.5),  # neither
         (other, 1, (float(repr(t[11])), t[3]), (t[3], t[4]), (t[4], t[5]), None, None),
     ]  # fmt: skip
-    sink = io.StringIO()
+    sink = io.BytesIO()
     log = EventLog(sink)
     expected = []
     for seq, (g, device, down, compute, up, mhz, temp) in enumerate(calls, 1):
@@ -341,7 +341,7 @@ def test_tile_records_are_what_write_would_give():
                   "down": list(down), "compute": list(compute), "up": list(up),
                   "freq_mhz": mhz, "temp_c": temp}  # fmt: skip
         expected.append(json.dumps(record, separators=(",", ":")))
-    assert sink.getvalue().splitlines() == expected
+    assert sink.getvalue().decode().splitlines() == expected
     reference = EventLog()
     for line in expected:
         reference.write(json.loads(line))
@@ -364,11 +364,52 @@ def test_every_record_of_a_run_is_what_write_would_give():
     submit(tl, rec, 2, task(2, 300, 500, 200), block=128, after=1, host_s=0.02)
     for job in (1, 2):
         tl.close_job(job)
-    lines = sink.getvalue().splitlines()
+    lines = sink.getvalue().decode().splitlines()
     kinds = {json.loads(line)["ev"] for line in lines}
     assert kinds == {"tile", "coord", "gemm", "step", "freq", "oom"}
     for line in lines:
         assert line == json.dumps(json.loads(line), separators=(",", ":"))
+
+
+def test_levels_keep_what_they_say():
+    """The same run at each level. ``steps`` keeps the step records as ``full`` writes
+    them, and each device's totals per step: those of its tiles in the full log. ``off``
+    keeps nothing, but counts the records: they tell the emulator the clock moved on."""
+    logs = {}
+    for level in ("full", "steps", "off"):
+        tl, sink = new_timeline(level=level)
+        tl.add_device(0, "rpi4-0", LINKS["ideal"].apply(BUILTIN["rpi4"]))
+        tl.add_device(1, "d1", profile())
+        tl.open_job(1, "job")
+        rec, steps = Recorder(), []
+        submit(tl, rec, 1, sustained(1, 3000), block=64)  # heats the rpi4: it throttles
+        tl.mark_step(1, 1, host_s=0.25, done=steps.append)
+        submit(tl, rec, 1, task(2, 300, 500, 200), block=128, host_s=0.125)
+        submit(tl, rec, 1, task(3, 300, 500, 200), block=128, after=2, host_s=0.125)
+        tl.mark_step(1, 2, host_s=0.0, done=steps.append)
+        tl.close_job(1)
+        logs[level] = (tl.log, sink)
+    (full, full_sink), (steps, steps_sink), (off, off_sink) = logs.values()
+    assert records(steps_sink, "freq") and records(steps_sink, "freq") == records(full_sink, "freq")
+    assert records(steps_sink, "step") == records(full_sink, "step")
+    kinds = {r["ev"] for r in map(json.loads, steps_sink.getvalue().splitlines())}
+    assert kinds == {"step", "device_step", "freq"}
+    tiles, gemms = records(full_sink, "tile"), records(full_sink, "gemm")
+    totals = records(steps_sink, "device_step")
+    assert {(d["step"], d["device"]) for d in totals} == {(t["step"], t["device"]) for t in tiles}
+    for d in totals:
+        mine = [t for t in tiles if (t["step"], t["device"]) == (d["step"], d["device"])]
+        assert d["tiles"] == len(mine)
+        assert d["bytes_down"] == sum(t["bytes_down"] for t in mine)
+        assert d["compute_s"] == pytest.approx(sum(t["compute"][1] - t["compute"][0] for t in mine))
+        assert d["last_in"] == sum(
+            1 for g in gemms if (g["step"], g["last_device"]) == (d["step"], d["device"])
+        )
+        last = max(mine, key=lambda t: t["compute"][0])
+        assert (d["t"], d["freq_mhz"], d["temp_c"]) == (
+            last["compute"][0], last["freq_mhz"], last["temp_c"])  # fmt: skip
+    assert steps.count < full.count / 4
+    assert off_sink.getvalue() == b"" and off.count == 0 and off.records == full.count
 
 
 # --- jobs in virtual time --------------------------------------------------------------------
