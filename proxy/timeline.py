@@ -50,7 +50,7 @@ from .vdevice import VirtualDevice, Work
 log = logging.getLogger(__name__)
 
 # gzip's fastest level: the engine writes a line per tile, and higher levels cost several
-# times the time of formatting the line for a few per cent less size (docs/REPORTS.md).
+# times the time of formatting the line for a fifth less size (docs/REPORTS.md).
 COMPRESS_LEVEL = 1
 WRITE_BUFFER = 1 << 16  # bytes gathered before each compression call
 ENDS_KEPT = 4096  # GEMM end times a job remembers for GEMMs issued "after" them
@@ -583,7 +583,7 @@ class Timeline:
                               device.profile.ul_lat_s)  # fmt: skip
         device.returns_at(up[1])
         self.log.tile(head, self._tiles, device.id, work, down, compute, up, freq, temp)
-        if self.log.steps and not self.log.detail:
+        if self.log.level == "steps":
             totals = times.devices.get(device.id)
             if totals is None:
                 totals = times.devices[device.id] = DeviceTotals()
