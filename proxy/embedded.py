@@ -52,6 +52,9 @@ class EmbeddedFleet:
         self._stop: asyncio.Event | None = None
 
     def start(self, timeout: float = 120.0) -> tuple[str, int]:
+        """Start the thread and wait for every device. A bad checkpoint is its own
+        ``CheckpointError`` (a ValueError: bad input); any other failure a RuntimeError
+        (TimeoutError when the devices are not ready in time)."""
         self._thread = threading.Thread(
             target=uvloop.run, args=(self._serve(),), name="morphling-embedded", daemon=True
         )
@@ -59,6 +62,8 @@ class EmbeddedFleet:
         ready = self._ready.wait(timeout)
         if self._error is not None or not ready:
             self.stop()
+            if isinstance(self._error, ValueError):
+                raise self._error
             if self._error is not None:
                 raise RuntimeError(f"embedded fleet failed to start: {self._error}")
             raise TimeoutError(f"embedded fleet: devices not ready within {timeout} s")
@@ -90,8 +95,9 @@ class EmbeddedFleet:
                     await emulator.stop()
                     await running
         except BaseException as exc:
-            self._error = exc
-            raise
+            self._error = exc  # start() reports a failure to start, in one line
+            if self._ready.is_set():  # it ran: nobody else will say what ended it
+                log.exception("the embedded fleet failed")
         finally:
             self._ready.set()
 

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import logging
 import os
 import runpy
+import shutil
 import sys
-import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,7 @@ from ..runtime import parse_server
 from .coordinator import MODES
 from .placement import POLICIES
 from .report import EVENT_LEVELS
+from .run_dir import claim
 from .settings import DEFAULT_MIN_FLOPS, EmulatorConfig
 
 log = logging.getLogger("morphling.job")
@@ -84,7 +86,7 @@ class RunConfig:
     run_dir: str = _opt(
         "",
         "where the virtual timeline and its reports go (--embedded; empty: "
-        "morphling-runs/SCRIPT-TIME)",
+        "morphling-runs/SCRIPT-TIME, a new directory)",
     )
     events: str = _opt(
         EmulatorConfig.events,
@@ -93,6 +95,7 @@ class RunConfig:
         "size, for long runs) or off (none, and no report)",
         choices=EVENT_LEVELS,
     )
+    force: bool = _opt(False, "replace an earlier run in --run-dir (refused without it)")
     report: bool = _opt(True, "write the reports (summary, trace, plots) into the run directory")
     json: str = _opt("", "also write the per-step report as JSON to this file")
 
@@ -128,6 +131,36 @@ def script_target(command: list[str]) -> tuple[str, str, list[str]]:
     return "path", command[0], command
 
 
+def check_module(name: str) -> None:
+    """ValueError unless ``python -m name`` finds something to run (the current directory
+    first on ``sys.path``, as there; parent packages are imported, as there)."""
+    sys.path.insert(0, os.getcwd())
+    try:
+        spec = importlib.util.find_spec(name)
+        package = spec is not None and spec.submodule_search_locations is not None
+        if package and importlib.util.find_spec(f"{name}.__main__") is None:
+            raise ValueError(f"{name!r} is a package without __main__: it cannot be run")
+    except ImportError as exc:  # a parent package is missing
+        raise ValueError(f"no module named {name!r} ({exc})") from exc
+    finally:
+        del sys.path[0]
+    if spec is None:
+        raise ValueError(f"no module named {name!r}")
+
+
+def check_output(path: str, flag: str) -> Path:
+    """``path`` made absolute (the script may change directory), ValueError unless a file
+    can be written there: checked before the script runs, not after."""
+    target = Path(path).absolute()
+    if target.is_dir():
+        raise ValueError(f"{flag} {path}: is a directory")
+    if not target.parent.is_dir():
+        raise ValueError(f"{flag} {path}: no such directory {target.parent}")
+    if not os.access(target if target.exists() else target.parent, os.W_OK):
+        raise ValueError(f"{flag} {path}: permission denied")
+    return target
+
+
 def _run_script(kind: str, what: str, argv: list[str]) -> int:
     """Run like ``python`` would; the exit code (SystemExit honoured, a traceback is 1)."""
     saved_argv, saved_path = sys.argv[:], sys.path[:]
@@ -161,6 +194,9 @@ def run(args: argparse.Namespace) -> int:
         else:
             parse_server(cfg.server)
         target = script_target(args.command)
+        if target[0] == "module":
+            check_module(target[1])
+        json_path = check_output(cfg.json, "--json") if cfg.json else None
     except ValueError as exc:
         print(f"morphling run: {exc}", file=sys.stderr)
         return 2
@@ -168,21 +204,20 @@ def run(args: argparse.Namespace) -> int:
 
     from .session import emulate  # torch is imported only now
 
-    run_dir = ""
-    if cfg.embedded:
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        run_dir = cfg.run_dir or str(Path("morphling-runs") / f"{Path(target[1]).stem}-{stamp}")
-    emulator = dataclasses.replace(
-        EmulatorConfig(),
-        policy=cfg.policy,
-        run_dir=run_dir,
-        bottleneck_dl_bw=cfg.bottleneck_bw,
-        arena_bytes=cfg.arena_bytes,
-        events=cfg.events,
-    )
-    if cfg.block_size:
-        emulator = dataclasses.replace(emulator, block_size=cfg.block_size)
+    session, run_dir, created = None, None, False
     try:
+        if cfg.embedded:
+            run_dir, created = claim(cfg.run_dir, target[1], force=cfg.force)
+        emulator = dataclasses.replace(
+            EmulatorConfig(),
+            policy=cfg.policy,
+            run_dir=str(run_dir or ""),
+            bottleneck_dl_bw=cfg.bottleneck_bw,
+            arena_bytes=cfg.arena_bytes,
+            events=cfg.events,
+        )
+        if cfg.block_size:
+            emulator = dataclasses.replace(emulator, block_size=cfg.block_size)
         with emulate(
             cfg.server or None, devices=cfg.devices if cfg.embedded else None, config=emulator,
             token=cfg.token, block=cfg.block_size, min_flops=cfg.min_flops, name=target[1],
@@ -191,14 +226,25 @@ def run(args: argparse.Namespace) -> int:
             share_memory=cfg.share_memory,
         ) as session:  # fmt: skip
             code = _run_script(*target)
-    except (OSError, RuntimeError, ValueError) as exc:
+    except ValueError as exc:  # bad input: the run directory, a checkpoint
+        print(f"morphling run: {exc}", file=sys.stderr)
+        return 2
+    except (OSError, RuntimeError) as exc:
         print(f"morphling run: {exc}", file=sys.stderr)
         return 1
+    finally:
+        if session is None and created:  # nothing ran: leave no empty run directory
+            shutil.rmtree(run_dir, ignore_errors=True)
     print(session.table(), file=sys.stderr)
-    if cfg.json:
-        Path(cfg.json).write_text(json.dumps(session.summary(), indent=1) + "\n")
+    if json_path is not None:
+        try:
+            json_path.write_text(json.dumps(session.summary(), indent=1) + "\n")
+        except OSError as exc:
+            print(f"morphling run: cannot write --json {cfg.json}: {exc.strerror}",
+                  file=sys.stderr)  # fmt: skip
+            code = code or 1
     if run_dir and cfg.report and cfg.events != "off":
-        _report(Path(run_dir))
+        _report(run_dir)
     return code
 
 

@@ -15,6 +15,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,8 +24,10 @@ from typing import Any
 
 import pytest
 import torch
+from morphling.proxy.checkpoint import write_checkpoint
 from morphling.proxy.embedded import EmbeddedFleet
 from morphling.proxy.hf_models import load_config
+from morphling.proxy.report import load_run
 from processes import child_env
 
 MORPHLING_RUN = [sys.executable, "-m", "morphling", "--log-level", "warning", "run"]
@@ -369,16 +372,103 @@ USAGE_ERRORS = [
     pytest.param(
         ["--embedded", "--policy", "nope", "--", "ECHO"], "'nope' is not one of", id="bad-policy"
     ),
+    pytest.param(
+        ["--embedded", "--", "python", "-m", "nosuchmod"],
+        "no module named 'nosuchmod'",
+        id="no-module",
+    ),
+    pytest.param(
+        ["--embedded", "--run-dir", "/proc/x", "--", "ECHO"],
+        "cannot create run directory /proc/x",
+        id="run-dir-cannot-be-made",
+    ),
+    pytest.param(
+        ["--embedded", "--json", "/nonexistent/dir/r.json", "--", "ECHO"],
+        "--json /nonexistent/dir/r.json: no such directory",
+        id="json-nowhere",
+    ),
+    pytest.param(
+        ["--embedded", "--ckpt", "/nonexistent/ckpt", "--", "ECHO"],
+        "/nonexistent/ckpt: no such checkpoint directory",
+        id="no-ckpt",
+    ),
 ]
 
 
 @pytest.mark.parametrize(("args", "message"), USAGE_ERRORS)
 def test_usage_errors_exit_2(echo: Path, args: list[str], message: str) -> None:
-    """Usage errors: exit 2 and a message naming the problem; the script never runs."""
-    proc = morphling_run(*(str(echo) if a == "ECHO" else a for a in args))
+    """Usage errors: exit 2 and one line naming the problem; the script never runs."""
+    proc = morphling_run(*(str(echo) if a == "ECHO" else a for a in args), cwd=echo.parent)
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr
+    assert "Traceback" not in proc.stderr and "Exception in thread" not in proc.stderr
     assert proc.stdout == ""
+    assert not list(echo.parent.glob("morphling-runs/*"))  # no run directory left behind
+
+
+def test_corrupt_checkpoint_is_one_line(echo: Path) -> None:
+    """Found by the embedded emulator as it starts: the same one line, exit 2."""
+    ckpt = echo.parent / "ckpt"
+    write_checkpoint(ckpt, [("w", torch.arange(64.0))])
+    data = bytearray((ckpt / "tensors.bin").read_bytes())
+    data[10] ^= 0x40
+    (ckpt / "tensors.bin").write_bytes(bytes(data))
+    proc = morphling_run("--embedded", "--devices", "1", "--ckpt", ckpt, "--", echo,
+                         cwd=echo.parent)  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert f"morphling run: {ckpt}/tensors.bin: tensor 'w' is corrupt" in proc.stderr
+    assert "Traceback" not in proc.stderr and "Exception in thread" not in proc.stderr
+    assert proc.stdout == ""
+    assert not list(echo.parent.glob("morphling-runs/*"))
+
+
+def test_concurrent_runs_get_directories_of_their_own(echo: Path) -> None:
+    """Two runs started together each write a new default run directory: neither shares
+    one, nor takes one that exists (here: every name the two minutes ahead would give)."""
+    runs = echo.parent / "morphling-runs"
+    now = time.time()
+    taken = {runs / time.strftime("echo-%Y%m%d-%H%M%S", time.localtime(now + ahead))
+             for ahead in range(120)}  # fmt: skip
+    for path in taken:
+        path.mkdir(parents=True)
+        (path / "notes.txt").write_text("not a run")
+    command = [*MORPHLING_RUN, "--embedded", "--devices", "1", "--no-report", "--", str(echo)]
+    both = [subprocess.Popen(command, cwd=echo.parent, env=child_env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True) for _ in range(2)]  # fmt: skip
+    for proc in both:
+        _, stderr = proc.communicate(timeout=TIMEOUT_S)
+        assert proc.returncode == 0, stderr
+    made = set(runs.iterdir()) - taken
+    assert len(made) == 2
+    for path in made:
+        assert load_run(path).jobs[0].name == str(echo)
+    assert all([p.name for p in path.iterdir()] == ["notes.txt"] for path in taken)
+
+
+def test_existing_run_directory_needs_force(echo: Path) -> None:
+    """A run directory holding files is refused before the script runs; --force replaces an
+    earlier run's (none of its files stay), never a directory that is not a run's."""
+    run_dir = echo.parent / "run"
+    run_dir.mkdir()  # empty: taken as it is
+    flags = ["--embedded", "--devices", "1", "--no-report", "--run-dir", run_dir]
+    succeeded(morphling_run(*flags, "--", echo))
+    before = (run_dir / "run.json").read_bytes()
+    (run_dir / "stale.png").write_text("an earlier report")
+    proc = morphling_run(*flags, "--", echo)
+    assert proc.returncode == 2, proc.stderr
+    assert f"run directory {run_dir} already exists and is not empty" in proc.stderr
+    assert proc.stdout == ""
+    assert (run_dir / "run.json").read_bytes() == before
+    succeeded(morphling_run(*flags, "--force", "--", echo))
+    assert sorted(p.name for p in run_dir.iterdir()) == ["events.jsonl", "run.json"]
+    load_run(run_dir)
+    notes = echo.parent / "notes"
+    notes.mkdir()
+    (notes / "keep.txt").write_text("mine")
+    proc = morphling_run(*flags[:-1], notes, "--force", "--", echo)
+    assert proc.returncode == 2, proc.stderr
+    assert "not a run directory" in proc.stderr
+    assert [p.name for p in notes.iterdir()] == ["keep.txt"]
 
 
 def test_bad_device_spec_and_server_address_are_usage_errors(echo: Path) -> None:
