@@ -50,6 +50,7 @@ class EmbeddedFleet:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
+        self._halt = threading.Event()  # stop() was called
 
     def start(self, timeout: float = 120.0) -> tuple[str, int]:
         """Start the thread and wait for every device. A bad checkpoint is its own
@@ -59,7 +60,11 @@ class EmbeddedFleet:
             target=uvloop.run, args=(self._serve(),), name="morphling-embedded", daemon=True
         )
         self._thread.start()
-        ready = self._ready.wait(timeout)
+        try:
+            ready = self._ready.wait(timeout)
+        except BaseException:  # Ctrl-C: the emulator's shared memory must not outlive us
+            self.stop()
+            raise
         if self._error is not None or not ready:
             self.stop()
             if isinstance(self._error, ValueError):
@@ -72,6 +77,8 @@ class EmbeddedFleet:
     async def _serve(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
+        if self._halt.is_set():  # stop() came before the loop ran
+            self._stop.set()
         try:
             with WorkerPool([CpuBackend(1) for _ in range(self.workers)]) as workers:
                 pool = BufferPool(pin=False)  # one pool (and memlock budget) for both sides
@@ -92,6 +99,7 @@ class EmbeddedFleet:
                     await self._stop.wait()
                 finally:
                     fleet.stop()
+                    emulator.run_info.update(self.run_info)  # what the caller added since
                     await emulator.stop()
                     await running
         except BaseException as exc:
@@ -106,6 +114,7 @@ class EmbeddedFleet:
         thread, self._thread = self._thread, None
         if thread is None:
             return
+        self._halt.set()  # before the loop exists, ``_serve`` sees this instead
         if self._loop is not None and self._stop is not None:
             with contextlib.suppress(RuntimeError):  # the loop already ended (a failed start)
                 self._loop.call_soon_threadsafe(self._stop.set)

@@ -230,6 +230,7 @@ class Run:
     freqs: tuple[Freq, ...]
     device_steps: tuple[DeviceStep, ...]
     span_s: float  # the last thing that happened
+    incomplete: str | None = None  # why the run ended early (SIGTERM, ...), None when it did not
 
 
 # -- field checks: one per field type, shared by every record ------------------------------
@@ -369,6 +370,7 @@ def load_run(path: str | Path) -> Run:
         freqs=tuple(records[Freq]),
         device_steps=tuple(records[DeviceStep]),
         span_s=max(ends, default=0.0),
+        incomplete=meta.get("incomplete"),
     )
     try:
         _check(run)
@@ -413,6 +415,9 @@ def _read_meta(meta_file: Path) -> dict[str, Any]:
         command = meta.setdefault("command", [])  # descriptive only: may be left out
         if not isinstance(command, list) or not all(isinstance(a, str) for a in command):
             raise ValueError(f"field 'command' must be a list of strings, got {command!r}")
+        incomplete = meta.get("incomplete")
+        if incomplete is not None and not isinstance(incomplete, str):
+            raise ValueError(f"field 'incomplete' must be null or a string, got {incomplete!r}")
         if "bottleneck" not in meta:
             raise ValueError("missing field 'bottleneck' (null when there is none)")
         bottleneck = meta["bottleneck"]
@@ -614,6 +619,7 @@ def summarize(run: Run) -> dict[str, Any]:
         "event_log": run.level,
         "bottleneck": run.bottleneck,
         "command": list(run.command),
+        "incomplete": run.incomplete,
     }
     if run.bottleneck is not None:
         nic_down = union_s(t.nic_down for t in run.tiles if t.nic_down)
@@ -950,6 +956,9 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"event log: steps (each step's and each device's totals), so this report has no "
             f"{STEPS_LOG_LACKS}: run with --events full for them"
         )
+    if run["incomplete"] is not None:
+        out.append(f"incomplete: the run ended early ({run['incomplete']}); this is what it "
+                   "logged until then")  # fmt: skip
     if run["bottleneck"]:
         b = run["bottleneck"]
         parameters = ", ".join(f"{k} {v:.4g}" for k, v in b["parameters"].items())

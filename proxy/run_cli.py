@@ -6,7 +6,9 @@ its ``sys.argv``, its directory first on ``sys.path``) inside
 per-step report is printed to stderr (the script owns stdout) and, with
 ``--json``, written as JSON. With ``--embedded`` the virtual timeline is
 written to a run directory and reported on (``morphling report`` reads it
-again). The exit code is the script's.
+again). The exit code is the script's; SIGTERM or SIGINT stops the script as Ctrl-C
+does, and the run ends as usual (the fleet stopped, its shared memory removed, the
+report printed, the run directory marked incomplete), exiting 143 or 130.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from ..devices.profiles import expand_fleet
 from ..devices.thermal import COOLING
 from ..runtime import parse_server
 from .coordinator import MODES
+from .interrupt import Interrupted, Signals
 from .placement import POLICIES
 from .report import EVENT_LEVELS
 from .run_dir import claim
@@ -185,6 +188,16 @@ def _run_script(kind: str, what: str, argv: list[str]) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    with Signals() as signals:
+        try:
+            return _run(args, signals)
+        except Interrupted as exc:  # before the script started: nothing ran to report
+            print(f"morphling run: {exc}", file=sys.stderr)
+            return exc.exit_code
+
+
+def _run(args: argparse.Namespace, signals: Signals) -> int:
+    signals.raising = True  # until the script ends, SIGTERM and SIGINT raise Interrupted
     try:
         cfg, sources = configuration.load(RunConfig, args, section="run")
         if cfg.embedded == bool(cfg.server):
@@ -225,7 +238,16 @@ def run(args: argparse.Namespace) -> int:
             scale=cfg.coordinator_scale, link=cfg.link or None, cooling=cfg.cooling or None,
             share_memory=cfg.share_memory,
         ) as session:  # fmt: skip
-            code = _run_script(*target)
+            try:
+                code = _run_script(*target)
+                signals.check()
+            finally:
+                signals.raising = False  # the session ends cleanly, whatever arrives now
+    except Interrupted as exc:
+        if session is None:  # while the fleet started
+            raise
+        print(f"morphling run: {exc}; reporting what ran until then", file=sys.stderr)
+        code = exc.exit_code
     except ValueError as exc:  # bad input: the run directory, a checkpoint
         print(f"morphling run: {exc}", file=sys.stderr)
         return 2
@@ -245,7 +267,7 @@ def run(args: argparse.Namespace) -> int:
             code = code or 1
     if run_dir and cfg.report and cfg.events != "off":
         _report(run_dir)
-    return code
+    return code if signals.exit_code is None else signals.exit_code
 
 
 def _report(run_dir: Path) -> None:

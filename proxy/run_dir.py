@@ -14,7 +14,7 @@ import shutil
 import time
 from pathlib import Path
 
-from .report import EVENTS_FILE, RUN_FILE
+from .report import COMPRESSED_EVENTS_FILE, EVENTS_FILE, RUN_FILE
 
 DEFAULT_PARENT = Path("morphling-runs")
 
@@ -63,7 +63,7 @@ def _replace(path: Path, force: bool) -> None:
     if not force:
         raise ValueError(f"run directory {path} already exists and is not empty "
                          "(choose another --run-dir, or --force to replace it)")  # fmt: skip
-    if not (path / RUN_FILE).is_file() and not (path / EVENTS_FILE).is_file():
+    if not any((path / name).is_file() for name in (RUN_FILE, EVENTS_FILE, COMPRESSED_EVENTS_FILE)):
         raise ValueError(f"run directory {path} is not empty and not a run directory (no "
                          f"{RUN_FILE} or {EVENTS_FILE}); refusing to replace it even with "
                          "--force")  # fmt: skip

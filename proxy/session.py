@@ -37,6 +37,7 @@ from .client import Client
 from .coordinator import MODES, CoordinatorModel, HostWork
 from .embedded import EmbeddedFleet
 from .intercept import GemmCounts, GemmInterceptor
+from .interrupt import Interrupted
 from .settings import DEFAULT_MIN_FLOPS, EmulatorConfig
 
 log = logging.getLogger("morphling.job")
@@ -239,7 +240,8 @@ def emulate(
     emulator's shared copy of that checkpoint (an embedded emulator loads it).
     ``coordinator`` is how host time between GEMMs counts (``coordinator.MODES``;
     measured time is multiplied by ``scale``). ``share_memory`` off sends operands and
-    results as bytes even on the emulator's host.
+    results as bytes even on the emulator's host. Should the body raise (Ctrl-C, say),
+    the embedded emulator's run directory is marked incomplete, with the reason.
     """
     if (server is None) == (devices is None):
         raise ValueError("give exactly one of server='HOST:PORT' or devices='SPEC' (embedded)")
@@ -252,8 +254,8 @@ def emulate(
                 run_info={"coordinator_time": coordinator, "coordinator_scale": scale,
                           "link": link, "cooling": cooling, "devices": devices},
             )  # fmt: skip
-            host, port = embedded.start()
             stack.callback(embedded.stop)
+            host, port = embedded.start()
         else:
             host, port = parse_server(server)
         session = Session(Client(host, port, token=token, name=name, block=block,
@@ -268,7 +270,19 @@ def emulate(
         stack.callback(hook.remove)
         stack.enter_context(sdpa_kernel([SDPBackend.MATH]))
         stack.enter_context(session.interceptor)
-        yield session
+        try:
+            yield session
+        except BaseException as exc:  # Ctrl-C, SIGTERM (``interrupt``), an error
+            if devices is not None:  # its run.json says the run did not end
+                embedded.run_info["incomplete"] = _ended_by(exc)
+            raise
+
+
+def _ended_by(exc: BaseException) -> str:
+    """Why a run did not end: "interrupted by SIGTERM", "KeyboardInterrupt", "OSError: ..."."""
+    if isinstance(exc, Interrupted) or not str(exc):
+        return str(exc) or type(exc).__name__
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _bind_first_module(session: Session) -> Any:

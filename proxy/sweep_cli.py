@@ -4,6 +4,9 @@ Each combination is a separate ``morphling run --embedded`` child process (a fre
 interpreter: no emulator state leaks from one run into the next) writing its own run
 directory under ``--out``; its output goes to ``LABEL.log`` beside it. The run
 directories are then summarised (``report.summarize``) into one comparison table.
+SIGTERM or SIGINT to the sweep is passed on to the running child, which ends its run
+cleanly; the sweep waits for it (``GRACE_S``, then SIGKILL), runs no more and exits
+143 or 130.
 """
 
 from __future__ import annotations
@@ -21,12 +24,15 @@ from pathlib import Path
 from typing import Any
 
 from ..devices.profiles import expand_fleet
+from .interrupt import Signals
 from .report import EVENT_LEVELS, format_bytes, load_run, summarize
 
 COOLINGS = ("none", "fan")
 LOG_TAIL_LINES = 20
 # ``morphling run`` exits 2 on a usage error (a bad preset, a bad spec): every run would.
 USAGE_ERROR = 2
+# How long a signalled child may take to end its run (stop its fleet, write its reports).
+GRACE_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -198,15 +204,25 @@ def run(args: argparse.Namespace) -> int:
         return 1
 
     rows, failed = [], []
-    with tqdm(combos, desc="sweep", unit="run", disable=args.no_progress) as bar:
+    running: list[subprocess.Popen] = []  # the child a signal is passed on to
+
+    def forward(signum: int) -> None:
+        for child in running:
+            child.send_signal(signum)  # nothing once it has been reaped
+
+    with Signals(forward) as signals, tqdm(combos, desc="sweep", unit="run",
+                                           disable=args.no_progress) as bar:  # fmt: skip
         for combo in bar:
+            if signals.received is not None:
+                break
             bar.set_postfix_str(combo.label)
-            code, result = _run_one(combo, out, command, args.events)
+            code, result = _run_one(combo, out, command, args.events, signals, running)
             if not isinstance(result, str):
                 rows.append(comparison_row(combo, result, args.steps_from))
                 continue
             failed.append({"label": combo.label, "exit": code})
-            bar.write(f"morphling sweep: run {combo.label} failed: {result}", file=sys.stderr)
+            ended = "failed" if signals.received is None else "was interrupted"
+            bar.write(f"morphling sweep: run {combo.label} {ended}: {result}", file=sys.stderr)
             if code == USAGE_ERROR:
                 bar.write("morphling sweep: a usage error; the remaining runs are skipped",
                           file=sys.stderr)  # fmt: skip
@@ -217,19 +233,28 @@ def run(args: argparse.Namespace) -> int:
                           "failed": failed}, indent=1))  # fmt: skip
     elif rows:
         print(format_comparison(rows))
+    if signals.exit_code is not None:
+        return signals.exit_code
     return 1 if failed else 0
 
 
 def _run_one(
-    combo: Combination, out: Path, command: list[str], events: str | None
-) -> tuple[int, dict | str]:
+    combo: Combination, out: Path, command: list[str], events: str | None, signals: Signals,
+    running: list[subprocess.Popen],
+) -> tuple[int, dict | str]:  # fmt: skip
     """Run one combination: (exit code, its run's summary, or what went wrong)."""
     run_dir, log = out / combo.label, out / f"{combo.label}.log"
     with log.open("w") as f:
-        code = subprocess.run(
-            child_command(combo, run_dir, command, events), stdout=f, stderr=subprocess.STDOUT,
-            check=False,
-        ).returncode  # fmt: skip
+        child = subprocess.Popen(
+            child_command(combo, run_dir, command, events), stdout=f, stderr=subprocess.STDOUT
+        )
+        running.append(child)
+        try:
+            if signals.received is not None:  # it came while the child was being started
+                child.send_signal(signals.received)
+            code = _wait(child, signals)
+        finally:
+            running.remove(child)
     if code != 0:
         tail = log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
         return code, f"exit {code}; the end of {log}:\n" + "\n".join(tail)
@@ -237,3 +262,14 @@ def _run_one(
         return code, summarize(load_run(run_dir))
     except ValueError as exc:
         return 1, str(exc)
+
+
+def _wait(child: subprocess.Popen, signals: Signals) -> int:
+    """The child's exit code. Once the sweep has been signalled (and passed the signal
+    on), the child has ``GRACE_S`` to end its run before it is killed."""
+    while True:
+        try:
+            return child.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            if signals.since is not None and time.monotonic() - signals.since > GRACE_S:
+                child.kill()

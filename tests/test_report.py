@@ -410,6 +410,7 @@ def test_missing_field(tmp_path: Path) -> None:
         ({"event_log": "some"}, "'event_log' must be one of"),
         ({"event_file": "../elsewhere.jsonl"}, "'event_file' must be 'events.jsonl' or"),
         ({"event_file": "events.jsonl.gz"}, "it has no events.jsonl.gz"),
+        ({"incomplete": True}, "'incomplete' must be null or a string"),
     ],
 )
 def test_bad_run_json(tmp_path: Path, meta: dict[str, Any], message: str) -> None:
@@ -459,6 +460,18 @@ def test_steps_log_is_checked(tmp_path: Path, events: list[dict[str, Any]], mess
     must have the totals, and each device's totals belong to a logged step."""
     with pytest.raises(RunError, match=message):
         load_run(write_run(tmp_path, events, event_log="steps"))
+
+
+def test_incomplete_run(tmp_path: Path) -> None:
+    """A run that ended early (SIGTERM) is read, and every report says so, and why."""
+    run = load_run(write_run(tmp_path, run_events(), incomplete="interrupted by SIGTERM"))
+    assert run.incomplete == "interrupted by SIGTERM"
+    summary = summarize(run)
+    assert summary["run"]["incomplete"] == "interrupted by SIGTERM"
+    assert "incomplete: the run ended early (interrupted by SIGTERM)" in format_summary(summary)
+    complete = summarize(load_run(write_run(tmp_path / "complete", run_events())))
+    assert complete["run"]["incomplete"] is None
+    assert "incomplete:" not in format_summary(complete)
 
 
 def test_missing_run_json_field(tmp_path: Path) -> None:
