@@ -460,7 +460,7 @@ def test_existing_run_directory_needs_force(echo: Path) -> None:
     assert proc.stdout == ""
     assert (run_dir / "run.json").read_bytes() == before
     succeeded(morphling_run(*flags, "--force", "--", echo))
-    assert sorted(p.name for p in run_dir.iterdir()) == ["events.jsonl", "run.json"]
+    assert sorted(p.name for p in run_dir.iterdir()) == ["events.jsonl.gz", "run.json"]
     load_run(run_dir)
     notes = echo.parent / "notes"
     notes.mkdir()
