@@ -62,13 +62,30 @@ def _subcommands() -> list[Callable[[argparse._SubParsersAction], None]]:
     ]  # fmt: skip
 
 
+class _SubcommandParser(argparse.ArgumentParser):
+    """A subcommand's parser: an argument it does not know is its own error, shown with
+    its own usage (argparse leaves unknown arguments to the top-level parser, whose usage
+    lists only the subcommands)."""
+
+    def parse_known_args(
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
+
+
 def command_parser(prog: str, description: str) -> tuple[argparse.ArgumentParser, Any]:
     """A parser with ``--log-level`` and an empty set of subcommands (``add_parser(sub)``)."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument(
         "--log-level", choices=LOG_LEVELS, default="info", help="logging level (default: info)"
     )
-    return parser, parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    sub = parser.add_subparsers(
+        dest="command", metavar="COMMAND", required=True, parser_class=_SubcommandParser
+    )
+    return parser, sub
 
 
 def build_parser() -> argparse.ArgumentParser:

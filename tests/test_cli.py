@@ -45,6 +45,36 @@ def test_unknown_flag_and_missing_command_exit_2():
     assert morphling().returncode == 2
 
 
+BIN = Path(sys.executable).parent
+
+
+@pytest.mark.parametrize(
+    ("argv", "prog"),
+    [
+        ([BIN / "morphling", "emulator"], "morphling emulator"),
+        ([BIN / "morphling-emulator"], "morphling emulator"),
+        ([BIN / "morphling", "device"], "morphling device"),
+        ([BIN / "morphling", "fleet"], "morphling fleet"),
+        ([BIN / "morphling", "run"], "morphling run"),
+        ([BIN / "morphling", "save", "--model", "m", "--output", "o"], "morphling save"),
+        ([BIN / "morphling", "profile", "--output", "p.toml"], "morphling profile"),
+        ([BIN / "morphling", "report", "run-dir"], "morphling report"),
+        ([BIN / "morphling", "sweep", "--fleet", "2"], "morphling sweep"),
+        ([BIN / "morphling", "nginx-config"], "morphling nginx-config"),
+        ([BIN / "morphling", "version"], "morphling version"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else " ".join(Path(a).name for a in v[:2]),
+)
+def test_an_unknown_flag_is_the_subcommands_error_with_its_usage(argv, prog, tmp_path):
+    """Not the top-level usage, which lists only the subcommands: the one whose flags
+    were mistyped, so that the right ones are on screen."""
+    proc = subprocess.run([*map(str, argv), "--frob"], capture_output=True, text=True,
+                          timeout=60, cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr.startswith(f"usage: {prog} "), proc.stderr
+    assert proc.stderr.endswith(f"{prog}: error: unrecognized arguments: --frob\n")
+
+
 def test_console_script_is_installed():
     import shutil
 
