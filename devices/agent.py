@@ -298,7 +298,8 @@ class DeviceAgent:
         gate: asyncio.Semaphore | None = None,
         after: asyncio.Event | None = None,
     ) -> int:
-        """Stay connected until ``stop()`` or a fatal refusal; the exit code.
+        """Stay connected until ``stop()`` or a fatal refusal; the exit code: 2 for a
+        refusal, 1 when the emulator cannot be reached and ``reconnect`` is off, else 0.
 
         ``gate`` bounds how many devices of a fleet connect at the same moment;
         the first connection waits for ``after`` (the previous device's ``joined``),
@@ -332,8 +333,11 @@ class DeviceAgent:
                           exc.verify_message)  # fmt: skip
                 self.last_error = ("tls", exc.verify_message)
                 return 2
-            except OSError as exc:
-                log.warning("%s: cannot reach %s:%d: %s", self.name, host, port, exc)
+            except OSError as exc:  # refused, unreachable, no such host: not connected
+                log.log(logging.WARNING if reconnect else logging.ERROR,
+                        "%s: cannot reach %s:%d: %s", self.name, host, port, exc)  # fmt: skip
+                if not reconnect:
+                    return 1
             if self.last_error and self.last_error[0] in REFUSALS:
                 return 2
             if not reconnect or self._stopping:

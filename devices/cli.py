@@ -47,7 +47,11 @@ class DeviceConfig(ConnectConfig):
     workers: int = _opt(1, "kernel workers (tiles computed at once)", min=1)
     threads: int = _opt(os.cpu_count() or 1, "BLAS threads per kernel worker", min=1)
     name: str = _opt("", "device name in the emulator's logs (default: the host name)")
-    reconnect: bool = _opt(True, "reconnect with backoff when the connection is lost")
+    reconnect: bool = _opt(
+        True,
+        "reconnect with backoff when the connection is lost "
+        "(off: an emulator it cannot reach ends it with exit 1)",
+    )
     share_memory: bool = _opt(
         True,
         "read the emulator's shared weights and operands from memory "

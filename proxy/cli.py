@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import gc
 import logging
+import os
 import sys
 
 from .. import config as configuration
@@ -36,14 +37,19 @@ def run(args: argparse.Namespace) -> int:
     async def main(stop: asyncio.Event) -> int:
         emulator = Emulator(cfg)
         systemd = Notifier()
+        # Neither a missing checkpoint nor an address it cannot listen on is fixed by
+        # starting again: exit 2, which the unit does not restart.
         try:
             host, port = await emulator.start()
         except ValueError as exc:  # CheckpointError: missing or corrupt
-            log.error("cannot share the checkpoint's weights: %s", exc)
-            return 1
-        except OSError as exc:
-            log.error("cannot listen on %s:%d: %s", cfg.listen_ip, cfg.listen_port, exc)
-            return 1
+            print(f"morphling emulator: cannot share the checkpoint's weights: {exc}",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+        except OSError as exc:  # asyncio's message repeats the address: the errno's alone
+            reason = os.strerror(exc.errno) if exc.errno else str(exc)
+            print(f"morphling emulator: cannot listen on {cfg.listen_ip}:{cfg.listen_port}: "
+                  f"{reason}", file=sys.stderr)  # fmt: skip
+            return 2
         # What is alive now (modules, torch, the shared weights) lives as long as the
         # process: frozen, it is no longer walked by every full collection of the run.
         gc.collect()

@@ -672,20 +672,26 @@ class Emulator:
         """Bind and start accepting; the (host, port) actually bound.
 
         With ``ckpt_path``, the checkpoint is verified and its weights shared first
-        (``CheckpointError`` when it is missing or corrupt).
+        (``CheckpointError`` when it is missing or corrupt). When it cannot listen
+        (OSError), the shared files it made are removed before the error goes on.
         """
         loop = asyncio.get_running_loop()
-        if self.config.ckpt_path and self.weights is None:
-            self.weights = await asyncio.to_thread(SharedWeights.create, self.config.ckpt_path)
-        if self.config.arena_bytes and self.arena is None:
-            self.arena = OperandArena.create(self.config.arena_bytes)
-        self._server = await loop.create_server(
-            lambda: PeerConnection(self),
-            self.config.listen_ip,
-            self.config.listen_port,
-            reuse_address=True,
-            backlog=1024,
-        )
+        try:
+            if self.config.ckpt_path and self.weights is None:
+                self.weights = await asyncio.to_thread(SharedWeights.create,
+                                                       self.config.ckpt_path)  # fmt: skip
+            if self.config.arena_bytes and self.arena is None:
+                self.arena = OperandArena.create(self.config.arena_bytes)
+            self._server = await loop.create_server(
+                lambda: PeerConnection(self),
+                self.config.listen_ip,
+                self.config.listen_port,
+                reuse_address=True,
+                backlog=1024,
+            )
+        except BaseException:
+            self._remove_shared()
+            raise
         self._housekeeping = loop.create_task(self._keep_house())
         self._sync = loop.create_task(self._keep_time())
         host, port = self._server.sockets[0].getsockname()[:2]
@@ -722,15 +728,19 @@ class Emulator:
                 peer.close()
         if self._server is not None:
             await self._server.wait_closed()
-        for shared in (self.weights, self.arena):
-            if shared is not None:
-                shared.close()
+        self._remove_shared()
         local.end_emulator(self.token)
         if self._events is not None:
             self._events.close()  # the end of the compressed stream: then run.json
             self._events = None
         self.write_run()
         await asyncio.sleep(0)
+
+    def _remove_shared(self) -> None:
+        """Remove the shared files (checkpoint weights, operand arena) this emulator made."""
+        for shared in (self.weights, self.arena):
+            if shared is not None:
+                shared.close()
 
     def write_run(self) -> None:
         """Write ``run.json`` beside the event log: the fleet, the jobs, the settings."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 
 from ..config import ConfigError
@@ -31,7 +32,8 @@ def check_heartbeats(heartbeat_s: float, heartbeat_timeout_s: float) -> None:
 class EmulatorConfig:
     """Every emulator setting; flags > MORPHLING_* environment > TOML [emulator] > these."""
 
-    listen_ip: str = _opt("0.0.0.0", "address to listen on", aliases=("--listen_ip",))
+    listen_ip: str = _opt("0.0.0.0", "IP address to listen on (0.0.0.0: every IPv4 interface)",
+                          aliases=("--listen_ip",))  # fmt: skip
     listen_port: int = _opt(39000, "TCP port to listen on (0: any free one)", min=0,
                             max=65535, aliases=("--listen_port",))  # fmt: skip
     token: str = _opt("", "shared secret peers must prove (HMAC); empty: no authentication",
@@ -133,3 +135,9 @@ class EmulatorConfig:
 
     def __post_init__(self) -> None:
         check_heartbeats(self.heartbeat_s, self.heartbeat_timeout_s)
+        # A malformed address is a configuration error now, not a failed bind later.
+        try:
+            ipaddress.ip_address(self.listen_ip)
+        except ValueError:
+            raise ConfigError(f"listen_ip {self.listen_ip!r} is not an IP address "
+                              "(e.g. 0.0.0.0, 127.0.0.1, ::)") from None  # fmt: skip

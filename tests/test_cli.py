@@ -4,12 +4,15 @@ defaults and server addresses every command shares."""
 from __future__ import annotations
 
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from morphling.proxy.settings import EmulatorConfig
+from morphling.proxy.shm import shm_dir
+from processes import child_env, free_port
 
 from morphling import __version__
 from morphling import config as configuration
@@ -73,6 +76,51 @@ def test_an_unknown_flag_is_the_subcommands_error_with_its_usage(argv, prog, tmp
     assert proc.returncode == 2
     assert proc.stderr.startswith(f"usage: {prog} "), proc.stderr
     assert proc.stderr.endswith(f"{prog}: error: unrecognized arguments: --frob\n")
+
+
+def shared_files_of(pid: int) -> list[Path]:
+    """The shared-memory files (operand arena, weights) process ``pid`` created."""
+    return list(shm_dir().glob(f"morphling-*-{pid}-*"))
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--listen-ip", "999.1.1.1"], "listen_ip '999.1.1.1' is not an IP address"),
+        (["--listen-ip", "127.0.0.1"], "cannot listen on 127.0.0.1:{port}: Address already in use"),
+        (
+            ["--listen-ip", "127.0.0.1", "--ckpt-path", "nowhere.ckpt"],
+            "cannot share the checkpoint's weights: ",
+        ),
+    ],
+    ids=["bad-address", "port-in-use", "no-checkpoint"],
+)
+def test_an_emulator_that_cannot_start_exits_2_in_one_line_leaving_no_shared_file(args, message):
+    """Exit 2 is what the unit does not restart: none of these is fixed by starting again.
+    The operand arena, made before the bind, is removed when the bind fails."""
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "morphling", "--log-level", "warning", "emulator",
+             "--listen-port", str(port), *args],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
+        )  # fmt: skip
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2
+    assert err.startswith(f"morphling emulator: {message.format(port=port)}"), err
+    assert err.count("\n") == 1, err
+    assert not shared_files_of(proc.pid)
+
+
+def test_a_device_that_may_not_reconnect_exits_1_when_the_emulator_is_unreachable():
+    port = free_port()  # closed: nothing listens on it
+    proc = subprocess.run(
+        [sys.executable, "-m", "morphling", "device", "--server", f"127.0.0.1:{port}",
+         "--no-reconnect", "--threads", "1", "--name", "pi"],
+        capture_output=True, text=True, timeout=60, env=child_env(),
+    )  # fmt: skip
+    assert proc.returncode == 1
+    assert f"ERROR morphling.devices.agent: pi: cannot reach 127.0.0.1:{port}: " in proc.stderr
 
 
 def test_console_script_is_installed():
