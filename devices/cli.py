@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import ssl
 import sys
 from collections.abc import Awaitable, Callable
@@ -15,9 +16,10 @@ from typing import Any
 from .. import config as configuration
 from ..config import option as _opt
 from ..kernels import BufferPool, CpuBackend, WorkerPool
-from ..runtime import parse_server, serve
+from ..runtime import Stop, parse_server, serve
 from ..sdnotify import Notifier
 from .agent import DeviceAgent, Tls
+from .capacity import MAX_DEVICES_HELP
 from .fleet import Fleet
 from .links import LINKS
 from .profiles import DEFAULT_PROFILE, expand_fleet, load_profile
@@ -62,6 +64,7 @@ class DeviceConfig(ConnectConfig):
 @dataclass(frozen=True)
 class FleetConfig(ConnectConfig):
     devices: str = _opt("4", "fleet SPEC: NAME:COUNT,... (e.g. rpi4:12,orin-nano:4) or a count")
+    max_devices: int = _opt(0, MAX_DEVICES_HELP, min=0)
     # Virtual devices' tiles are independent: one single-threaded worker per core keeps
     # every core busy with no BLAS thread ever waiting at a barrier for a core the event
     # loop holds (a two-thread MKL call then takes 20x longer).
@@ -117,7 +120,7 @@ def run_device(args: argparse.Namespace) -> int:
         print(f"morphling device: {exc}", file=sys.stderr)
         return 2
 
-    def make(workers: WorkerPool) -> DeviceAgent:
+    async def make(workers: WorkerPool) -> DeviceAgent:
         name = cfg.name or os.uname().nodename
         return DeviceAgent(profile, workers, BufferPool(), name=name, token=cfg.token,
                            share_memory=cfg.share_memory, tls=tls)  # fmt: skip
@@ -131,8 +134,9 @@ def run_fleet(args: argparse.Namespace) -> int:
     try:
         cfg, host, port, tls = _load(FleetConfig, args, "fleet")
         profiles = expand_fleet(
-            cfg.devices, link_name=cfg.link or None, cooling=cfg.cooling or None
-        )
+            cfg.devices, link_name=cfg.link or None, cooling=cfg.cooling or None,
+            max_devices=cfg.max_devices,
+        )  # fmt: skip
     except ValueError as exc:
         print(f"morphling fleet: {exc}", file=sys.stderr)
         return 2
@@ -140,7 +144,7 @@ def run_fleet(args: argparse.Namespace) -> int:
     return _run_until_stopped(
         cfg.workers,
         cfg.threads,
-        lambda workers: Fleet(profiles, workers, BufferPool(), token=cfg.token, tls=tls),
+        lambda workers: Fleet.build(profiles, workers, BufferPool(), token=cfg.token, tls=tls),
         lambda fleet: fleet.run(host, port),
     )
 
@@ -148,22 +152,29 @@ def run_fleet(args: argparse.Namespace) -> int:
 def _run_until_stopped(
     workers: int,
     threads: int,
-    make: Callable[[WorkerPool], DeviceAgent | Fleet],
+    make: Callable[[WorkerPool], Awaitable[DeviceAgent | Fleet]],
     run: Callable[[Any], Awaitable[int]],
 ) -> int:
     """Run devices on one worker pool until they end or SIGINT/SIGTERM stops them.
 
-    Under systemd the service is ready once its kernels are up and it starts
-    connecting (an emulator that is down must not fail the unit's start), and
-    its status line says how many devices are registered.
+    Under systemd the service is ready once its kernels are up and its devices made,
+    when it starts connecting (an emulator that is down must not fail the unit's
+    start), and its status line says how many devices are registered. A signal while
+    the devices are being made ends it at once, with 128 + the signal's number.
     """
 
-    async def main(stop: asyncio.Event) -> int:
+    async def main(stop: Stop) -> int:
         systemd = Notifier()
         with WorkerPool([CpuBackend(threads) for _ in range(workers)]) as pool:
-            devices = make(pool)
-            task = asyncio.ensure_future(run(devices))
+            making = asyncio.ensure_future(make(pool))
             stopper = asyncio.ensure_future(stop.wait())
+            await asyncio.wait([making, stopper], return_when=asyncio.FIRST_COMPLETED)
+            if stop.is_set():
+                making.cancel()
+                log.info("%s while making the devices: stopping", signal.Signals(stop.signum).name)
+                return stop.exit_code
+            devices = making.result()
+            task = asyncio.ensure_future(run(devices))
 
             def status() -> str:
                 return f"{devices.registered} registered with the emulator"

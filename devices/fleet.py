@@ -2,9 +2,10 @@
 
 Every device has its own connection, profile and registration, but they
 share one kernel worker pool and one buffer pool, so host memory grows with
-the number of devices only by a connection's small cost. Devices register
-one after another, in the fleet's order, so the emulator gives them the
-same ids on every run: the virtual timeline breaks ties by device id.
+the number of devices only by a connection's small cost (``capacity.py``
+bounds how many a host may run). Devices register one after another, in the
+fleet's order, so the emulator gives them the same ids on every run: the
+virtual timeline breaks ties by device id.
 """
 
 from __future__ import annotations
@@ -19,38 +20,58 @@ from .profiles import DeviceProfile
 log = logging.getLogger(__name__)
 
 CONNECT_CONCURRENCY = 64
+# Devices made, or started, between two turns of the event loop: a fleet of many takes
+# a while to start, and a signal is acted on only when the loop runs.
+BATCH = 1000
 
 
 class Fleet:
-    """Virtual devices named ``<profile>-<index>``; ``run()`` until ``stop()``."""
+    """Virtual devices named ``<profile>-<index>``: ``await Fleet.build(...)``, then
+    ``run()`` until ``stop()``."""
 
-    def __init__(
-        self,
+    def __init__(self, agents: list[DeviceAgent]) -> None:
+        self.agents = agents
+        self._stopping = False
+
+    @classmethod
+    async def build(
+        cls,
         profiles: list[DeviceProfile],
         workers: WorkerPool,
         pool: BufferPool,
         *,
         token: str = "",
         tls: Tls | None = None,
-    ) -> None:
-        self.agents = [
-            DeviceAgent(p, workers, pool, name=f"{p.name}-{i}", token=token, virtual=True, tls=tls)
-            for i, p in enumerate(profiles)
-        ]
+    ) -> Fleet:
+        """A device per profile, made ``BATCH`` at a time with the event loop run between."""
+        log.info("fleet: making %d virtual devices", len(profiles))
+        agents = []
+        for i, p in enumerate(profiles):
+            agents.append(DeviceAgent(p, workers, pool, name=f"{p.name}-{i}", token=token,
+                                      virtual=True, tls=tls))  # fmt: skip
+            if i % BATCH == BATCH - 1:
+                await asyncio.sleep(0)
+        return cls(agents)
 
     async def run(self, host: str, port: int) -> int:
-        """Run every device; the worst exit code among them."""
+        """Run every device (those not started when ``stop()`` comes never are); the worst
+        exit code among them."""
         gate = asyncio.Semaphore(CONNECT_CONCURRENCY)
         log.info("fleet: %d virtual devices connecting to %s:%d", len(self.agents), host, port)
         previous: asyncio.Event | None = None
         runs = []
-        for agent in self.agents:
-            runs.append(agent.run(host, port, gate=gate, after=previous))
+        for i, agent in enumerate(self.agents):
+            if self._stopping:
+                break
+            runs.append(asyncio.ensure_future(agent.run(host, port, gate=gate, after=previous)))
             previous = agent.joined
+            if i % BATCH == BATCH - 1:
+                await asyncio.sleep(0)
         codes = await asyncio.gather(*runs)
         return max(codes, default=0)
 
     def stop(self) -> None:
+        self._stopping = True
         for agent in self.agents:
             agent.stop()
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .capacity import check_fleet_size
 from .compute_model import ComputeModel
 from .links import LINKS, link
 from .strict_map import check_keys, short
@@ -373,8 +374,11 @@ def _parse_entries(spec: str) -> list[tuple[DeviceProfile, int]]:
 
 
 def expand_fleet(
-    spec: str, *, link_name: str | None = None, cooling: str | None = None
+    spec: str, *, link_name: str | None = None, cooling: str | None = None, max_devices: int = 0
 ) -> list[DeviceProfile]:
-    """One profile per device, in spec order: what a fleet instantiates."""
+    """One profile per device, in spec order: what a fleet instantiates. A fleet the host
+    cannot hold (more than ``max_devices``, or where that is 0 more than its available
+    memory) is a ValueError before anything is made (``capacity.check_fleet_size``)."""
     fleet = parse_fleet_spec(spec, link_name=link_name, cooling=cooling)
+    check_fleet_size(sum(count for _, count in fleet), max_devices)
     return [profile for profile, count in fleet for _ in range(count)]

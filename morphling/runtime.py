@@ -38,14 +38,29 @@ def parse_server(text: str, what: str = "--server") -> tuple[str, int]:
     return host, int(port)
 
 
-def serve(main: Callable[[asyncio.Event], Awaitable[int]]) -> int:
+class Stop(asyncio.Event):
+    """Set by SIGINT or SIGTERM; ``exit_code`` is the conventional one for that signal
+    (128 + its number), for a service stopped before it was up."""
+
+    signum = 0
+
+    def received(self, signum: int) -> None:
+        self.signum = signum
+        self.set()
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+def serve(main: Callable[[Stop], Awaitable[int]]) -> int:
     """Run ``main(stop)`` on uvloop; SIGINT/SIGTERM set ``stop`` for a clean shutdown."""
 
     async def wrapper() -> int:
-        stop = asyncio.Event()
+        stop = Stop()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, stop.received, sig)
         return await main(stop)
 
     return uvloop.run(wrapper())

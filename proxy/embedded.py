@@ -35,9 +35,12 @@ class EmbeddedFleet:
     def __init__(
         self, devices: str, config: EmulatorConfig | None = None, *, workers: int | None = None,
         link: str | None = None, cooling: str | None = None, run_info: dict | None = None,
+        max_devices: int = 0,
     ) -> None:  # fmt: skip
-        # ValueError for a bad SPEC, link or cooling, before any thread starts
-        self.profiles = expand_fleet(devices, link_name=link, cooling=cooling)
+        # ValueError for a bad SPEC, link or cooling, or more devices than the host can
+        # hold (``max_devices``: see ``expand_fleet``), before any thread starts
+        self.profiles = expand_fleet(devices, link_name=link, cooling=cooling,
+                                     max_devices=max_devices)  # fmt: skip
         self.run_info = run_info or {}  # extra keys for the run directory's run.json
         self.config = dataclasses.replace(
             config or EmulatorConfig(), listen_ip="127.0.0.1", listen_port=0
@@ -85,7 +88,7 @@ class EmbeddedFleet:
                 emulator = self.emulator = Emulator(self.config, pool=pool)
                 emulator.run_info.update(self.run_info)
                 host, port = await emulator.start()
-                fleet = Fleet(self.profiles, workers, pool, token=self.config.token)
+                fleet = await Fleet.build(self.profiles, workers, pool, token=self.config.token)
                 running = asyncio.ensure_future(fleet.run(host, port))
                 try:
                     while len(emulator.registry.ready()) < len(self.profiles):

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from .. import config as configuration
 from ..config import option as _opt
+from ..devices.capacity import MAX_DEVICES_HELP
 from ..devices.links import LINKS
 from ..devices.profiles import expand_fleet
 from ..devices.thermal import COOLING
@@ -49,6 +50,7 @@ class RunConfig:
     embedded: bool = _opt(False, "start an emulator and a virtual fleet in this process")
     devices: str = _opt("4", "fleet SPEC for --embedded: NAME:COUNT,... or a count (NAME 'host': "
                         "this host, measured on first use and cached)")  # fmt: skip
+    max_devices: int = _opt(0, f"--embedded: {MAX_DEVICES_HELP}", min=0)
     token: str = _opt("", "shared secret, if the emulator requires one", secret=True)
     ckpt: str = _opt(
         "",
@@ -203,7 +205,7 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
         if cfg.embedded == bool(cfg.server):
             raise configuration.ConfigError("give exactly one of --server HOST:PORT, --embedded")
         if cfg.embedded:
-            expand_fleet(cfg.devices)
+            expand_fleet(cfg.devices, max_devices=cfg.max_devices)
         else:
             parse_server(cfg.server)
         target = script_target(args.command)
@@ -236,7 +238,7 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
             token=cfg.token, block=cfg.block_size, min_flops=cfg.min_flops, name=target[1],
             ckpt=cfg.ckpt or None, coordinator=cfg.coordinator_time,
             scale=cfg.coordinator_scale, link=cfg.link or None, cooling=cfg.cooling or None,
-            share_memory=cfg.share_memory,
+            share_memory=cfg.share_memory, max_devices=cfg.max_devices,
         ) as session:  # fmt: skip
             try:
                 code = _run_script(*target)

@@ -230,6 +230,7 @@ def emulate(
     link: str | None = None,
     cooling: str | None = None,
     share_memory: bool = True,
+    max_devices: int = 0,
 ) -> Iterator[Session]:
     """Run the body's GEMMs on a fleet: a running emulator at ``server``
     (``HOST:PORT``), or an embedded one with the virtual ``devices`` SPEC (the
@@ -240,8 +241,10 @@ def emulate(
     emulator's shared copy of that checkpoint (an embedded emulator loads it).
     ``coordinator`` is how host time between GEMMs counts (``coordinator.MODES``;
     measured time is multiplied by ``scale``). ``share_memory`` off sends operands and
-    results as bytes even on the emulator's host. Should the body raise (Ctrl-C, say),
-    the embedded emulator's run directory is marked incomplete, with the reason.
+    results as bytes even on the emulator's host. ``max_devices`` bounds the embedded
+    fleet instead of the host's available memory (``devices.capacity``). Should the body
+    raise (Ctrl-C, say), the embedded emulator's run directory is marked incomplete,
+    with the reason.
     """
     if (server is None) == (devices is None):
         raise ValueError("give exactly one of server='HOST:PORT' or devices='SPEC' (embedded)")
@@ -250,7 +253,7 @@ def emulate(
             if ckpt is not None:
                 config = dataclasses.replace(config or EmulatorConfig(), ckpt_path=str(ckpt))
             embedded = EmbeddedFleet(
-                devices, config, link=link, cooling=cooling,
+                devices, config, link=link, cooling=cooling, max_devices=max_devices,
                 run_info={"coordinator_time": coordinator, "coordinator_scale": scale,
                           "link": link, "cooling": cooling, "devices": devices},
             )  # fmt: skip

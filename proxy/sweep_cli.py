@@ -19,10 +19,12 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from ..devices.capacity import MAX_DEVICES_HELP
 from ..devices.profiles import expand_fleet
 from .interrupt import Signals
 from .report import EVENT_LEVELS, format_bytes, load_run, summarize
@@ -75,6 +77,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="cooling of every device (repeat for more; default: the profiles' own)",
     )  # fmt: skip
     p.add_argument(
+        "--max-devices", type=int, default=0, metavar="N",
+        help=f"{MAX_DEVICES_HELP} (default: 0)",
+    )  # fmt: skip
+    p.add_argument(
         "--out", type=Path, metavar="DIR",
         help="directory for the run directories and logs (default: sweep-DATE-TIME)",
     )  # fmt: skip
@@ -104,13 +110,17 @@ def combinations(args: argparse.Namespace) -> list[Combination]:
     ]
 
 
+def passed_flags(events: str | None, max_devices: int) -> list[str]:
+    """The sweep's flags that every ``morphling run`` child gets, where given."""
+    flags = [] if events is None else ["--events", events]
+    return flags + (["--max-devices", str(max_devices)] if max_devices else [])
+
+
 def child_command(
-    combo: Combination, run_dir: Path, command: list[str], events: str | None = None
+    combo: Combination, run_dir: Path, command: list[str], passed: Sequence[str] = ()
 ) -> list[str]:
-    """The ``morphling run`` child for one combination (``events``: its --events, if set)."""
-    flags = ["--embedded", "--devices", combo.fleet, "--run-dir", str(run_dir)]
-    if events is not None:
-        flags += ["--events", events]
+    """The ``morphling run`` child for one combination, with the flags the sweep passes on."""
+    flags = ["--embedded", "--devices", combo.fleet, "--run-dir", str(run_dir), *passed]
     if combo.link is not None:
         flags += ["--link", combo.link]
     if combo.cooling is not None:
@@ -185,9 +195,11 @@ def run(args: argparse.Namespace) -> int:
         return _usage("no training command: morphling sweep --fleet SPEC ... -- python train.py")
     if args.steps_from < 0:
         return _usage(f"--steps-from must be >= 0, got {args.steps_from}")
+    if args.max_devices < 0:
+        return _usage(f"--max-devices must be >= 0, got {args.max_devices}")
     try:
         for spec in args.fleet:
-            expand_fleet(spec)
+            expand_fleet(spec, max_devices=args.max_devices)
     except ValueError as exc:
         return _usage(str(exc))
     out = args.out or Path(time.strftime("sweep-%Y%m%d-%H%M%S"))
@@ -204,6 +216,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
 
     rows, failed = [], []
+    passed = passed_flags(args.events, args.max_devices)
     running: list[subprocess.Popen] = []  # the child a signal is passed on to
 
     def forward(signum: int) -> None:
@@ -216,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
             if signals.received is not None:
                 break
             bar.set_postfix_str(combo.label)
-            code, result = _run_one(combo, out, command, args.events, signals, running)
+            code, result = _run_one(combo, out, command, passed, signals, running)
             if not isinstance(result, str):
                 rows.append(comparison_row(combo, result, args.steps_from))
                 continue
@@ -239,14 +252,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_one(
-    combo: Combination, out: Path, command: list[str], events: str | None, signals: Signals,
+    combo: Combination, out: Path, command: list[str], passed: list[str], signals: Signals,
     running: list[subprocess.Popen],
 ) -> tuple[int, dict | str]:  # fmt: skip
     """Run one combination: (exit code, its run's summary, or what went wrong)."""
     run_dir, log = out / combo.label, out / f"{combo.label}.log"
     with log.open("w") as f:
         child = subprocess.Popen(
-            child_command(combo, run_dir, command, events), stdout=f, stderr=subprocess.STDOUT
+            child_command(combo, run_dir, command, passed), stdout=f, stderr=subprocess.STDOUT
         )
         running.append(child)
         try:

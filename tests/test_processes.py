@@ -10,17 +10,20 @@ tiles and how many were re-queued). A fixture finalizer stops every child.
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import resource
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
+from morphling.devices.capacity import DEVICE_BYTES
 from morphling.proxy.client import AsyncClient, Client, EmulatorError
 from morphling.proxy.messages import Gemm, Result
-from processes import MORPHLING, Procs, child_env
+from processes import MORPHLING, Procs, child_env, free_port
 
 try:
     import torch
@@ -386,6 +389,69 @@ async def test_sigint_connected_device_exits_0_and_emulator_sees_it_leave(procs:
     assert device.wait(timeout=5) == 0
     procs.wait_for(emulator, "device 0 (dev-0) disconnected", timeout=5)
     assert emulator.alive
+
+
+# -- a fleet no larger than the host can hold ----------------------------------------------
+
+# A fleet that a regression let grow fails its test at this much address space, instead of
+# filling the memory of a host others share.
+FLEET_ADDRESS_SPACE = 4 << 30
+
+
+def mem_available() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    pytest.skip("no MemAvailable in /proc/meminfo")
+
+
+def bounded_address_space() -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (FLEET_ADDRESS_SPACE, FLEET_ADDRESS_SPACE))
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["fleet", "--server", "127.0.0.1:9", "--devices", "rpi4:{count}"],
+        ["run", "--embedded", "--devices", "{count}", "--", "python", "train.py"],
+        ["sweep", "--fleet", "rpi4:{count}", "--", "python", "train.py"],
+    ],
+    ids=["fleet", "run", "sweep"],
+)
+def test_a_fleet_larger_than_the_host_can_hold_is_refused_before_anything_is_made(command):
+    count = 2 * mem_available() // DEVICE_BYTES
+    proc = subprocess.Popen(
+        [*MORPHLING, *(arg.format(count=count) for arg in command)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=child_env(),
+        preexec_fn=bounded_address_space,
+    )  # fmt: skip
+    err = proc.stderr.read()
+    _, status, usage = os.wait4(proc.pid, 0)  # this child's own peak RSS, in KiB
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    proc.stderr.close()
+    assert proc.returncode == 2, err
+    refusal = err.splitlines()[-1]
+    assert refusal.startswith(f"morphling {command[0]}: a fleet of {count} devices needs "), err
+    assert f"({DEVICE_BYTES >> 10} KiB per device), but " in refusal
+    assert refusal.endswith(" is available; --max-devices N allows N devices whatever the memory")
+    assert usage.ru_maxrss < 512 << 10  # the interpreter and its imports; no devices
+
+
+def test_a_fleet_stopped_while_its_devices_are_made_exits_143_before_connecting(procs: Procs):
+    """SIGTERM is acted on while a large fleet is still being made, not once it is."""
+    count = min(mem_available() // DEVICE_BYTES // 2, 1_000_000)
+    if count < 200_000:
+        pytest.skip(f"this host holds {count} devices: too few to catch them being made")
+    fleet = procs.start(
+        "fleet", "fleet", "--server", f"127.0.0.1:{free_port()}", "--devices", str(count),
+        "--workers", "1", "--threads", "1", preexec_fn=bounded_address_space,
+    )  # fmt: skip
+    procs.wait_for(fleet, f"fleet: making {count} virtual devices")
+    fleet.signal(signal.SIGTERM)
+    assert fleet.wait(timeout=60) == 143
+    text = fleet.text()
+    assert "SIGTERM while making the devices: stopping" in text
+    assert "virtual devices connecting to" not in text
 
 
 # -- 5. configuration errors --------------------------------------------------------------

@@ -8,7 +8,9 @@ import logging
 import math
 
 import msgpack
+import psutil
 import pytest
+from morphling.devices.capacity import DEVICE_BYTES, check_fleet_size
 from morphling.devices.profiler import HOST_THREADS_ENV, cached_host_profile
 from morphling.devices.profiles import (
     BUILTIN,
@@ -397,3 +399,14 @@ def test_expand_fleet_keeps_spec_order():
     assert [p.name for p in fleet] == ["orin-nano"] * 2 + ["rpi4"] * 3 + ["agx-orin"]
     assert len(expand_fleet("16")) == 16
     assert all(p is BUILTIN["rpi4"] for p in expand_fleet("16"))
+
+
+def test_max_devices_replaces_the_memory_bound_both_ways():
+    """``--max-devices`` allows a fleet past the available memory and refuses one past it."""
+    too_many = 2 * psutil.virtual_memory().available // DEVICE_BYTES
+    with pytest.raises(ValueError, match=f"a fleet of {too_many} devices needs about"):
+        check_fleet_size(too_many)
+    check_fleet_size(too_many, max_devices=too_many)  # allowed: the user said so
+    with pytest.raises(ValueError, match="a fleet of 3 devices is more than --max-devices 2"):
+        expand_fleet("rpi4:2,orin-nano", max_devices=2)
+    assert len(expand_fleet("rpi4:2,orin-nano", max_devices=3)) == 3
