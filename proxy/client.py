@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import logging
 import math
 import select
 import socket
@@ -30,9 +31,10 @@ from .arena import OperandArena, pages
 from .auth import hello
 from .codec import Decoder, ProtocolError, encode
 from .connection import SMALL_PAYLOAD, FrameConnection
-from .messages import Close, Gemm, Heartbeat, Message, MsgType, Open, Result, Slab, Step
+from .messages import Close, Gemm, Heartbeat, Message, MsgType, Notice, Open, Result, Slab, Step
 from .states import Conversation
 
+log = logging.getLogger("morphling.job")
 DTYPES = ("float32", "float64")
 _DTYPE_NAMES = {np.dtype(name): name for name in DTYPES}
 
@@ -133,6 +135,13 @@ def result_array(
     return out
 
 
+def tell(notice: Notice) -> None:
+    """Log what the emulator tells the job's user (its tiles wait for devices, or no longer
+    do): a job that only waited would look hung."""
+    level = logging.INFO if notice.code == "devices" else logging.WARNING
+    log.log(level, "emulator: %s", notice.text)
+
+
 class EmulatorError(RuntimeError):
     """The emulator refused a request or the connection; ``code`` says why."""
 
@@ -145,10 +154,11 @@ class EmulatorError(RuntimeError):
 class JobConnection(FrameConnection):
     """The job's side of its one connection."""
 
-    def __init__(self, token: str, name: str, block: int) -> None:
+    def __init__(self, token: str, name: str, block: int, device_wait_s: float) -> None:
         super().__init__(Conversation("peer", "job"))
         loop = asyncio.get_running_loop()
         self.token, self.name, self.block = token, name, block
+        self.device_wait_s = device_wait_s
         self.welcomed: asyncio.Future[int] = loop.create_future()
         self.results: dict[int, asyncio.Future[Result]] = {}
         self.replies: deque[asyncio.Future[Message]] = deque()  # STEP and CLOSE, in order
@@ -163,10 +173,12 @@ class JobConnection(FrameConnection):
         elif t in (MsgType.STEP, MsgType.CLOSE):
             if self.replies:
                 self.replies.popleft().set_result(msg)
+        elif t == MsgType.NOTICE:
+            tell(msg)
         elif t == MsgType.GREETING:
             self.send(hello(msg, self.token, "job", name=self.name))
         elif t == MsgType.WELCOME:
-            self.send(Open(name=self.name, block=self.block))
+            self.send(Open(name=self.name, block=self.block, device_wait_s=self.device_wait_s))
             self.start_heartbeats(msg.heartbeat_s, 3 * msg.heartbeat_s)
             self.welcomed.set_result(msg.peer_id)
         elif t == MsgType.ERROR:
@@ -196,12 +208,16 @@ class AsyncClient:
     @classmethod
     async def connect(
         cls, host: str, port: int, *, token: str = "", name: str = "", block: int = 0,
-        timeout: float = 30.0,
+        timeout: float = 30.0, device_wait_s: float = 0.0,
     ) -> AsyncClient:  # fmt: skip
+        """Connect and open the job. ``device_wait_s``: the emulator fails it (EmulatorError
+        ``no_devices``) once its tiles have waited that long with no device ready (0: never)."""
         loop = asyncio.get_running_loop()
         _, conn = await asyncio.wait_for(
-            loop.create_connection(lambda: JobConnection(token, name, block), host, port), timeout
-        )
+            loop.create_connection(lambda: JobConnection(token, name, block, device_wait_s),
+                                   host, port),
+            timeout,
+        )  # fmt: skip
         job_id = await asyncio.wait_for(conn.welcomed, timeout)
         return cls(conn, job_id)
 
@@ -269,11 +285,16 @@ class Client:
     its last result (``elapsed_ns``, or the ``host_ns`` it passes): the
     coordinator time between GEMMs in the emulator's virtual timeline. The job's
     first GEMM counts none (setting up the script is not emulated).
+
+    While its tiles wait because no device is ready, the emulator says so, and the
+    client logs it; past ``device_wait_s`` (0: never) the emulator fails the job and the
+    call raises EmulatorError ``no_devices``.
     """
 
     def __init__(
         self, host: str, port: int, *, token: str = "", name: str = "", block: int = 0,
         timeout: float = 30.0, share_memory: bool = True, hand_over: bool = True,
+        device_wait_s: float = 0.0,
     ) -> None:  # fmt: skip
         self._sock = socket.create_connection((host, port), timeout)
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -311,7 +332,7 @@ class Client:
                 caps["process"] = greeting.process
             self._send(hello(greeting, token, "job", name=name, caps=caps))
             welcome = self._expect(MsgType.WELCOME, timeout)
-            self._send(Open(name=name, block=block))
+            self._send(Open(name=name, block=block, device_wait_s=device_wait_s))
         except BaseException:
             self._sock.close()
             raise
@@ -499,8 +520,9 @@ class Client:
                 self._recv_lock.release()
 
     def _expect(self, kind: MsgType, timeout: float | None) -> Any:
-        """The next message of type ``kind``; HEARTBEATs are skipped, ERROR and BYE raise,
-        and a RESULT says whether the slab is free again (whatever was expected)."""
+        """The next message of type ``kind``; HEARTBEATs are skipped, NOTICEs logged, ERROR
+        and BYE raise, and a RESULT says whether the slab is free again (whatever was
+        expected)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             msg = self._receive(deadline)
@@ -510,7 +532,9 @@ class Client:
                     self._slab = None
             if kind == msg.TYPE:
                 return msg
-            if msg.TYPE in (MsgType.ERROR, MsgType.BYE):
+            if msg.TYPE == MsgType.NOTICE:
+                tell(msg)
+            elif msg.TYPE in (MsgType.ERROR, MsgType.BYE):
                 code = msg.code if msg.TYPE == MsgType.ERROR else "bye"
                 self._fail(EmulatorError(code, msg.reason))
 

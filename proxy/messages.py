@@ -45,6 +45,7 @@ class MsgType(IntEnum):
     STEP = 33
     CLOSE = 34
     SLAB = 35
+    NOTICE = 36
 
 
 ROLES = ("device", "job", "probe")
@@ -278,11 +279,16 @@ class TileResult(Message):
 
 @dataclass(slots=True)
 class Open(Message):
-    """Job → server: start a job. ``block`` overrides the tile size (0: server default)."""
+    """Job → server: start a job. ``block`` overrides the tile size (0: server default).
+
+    ``device_wait_s``: fail the job (ERROR ``no_devices``) once its tiles have waited this
+    long with no device ready (0: wait for ever).
+    """
 
     TYPE = MsgType.OPEN
     name: str = ""
     block: int = 0
+    device_wait_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -409,12 +415,32 @@ class Slab(Message):
     offset: int = -1
 
 
+@dataclass(slots=True)
+class Notice(Message):
+    """Server → job: something the job's user should know, as one line (``text``).
+
+    ``no_devices``: the job's tiles wait because no device is ready (sent when the wait
+    begins and then every ``device_wait_notice_s``); ``devices``: a device is ready again
+    and they go out. ``devices`` is how many devices are connected, ``tiles`` how many of
+    the job's tiles are not done, ``waited_s`` how long they have waited, ``limit_s`` the
+    job's ``device_wait_s`` (0: none).
+    """
+
+    TYPE = MsgType.NOTICE
+    code: str
+    text: str
+    devices: int = 0
+    tiles: int = 0
+    waited_s: float = 0.0
+    limit_s: float = 0.0
+
+
 MESSAGES: dict[int, type[Message]] = {
     cls.TYPE: cls
     for cls in (
         Greeting, Hello, Welcome, Error, Bye, Heartbeat, ProbeEcho, ProbePush, ProbeAck,
         ProbePull, ProbePulled, ProbeFlops, ProbeFlopsResult, ProbeVerdict, ProbeFlopsRequest,
-        Tile, TileResult, Open, Gemm, Result, Step, Close, Slab,
+        Tile, TileResult, Open, Gemm, Result, Step, Close, Slab, Notice,
     )
 }  # fmt: skip
 

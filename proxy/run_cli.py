@@ -88,6 +88,12 @@ class RunConfig:
         min=0,
     )
     min_flops: int = _opt(DEFAULT_MIN_FLOPS, "GEMMs with fewer FLOPs run locally", min=0)
+    device_wait_s: float = _opt(
+        300.0,
+        "fail the job once its GEMMs have waited this long with no device ready "
+        "(it is told while they wait); 0: wait for ever",
+        min=0.0,
+    )
     run_dir: str = _opt(
         "",
         "where the virtual timeline and its reports go (--embedded; empty: "
@@ -239,6 +245,7 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
             ckpt=cfg.ckpt or None, coordinator=cfg.coordinator_time,
             scale=cfg.coordinator_scale, link=cfg.link or None, cooling=cfg.cooling or None,
             share_memory=cfg.share_memory, max_devices=cfg.max_devices,
+            device_wait_s=cfg.device_wait_s,
         ) as session:  # fmt: skip
             try:
                 code = _run_script(*target)

@@ -40,6 +40,7 @@ from .messages import (
     Hello,
     Message,
     MsgType,
+    Notice,
     Open,
     ProbeFlopsRequest,
     ProbeVerdict,
@@ -86,7 +87,11 @@ class PeerConnection(FrameConnection):
         self.connected_at = time.monotonic()
         self.device: DeviceRecord | None = None
         self.job_id = 0  # a job's or probe peer's id (HELLO), the job's in the timeline
+        self.name = ""  # a job's (OPEN)
         self.block = cfg.block_size
+        self.device_wait_s = 0.0  # a job's limit on waiting for a device (OPEN; 0: none)
+        self.waiting_since: float | None = None  # its tiles wait, no device being ready
+        self._noticed = 0.0  # when it was last told so
         self.gemms: dict[int, GemmTask] = {}
         self.tiles_in_flight = 0  # of the GEMMs in ``gemms`` (see ``_regulate``)
         self.bytes_in_flight = 0  # the memory they hold: operands received, outputs
@@ -116,6 +121,7 @@ class PeerConnection(FrameConnection):
 
     def disconnected(self, exc: Exception | None) -> None:
         self.emulator.peers.discard(self)
+        self.emulator.waiting.discard(self)
         for waiter in self._waiters.values():
             if not waiter.done():
                 waiter.set_exception(ConnectionError(f"{self.peername} disconnected"))
@@ -281,6 +287,8 @@ class PeerConnection(FrameConnection):
         log.info("device %d (%s) ready; scheduling with the %s profile",
                  device.id, device.name, why)  # fmt: skip
         self.emulator.timeline.add_device(device.id, device.name, device.model)
+        if self.emulator.waiting:  # told before their tiles' results come
+            self.emulator.watch_waits(time.monotonic())
         self.emulator.scheduler.dispatch()
 
     def _challenge_requested(self, msg: ProbeFlopsRequest) -> None:
@@ -310,8 +318,54 @@ class PeerConnection(FrameConnection):
     def _open(self, msg: Open) -> None:
         if msg.block < 0:
             raise ProtocolError(f"OPEN.block={msg.block} is negative", "bad_open")
+        if not msg.device_wait_s >= 0:  # NaN too
+            raise ProtocolError(f"OPEN.device_wait_s={msg.device_wait_s} is not >= 0", "bad_open")
         self.block = msg.block or self.emulator.config.block_size
-        self.emulator.timeline.open_job(self.job_id, msg.name or f"job-{self.job_id}")
+        self.device_wait_s = msg.device_wait_s
+        self.name = msg.name or f"job-{self.job_id}"
+        self.emulator.timeline.open_job(self.job_id, self.name)
+
+    def watch_wait(self, now: float, ready: int, connected: int) -> None:
+        """Tell the job when its tiles start waiting for want of a ready device, every
+        ``device_wait_notice_s`` while they do, and when one is back; fail it once they
+        have waited its ``device_wait_s``. Without this a job whose fleet vanished waited
+        for ever, in silence."""
+        count = sum(task.remaining for task in self.gemms.values())
+        tiles = f"{count} tile{'s' if count != 1 else ''}"
+        limit, since = self.device_wait_s, self.waiting_since
+        if since is None:
+            if ready or not count:
+                return
+            self.waiting_since = self._noticed = now
+            self.emulator.waiting.add(self)
+            end = f"fails after {limit:g} s" if limit else "waits for ever"
+            self._notice("no_devices", f"no device is ready ({connected} connected): the job "
+                         f"waits with {tiles} queued; it {end} (device_wait_s)", connected,
+                         count, 0.0, logging.WARNING)  # fmt: skip
+            return
+        waited = now - since
+        if ready or not count:
+            self.waiting_since = None
+            self.emulator.waiting.discard(self)
+            if ready:
+                self._notice("devices", f"devices are back: {ready} ready after {waited:.3g} s; "
+                             f"sending the job's {tiles} queued", connected, count,
+                             waited)  # fmt: skip
+        elif limit and waited >= limit:
+            self.fail("no_devices", f"no device was ready for {limit:g} s (device_wait_s); the "
+                      f"job had {tiles} queued")  # fmt: skip
+        elif now - self._noticed >= self.emulator.config.device_wait_notice_s:
+            self._noticed = now
+            text = f"waiting for devices: {connected} connected, {tiles} queued, waited " \
+                f"{waited:.3g} s" + (f" of {limit:g}" if limit else "")  # fmt: skip
+            self._notice("no_devices", text, connected, count, waited)
+
+    def _notice(self, code: str, text: str, devices: int, tiles: int, waited_s: float,
+                level: int = logging.INFO) -> None:  # fmt: skip
+        """Say ``text`` to the job (NOTICE ``code``) and in the log."""
+        log.log(level, "job %d (%s): %s", self.job_id, self.name, text)
+        self.send(Notice(code=code, text=text, devices=devices, tiles=tiles, waited_s=waited_s,
+                         limit_s=self.device_wait_s))  # fmt: skip
 
     def _slab(self, msg: Slab) -> None:
         """Give the job the slab of the arena it asks for, when there is room (at most half
@@ -518,6 +572,7 @@ class Emulator:
         self.run_info: dict = {}  # extra keys for run.json (the command, the job's settings)
         self.allocate = pool_allocator(self.pool)
         self.peers: set[PeerConnection] = set()
+        self.waiting: set[PeerConnection] = set()  # jobs whose tiles wait for a device
         self.weights: SharedWeights | None = None  # the checkpoint's, once started
         self.arena: OperandArena | None = None  # jobs' operands, once started
         self.token = local.new_emulator()  # peers in this process hand over arrays under it
@@ -780,12 +835,21 @@ class Emulator:
             if held:
                 timeline.release_idle()
 
+    def watch_waits(self, now: float) -> None:
+        """Each job's wait for a ready device (``PeerConnection.watch_wait``)."""
+        ready, connected = len(self.registry.ready()), len(self.registry.devices)
+        for peer in list(self.peers):
+            if peer.job_id and peer.open:
+                peer.watch_wait(now, ready, connected)
+
     async def _keep_house(self) -> None:
         cfg = self.config
-        period = min(cfg.heartbeat_s, cfg.hello_timeout_s, cfg.heartbeat_timeout_s) / 2
+        period = min(cfg.heartbeat_s, cfg.hello_timeout_s, cfg.heartbeat_timeout_s,
+                     cfg.device_wait_notice_s) / 2  # fmt: skip
         while True:
             await asyncio.sleep(period)
             now = time.monotonic()
+            self.watch_waits(now)
             while self._late_writes and self._late_writes[0][0] <= now:
                 self._late_writes.popleft()
             for peer in list(self.peers):

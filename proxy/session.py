@@ -231,6 +231,7 @@ def emulate(
     cooling: str | None = None,
     share_memory: bool = True,
     max_devices: int = 0,
+    device_wait_s: float = 0.0,
 ) -> Iterator[Session]:
     """Run the body's GEMMs on a fleet: a running emulator at ``server``
     (``HOST:PORT``), or an embedded one with the virtual ``devices`` SPEC (the
@@ -242,9 +243,10 @@ def emulate(
     ``coordinator`` is how host time between GEMMs counts (``coordinator.MODES``;
     measured time is multiplied by ``scale``). ``share_memory`` off sends operands and
     results as bytes even on the emulator's host. ``max_devices`` bounds the embedded
-    fleet instead of the host's available memory (``devices.capacity``). Should the body
-    raise (Ctrl-C, say), the embedded emulator's run directory is marked incomplete,
-    with the reason.
+    fleet instead of the host's available memory (``devices.capacity``).
+    ``device_wait_s`` (0: for ever) is how long the job's GEMMs may wait with no device
+    ready before it fails (``Client``). Should the body raise (Ctrl-C, say), the embedded
+    emulator's run directory is marked incomplete, with the reason.
     """
     if (server is None) == (devices is None):
         raise ValueError("give exactly one of server='HOST:PORT' or devices='SPEC' (embedded)")
@@ -262,7 +264,7 @@ def emulate(
         else:
             host, port = parse_server(server)
         session = Session(Client(host, port, token=token, name=name, block=block,
-                                 share_memory=share_memory),
+                                 share_memory=share_memory, device_wait_s=device_wait_s),
                           min_flops=min_flops, coordinator=coordinator,
                           scale=scale)  # fmt: skip
         stack.callback(session.close)

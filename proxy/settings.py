@@ -87,6 +87,9 @@ class EmulatorConfig:
     heartbeat_s: float = _opt(5.0, "send a heartbeat after this long without traffic", min=0.01)
     heartbeat_timeout_s: float = _opt(15.0, "drop a peer silent for this long", min=0.01)
     hello_timeout_s: float = _opt(10.0, "drop a connection that sends no HELLO in time", min=0.01)
+    device_wait_notice_s: float = _opt(
+        10.0, "while a job's tiles wait because no device is ready, tell it this often", min=0.01
+    )
     probe: bool = _opt(True, "probe latency, bandwidth and FLOPS of each device on arrival")
     probe_concurrency: int = _opt(
         8,

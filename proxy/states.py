@@ -33,7 +33,7 @@ PEER: dict[str, frozenset[MsgType]] = {
     "hello_sent": frozenset({M.WELCOME, M.ERROR}),
     "device": _ALWAYS | _ANSWER_PROBES | _PROBE_REPLIES | {M.PROBE_FLOPS, M.PROBE_VERDICT, M.TILE},
     "probe": _ALWAYS | _ANSWER_PROBES | _PROBE_REPLIES | {M.PROBE_FLOPS, M.PROBE_VERDICT},
-    "job": _ALWAYS | {M.RESULT, M.STEP, M.CLOSE, M.SLAB},
+    "job": _ALWAYS | {M.RESULT, M.STEP, M.CLOSE, M.SLAB, M.NOTICE},
     "closed": frozenset(),
 }
 

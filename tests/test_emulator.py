@@ -290,7 +290,9 @@ class RawPeer:
         return msg
 
     async def recv_skipping_heartbeats(self, timeout: float = 5.0) -> Message | None:
-        while (msg := await self.recv(timeout)) is not None and msg.TYPE == MsgType.HEARTBEAT:
+        """The next message but HEARTBEATs and NOTICEs (which only inform a job's user)."""
+        skipped = (MsgType.HEARTBEAT, MsgType.NOTICE)
+        while (msg := await self.recv(timeout)) is not None and msg.TYPE in skipped:
             pass
         return msg
 
@@ -1719,6 +1721,52 @@ async def test_devices_leave_and_rejoin_between_gemms(fleet):
     await f.add_device(name="second")
     assert_gemm_close(await running, a, b)
     assert sorted(f.emu.registry.devices) == [1], "ids are never reused"
+
+
+async def test_a_job_without_devices_is_told_and_fails_past_its_device_wait(fleet, caplog):
+    caplog.set_level(logging.INFO, logger="morphling")
+    f = await fleet(block_size=16, device_wait_notice_s=0.2)
+    client = await f.client(name="patient", device_wait_s=2.0)
+    a = np.ones((20, 20), np.float32)  # 4 tiles
+    started = time.monotonic()
+    with pytest.raises(EmulatorError) as info:
+        await client.matmul(a, a, timeout=TIMEOUT)
+    assert time.monotonic() - started >= 2.0
+    assert info.value.code == "no_devices"
+    assert (
+        info.value.reason
+        == "no device was ready for 2 s (device_wait_s); the job had 4 tiles queued"
+    )
+    job = [r.getMessage() for r in caplog.records if r.name == "morphling.job"]
+    assert job[0] == ("emulator: no device is ready (0 connected): the job waits with 4 tiles "
+                      "queued; it fails after 2 s (device_wait_s)")  # fmt: skip
+    progress = r"emulator: waiting for devices: 0 connected, 4 tiles queued, waited [\d.]+ s of 2"
+    assert any(re.fullmatch(progress, m) for m in job), job
+    assert "job 1 (patient): no device is ready" in caplog.text, "the emulator logs it too"
+    await f.add_device(name="late")  # the emulator serves on
+    await check_serving(await f.client())
+
+
+async def test_a_job_is_told_when_devices_are_back_and_its_gemm_completes(fleet, caplog):
+    caplog.set_level(logging.INFO, logger="morphling")
+    f = await fleet(block_size=16, device_wait_notice_s=0.2)
+    client = await f.client()  # device_wait_s 0: it waits for ever
+    a = np.ones((20, 20), np.float32)
+    running = asyncio.create_task(client.matmul(a, a, timeout=TIMEOUT))
+    await wait_for_condition(lambda: "waiting for devices" in caplog.text, 10, "a progress line")
+    assert "it waits for ever (device_wait_s)" in caplog.text
+    await f.add_device(name="late")
+    assert_gemm_close(await running, a, a)
+    assert "emulator: devices are back: 1 ready after " in caplog.text
+    assert "sending the job's 4 tiles queued" in caplog.text
+
+
+async def test_a_negative_device_wait_is_refused(fleet):
+    f = await fleet()
+    client = await f.client(device_wait_s=-1.0)
+    with pytest.raises(EmulatorError) as info:
+        await client.matmul(np.ones((4, 4)), np.ones((4, 4)), timeout=TIMEOUT)
+    assert info.value.code == "bad_open" and "device_wait_s=-1.0" in info.value.reason
 
 
 def test_reconnect_waits_double_with_jitter_up_to_the_cap():
