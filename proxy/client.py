@@ -289,12 +289,17 @@ class Client:
     While its tiles wait because no device is ready, the emulator says so, and the
     client logs it; past ``device_wait_s`` (0: never) the emulator fails the job and the
     call raises EmulatorError ``no_devices``.
+
+    ``map_weights`` says (HELLO ``caps.weights``) that the job will map the emulator's
+    shared weights (``Session.share_weights``) and may train them; ``fresh_weights``
+    has the emulator restore them from the checkpoint before the job starts (refused,
+    EmulatorError ``weights_busy``, while another job maps them).
     """
 
     def __init__(
         self, host: str, port: int, *, token: str = "", name: str = "", block: int = 0,
         timeout: float = 30.0, share_memory: bool = True, hand_over: bool = True,
-        device_wait_s: float = 0.0,
+        device_wait_s: float = 0.0, map_weights: bool = False, fresh_weights: bool = False,
     ) -> None:  # fmt: skip
         self._sock = socket.create_connection((host, port), timeout)
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -330,16 +335,23 @@ class Client:
             if share_memory and hand_over and local.in_this_process(greeting.process):
                 self._local = greeting.process  # the emulator's token
                 caps["process"] = greeting.process
+            if (map_weights or fresh_weights) and greeting.weights:
+                caps["weights"] = greeting.weights["path"]
             self._send(hello(greeting, token, "job", name=name, caps=caps))
             welcome = self._expect(MsgType.WELCOME, timeout)
-            self._send(Open(name=name, block=block, device_wait_s=device_wait_s))
+            self.job_id: int = welcome.peer_id
+            self._silence_s = 3 * welcome.heartbeat_s  # as the AsyncClient: an emulator gone
+            threading.Thread(target=self._beat, args=(welcome.heartbeat_s,), daemon=True,
+                             name=f"morphling-heartbeat-{self.job_id}").start()  # fmt: skip
+            self._send(Open(name=name, block=block, device_wait_s=device_wait_s,
+                            fresh_weights=fresh_weights))  # fmt: skip
+            if fresh_weights:  # restored once OPEN answers: however long that takes
+                self._expect(MsgType.OPEN, None)
+                self.weights = {**self.weights, "trained": [], "trained_jobs": 0}
         except BaseException:
+            self._stopped.set()
             self._sock.close()
             raise
-        self.job_id: int = welcome.peer_id
-        self._silence_s = 3 * welcome.heartbeat_s  # as the AsyncClient: an emulator gone
-        threading.Thread(target=self._beat, args=(welcome.heartbeat_s,), daemon=True,
-                         name=f"morphling-heartbeat-{self.job_id}").start()  # fmt: skip
 
     def elapsed_ns(self) -> int:
         """Host time since the last result (0 before the first GEMM)."""

@@ -11,7 +11,9 @@ counted, never a failure of the host (the tile is still computed).
 
 A weight block's key is where it lies in the shared weights; its version
 changes when the optimizer updates the weight, so a stale block is never
-treated as held.
+treated as held. Versions are a job's own (they start again with each job),
+and the working copy may be restored from the checkpoint: then nothing a device
+kept is trusted any more (``distrust``).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class DeviceMemory:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.resident: OrderedDict[Key, tuple[int, int]] = OrderedDict()  # → (version, bytes)
+        self.distrusted: set[Key] = set()  # kept, but perhaps not what is there now
         self.used = 0
         self.oom_events = 0
 
@@ -52,11 +55,11 @@ class DeviceMemory:
         admission = Admission(fits=True)
         for key, (version, nbytes) in wanted.items():
             held = self.resident.get(key)
-            if held is not None and held[0] == version:
+            if held is not None and held[0] == version and key not in self.distrusted:
                 self.resident.move_to_end(key)
                 admission.held.add(key)
                 continue
-            if held is not None:  # an older version: useless now
+            if held is not None:  # another version, or distrusted: useless now
                 self._evict(key, admission)
             self.resident[key] = (version, nbytes)
             self.used += nbytes
@@ -67,7 +70,14 @@ class DeviceMemory:
                 self._evict(key, admission)
         return admission
 
+    def distrust(self) -> None:
+        """Hold no block kept so far as current: the bytes under its version may have
+        changed (a new job's versions start again; the weights were restored). Each is
+        sent again, and dropped under its old ref, when next used."""
+        self.distrusted = set(self.resident)
+
     def _evict(self, key: Key, admission: Admission) -> None:
+        self.distrusted.discard(key)
         version, nbytes = self.resident.pop(key)
         self.used -= nbytes
         admission.evicted.append([*key, version])

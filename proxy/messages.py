@@ -282,13 +282,17 @@ class Open(Message):
     """Job → server: start a job. ``block`` overrides the tile size (0: server default).
 
     ``device_wait_s``: fail the job (ERROR ``no_devices``) once its tiles have waited this
-    long with no device ready (0: wait for ever).
+    long with no device ready (0: wait for ever). ``fresh_weights``: restore the shared
+    weights from the checkpoint before the job starts; the server answers with OPEN once
+    they are (until then the job sends nothing but HEARTBEAT), or refuses with ERROR
+    ``weights_busy`` while another job maps them.
     """
 
     TYPE = MsgType.OPEN
     name: str = ""
     block: int = 0
     device_wait_s: float = 0.0
+    fresh_weights: bool = False
 
 
 @dataclass(slots=True)

@@ -57,6 +57,12 @@ class RunConfig:
         "checkpoint (morphling save) the emulator shares: the model's "
         "parameters become views of it, sent to devices by reference",
     )
+    fresh_weights: bool = _opt(
+        False,
+        "with --ckpt: start from the checkpoint as saved, restoring the emulator's working "
+        "copy first (refused while another job maps it); otherwise the job continues from "
+        "what earlier jobs trained",
+    )
     block_size: int = _opt(0, "tile edge (0: the emulator's default)", min=0)
     policy: str = _opt("greedy", "tile placement policy (--embedded)", choices=POLICIES)
     link: str = _opt("", "link preset for every device (--embedded; empty: the profiles' own)",
@@ -210,6 +216,8 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
         cfg, sources = configuration.load(RunConfig, args, section="run")
         if cfg.embedded == bool(cfg.server):
             raise configuration.ConfigError("give exactly one of --server HOST:PORT, --embedded")
+        if cfg.fresh_weights and not cfg.ckpt:
+            raise configuration.ConfigError("--fresh-weights needs --ckpt")
         if cfg.embedded:
             expand_fleet(cfg.devices, max_devices=cfg.max_devices)
         else:
@@ -245,7 +253,7 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
             ckpt=cfg.ckpt or None, coordinator=cfg.coordinator_time,
             scale=cfg.coordinator_scale, link=cfg.link or None, cooling=cfg.cooling or None,
             share_memory=cfg.share_memory, max_devices=cfg.max_devices,
-            device_wait_s=cfg.device_wait_s,
+            device_wait_s=cfg.device_wait_s, fresh_weights=cfg.fresh_weights,
         ) as session:  # fmt: skip
             try:
                 code = _run_script(*target)

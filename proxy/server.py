@@ -28,6 +28,7 @@ from ..kernels import BufferPool
 from . import local, probes
 from .arena import OperandArena
 from .auth import mac_matches
+from .checkpoint import CheckpointError
 from .codec import ProtocolError
 from .connection import SMALL_PAYLOAD, FrameConnection, pool_allocator, undelivered_bytes
 from .memory import Admission
@@ -65,6 +66,7 @@ log = logging.getLogger(__name__)
 # A device lost while computing into a GEMM's output in the operand arena may still
 # write there for a while: the output's memory is not reused for this long.
 LATE_WRITE_GRACE_S = 60.0
+TRAINERS_ANNOUNCED = 8  # GREETING.weights.trained: the latest jobs that trained the weights
 _REPLIES = (MsgType.PROBE_ACK, MsgType.PROBE_PULLED, MsgType.PROBE_FLOPS_RESULT)
 
 
@@ -92,6 +94,9 @@ class PeerConnection(FrameConnection):
         self.device_wait_s = 0.0  # a job's limit on waiting for a device (OPEN; 0: none)
         self.waiting_since: float | None = None  # its tiles wait, no device being ready
         self._noticed = 0.0  # when it was last told so
+        self.maps_weights = False  # a job that maps the shared weights (and may train them)
+        self.steps = 0  # a job's step marks
+        self.trained: dict | None = None  # its entry in GREETING.weights.trained, once it is
         self.gemms: dict[int, GemmTask] = {}
         self.tiles_in_flight = 0  # of the GEMMs in ``gemms`` (see ``_regulate``)
         self.bytes_in_flight = 0  # the memory they hold: operands received, outputs
@@ -115,13 +120,15 @@ class PeerConnection(FrameConnection):
         weights = self.emulator.weights
         arena = self.emulator.arena
         self.send(Greeting(version=1, nonce=self.nonce, auth=bool(self.emulator.config.token),
-                           weights=weights.announce() if weights else {},
+                           weights=self.emulator.announce_weights() if weights else {},
                            arena=arena.announce() if arena else {},
                            process=self.emulator.token))  # fmt: skip
 
     def disconnected(self, exc: Exception | None) -> None:
         self.emulator.peers.discard(self)
         self.emulator.waiting.discard(self)
+        if self.trained is not None:
+            self.trained["running"] = False
         for waiter in self._waiters.values():
             if not waiter.done():
                 waiter.set_exception(ConnectionError(f"{self.peername} disconnected"))
@@ -198,6 +205,11 @@ class PeerConnection(FrameConnection):
         elif t == MsgType.SLAB:
             self._slab(msg)
         elif t == MsgType.STEP:
+            self.steps += 1
+            if self.trained is not None:
+                self.trained["steps"] = self.steps
+            elif self.maps_weights:
+                self.emulator.trained_by(self)
             self.emulator.timeline.mark_step(
                 self.job_id,
                 msg.step,
@@ -242,8 +254,11 @@ class PeerConnection(FrameConnection):
                 self.pair_in_process()
         elif msg.role in ("job", "probe"):
             peer_id = self.job_id = self.emulator.next_client_id()
-            arena = self.emulator.arena
+            arena, weights = self.emulator.arena, self.emulator.weights
             self.maps_arena = arena is not None and msg.caps.get("arena") == str(arena.path)
+            if msg.role == "job" and weights is not None and \
+                    msg.caps.get("weights") == str(weights.path):  # fmt: skip
+                self.emulator.weights_mapped(self)
         else:
             raise ProtocolError(f"HELLO.role {msg.role!r} is not device, job or probe", "bad_hello")
         self.decoder.max_payload = cfg.max_payload_bytes
@@ -323,7 +338,53 @@ class PeerConnection(FrameConnection):
         self.block = msg.block or self.emulator.config.block_size
         self.device_wait_s = msg.device_wait_s
         self.name = msg.name or f"job-{self.job_id}"
-        self.emulator.timeline.open_job(self.job_id, self.name)
+        emulator = self.emulator
+        if msg.fresh_weights:
+            self._restore_weights()
+        elif self.maps_weights and emulator.restoring is not None:
+            raise ProtocolError("the shared weights are being restored from the checkpoint "
+                                "for another job: try again when it has started",
+                                "weights_busy")  # fmt: skip
+        elif self.maps_weights and emulator.trainers:
+            log.info("job %d (%s) continues from the shared weights as trained by %s",
+                     self.job_id, self.name, ", ".join(f"{t['job']!r} ({t['steps']} steps)"
+                                                       for t in emulator.trainers))  # fmt: skip
+        emulator.timeline.open_job(self.job_id, self.name)
+
+    def _restore_weights(self) -> None:
+        """OPEN.fresh_weights: copy the checkpoint over the working copy before the job
+        starts; refused while another job maps it, since that would change its weights
+        under it. The job may send nothing else until OPEN answers."""
+        emulator = self.emulator
+        if emulator.weights is None:
+            raise ProtocolError("OPEN.fresh_weights: this emulator shares no weights "
+                                "(--ckpt-path)", "bad_open")  # fmt: skip
+        users = [p for p in emulator.peers if p is not self and p.maps_weights and p.open]
+        if users or emulator.restoring is not None:
+            who = (f"job {users[0].job_id} ({users[0].name or 'opening'}) maps them" if users
+                   else "another job is restoring them")  # fmt: skip
+            raise ProtocolError(f"OPEN.fresh_weights: the shared weights are in use ({who}); "
+                                "restoring them now would change them under it",
+                                "weights_busy")  # fmt: skip
+        emulator.weights_mapped(self)
+        self.conversation.state = "job_restoring"
+        self.spawn(self._restored(emulator.restore_weights()))
+
+    async def _restored(self, restoring: asyncio.Future[None]) -> None:
+        try:
+            await asyncio.shield(restoring)
+        except (CheckpointError, OSError) as exc:
+            self.fail("bad_open", f"OPEN.fresh_weights: cannot restore the weights: {exc}")
+            return
+        except Exception:
+            log.exception("job %d: restoring the shared weights failed", self.job_id)
+            self.fail("internal", "restoring the shared weights failed (see the emulator's log)")
+            return
+        log.info("job %d (%s) starts from the checkpoint's weights, restored",
+                 self.job_id, self.name)  # fmt: skip
+        self.conversation.state = "job"
+        self.send(Open(name=self.name, block=self.block, device_wait_s=self.device_wait_s,
+                       fresh_weights=True))  # fmt: skip
 
     def watch_wait(self, now: float, ready: int, connected: int) -> None:
         """Tell the job when its tiles start waiting for want of a ready device, every
@@ -412,6 +473,8 @@ class PeerConnection(FrameConnection):
         except GemmError as exc:
             raise ProtocolError(f"GEMM {msg.gemm}: {exc}", "bad_gemm") from None
         task.owner = self
+        if not self.maps_weights and (msg.ref_a or msg.ref_b):
+            self.emulator.weights_mapped(self)
         count, limit = task.tile_count(self.block), self.emulator.config.max_job_tiles
         if count > limit:
             raise ProtocolError(f"GEMM {msg.gemm}: {count} tiles of {self.block}² exceed "
@@ -573,6 +636,12 @@ class Emulator:
         self.allocate = pool_allocator(self.pool)
         self.peers: set[PeerConnection] = set()
         self.waiting: set[PeerConnection] = set()  # jobs whose tiles wait for a device
+        # The latest jobs that mapped the shared weights and marked steps since they were
+        # loaded or restored (they may have trained them), how many in all, and a restore
+        # under way.
+        self.trainers: deque[dict] = deque(maxlen=TRAINERS_ANNOUNCED)
+        self.trainer_count = 0
+        self.restoring: asyncio.Future[None] | None = None
         self.weights: SharedWeights | None = None  # the checkpoint's, once started
         self.arena: OperandArena | None = None  # jobs' operands, once started
         self.token = local.new_emulator()  # peers in this process hand over arrays under it
@@ -588,6 +657,47 @@ class Emulator:
         self._server: asyncio.Server | None = None
         self._housekeeping: asyncio.Task | None = None
         self._sync: asyncio.Task | None = None
+
+    def announce_weights(self) -> dict:
+        """GREETING.weights: the working copy, and which jobs trained it (``trained``)."""
+        return {**self.weights.announce(), "trained": [dict(t) for t in self.trainers],
+                "trained_jobs": self.trainer_count}  # fmt: skip
+
+    def weights_mapped(self, job: PeerConnection) -> None:
+        """``job`` maps the shared weights. Its weights' versions start again from 0, so
+        a block a device kept for another job may carry the same version and other
+        bytes: no kept block is trusted any more."""
+        job.maps_weights = True
+        self.trained_by(job)
+        self._distrust_kept_weights()
+
+    def trained_by(self, job: PeerConnection) -> None:
+        """Count ``job`` among those that trained the weights, once it maps them and has
+        marked a step."""
+        if job.maps_weights and job.steps and job.trained is None:
+            job.trained = {"job": job.name, "steps": job.steps, "running": True}
+            self.trainers.append(job.trained)
+            self.trainer_count += 1
+
+    def restore_weights(self) -> asyncio.Future[None]:
+        """Copy the checkpoint over the working copy (in a thread); done even should the
+        job that asked leave meanwhile."""
+        restoring = self.restoring = asyncio.ensure_future(asyncio.to_thread(self.weights.restore))
+
+        def done(future: asyncio.Future[None]) -> None:
+            self.restoring = None
+            if future.cancelled() or future.exception() is not None:
+                return  # (the job that asked is told)
+            self.trainers.clear()
+            self.trainer_count = 0
+            self._distrust_kept_weights()
+
+        restoring.add_done_callback(done)
+        return restoring
+
+    def _distrust_kept_weights(self) -> None:
+        for device in self.timeline.devices.values():
+            device.memory.distrust()
 
     def next_client_id(self) -> int:
         self._client_ids += 1

@@ -99,6 +99,9 @@ class Session:
                                   f"this host): {exc}") from exc  # fmt: skip
         if checkpoint.digest != announced["digest"]:
             raise CheckpointError(f"{ckpt} is not the checkpoint the emulator shares")
+        if announced.get("trained"):
+            log.warning("weights: continuing from the working copy that %s; --fresh-weights "
+                        "restores the checkpoint as saved", _trained_by(announced))  # fmt: skip
         self.checkpoint = checkpoint
         buffer = checkpoint.buffer
         self.client.shared = (buffer.data_ptr(), buffer.numel())
@@ -232,6 +235,7 @@ def emulate(
     share_memory: bool = True,
     max_devices: int = 0,
     device_wait_s: float = 0.0,
+    fresh_weights: bool = False,
 ) -> Iterator[Session]:
     """Run the body's GEMMs on a fleet: a running emulator at ``server``
     (``HOST:PORT``), or an embedded one with the virtual ``devices`` SPEC (the
@@ -239,7 +243,9 @@ def emulate(
     ``cooling`` override the devices' own).
 
     With ``ckpt``, the first module the body calls gets its parameters bound to the
-    emulator's shared copy of that checkpoint (an embedded emulator loads it).
+    emulator's shared copy of that checkpoint (an embedded emulator loads it): as earlier
+    jobs left it (a warning says which trained it), or with ``fresh_weights`` restored
+    from the checkpoint first.
     ``coordinator`` is how host time between GEMMs counts (``coordinator.MODES``;
     measured time is multiplied by ``scale``). ``share_memory`` off sends operands and
     results as bytes even on the emulator's host. ``max_devices`` bounds the embedded
@@ -250,6 +256,8 @@ def emulate(
     """
     if (server is None) == (devices is None):
         raise ValueError("give exactly one of server='HOST:PORT' or devices='SPEC' (embedded)")
+    if fresh_weights and ckpt is None:
+        raise ValueError("fresh_weights needs ckpt: the weights to restore are a checkpoint's")
     with contextlib.ExitStack() as stack:
         if devices is not None:
             if ckpt is not None:
@@ -264,7 +272,8 @@ def emulate(
         else:
             host, port = parse_server(server)
         session = Session(Client(host, port, token=token, name=name, block=block,
-                                 share_memory=share_memory, device_wait_s=device_wait_s),
+                                 share_memory=share_memory, device_wait_s=device_wait_s,
+                                 map_weights=ckpt is not None, fresh_weights=fresh_weights),
                           min_flops=min_flops, coordinator=coordinator,
                           scale=scale)  # fmt: skip
         stack.callback(session.close)
@@ -288,6 +297,24 @@ def _ended_by(exc: BaseException) -> str:
     if isinstance(exc, Interrupted) or not str(exc):
         return str(exc) or type(exc).__name__
     return f"{type(exc).__name__}: {exc}"
+
+
+def _trained_by(announced: dict[str, Any]) -> str:
+    """Which jobs trained the shared weights (GREETING ``weights``), in words."""
+    trained = announced["trained"]
+    count = announced.get("trained_jobs", len(trained))
+
+    def steps(entry: dict[str, Any]) -> str:
+        return f"{entry['steps']} step{'s' if entry['steps'] != 1 else ''}"
+
+    if count == 1:
+        (entry,) = trained
+        running = " and is still training" if entry["running"] else ""
+        return f"job '{entry['job']}' trained for {steps(entry)}{running}"
+    jobs = ", ".join(f"'{e['job']}' ({steps(e)}{', still running' if e['running'] else ''})"
+                     for e in trained)  # fmt: skip
+    earlier = f" and {count - len(trained)} earlier" if count > len(trained) else ""
+    return f"jobs {jobs}{earlier} trained"
 
 
 def _bind_first_module(session: Session) -> Any:

@@ -24,6 +24,7 @@ SERVER: dict[str, frozenset[MsgType]] = {
     | {M.PROBE_FLOPS_RESULT, M.PROBE_FLOPS_REQUEST, M.TILE_RESULT},
     "probe": _ALWAYS | _ANSWER_PROBES | {M.PROBE_FLOPS_REQUEST, M.PROBE_FLOPS_RESULT},
     "job_open": _ALWAYS | {M.OPEN},
+    "job_restoring": _ALWAYS,  # OPEN asked for fresh weights: until OPEN answers
     "job": _ALWAYS | {M.GEMM, M.STEP, M.CLOSE, M.SLAB},
     "closed": frozenset(),
 }
@@ -33,7 +34,8 @@ PEER: dict[str, frozenset[MsgType]] = {
     "hello_sent": frozenset({M.WELCOME, M.ERROR}),
     "device": _ALWAYS | _ANSWER_PROBES | _PROBE_REPLIES | {M.PROBE_FLOPS, M.PROBE_VERDICT, M.TILE},
     "probe": _ALWAYS | _ANSWER_PROBES | _PROBE_REPLIES | {M.PROBE_FLOPS, M.PROBE_VERDICT},
-    "job": _ALWAYS | {M.RESULT, M.STEP, M.CLOSE, M.SLAB, M.NOTICE},
+    # OPEN: the answer to an OPEN with ``fresh_weights``
+    "job": _ALWAYS | {M.RESULT, M.STEP, M.CLOSE, M.SLAB, M.NOTICE, M.OPEN},
     "closed": frozenset(),
 }
 

@@ -180,6 +180,43 @@ async def test_weights_changed_without_a_new_version_are_sent_again_after_a_step
     await asyncio.to_thread(client.close)
 
 
+async def test_a_new_job_is_not_referred_to_blocks_kept_for_an_earlier_one(setup):
+    """Versions are each job's own: the next job's start at 0 again, over bytes the first
+    may have changed (here through ``.data``, before any step mark)."""
+    s = await setup()
+    await s.add_device(share_memory=False)
+    first, w = await s.job()
+    x = torch.randn(M, K)
+    await asyncio.to_thread(product, first, x, w.t())  # the device keeps w at version 0
+    w.data.add_(1.0)
+    await asyncio.to_thread(first.close)
+    second, w2 = await s.job()
+    assert w2._version == w._version == 0
+    c, result = await asyncio.to_thread(product, second, x, w2.t())
+    assert_product(c, x, w2.t())  # the kept blocks held the old weights
+    assert result.bytes_down == X_BYTES + W_BYTES, "w's blocks are sent again"
+    await asyncio.to_thread(second.close)
+
+
+async def test_fresh_weights_are_refused_once_the_checkpoint_changed_on_disk(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    write_checkpoint(ckpt, [("w", torch.ones(N, K))], source="test")
+    emu = Emulator(EmulatorConfig(listen_ip="127.0.0.1", listen_port=0, probe=False,
+                                  ckpt_path=str(ckpt)))  # fmt: skip
+    host, port = await emu.start()
+    try:
+        write_checkpoint(ckpt, [("w", torch.zeros(N, K))], source="test", force=True)
+        with pytest.raises(EmulatorError) as info:
+            await asyncio.to_thread(Client, host, port, fresh_weights=True)
+        assert info.value.code == "bad_open"
+        assert "is no longer the checkpoint the emulator loaded" in info.value.reason
+        client = await asyncio.to_thread(Client, host, port, map_weights=True)  # serves on
+        assert client.weights["trained"] == []
+        await asyncio.to_thread(client.close)
+    finally:
+        await emu.stop()
+
+
 async def test_operands_that_do_not_fit_are_an_emulated_oom(setup, caplog):
     s = await setup()
     await s.add_device(share_memory=False, memory=8 << 10)  # the smallest tile needs 11 KiB
