@@ -30,7 +30,12 @@ class Notifier:
             log.warning("NOTIFY_SOCKET=%r is not a Unix socket; not notifying systemd", address)
             self.address = ""
         if self.address:
-            self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+            # Non-blocking: a receiver that stops reading (its queue holds a handful of
+            # datagrams) must cost a dropped beat, not an event loop stalled in sendto.
+            self._socket = socket.socket(
+                socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK
+            )
+        self._dropping = False  # the last notification was dropped (warned once)
         usec = environ.get("WATCHDOG_USEC", "")
         pid = environ.get("WATCHDOG_PID", "")
         mine = not pid or pid == str(os.getpid())  # a watchdog meant for our parent is not ours
@@ -47,9 +52,16 @@ class Notifier:
         message = "\n".join(f"{key}={value}" for key, value in fields.items())
         try:
             self._socket.sendto(message.encode(), self.address)
+        except BlockingIOError:
+            if not self._dropping:
+                log.warning("systemd is not reading %r; dropping notifications until it "
+                            "does", self.address)  # fmt: skip
+            self._dropping = True
+            return False
         except OSError as exc:
             log.warning("cannot notify systemd at %r: %s", self.address, exc)
             return False
+        self._dropping = False
         return True
 
     async def keep_alive(

@@ -104,6 +104,23 @@ def test_device_is_ready_without_an_emulator_and_reports_registration(
     assert device.wait(timeout=10) == 0
 
 
+def test_a_receiver_that_stops_reading_costs_dropped_notifications_not_a_stall(
+    systemd: FakeSystemd, caplog: pytest.LogCaptureFixture
+):
+    """A datagram queue holds a handful of messages: sending into a full one blocked the
+    service's event loop for good (a device's watchdog beats while nobody read them)."""
+    notifier = Notifier({"NOTIFY_SOCKET": str(systemd.path)})
+    sent = [notifier.notify(WATCHDOG=1, STATUS=f"beat {i}") for i in range(200)]
+    assert sent[0] and not sent[-1]  # delivered until the queue was full, then dropped
+    assert caplog.text.count("systemd is not reading") == 1  # said once, not per beat
+    assert systemd.receive("WATCHDOG")["STATUS"] == "beat 0"
+    while sent.count(True) > len(systemd.messages):
+        systemd.receive("WATCHDOG")
+    assert notifier.notify(READY=1)  # room again: delivered
+    assert systemd.receive("READY")["READY"] == "1"
+    notifier.close()
+
+
 def test_abstract_socket_and_a_watchdog_meant_for_another_process(tmp_path):
     receiver = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     name = f"morphling-test-{tmp_path.name}"
