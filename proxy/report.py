@@ -23,10 +23,15 @@ from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-RUN_FILE, EVENTS_FILE = "run.json", "events.jsonl"
-COMPRESSED_EVENTS_FILE = EVENTS_FILE + ".gz"  # what the engine writes; older runs: EVENTS_FILE
-# What the engine logs: every record; each step's and each device's totals per step; nothing.
-EVENT_LEVELS = ("full", "steps", "off")
+from .eventlog import (
+    COMPONENTS,
+    COMPRESSED_EVENTS_FILE,
+    EVENT_LEVELS,
+    EVENTS_FILE,
+    RUN_FILE,
+    critical_breakdown,
+)
+
 STEPS_LOG_LACKS = (
     "per-GEMM critical path segments, stragglers and lateness, and the per-tile trace and "
     "timeline plot"
@@ -41,15 +46,6 @@ STRAGGLER_DEFINITION = (
     "mean over the GEMMs a device takes part in (with at least one other device) of "
     "(its last tile back - the median device's last tile back) / the GEMM's duration, "
     f">= {STRAGGLER_LATENESS}"
-)
-# The critical tile of a GEMM, from issue to its result back: these sum to the GEMM's time.
-COMPONENTS = (
-    "link_queue_s",
-    "download_s",
-    "compute_queue_s",
-    "compute_s",
-    "upload_queue_s",
-    "upload_s",
 )
 BREAKDOWN = ("coordinator_s", *COMPONENTS, "unattributed_s")
 _SUMMED = (
@@ -580,22 +576,6 @@ def thermal_samples(run: Run) -> dict[int, list[tuple[float, float | None, float
         if t.freq_mhz is not None or t.temp_c is not None:
             samples[t.device].append((start, t.freq_mhz, t.temp_c))
     return {d: sorted(s, key=lambda x: x[0]) for d, s in sorted(samples.items())}
-
-
-def critical_breakdown(
-    issue: float, down: Interval, compute: Interval, up: Interval
-) -> dict[str, float]:
-    """Where a GEMM's time went, following its last tile (its stages ``down``, ``compute``,
-    ``up``) from the GEMM's issue to its end. The engine sums these per step for a
-    ``steps`` log, as ``summarize`` does from a full one."""
-    return {
-        "link_queue_s": down[0] - issue,
-        "download_s": down[1] - down[0],
-        "compute_queue_s": compute[0] - down[1],
-        "compute_s": compute[1] - compute[0],
-        "upload_queue_s": up[0] - compute[1],
-        "upload_s": up[1] - up[0],
-    }
 
 
 def summarize(run: Run) -> dict[str, Any]:

@@ -34,9 +34,9 @@ from ..devices.profiles import expand_fleet
 from ..devices.thermal import COOLING
 from ..runtime import parse_server
 from .coordinator import MODES
+from .eventlog import EVENT_LEVELS
 from .interrupt import Interrupted, Signals
 from .placement import POLICIES
-from .report import EVENT_LEVELS
 from .run_dir import claim
 from .settings import DEFAULT_MIN_FLOPS, EmulatorConfig
 

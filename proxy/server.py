@@ -31,6 +31,7 @@ from .auth import mac_matches
 from .checkpoint import CheckpointError
 from .codec import ProtocolError
 from .connection import SMALL_PAYLOAD, FrameConnection, pool_allocator, undelivered_bytes
+from .eventlog import COMPRESSED_EVENTS_FILE, EventLog, open_event_file
 from .memory import Admission
 from .messages import (
     Bye,
@@ -54,11 +55,10 @@ from .messages import (
 )
 from .partition import GemmError, GemmTask, TileTask, make_task
 from .registry import DeviceRecord, Registry
-from .report import COMPRESSED_EVENTS_FILE
 from .scheduler import Scheduler
 from .settings import EmulatorConfig
 from .states import Conversation
-from .timeline import Bottleneck, EventLog, StepTimes, Timeline, open_event_file
+from .timeline import Bottleneck, StepTimes, Timeline
 from .weights import SharedWeights
 
 log = logging.getLogger(__name__)

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 from ..config import ConfigError
 from ..config import option as _opt
+from .eventlog import EVENT_LEVELS
 from .placement import POLICIES
-from .report import EVENT_LEVELS
 
 PROFILE_SOURCES = ("auto", "declared", "measured")
 

@@ -26,8 +26,9 @@ from typing import Any
 
 from ..devices.capacity import MAX_DEVICES_HELP
 from ..devices.profiles import expand_fleet
+from .eventlog import EVENT_LEVELS
 from .interrupt import Signals
-from .report import EVENT_LEVELS, format_bytes, load_run, summarize
+from .report import format_bytes, load_run, summarize
 
 COOLINGS = ("none", "fan")
 LOG_TAIL_LINES = 20

@@ -27,32 +27,23 @@ issue then starts no earlier than the clock (a warning says so).
 
 from __future__ import annotations
 
-import gzip
-import hashlib
-import io
-import json
 import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import IO, Any, NamedTuple
+from typing import Any, NamedTuple
 
 from ..devices.compute_model import GemmShape
 from ..devices.profiles import DeviceProfile
 from .engine import Clock, Fifo, Span
+from .eventlog import COMPONENTS, EventLog, critical_breakdown
 from .memory import Admission
 from .partition import Block, GemmTask, TileTask
 from .placement import Placement
-from .report import COMPONENTS, EVENT_LEVELS, critical_breakdown
 from .vdevice import VirtualDevice, Work
 
 log = logging.getLogger(__name__)
 
-# gzip's fastest level: the engine writes a line per tile, and higher levels cost several
-# times the time of formatting the line for a fifth less size (docs/REPORTS.md).
-COMPRESS_LEVEL = 1
-WRITE_BUFFER = 1 << 16  # bytes gathered before each compression call
 ENDS_KEPT = 4096  # GEMM end times a job remembers for GEMMs issued "after" them
 WORKS_KEPT = 4096  # distinct tile ``Work``s kept for reuse (a run has few)
 
@@ -69,118 +60,6 @@ class Bottleneck:
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"bottleneck {name}={value!r}: must be > 0 bytes/s")
-
-
-class EventLog:
-    """The timeline's records, one JSON object per line, hashed as written.
-
-    ``level`` (``EVENT_LEVELS``) says which records are kept: ``full``, every one;
-    ``steps``, those of steps, devices' totals per step, OOMs and frequency changes
-    (``Timeline`` writes the totals at that level only); ``off``, none. The hash of the
-    lines kept is what the determinism tests compare and run.json records; ``sink`` (a
-    binary file: the server's is compressed) is what ``morphling report`` reads.
-    """
-
-    def __init__(self, sink: IO[bytes] | None = None, *, level: str = "full") -> None:
-        if level not in EVENT_LEVELS:
-            raise ValueError(f"event log level {level!r}: one of {', '.join(EVENT_LEVELS)}")
-        self.sink = sink
-        self.level = level
-        self.detail = level == "full"  # tile, GEMM and coordinator records
-        self.steps = level != "off"  # step, device_step, OOM and frequency records
-        self.count = 0  # lines written
-        self.records = 0  # records offered, kept or not: how far the timeline has got
-        self._hash = hashlib.sha256()
-        # texts ``tile`` made already (see there)
-        self._levels: dict[float | None, str] = {None: "null"}  # clock levels
-        self._ends: dict[int, tuple[float, str]] = {}  # device → its last download's end
-        self._start: tuple[float | None, str] = (None, "")  # the last new download start
-
-    def write(self, record: dict[str, Any]) -> None:
-        """A record kept at the ``steps`` level and above."""
-        self.records += 1
-        if self.steps:
-            self._line(json.dumps(record, separators=(",", ":")))
-
-    @staticmethod
-    def tile_head(job: int, gemm: int, step: int) -> str:
-        """The start of the records of a GEMM's tiles, for ``tile``: the fields they share."""
-        return f'{{"ev":"tile","job":{job},"gemm":{gemm},"step":{step},'
-
-    def tile(self, head: str, seq: int, device: int, work: Work, down: Span, compute: Span,
-             up: Span, freq: float | None, temp: float | None) -> None:  # fmt: skip
-        """A tile record, formatted by hand: there is one per tile, and ``json.dumps``
-        would be a third of the engine's time. The same JSON ``write`` would give.
-
-        ``repr`` of the times is most of what is left, so a time written already is not
-        formatted again. A stage that starts when the one before it ends starts at that
-        very float object (``Fifo.serve`` returns it), and so does a download that starts
-        when the device's last one ended, or at the time the GEMM's other downloads
-        started; matched by identity, the text is the one ``repr`` gives. Clock levels and
-        the fields a GEMM's tiles share (``head``, from ``tile_head``) are written once too."""
-        self.records += 1
-        if not self.detail:
-            return
-        (down0, down1), (compute0, compute1), (up0, up1) = down, compute, up
-        end = self._ends.get(device)
-        if end is not None and end[0] is down0:
-            down_start = end[1]
-        elif self._start[0] is down0:
-            down_start = self._start[1]
-        else:
-            down_start = repr(down0)
-            self._start = (down0, down_start)
-        down_end, compute_end = repr(down1), repr(compute1)
-        self._ends[device] = (down1, down_end)
-        compute_start = down_end if compute0 is down1 else repr(compute0)
-        up_start = compute_end if up0 is compute1 else repr(up0)
-        mhz = self._levels.get(freq)
-        if mhz is None:
-            mhz = self._levels[freq] = repr(freq)
-        self._line(
-            f'{head}"tile":{seq},"device":{device},"bytes_down":{work.bytes_down},'
-            f'"bytes_up":{work.bytes_up},"down":[{down_start},{down_end}],'
-            f'"compute":[{compute_start},{compute_end}],"up":[{up_start},{up1!r}],'
-            f'"freq_mhz":{mhz},"temp_c":{"null" if temp is None else repr(temp)}}}'
-        )
-
-    def coord(self, job: int, step: int, t0: float, t1: float) -> None:
-        """A coordinator-time record, formatted by hand as ``tile``'s (one per GEMM)."""
-        self.records += 1
-        if self.detail:
-            self._line(f'{{"ev":"coord","job":{job},"step":{step},"t0":{t0!r},"t1":{t1!r}}}')
-
-    def gemm(self, job: int, gemm: int, step: int, issue: float, end: float, tiles: int,
-             last: tuple[int, int] | None, shape: tuple[int, int, int, int]) -> None:  # fmt: skip
-        """A GEMM's record, formatted by hand as ``tile``'s (one per GEMM): its issue and
-        end, and the tile back last and its device (``last``; None for an empty GEMM)."""
-        self.records += 1
-        if not self.detail:
-            return
-        last_tile, last_device = ("null", "null") if last is None else last
-        m, n, k, batch = shape
-        self._line(
-            f'{{"ev":"gemm","job":{job},"gemm":{gemm},"step":{step},"issue":{issue!r},'
-            f'"end":{end!r},"tiles":{tiles},"last_tile":{last_tile},'
-            f'"last_device":{last_device},"m":{m},"n":{n},"k":{k},"batch":{batch}}}'
-        )
-
-    def digest(self) -> str:
-        """The sha256 of the lines kept, uncompressed."""
-        return self._hash.hexdigest()
-
-    def _line(self, text: str) -> None:
-        line = (text + "\n").encode()
-        self._hash.update(line)
-        self.count += 1
-        if self.sink is not None:
-            self.sink.write(line)
-
-
-def open_event_file(path: Path) -> IO[bytes]:
-    """A gzip stream for an ``EventLog``'s lines, in memory only its buffer and the
-    compressor's window. Modification time 0: the same run gives the same bytes."""
-    return io.BufferedWriter(gzip.GzipFile(path, "wb", COMPRESS_LEVEL, mtime=0), WRITE_BUFFER)
 
 
 @dataclass(slots=True)
@@ -225,7 +104,7 @@ class StepTimes:
     link_up: int
     oom: int
     gemm_s: float = 0.0  # its GEMMs' issue to end, summed
-    # its GEMMs' critical paths (``report.critical_breakdown``), summed
+    # its GEMMs' critical paths (``eventlog.critical_breakdown``), summed
     critical: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COMPONENTS, 0.0))
     devices: dict[int, DeviceTotals] = field(default_factory=dict)  # for a ``steps`` log
 

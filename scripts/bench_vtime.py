@@ -32,9 +32,10 @@ from pathlib import Path
 import numpy as np
 from benchlib import run_meta, write_results
 from morphling.devices.profiles import BUILTIN
+from morphling.proxy.eventlog import EventLog
 from morphling.proxy.messages import Gemm
 from morphling.proxy.partition import make_task
-from morphling.proxy.timeline import EventLog, Timeline
+from morphling.proxy.timeline import Timeline
 
 STAGES = 3  # download, compute, upload
 FLEET_1000 = "rpi4:400,rpi5:300,orin-nano:200,jetson-nano:100"

@@ -16,10 +16,11 @@ from morphling.devices.compute_model import GemmShape
 from morphling.devices.links import LINKS
 from morphling.devices.profiles import BUILTIN, DeviceProfile
 from morphling.proxy.engine import Clock, Fifo
+from morphling.proxy.eventlog import EventLog
 from morphling.proxy.messages import Gemm
 from morphling.proxy.partition import GemmTask, make_task
 from morphling.proxy.placement import Placement
-from morphling.proxy.timeline import Bottleneck, EventLog, Timeline
+from morphling.proxy.timeline import Bottleneck, Timeline
 from morphling.proxy.vdevice import Work
 
 MB = 1e6
