@@ -20,9 +20,6 @@ if TYPE_CHECKING:  # the report imports this module: it need not load the engine
     from .vdevice import Work
 
 RUN_FILE, EVENTS_FILE = "run.json", "events.jsonl"
-COMPRESSED_EVENTS_FILE = EVENTS_FILE + ".gz"  # what the engine writes; older runs: EVENTS_FILE
-# What the engine logs: every record; each step's and each device's totals per step; nothing.
-EVENT_LEVELS = ("full", "steps", "off")
 # The critical tile of a GEMM, from issue to its result back: these sum to the GEMM's time.
 COMPONENTS = (
     "link_queue_s",
@@ -32,6 +29,16 @@ COMPONENTS = (
     "upload_queue_s",
     "upload_s",
 )
+COMPRESSED_EVENTS_FILE = EVENTS_FILE + ".gz"  # what the engine writes; older runs: EVENTS_FILE
+# What the engine logs: every record of each job's first ``DETAIL_STEPS`` steps and the
+# totals of the others; every record; each step's and each device's totals per step; nothing.
+EVENT_LEVELS = ("auto", "full", "steps", "off")
+# With ``auto``: enough steps for the trace, the timeline and the stragglers of a run's
+# start, a bounded log however long the run (docs/REPORTS.md has the sizes).
+DETAIL_STEPS = 1000
+# What a step record carries beside its times: what stands for its tiles, GEMMs and
+# coordinator spans where the log does not keep them.
+STEP_TOTALS = ("tiles", "coord_s", "gemm_s", "bytes_down", "bytes_up", *COMPONENTS)
 # gzip's fastest level: the engine writes a line per tile, and higher levels cost several
 # times the time of formatting the line for a fifth less size (docs/REPORTS.md).
 COMPRESS_LEVEL = 1
@@ -56,18 +63,23 @@ class EventLog:
     """The timeline's records, one JSON object per line, hashed as written.
 
     ``level`` (``EVENT_LEVELS``) says which records are kept: ``full``, every one;
-    ``steps``, those of steps, devices' totals per step, OOMs and frequency changes
-    (``Timeline`` writes the totals at that level only); ``off``, none. The hash of the
-    lines kept is what the determinism tests compare and run.json records; ``sink`` (a
+    ``steps``, those of steps, devices' totals per step, OOMs and frequency changes;
+    ``auto``, every one of each job's first ``detail_steps`` steps and, of later steps, what
+    ``steps`` keeps; ``off``, none. ``detail`` says which steps keep their tiles, GEMMs and
+    coordinator spans; ``Timeline`` writes the devices' totals of the others. The hash of
+    the lines kept is what the determinism tests compare and run.json records; ``sink`` (a
     binary file: the server's is compressed) is what ``morphling report`` reads.
     """
 
-    def __init__(self, sink: IO[bytes] | None = None, *, level: str = "full") -> None:
+    def __init__(self, sink: IO[bytes] | None = None, *, level: str = "full",
+                 detail_steps: int = DETAIL_STEPS) -> None:  # fmt: skip
         if level not in EVENT_LEVELS:
             raise ValueError(f"event log level {level!r}: one of {', '.join(EVENT_LEVELS)}")
+        if detail_steps < 1:
+            raise ValueError(f"event log detail_steps {detail_steps}: must be >= 1")
         self.sink = sink
         self.level = level
-        self.detail = level == "full"  # tile, GEMM and coordinator records
+        self.detail_steps = detail_steps
         self.steps = level != "off"  # step, device_step, OOM and frequency records
         self.count = 0  # lines written
         self.records = 0  # records offered, kept or not: how far the timeline has got
@@ -77,18 +89,25 @@ class EventLog:
         self._ends: dict[int, tuple[float, str]] = {}  # device → its last download's end
         self._start: tuple[float | None, str] = (None, "")  # the last new download start
 
+    def detail(self, step: int) -> bool:
+        """Whether a job's ``step``-th step keeps its tile, GEMM and coordinator records
+        (else the step's and its devices' totals stand for them, as at ``steps``)."""
+        return self.level == "full" or (self.level == "auto" and step <= self.detail_steps)
+
     def write(self, record: dict[str, Any]) -> None:
         """A record kept at the ``steps`` level and above."""
         self.records += 1
         if self.steps:
             self._line(json.dumps(record, separators=(",", ":")))
 
-    @staticmethod
-    def tile_head(job: int, gemm: int, step: int) -> str:
-        """The start of the records of a GEMM's tiles, for ``tile``: the fields they share."""
+    def tile_head(self, job: int, gemm: int, step: int) -> str | None:
+        """The start of the records of a GEMM's tiles, for ``tile``: the fields they share;
+        None when their step keeps no tile records."""
+        if not self.detail(step):
+            return None
         return f'{{"ev":"tile","job":{job},"gemm":{gemm},"step":{step},'
 
-    def tile(self, head: str, seq: int, device: int, work: Work, down: Span, compute: Span,
+    def tile(self, head: str | None, seq: int, device: int, work: Work, down: Span, compute: Span,
              up: Span, freq: float | None, temp: float | None) -> None:  # fmt: skip
         """A tile record, formatted by hand: there is one per tile, and ``json.dumps``
         would be a third of the engine's time. The same JSON ``write`` would give.
@@ -100,7 +119,7 @@ class EventLog:
         started; matched by identity, the text is the one ``repr`` gives. Clock levels and
         the fields a GEMM's tiles share (``head``, from ``tile_head``) are written once too."""
         self.records += 1
-        if not self.detail:
+        if head is None:
             return
         (down0, down1), (compute0, compute1), (up0, up1) = down, compute, up
         end = self._ends.get(device)
@@ -128,7 +147,7 @@ class EventLog:
     def coord(self, job: int, step: int, t0: float, t1: float) -> None:
         """A coordinator-time record, formatted by hand as ``tile``'s (one per GEMM)."""
         self.records += 1
-        if self.detail:
+        if self.detail(step):
             self._line(f'{{"ev":"coord","job":{job},"step":{step},"t0":{t0!r},"t1":{t1!r}}}')
 
     def gemm(self, job: int, gemm: int, step: int, issue: float, end: float, tiles: int,
@@ -136,7 +155,7 @@ class EventLog:
         """A GEMM's record, formatted by hand as ``tile``'s (one per GEMM): its issue and
         end, and the tile back last and its device (``last``; None for an empty GEMM)."""
         self.records += 1
-        if not self.detail:
+        if not self.detail(step):
             return
         last_tile, last_device = ("null", "null") if last is None else last
         m, n, k, batch = shape

@@ -107,10 +107,16 @@ class RunConfig:
     )
     events: str = _opt(
         EmulatorConfig.events,
-        "what the run directory's event log keeps (--embedded): full (every tile: trace, "
-        "timeline, stragglers), steps (each step's and device's totals: a fraction of the "
-        "size, for long runs) or off (none, and no report)",
+        "what the run directory's event log keeps (--embedded): auto (every tile of each "
+        "job's first --events-detail-steps steps, then each step's and device's totals: "
+        "bounded for long runs), full (every tile of every step: trace, timeline, "
+        "stragglers of any step), steps (only the totals) or off (none, and no report)",
         choices=EVENT_LEVELS,
+    )
+    events_detail_steps: int = _opt(
+        EmulatorConfig.events_detail_steps,
+        "with --events auto: the steps of each job whose every tile the log keeps",
+        min=1,
     )
     force: bool = _opt(False, "replace an earlier run in --run-dir (refused without it)")
     report: bool = _opt(True, "write the reports (summary, trace, plots) into the run directory")
@@ -244,6 +250,7 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
             bottleneck_dl_bw=cfg.bottleneck_bw,
             arena_bytes=cfg.arena_bytes,
             events=cfg.events,
+            events_detail_steps=cfg.events_detail_steps,
         )
         if cfg.block_size:
             emulator = dataclasses.replace(emulator, block_size=cfg.block_size)

@@ -630,7 +630,7 @@ class Emulator:
         if config.bottleneck_dl_bw:
             up = config.bottleneck_ul_bw or config.bottleneck_dl_bw
             bottleneck = Bottleneck(config.bottleneck_dl_bw, up)
-        log = EventLog(self._events, level=config.events)
+        log = EventLog(self._events, level=config.events, detail_steps=config.events_detail_steps)
         self.timeline = Timeline(config.policy, log=log, bottleneck=bottleneck)
         self.run_info: dict = {}  # extra keys for run.json (the command, the job's settings)
         self.allocate = pool_allocator(self.pool)
@@ -927,6 +927,7 @@ class Emulator:
             **({} if cfg.events == "off" else {
                 "event_file": COMPRESSED_EVENTS_FILE, "events": self.timeline.log.count,
                 "digest": self.timeline.log.digest()}),
+            **({"event_detail_steps": cfg.events_detail_steps} if cfg.events == "auto" else {}),
             # each job of a standalone emulator chose its own (``morphling run`` says which)
             "coordinator_time": "per job",
             **self.run_info,

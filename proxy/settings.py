@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from ..config import ConfigError
 from ..config import option as _opt
-from .eventlog import EVENT_LEVELS
+from .eventlog import DETAIL_STEPS, EVENT_LEVELS
 from .placement import POLICIES
 
 PROFILE_SOURCES = ("auto", "declared", "measured")
@@ -109,10 +109,17 @@ class EmulatorConfig:
     )
     events: str = _opt(
         "full",
-        "what the event log keeps: full (every tile, GEMM and coordinator span: the trace, "
-        "timeline and stragglers), steps (each step's and each device's totals: per-step "
-        "times, utilisation; a fraction of the size for long runs) or off (no log)",
+        "what the event log keeps: auto (every tile, GEMM and coordinator span of each "
+        "job's first --events-detail-steps steps, then each step's and each device's "
+        "totals: bounded for long runs), full (every tile of every step: the trace, "
+        "timeline and stragglers of any step), steps (only the totals: per-step times, "
+        "utilisation) or off (no log)",
         choices=EVENT_LEVELS,
+    )
+    events_detail_steps: int = _opt(
+        DETAIL_STEPS,
+        "with --events auto: the steps of each job whose every tile the log keeps",
+        min=1,
     )
     sync_timeout_s: float = _opt(
         1.0,

@@ -64,8 +64,9 @@ class Bottleneck:
 
 @dataclass(slots=True)
 class DeviceTotals:
-    """What one device did for one step of a job, for a ``steps`` log: its tiles' totals,
-    and its state at its last tile's compute start (the thermal report's sample)."""
+    """What one device did for one step of a job whose log keeps totals (the ``steps``
+    level, ``auto`` after its first steps): its tiles' totals, and its state at its last
+    tile's compute start (the thermal report's sample)."""
 
     tiles: int = 0
     bytes_down: int = 0
@@ -106,7 +107,9 @@ class StepTimes:
     gemm_s: float = 0.0  # its GEMMs' issue to end, summed
     # its GEMMs' critical paths (``eventlog.critical_breakdown``), summed
     critical: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COMPONENTS, 0.0))
-    devices: dict[int, DeviceTotals] = field(default_factory=dict)  # for a ``steps`` log
+    # its devices' totals, when the log keeps them instead of its tiles (``EventLog.detail``)
+    totals: bool = False
+    devices: dict[int, DeviceTotals] = field(default_factory=dict)
 
     @property
     def emulated_s(self) -> float:
@@ -270,7 +273,7 @@ class Timeline:
 
     def _log_step(self, job: _Job, times: StepTimes, local_gemms: int) -> None:
         """A closed step's record: its times and totals (all a ``steps`` log has of its
-        GEMMs), and at the ``steps`` level its devices' totals."""
+        GEMMs), and its devices' totals when the log keeps them instead of its tiles."""
         self.log.write({"ev": "step", "job": job.id, "step": times.step, "t0": times.t0,
                         "t1": times.t1, "gemms": times.gemms, "local_gemms": local_gemms,
                         "tiles": times.tiles, "coord_s": times.coord_s, "oom": times.oom,
@@ -329,7 +332,9 @@ class Timeline:
         first event: setting up the script is not a training step)."""
         if job.step is None:
             t0 = job.step_end if job.steps else at
-            job.step = StepTimes(job.steps + 1, t0, t0, 0.0, 0, 0, 0, 0, 0)
+            step = job.steps + 1
+            totals = self.log.steps and not self.log.detail(step)
+            job.step = StepTimes(step, t0, t0, 0.0, 0, 0, 0, 0, 0, totals=totals)
         return job.step
 
     def _coordinator(self, job: _Job, times: StepTimes, base: float, at: float) -> None:
@@ -436,8 +441,8 @@ class Timeline:
 
     def _run(self, now: float, device: VirtualDevice, head: str, work: Work,
              times: StepTimes) -> tuple[Span, Span, Span]:  # fmt: skip
-        """The tile's passage, logged (``head``: ``EventLog.tile_head``; at the ``steps``
-        level, added to its device's totals in ``times``): down the link (and the shared
+        """The tile's passage, logged (``head``: ``EventLog.tile_head``; when the log keeps
+        its step's totals, added to its device's in ``times``): down the link (and the shared
         FIFO), compute, up."""
         bottleneck, thermal = self.bottleneck, device.thermal
         if not work.bytes_down:
@@ -462,7 +467,7 @@ class Timeline:
                               device.profile.ul_lat_s)  # fmt: skip
         device.returns_at(up[1])
         self.log.tile(head, self._tiles, device.id, work, down, compute, up, freq, temp)
-        if self.log.level == "steps":
+        if times.totals:
             totals = times.devices.get(device.id)
             if totals is None:
                 totals = times.devices[device.id] = DeviceTotals()

@@ -80,9 +80,10 @@ def records(sink: io.BytesIO, kind: str) -> list[dict]:
     return [r for r in map(json.loads, sink.getvalue().splitlines()) if r["ev"] == kind]
 
 
-def new_timeline(policy: str = "greedy", level: str = "full", **kw) -> tuple[Timeline, io.BytesIO]:
+def new_timeline(policy: str = "greedy", level: str = "full", detail_steps: int = 1000,
+                 **kw) -> tuple[Timeline, io.BytesIO]:  # fmt: skip
     sink = io.BytesIO()
-    return Timeline(policy, log=EventLog(sink, level=level), **kw), sink
+    return Timeline(policy, log=EventLog(sink, level=level, detail_steps=detail_steps), **kw), sink
 
 
 # --- the core ------------------------------------------------------------------------------
@@ -372,25 +373,29 @@ def test_every_record_of_a_run_is_what_write_would_give():
         assert line == json.dumps(json.loads(line), separators=(",", ":"))
 
 
+def logged_run(level: str, **kw) -> tuple[EventLog, io.BytesIO]:
+    """Two steps of one job on two devices at ``level``: the log and what it wrote."""
+    tl, sink = new_timeline(level=level, **kw)
+    tl.add_device(0, "rpi4-0", LINKS["ideal"].apply(BUILTIN["rpi4"]))
+    tl.add_device(1, "d1", profile())
+    tl.open_job(1, "job")
+    rec, steps = Recorder(), []
+    submit(tl, rec, 1, sustained(1, 3000), block=64)  # heats the rpi4: it throttles
+    tl.mark_step(1, 1, host_s=0.25, done=steps.append)
+    submit(tl, rec, 1, task(2, 300, 500, 200), block=128, host_s=0.125)
+    submit(tl, rec, 1, task(3, 300, 500, 200), block=128, after=2, host_s=0.125)
+    tl.mark_step(1, 2, host_s=0.0, done=steps.append)
+    tl.close_job(1)
+    return tl.log, sink
+
+
 def test_levels_keep_what_they_say():
     """The same run at each level. ``steps`` keeps the step records as ``full`` writes
     them, and each device's totals per step: those of its tiles in the full log. ``off``
     keeps nothing, but counts the records: they tell the emulator the clock moved on."""
-    logs = {}
-    for level in ("full", "steps", "off"):
-        tl, sink = new_timeline(level=level)
-        tl.add_device(0, "rpi4-0", LINKS["ideal"].apply(BUILTIN["rpi4"]))
-        tl.add_device(1, "d1", profile())
-        tl.open_job(1, "job")
-        rec, steps = Recorder(), []
-        submit(tl, rec, 1, sustained(1, 3000), block=64)  # heats the rpi4: it throttles
-        tl.mark_step(1, 1, host_s=0.25, done=steps.append)
-        submit(tl, rec, 1, task(2, 300, 500, 200), block=128, host_s=0.125)
-        submit(tl, rec, 1, task(3, 300, 500, 200), block=128, after=2, host_s=0.125)
-        tl.mark_step(1, 2, host_s=0.0, done=steps.append)
-        tl.close_job(1)
-        logs[level] = (tl.log, sink)
-    (full, full_sink), (steps, steps_sink), (off, off_sink) = logs.values()
+    (full, full_sink), (steps, steps_sink), (off, off_sink) = map(
+        logged_run, ("full", "steps", "off")
+    )
     assert records(steps_sink, "freq") and records(steps_sink, "freq") == records(full_sink, "freq")
     assert records(steps_sink, "step") == records(full_sink, "step")
     kinds = {r["ev"] for r in map(json.loads, steps_sink.getvalue().splitlines())}
@@ -411,6 +416,27 @@ def test_levels_keep_what_they_say():
             last["compute"][0], last["freq_mhz"], last["temp_c"])  # fmt: skip
     assert steps.count < full.count / 4
     assert off_sink.getvalue() == b"" and off.count == 0 and off.records == full.count
+
+
+def test_auto_keeps_each_jobs_first_steps_whole_then_their_totals():
+    """``auto`` keeps every record of a job's first ``detail_steps`` steps, as ``full``
+    writes them, and of the later steps what ``steps`` keeps, the same records."""
+    _, full = logged_run("full")
+    _, steps = logged_run("steps")
+    auto_log, auto = logged_run("auto", detail_steps=1)
+    assert auto_log.detail(1) and not auto_log.detail(2)
+
+    def lines(sink: io.BytesIO, keep) -> list[str]:
+        return [line for line in sink.getvalue().decode().splitlines() if keep(json.loads(line))]
+
+    # step 1 as full has it, step 2 as steps has it; the thermal steps of both
+    expected = lines(full, lambda r: r.get("step") == 1 or r["ev"] == "freq")
+    expected += lines(steps, lambda r: r.get("step") == 2)
+    assert sorted(lines(auto, lambda r: True)) == sorted(expected)
+    step_2 = {json.loads(line)["ev"] for line in lines(auto, lambda r: r.get("step") == 2)}
+    assert step_2 == {"step", "device_step"}
+    # every step in detail: auto is full
+    assert logged_run("auto", detail_steps=2)[1].getvalue() == full.getvalue()
 
 
 # --- jobs in virtual time --------------------------------------------------------------------
