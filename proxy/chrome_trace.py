@@ -3,9 +3,11 @@
 One process per job (tracks: steps, GEMMs, coordinator) listed first, then one per
 device (tracks: downlink, compute, uplink; counters for temperature and frequency;
 OOMs as instant events), then the shared bottleneck when the run had one. Complete
-("X") events carry ts and dur in microseconds of virtual time. Events are generated
-one at a time and streamed to the file: a long run has millions of tiles. From a
-``steps`` log there are no tiles, GEMMs or coordinator spans: the header says so.
+("X") events carry ts and dur in microseconds of virtual time. The trace covers the
+steps the run was loaded for (``Run.window``: by default each job's first 50): their
+tiles, GEMMs and coordinator spans where the log has them, and the OOMs and thermal
+states of their time. Events are generated one at a time and streamed to the file.
+From a ``steps`` log there are no tiles, GEMMs or coordinator spans: the header says so.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .report import Run, thermal_samples
+from .report import Run, StepFigures, steps_text
 
 US_PER_S = 1e6
 DOWNLINK, COMPUTE, UPLINK = 1, 2, 3
@@ -57,7 +59,8 @@ def trace_events(run: Run) -> Iterator[dict[str, Any]]:
     if run.bottleneck is not None:
         yield from _process(nic_pid, "shared bottleneck", nic_pid, NIC_THREADS)
 
-    for s in run.steps:
+    steps = _steps(run)
+    for s in steps:
         yield _x(f"step {s.step}", "step", job_pid[s.job], STEPS, s.t0, s.t1,
                  gemms=s.gemms, local_gemms=s.local_gemms)  # fmt: skip
     for g in run.gemms:
@@ -83,19 +86,31 @@ def trace_events(run: Run) -> Iterator[dict[str, Any]]:
             if span is not None and (cat != "download" or span[1] > span[0]):
                 yield _x(name, cat, where, tid, *span, **args, **ids)
 
+    if not steps:
+        return
+    start, end = min(s.t0 for s in steps), max(s.t1 for s in steps)
     for o in run.ooms:
+        if not start <= o.t <= end:
+            continue
         args = {"job": o.job, "step": o.step, "gemm": o.gemm, "tile": o.tile,
                 "need_bytes": o.need_bytes, "capacity_bytes": o.capacity_bytes}  # fmt: skip
         yield {"name": "OOM", "cat": "oom", "ph": "i", "s": "t", "pid": device_pid[o.device],
                "tid": COMPUTE, "ts": o.t * US_PER_S, "args": args}  # fmt: skip
-    for device, samples in thermal_samples(run).items():
+    for device, samples in run.thermal.items():
         for t, mhz, temp in samples:
+            if not start <= t <= end:
+                continue
             if temp is not None:
                 yield {"name": "temperature (°C)", "ph": "C", "pid": device_pid[device],
                        "ts": t * US_PER_S, "args": {"temp_c": temp}}  # fmt: skip
             if mhz is not None:
                 yield {"name": "frequency (MHz)", "ph": "C", "pid": device_pid[device],
                        "ts": t * US_PER_S, "args": {"freq_mhz": mhz}}  # fmt: skip
+
+
+def _steps(run: Run) -> list[StepFigures]:
+    """The steps the trace covers."""
+    return [s for s in run.steps if s.step in run.window]
 
 
 def _header(run: Run) -> dict[str, Any]:
@@ -107,8 +122,11 @@ def _header(run: Run) -> dict[str, Any]:
             "policy": run.policy,
             "command": " ".join(run.command),
             "event_log": run.level
-            if run.level == "full"
+            if run.logged is not None
             else f"{run.level}: no tiles, GEMMs or coordinator spans (--events full has them)",
+            "steps": f"{steps_text(run.window)} of each job, tile by tile where the log has "
+            f"them ({steps_text(run.logged)}); morphling report --detail-steps A:B|all "
+            "for others",
         },
     }
 

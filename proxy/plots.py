@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .report import Run, thermal_samples
+from .report import Run
 
 # More rows than this make a timeline unreadable; the rest are named in the title.
 MAX_TIMELINE_DEVICES = 32
@@ -18,6 +18,7 @@ MAX_THERMAL_DEVICES = 16
 MAX_LEGEND_DEVICES = 10
 MAX_NAMED_TICKS = 40
 MAX_STEP_LINES = 50
+MAX_STEP_BARS = 500
 DPI = 120
 COLOURS = {"compute": "tab:blue", "downlink": "tab:green", "uplink": "tab:orange"}
 
@@ -44,11 +45,13 @@ def _steps(summary: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def plot_timeline(run: Run, summary: dict[str, Any], path: Path) -> Path | None:
-    """One row per device: compute bars, thin downlink bars above, uplink bars below; None
-    (and no file) from a ``steps`` log, which has no tiles to draw."""
+    """One row per device over the steps shown tile by tile (``Run.shows``): compute bars,
+    thin downlink bars above, uplink bars below; None (and no file) when there are none,
+    as from a ``steps`` log."""
     from matplotlib.patches import Patch
 
-    if run.level != "full":
+    steps = [s for s in run.steps if run.shows(s.step)]
+    if not run.tiles or not steps:
         return None
     shown, note = _busiest(summary, MAX_TIMELINE_DEVICES)
     row = {d["id"]: i for i, d in enumerate(shown)}
@@ -68,15 +71,18 @@ def plot_timeline(run: Run, summary: dict[str, Any], path: Path) -> Path | None:
             ("downlink", (-0.45, 0.12)), ("compute", (-0.25, 0.5)), ("uplink", (0.33, 0.12))
         ):  # fmt: skip
             ax.broken_barh(bars[device][kind], (y + offset, height), color=COLOURS[kind], **style)
-    steps = _steps(summary)
     if len(steps) <= MAX_STEP_LINES:
         for s in steps:
-            ax.axvline(s["t1"], color="black", linewidth=0.8, linestyle=":", zorder=3)
+            ax.axvline(s.t1, color="black", linewidth=0.8, linestyle=":", zorder=3)
     ax.set_yticks(range(len(shown)), [d["name"] for d in shown])
     ax.set_ylim(len(shown) - 0.5, -0.5)
-    ax.set_xlim(0, run.span_s or 1.0)
+    start, end = min(s.t0 for s in steps), max(s.t1 for s in steps)
+    ax.set_xlim(start, end if end > start else start + 1.0)
     ax.set_xlabel("virtual time (s)")
-    ax.set_title(f"Per-device timeline{note}; dotted lines end steps")
+    which = (
+        "every step" if len(steps) == len(run.steps) else f"{len(steps)} of {len(run.steps)} steps"
+    )
+    ax.set_title(f"Per-device timeline of {which}{note}; dotted lines end steps")
     ax.legend(
         handles=[Patch(color=c, label=kind) for kind, c in COLOURS.items()],
         loc="upper left",
@@ -121,7 +127,7 @@ def plot_utilisation(summary: dict[str, Any], path: Path) -> Path:
 def plot_thermal(run: Run, summary: dict[str, Any], path: Path) -> Path | None:
     """Temperature and frequency over time of the devices with a thermal model; None (and
     no file) when no device has one."""
-    samples = thermal_samples(run)
+    samples = run.thermal
     if not samples:
         return None
     shown, note = _busiest(
@@ -147,7 +153,8 @@ def plot_thermal(run: Run, summary: dict[str, Any], path: Path) -> Path | None:
 
 
 def plot_steps(summary: dict[str, Any], path: Path) -> Path:
-    """Emulated time per step, stacked: coordinator, GEMMs, and any time neither covers."""
+    """Emulated time per step, stacked: coordinator, GEMMs, and any time neither covers.
+    Bars up to ``MAX_STEP_BARS`` steps, stacked areas beyond (as many bars take minutes)."""
     steps = _steps(summary)
     jobs = len(summary["jobs"])
     labels = [str(s["step"]) if jobs == 1 else f"{s['job']}:{s['step']}" for s in steps]
@@ -156,16 +163,23 @@ def plot_steps(summary: dict[str, Any], path: Path) -> Path:
     other = [s["critical_path"]["breakdown"]["unattributed_s"] for s in steps]
     fig = _figure(max(6.0, min(16.0, 0.25 * len(steps) + 3)), 4.5)
     ax = fig.subplots()
-    x = range(len(steps))
-    ax.bar(x, coord, color="tab:gray", label="coordinator (host)")
-    ax.bar(x, gemm, bottom=coord, color="tab:blue", label="GEMMs on the fleet")
+    # one job: its step numbers; several: the steps in order, labelled job:step when few
+    x = [s["step"] for s in steps] if jobs == 1 else list(range(len(steps)))
     # Rounding leaves ~1e-16 s; only a real gap (an incomplete step) is worth a legend entry.
     longest = max((s["emulated_s"] for s in steps), default=0.0)
+    parts = [(coord, "tab:gray", "coordinator (host)"), (gemm, "tab:blue", "GEMMs on the fleet")]
     if any(o > 1e-9 * longest for o in other):
-        ax.bar(x, other, bottom=[c + g for c, g in zip(coord, gemm, strict=True)],
-               color="tab:red", label="neither (unlogged)")  # fmt: skip
+        parts.append((other, "tab:red", "neither (unlogged)"))
+    if len(steps) <= MAX_STEP_BARS:
+        bottom = [0.0] * len(steps)
+        for values, colour, label in parts:
+            ax.bar(x, values, bottom=bottom, color=colour, label=label)
+            bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    else:
+        ax.stackplot(x, *(values for values, _, _ in parts), colors=[c for _, c, _ in parts],
+                     labels=[label for _, _, label in parts], step="mid")  # fmt: skip
     if len(steps) <= MAX_NAMED_TICKS:
-        ax.set_xticks(list(x), labels)
+        ax.set_xticks(x, labels)
     ax.set_xlabel("step" if jobs == 1 else "job:step")
     ax.set_ylabel("emulated time (s)")
     ax.set_title("Emulated time per training step")

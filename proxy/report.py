@@ -1,12 +1,17 @@
 """Read a run directory the engine wrote and reduce it to what a researcher reads.
 
 The engine logs every tile, GEMM, coordinator span, step, OOM and thermal step in virtual
-time (``docs/REPORTS.md`` has the format and the definitions); a ``steps`` log keeps only
-each step's and each device's totals per step, and the report leaves out (and says so) what
-needs the rest. ``load_run`` checks the log as a whole, not line by line only: a report
-built on an inconsistent log would be quietly wrong, so a contradiction is an error naming
-the line. ``summarize`` computes the figures that ``summary.json``, the text table, the
-trace and the plots all share.
+time (``docs/REPORTS.md`` has the format and the definitions), for every step (``full``),
+for each job's first steps and then each step's and each device's totals (``auto``), or
+totals only (``steps``); the report leaves out, and says so, what needs tiles it lacks.
+
+``load_run`` reads the log once, as a stream, and reduces each record as it comes to the
+figures of its step and its device; it keeps the records themselves only for the steps
+the reports show tile by tile (``StepRange``: by default each job's first
+``DETAIL_WINDOW``), so a long run costs memory per step, not per tile. It checks the log as
+a whole, not line by line only: a report built on an inconsistent log would be quietly
+wrong, so a contradiction is an error naming the line. ``summarize`` computes the figures
+that ``summary.json``, the text table, the trace and the plots all share.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import math
 import statistics
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +34,7 @@ from .eventlog import (
     EVENT_LEVELS,
     EVENTS_FILE,
     RUN_FILE,
+    STEP_TOTALS,
     critical_breakdown,
 )
 
@@ -38,6 +44,9 @@ STEPS_LOG_LACKS = (
 )
 SUMMARY_FILE, TRACE_FILE = "summary.json", "trace.json"
 FORMAT_VERSION = 1
+# The steps of each job the trace, timeline.png and the critical-path segments show by
+# default: what one looks at, in files that stay small however long the run.
+DETAIL_WINDOW = 50
 # A device straggles when, over the GEMMs it takes part in, it finishes on average this
 # fraction of the GEMM's duration after the median device: each such GEMM would have been
 # that much shorter had it kept pace with the median.
@@ -59,13 +68,62 @@ _SUMMED = (
     "bytes_up",
     "oom",
 )
+OTHER_STEPS = (
+    "morphling report RUN_DIR --detail-steps A:B (or all): other steps the log has tiles for"
+)
+# A device's lateness values are summed (math.fsum) into one past this many: its mean then
+# costs memory per device, not per GEMM, for a rounding error per this many values.
+LATENESS_KEPT = 4096
 
 Interval = tuple[float, float]
 Rate = float  # bytes/s: the ``ideal`` link preset's is infinite
+Sample = tuple[float, float | None, float | None]  # a device's (t, MHz, °C)
 
 
 class RunError(ValueError):
     """A directory that is not a run, or a run whose files are garbled or inconsistent."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepRange:
+    """Steps ``first`` to ``last`` of each job, both included; None: unbounded."""
+
+    first: int | None = None
+    last: int | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> StepRange:
+        """``A:B``, ``A:``, ``:B``, ``N`` or ``all``; ValueError saying what is wrong."""
+        if text == "all":
+            return cls()
+        first, colon, last = text.partition(":")
+        try:
+            a = int(first) if first else None
+            b = (int(last) if last else None) if colon else a
+        except ValueError:
+            a = b = -1
+        if (a is None and not colon) or (a is not None and a < 0) or (b is not None and b < 0):
+            raise ValueError(f"{text!r} is not A:B, A:, :B, N or all (step numbers >= 0)")
+        if a is not None and b is not None and b < a:
+            raise ValueError(f"{text!r} ends before it starts")
+        return cls(a, b)
+
+    def __contains__(self, step: int) -> bool:
+        return (self.first is None or step >= self.first) and (
+            self.last is None or step <= self.last
+        )
+
+    def __str__(self) -> str:
+        if self.first is None and self.last is None:
+            return "all"
+        if self.first == self.last:
+            return str(self.first)
+        return (
+            f"{'' if self.first is None else self.first}:{'' if self.last is None else self.last}"
+        )
+
+
+DEFAULT_DETAIL = StepRange(None, DETAIL_WINDOW)
 
 
 # -- the log's records -----------------------------------------------------------------------
@@ -121,8 +179,8 @@ class Gemm:
     issue: float
     end: float
     tiles: int
-    last_tile: int
-    last_device: int
+    last_tile: int | None  # None: an empty GEMM (no output, no tiles)
+    last_device: int | None
     m: int
     n: int
     k: int
@@ -205,28 +263,89 @@ class Freq:
     temp_c: float | None
 
 
+# -- what the log reduces to -----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class StepFigures:
+    """One step of one job: from its tiles, GEMMs and coordinator spans where the log
+    keeps them, else from its step record's totals. A step with no step record (the
+    script stopped inside it) spans its logged events and is ``complete`` False."""
+
+    job: int
+    step: int
+    complete: bool
+    t0: float
+    t1: float
+    coord_s: float
+    gemm_s: float
+    gemms: int  # on the fleet (an empty GEMM, with no tiles, is not)
+    local_gemms: int
+    tiles: int
+    bytes_down: int
+    bytes_up: int
+    oom: int
+    critical: tuple[float, ...]  # its GEMMs' critical paths summed, as ``COMPONENTS``
+    last_in: tuple[tuple[int, int], ...]  # (device, GEMMs whose critical tile it ran)
+    detail: bool  # the log has its tiles, GEMMs and coordinator spans
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceFigures:
+    """One device over the run. ``gemms``, ``expected_last``, ``lateness`` and
+    ``last_in_detail`` are over the GEMMs of the steps whose tiles the log has."""
+
+    tiles: int = 0
+    busy_s: float = 0.0  # compute; a device's stages are FIFOs: its tiles' durations, summed
+    down_s: float = 0.0
+    up_s: float = 0.0
+    bytes_down: int = 0
+    bytes_up: int = 0
+    top_freq_mhz: float | None = None  # the highest frequency logged
+    last_in: int = 0  # GEMMs whose critical tile it ran, every step
+    gemms: int = 0  # GEMMs it took part in
+    expected_last: float = 0.0  # sum of 1/participants over them
+    lateness: float | None = None  # mean, over those it shared with another device
+    last_in_detail: int = 0
+
+
 @dataclass(frozen=True, slots=True)
 class Run:
-    """A loaded, checked run directory. Times are virtual seconds from the run's start."""
+    """A loaded, checked run directory. Times are virtual seconds from the run's start.
+
+    ``tiles``, ``gemms`` and ``coords`` are the records of the steps the reports show tile
+    by tile (``shows``): those in ``window`` that the log has tiles for (``logged``)."""
 
     path: Path
     policy: str
     block: int
     coordinator_time: str
-    level: str  # "full" or "steps" (``EVENT_LEVELS``)
+    level: str  # ``EVENT_LEVELS`` but off
+    logged: StepRange | None  # the steps whose tiles the log has (None: none)
+    window: StepRange  # the steps asked for in detail
     bottleneck: dict[str, float] | None
     command: tuple[str, ...]
     fleet: tuple[Device, ...]
     jobs: tuple[Job, ...]
+    steps: tuple[StepFigures, ...]  # every step, by job and step
+    devices: dict[int, DeviceFigures]  # by id, those that did something
+    thermal: dict[int, list[Sample]]  # by device with a thermal model, in time order
+    nic_busy_s: Interval | None  # the shared bottleneck's (down, up), when every tile is logged
     tiles: tuple[Tile, ...]
     gemms: tuple[Gemm, ...]
     coords: tuple[Coord, ...]
-    steps: tuple[Step, ...]
     ooms: tuple[Oom, ...]
-    freqs: tuple[Freq, ...]
-    device_steps: tuple[DeviceStep, ...]
     span_s: float  # the last thing that happened
     incomplete: str | None = None  # why the run ended early (SIGTERM, ...), None when it did not
+
+    def shows(self, step: int) -> bool:
+        """Whether the reports show this step tile by tile."""
+        return step in self.window and self.logged is not None and step in self.logged
+
+    @property
+    def every_step_logged(self) -> bool:
+        """The log has the tiles of every step (``full``; ``auto`` for a short run)."""
+        return self.logged is not None and all(s.detail for s in self.steps)
 
 
 # -- field checks: one per field type, shared by every record ------------------------------
@@ -315,12 +434,11 @@ _KINDS: dict[str, type] = {
     "freq": Freq,
     "device_step": DeviceStep,
 }
-# What a ``steps`` log's step records must have: the totals that stand for its other records.
-STEP_TOTALS = tuple(f.name for f in fields(Step) if f.default is None)
 
 
-def load_run(path: str | Path) -> Run:
-    """The run in directory ``path``, checked; RunError (a ValueError) says what is wrong."""
+def load_run(path: str | Path, detail: StepRange = DEFAULT_DETAIL) -> Run:
+    """The run in directory ``path``, checked, with the records of the steps in ``detail``
+    that the log has tiles for; RunError (a ValueError) says what is wrong."""
     root = Path(path)
     meta_file = root / RUN_FILE
     if not root.is_dir():
@@ -331,7 +449,7 @@ def load_run(path: str | Path) -> Run:
     if meta["event_log"] == "off":
         raise RunError(
             f"{root} was run with --events off: it has no event log to report on (run it "
-            "with --events full or --events steps for a report)"
+            "with --events auto, full or steps for a report)"
         )
     events_file = root / meta["event_file"]
     if not events_file.is_file():
@@ -344,35 +462,20 @@ def load_run(path: str | Path) -> Run:
                 raise ValueError(f"field {what!r} repeats an id: {ids}")
     except ValueError as exc:
         raise RunError(f"{meta_file}: {exc}") from exc
-    records = _read_events(events_file, meta)
-    ends = [t.up[1] for t in records[Tile]] + [g.end for g in records[Gemm]]
-    ends += [e.t1 for e in (*records[Coord], *records[Step])]
-    ends += [e.t for e in (*records[Oom], *records[Freq])]
-    run = Run(
-        path=root,
-        policy=meta["policy"],
-        block=meta["block"],
-        coordinator_time=meta["coordinator_time"],
-        level=meta["event_log"],
-        bottleneck=meta["bottleneck"],
-        command=tuple(meta["command"]),
-        fleet=fleet,
-        jobs=jobs,
-        tiles=tuple(records[Tile]),
-        gemms=tuple(records[Gemm]),
-        coords=tuple(records[Coord]),
-        steps=tuple(records[Step]),
-        ooms=tuple(records[Oom]),
-        freqs=tuple(records[Freq]),
-        device_steps=tuple(records[DeviceStep]),
-        span_s=max(ends, default=0.0),
-        incomplete=meta.get("incomplete"),
-    )
+    reader = _Reader(fleet, jobs, meta["event_log"], logged_steps(meta), detail)
+    _read_events(events_file, meta, reader)
     try:
-        _check(run)
+        return reader.run(root, meta)
     except ValueError as exc:
         raise RunError(f"{events_file} {exc}") from exc
-    return run
+
+
+def logged_steps(meta: dict[str, Any]) -> StepRange | None:
+    """The steps of each job whose tiles a log at run.json's level has (None: none)."""
+    level = meta["event_log"]
+    if level == "auto":
+        return StepRange(None, meta["event_detail_steps"])
+    return StepRange() if level == "full" else None
 
 
 def _list(meta: dict[str, Any], key: str) -> list[Any]:
@@ -401,6 +504,8 @@ def _read_meta(meta_file: Path) -> dict[str, Any]:
         level = meta.setdefault("event_log", "full")  # older engines logged everything
         if level not in EVENT_LEVELS:
             raise ValueError(f"field 'event_log' must be one of {EVENT_LEVELS}, got {level!r}")
+        if level == "auto" and _count(meta.get("event_detail_steps"), "event_detail_steps") < 1:
+            raise ValueError("field 'event_detail_steps' must be >= 1")
         # older engines wrote it uncompressed; a name, not a path: the log is in the run
         name = meta.setdefault("event_file", EVENTS_FILE)
         if level != "off" and name not in (EVENTS_FILE, COMPRESSED_EVENTS_FILE):
@@ -428,20 +533,25 @@ def _read_meta(meta_file: Path) -> dict[str, Any]:
     return meta
 
 
-def _read_events(events_file: Path, meta: dict[str, Any]) -> dict[type, list[Any]]:
-    """Every known event, by record type; unknown kinds are skipped (newer engines). When
-    run.json has the log's line count (``events``) and sha256 (``digest``, of the lines
-    uncompressed), they must match: a log cut short by a crash or edited afterwards is not
-    silently reported on. A compressed log is read as a stream, as it was written."""
-    records: dict[type, list[Any]] = {cls: [] for cls in _KINDS.values()}
+def _read_events(events_file: Path, meta: dict[str, Any], reader: _Reader) -> None:
+    """Hand every known event to ``reader``, in log order; unknown kinds are skipped (newer
+    engines). When run.json has the log's line count (``events``) and sha256 (``digest``,
+    of the lines uncompressed), they must match: a log cut short by a crash or edited
+    afterwards is not silently reported on. A compressed log is read as a stream, as it
+    was written."""
     digest, line = hashlib.sha256(), 0
-    steps = meta["event_log"] == "steps"
     opener = gzip.open if events_file.name.endswith(".gz") else open
     try:
         with opener(events_file, "rb") as f:
             for line, raw in enumerate(f, 1):
                 digest.update(raw)
-                _read_event(raw, f"{events_file} line {line}", line, records, steps)
+                record = _read_event(raw, f"{events_file} line {line}", line)
+                if record is None:
+                    continue
+                try:
+                    reader.add(record)
+                except ValueError as exc:
+                    raise RunError(f"{events_file} {exc}") from exc
     except (OSError, EOFError, gzip.BadGzipFile) as exc:  # EOFError: a stream cut short
         raise RunError(f"{events_file}: cannot read it: {exc}") from exc
     if meta.get("events", line) != line:
@@ -451,14 +561,13 @@ def _read_events(events_file: Path, meta: dict[str, Any]) -> dict[type, list[Any
         )
     if meta.get("digest", digest.hexdigest()) != digest.hexdigest():
         raise RunError(f"{events_file} does not match run.json's digest: it changed after the run")
-    return records
 
 
-def _read_event(
-    raw: bytes, where: str, line: int, records: dict[type, list[Any]], steps: bool
-) -> None:
+def _read_event(raw: bytes, where: str, line: int) -> Any:
+    """The record on this line, checked field by field; None for a blank line or a kind
+    this reader does not know."""
     if not raw.strip():
-        return
+        return None
     try:
         obj = json.loads(raw)
     except json.JSONDecodeError as exc:
@@ -469,42 +578,296 @@ def _read_event(
         raise RunError(f"{where}: not an event (a JSON object with an 'ev' string)")
     cls = _KINDS.get(obj["ev"])
     if cls is None:
-        return
+        return None
     try:
-        if steps and cls is Step:
-            missing = [name for name in STEP_TOTALS if name not in obj]
-            if missing:
-                raise ValueError(f"a steps log's step needs its totals: missing {missing}")
-        records[cls].append(_record(cls, obj, line))
+        return _record(cls, obj, line)
     except ValueError as exc:
         raise RunError(f"{where}: {obj['ev']} event: {exc}") from exc
 
 
-def _check(run: Run) -> None:
-    """Cross-event consistency; each error starts with ``line N:``."""
-    devices, jobs = {d.id for d in run.fleet}, {j.id for j in run.jobs}
-    for e in (*run.tiles, *run.ooms, *run.freqs, *run.device_steps):
-        if e.device not in devices:
-            raise ValueError(f"line {e.line}: device {e.device} is not in run.json's fleet")
-    for e in (*run.tiles, *run.gemms, *run.coords, *run.steps, *run.ooms, *run.device_steps):
-        if e.job not in jobs:
-            raise ValueError(f"line {e.line}: job {e.job} is not in run.json's jobs")
-    for t in run.tiles:
+# -- reducing the records as they come -------------------------------------------------------
+
+Span = tuple[float, float, int]  # a GEMM's or a coordinator span's (start, end, line)
+
+
+@dataclass(slots=True)
+class _StepSums:
+    """One step of one job, as its records come (in any order)."""
+
+    record: Step | None = None
+    coord_s: float = 0.0
+    gemm_s: float = 0.0
+    gemms: int = 0
+    tiles: int = 0
+    bytes_down: int = 0
+    bytes_up: int = 0
+    oom: int = 0
+    critical: list[float] | None = None  # ``COMPONENTS``, summed over its GEMMs
+    last_in: Counter[int] = field(default_factory=Counter)  # device → critical tiles
+    t0: float = math.inf  # the span of its records: an unclosed step's
+    t1: float = -math.inf
+    first: Span | None = None  # its GEMM or coordinator span that starts first
+    last: Span | None = None  # ... and the one that ends last
+    devices: dict[int, int] | None = None  # device → the line of its device_step
+    samples: dict[int, Sample] | None = None  # device → its last tile's state, when not shown
+
+    def spans(self, t0: float, t1: float) -> None:
+        self.t0, self.t1 = min(self.t0, t0), max(self.t1, t1)
+
+    def segment(self, t0: float, t1: float, line: int) -> None:
+        """A GEMM or coordinator span: it must lie inside the step."""
+        self.spans(t0, t1)
+        if self.first is None or t0 < self.first[0]:
+            self.first = (t0, t1, line)
+        if self.last is None or t1 > self.last[1]:
+            self.last = (t0, t1, line)
+
+
+@dataclass(slots=True)
+class _DeviceSums:
+    """One device, as its records come: ``DeviceFigures`` in the making."""
+
+    tiles: int = 0
+    busy_s: float = 0.0
+    down_s: float = 0.0
+    up_s: float = 0.0
+    bytes_down: int = 0
+    bytes_up: int = 0
+    top: float | None = None
+    last_in: int = 0
+    gemms: int = 0
+    expected_last: float = 0.0
+    lateness: list[float] = field(default_factory=list)  # summed in part past LATENESS_KEPT
+    late_gemms: int = 0
+    last_in_detail: int = 0
+
+    def frequency(self, mhz: float | None) -> None:
+        if mhz is not None and (self.top is None or mhz > self.top):
+            self.top = mhz
+
+    def late(self, lateness: float) -> None:
+        self.lateness.append(lateness)
+        self.late_gemms += 1
+        if len(self.lateness) > LATENESS_KEPT:
+            self.lateness = [math.fsum(self.lateness)]
+
+    def figures(self) -> DeviceFigures:
+        return DeviceFigures(
+            self.tiles, self.busy_s, self.down_s, self.up_s, self.bytes_down, self.bytes_up,
+            self.top, self.last_in, self.gemms, self.expected_last,
+            math.fsum(self.lateness) / self.late_gemms if self.late_gemms else None,
+            self.last_in_detail,
+        )  # fmt: skip
+
+
+@dataclass(slots=True)
+class _GemmTiles:
+    """A GEMM's record and its tiles, kept until all have come (the engine logs the tiles
+    first): its critical tile and every device's finish need them all."""
+
+    record: Gemm | None = None
+    tiles: dict[int, Tile] = field(default_factory=dict)
+
+
+class _Reader:
+    """Reduces a log's records, given in any order, to a ``Run`` (see ``load_run``).
+
+    Errors are ValueErrors starting ``line N:``. Each record is checked as it comes
+    (its device and job exist, its step keeps tiles or totals as the level says, no tile,
+    GEMM, step or device_step twice), each GEMM once its tiles are in, each step at the
+    end (its GEMMs and coordinator spans inside it, the steps of a job apart); GEMMs and
+    coordinator spans are checked for overlaps among the records kept (the steps shown)."""
+
+    def __init__(self, fleet: tuple[Device, ...], jobs: tuple[Job, ...], level: str,
+                 logged: StepRange | None, window: StepRange) -> None:  # fmt: skip
+        self.fleet, self.jobs = fleet, jobs
+        self.device_ids, self.job_ids = {d.id for d in fleet}, {j.id for j in jobs}
+        self.level, self.logged, self.window = level, logged, window
+        self.steps: dict[tuple[int, int], _StepSums] = {}
+        self.devices: dict[int, _DeviceSums] = defaultdict(_DeviceSums)
+        self.gemm_tiles: dict[tuple[int, int], _GemmTiles] = {}
+        self.samples: dict[int, list[Sample]] = defaultdict(list)
+        self.nic: tuple[list[Interval], list[Interval]] = ([], [])
+        self.tiles: list[Tile] = []
+        self.gemms: list[Gemm] = []
+        self.coords: list[Coord] = []
+        self.ooms: list[Oom] = []
+        self.span_s = 0.0
+        self._add: dict[type, Callable[[Any], None]] = {
+            Tile: self._tile, Gemm: self._gemm, Coord: self._coord, Step: self._step,
+            DeviceStep: self._device_step, Oom: self._oom, Freq: self._freq,
+        }  # fmt: skip
+
+    def add(self, record: Any) -> None:
+        self._add[type(record)](record)
+
+    # -- records ------------------------------------------------------------------------
+
+    def _tile(self, t: Tile) -> None:
+        self._known(t.line, job=t.job, device=t.device)
         if t.compute[0] < t.down[1] or t.up[0] < t.compute[1]:
             raise ValueError(
                 f"line {t.line}: tile {t.tile} of gemm {t.gemm} is out of order: down {t.down}, "
                 f"compute {t.compute}, up {t.up}"
             )
-    tiles = _unique(run.tiles, lambda t: (t.job, t.gemm, t.tile), "tile")
-    _unique(run.gemms, lambda g: (g.job, g.gemm), "gemm")
-    steps = _unique(run.steps, lambda s: (s.job, s.step), "step")
-    _unique(run.device_steps, lambda d: (d.job, d.step, d.device), "device_step")
-    for d in run.device_steps:
-        if (d.job, d.step) not in steps:
-            raise ValueError(f"line {d.line}: device_step of job {d.job} step {d.step}, "
-                             "which is not logged")  # fmt: skip
-    for g in run.gemms:
-        last = tiles.get((g.job, g.gemm, g.last_tile))
+        shown = self._detailed(t.line, "tile", t.job, t.step)
+        step = self._sums(t.job, t.step)
+        step.tiles += 1
+        step.bytes_down += t.bytes_down
+        step.bytes_up += t.bytes_up
+        step.spans(t.down[0], t.up[1])
+        device = self.devices[t.device]
+        device.tiles += 1
+        device.bytes_down += t.bytes_down
+        device.bytes_up += t.bytes_up
+        device.busy_s += t.compute[1] - t.compute[0]
+        device.down_s += t.down[1] - t.down[0]
+        device.up_s += t.up[1] - t.up[0]
+        device.frequency(t.freq_mhz)
+        if t.freq_mhz is not None or t.temp_c is not None:
+            sample = (t.compute[0], t.freq_mhz, t.temp_c)
+            if shown:  # every tile's state
+                self.samples[t.device].append(sample)
+            else:  # the step's last tile's, as a steps log has it
+                step.samples = step.samples or {}
+                if sample[0] >= step.samples.get(t.device, sample)[0]:
+                    step.samples[t.device] = sample
+        for nic, span in zip(self.nic, (t.nic_down, t.nic_up), strict=True):
+            if span is not None:
+                nic.append(span)
+        mine = self.gemm_tiles.setdefault((t.job, t.gemm), _GemmTiles())
+        if t.tile in mine.tiles:
+            raise ValueError(f"line {t.line}: repeats the tile of line {mine.tiles[t.tile].line}")
+        mine.tiles[t.tile] = t
+        if shown:
+            self.tiles.append(t)
+        self.span_s = max(self.span_s, t.up[1])
+        self._gemm_done(t.job, t.gemm, mine)
+
+    def _gemm(self, g: Gemm) -> None:
+        self._known(g.line, job=g.job)
+        if g.end < g.issue:
+            raise ValueError(f"line {g.line}: gemm {g.gemm} ends at {g.end}, before its issue")
+        shown = self._detailed(g.line, "gemm", g.job, g.step)
+        step = self._sums(g.job, g.step)
+        step.gemm_s += g.end - g.issue
+        if g.tiles:  # an empty GEMM (no output) is not on the fleet
+            step.gemms += 1
+        step.segment(g.issue, g.end, g.line)
+        mine = self.gemm_tiles.setdefault((g.job, g.gemm), _GemmTiles())
+        if mine.record is not None:
+            raise ValueError(f"line {g.line}: repeats the gemm of line {mine.record.line}")
+        mine.record = g
+        if shown:
+            self.gemms.append(g)
+        self.span_s = max(self.span_s, g.end)
+        self._gemm_done(g.job, g.gemm, mine)
+
+    def _coord(self, c: Coord) -> None:
+        self._known(c.line, job=c.job)
+        if c.t1 < c.t0:
+            raise ValueError(f"line {c.line}: coord ends at {c.t1}, before it starts")
+        shown = self._detailed(c.line, "coord", c.job, c.step)
+        step = self._sums(c.job, c.step)
+        step.coord_s += c.t1 - c.t0
+        step.segment(c.t0, c.t1, c.line)
+        if shown:
+            self.coords.append(c)
+        self.span_s = max(self.span_s, c.t1)
+
+    def _step(self, s: Step) -> None:
+        self._known(s.line, job=s.job)
+        if s.t1 < s.t0:
+            raise ValueError(f"line {s.line}: step {s.step} ends at {s.t1}, before it starts")
+        step = self._sums(s.job, s.step)
+        if step.record is not None:
+            raise ValueError(f"line {s.line}: repeats the step of line {step.record.line}")
+        if not self._logs_tiles(s.step):
+            missing = [name for name in STEP_TOTALS if getattr(s, name) is None]
+            if missing:
+                raise ValueError(f"line {s.line}: step event: a step whose tiles the log does "
+                                 f"not keep needs its totals: missing {missing}")  # fmt: skip
+        step.record = s
+        self.span_s = max(self.span_s, s.t1)
+
+    def _device_step(self, d: DeviceStep) -> None:
+        self._known(d.line, job=d.job, device=d.device)
+        if self._logs_tiles(d.step):
+            raise ValueError(f"line {d.line}: device_step of job {d.job} step {d.step}, whose "
+                             "tiles the log keeps")  # fmt: skip
+        step = self._sums(d.job, d.step)
+        step.devices = step.devices or {}
+        if d.device in step.devices:
+            raise ValueError(
+                f"line {d.line}: repeats the device_step of line {step.devices[d.device]}"
+            )
+        step.devices[d.device] = d.line
+        step.last_in[d.device] += d.last_in
+        device = self.devices[d.device]
+        device.tiles += d.tiles
+        device.bytes_down += d.bytes_down
+        device.bytes_up += d.bytes_up
+        device.busy_s += d.compute_s
+        device.down_s += d.down_s
+        device.up_s += d.up_s
+        device.last_in += d.last_in
+        device.frequency(d.freq_mhz)
+        if d.freq_mhz is not None or d.temp_c is not None:  # its last tile's state
+            self.samples[d.device].append((d.t, d.freq_mhz, d.temp_c))
+
+    def _oom(self, o: Oom) -> None:
+        self._known(o.line, job=o.job, device=o.device)
+        step = self._sums(o.job, o.step)
+        step.oom += 1
+        step.spans(o.t, o.t)
+        self.ooms.append(o)
+        self.span_s = max(self.span_s, o.t)
+
+    def _freq(self, f: Freq) -> None:
+        self._known(f.line, device=f.device)
+        self.devices[f.device].frequency(f.freq_mhz)
+        self.samples[f.device].append((f.t, f.freq_mhz, f.temp_c))
+        self.span_s = max(self.span_s, f.t)
+
+    # -- helpers ------------------------------------------------------------------------
+
+    def _known(self, line: int, *, job: int | None = None, device: int | None = None) -> None:
+        if device is not None and device not in self.device_ids:
+            raise ValueError(f"line {line}: device {device} is not in run.json's fleet")
+        if job is not None and job not in self.job_ids:
+            raise ValueError(f"line {line}: job {job} is not in run.json's jobs")
+
+    def _logs_tiles(self, step: int) -> bool:
+        return self.logged is not None and step in self.logged
+
+    def _detailed(self, line: int, kind: str, job: int, step: int) -> bool:
+        """Whether the records of this step are kept (shown); an error where the log keeps
+        only the step's totals."""
+        if not self._logs_tiles(step):
+            raise ValueError(
+                f"line {line}: {kind} of job {job} step {step}, but a log at level {self.level} "
+                f"keeps tiles, GEMMs and coordinator spans for {steps_text(self.logged)}"
+            )
+        return step in self.window
+
+    def _sums(self, job: int, step: int) -> _StepSums:
+        sums = self.steps.get((job, step))
+        if sums is None:
+            sums = self.steps[job, step] = _StepSums()
+        return sums
+
+    def _gemm_done(self, job: int, gemm: int, mine: _GemmTiles) -> None:
+        if mine.record is not None and len(mine.tiles) >= mine.record.tiles:
+            del self.gemm_tiles[job, gemm]
+            self._settle(mine)
+
+    def _settle(self, mine: _GemmTiles) -> None:
+        """A GEMM whose record and tiles are in: its critical tile, its devices' finishes."""
+        g = mine.record
+        assert g is not None
+        if g.last_tile is None:  # empty: nothing ran
+            return
+        last = mine.tiles.get(g.last_tile)
         if last is None:
             raise ValueError(
                 f"line {g.line}: gemm {g.gemm}'s last_tile {g.last_tile} is not logged"
@@ -514,30 +877,88 @@ def _check(run: Run) -> None:
                 f"line {g.line}: gemm {g.gemm} (issue {g.issue}, end {g.end}, last_device "
                 f"{g.last_device}) disagrees with its last tile on line {last.line}"
             )
-    for job in jobs:
-        _no_overlap([s for s in run.steps if s.job == job], lambda s: (s.t0, s.t1), "step")
-        spans = [*(g for g in run.gemms if g.job == job), *(c for c in run.coords if c.job == job)]
-        _no_overlap(spans, _span, "gemm or coord")
-        for e in spans:
-            step = steps.get((e.job, e.step))
-            if step is not None and not step.t0 <= _span(e)[0] <= _span(e)[1] <= step.t1:
-                raise ValueError(
-                    f"line {e.line}: {_span(e)} lies outside step {e.step} {step.t0, step.t1} "
-                    f"(line {step.line})"
-                )
+        step = self.steps[g.job, g.step]
+        step.critical = step.critical or [0.0] * len(COMPONENTS)
+        for i, seconds in enumerate(critical_breakdown(g.issue, last.down, last.compute,
+                                                       last.up).values()):  # fmt: skip
+            step.critical[i] += seconds
+        step.last_in[last.device] += 1
+        self.devices[last.device].last_in += 1
+        self.devices[last.device].last_in_detail += 1
+        finish: dict[int, float] = {}  # each device's last tile back
+        for t in mine.tiles.values():
+            finish[t.device] = max(finish.get(t.device, 0.0), t.up[1])
+        for device in finish:
+            self.devices[device].gemms += 1
+            self.devices[device].expected_last += 1 / len(finish)
+        if len(finish) >= 2 and g.end > g.issue:
+            median = statistics.median(finish.values())
+            for device, t in finish.items():
+                self.devices[device].late((t - median) / (g.end - g.issue))
+
+    # -- the end ------------------------------------------------------------------------
+
+    def run(self, root: Path, meta: dict[str, Any]) -> Run:
+        """The run, once every record is in: the checks that need them all, the figures."""
+        for mine in self.gemm_tiles.values():
+            if mine.record is not None:  # fewer tiles than it says; those of a GEMM that
+                self._settle(mine)  # never ended (the run stopped) have no record
+        by_job: dict[int, list[Step]] = defaultdict(list)
+        for (job, number), step in self.steps.items():
+            if step.record is None:
+                if step.devices:
+                    raise ValueError(f"line {min(step.devices.values())}: device_step of job "
+                                     f"{job} step {number}, which is not logged")  # fmt: skip
+                continue
+            by_job[job].append(step.record)
+        kept: dict[int, list[Gemm | Coord]] = defaultdict(list)
+        for e in (*self.gemms, *self.coords):
+            kept[e.job].append(e)
+        for job in self.job_ids:
+            _no_overlap(by_job[job], lambda s: (s.t0, s.t1), "step")
+            _no_overlap(kept[job], _span, "gemm or coord")
+        for (_, number), step in self.steps.items():
+            s = step.record
+            for span in (step.first, step.last):
+                if s is not None and span is not None and not s.t0 <= span[0] <= span[1] <= s.t1:
+                    raise ValueError(f"line {span[2]}: {span[:2]} lies outside step {number} "
+                                     f"{s.t0, s.t1} (line {s.line})")  # fmt: skip
+            for device, sample in (step.samples or {}).items():
+                self.samples[device].append(sample)
+        return Run(
+            path=root, policy=meta["policy"], block=meta["block"],
+            coordinator_time=meta["coordinator_time"], level=self.level, logged=self.logged,
+            window=self.window, bottleneck=meta["bottleneck"], command=tuple(meta["command"]),
+            fleet=self.fleet, jobs=self.jobs,
+            steps=tuple(self._figures(key, self.steps[key]) for key in sorted(self.steps)),
+            devices={d: sums.figures() for d, sums in sorted(self.devices.items())},
+            thermal={d: sorted(s, key=lambda x: x[0]) for d, s in sorted(self.samples.items())},
+            nic_busy_s=(union_s(self.nic[0]), union_s(self.nic[1])),
+            tiles=tuple(self.tiles), gemms=tuple(self.gemms), coords=tuple(self.coords),
+            ooms=tuple(self.ooms), span_s=self.span_s, incomplete=meta.get("incomplete"),
+        )  # fmt: skip
+
+    def _figures(self, key: tuple[int, int], sums: _StepSums) -> StepFigures:
+        """A step's figures: from its records where the log has them (and for a step never
+        closed, from what it logged), else from its step record's totals."""
+        job, number = key
+        s, detail = sums.record, self._logs_tiles(number)
+        last_in = tuple((d, n) for d, n in sums.last_in.most_common() if n)
+        t0, t1, local = (sums.t0, sums.t1, 0) if s is None else (s.t0, s.t1, s.local_gemms)
+        if s is None or detail:
+            critical = tuple(sums.critical or [0.0] * len(COMPONENTS))
+            return StepFigures(job, number, s is not None, t0, t1, sums.coord_s, sums.gemm_s,
+                               sums.gemms, local, sums.tiles, sums.bytes_down, sums.bytes_up,
+                               sums.oom, critical, last_in, detail)  # fmt: skip
+        assert s.coord_s is not None and s.gemm_s is not None and s.tiles is not None
+        assert s.bytes_down is not None and s.bytes_up is not None  # checked: ``_step``
+        return StepFigures(job, number, True, t0, t1, s.coord_s, s.gemm_s, s.gemms, local,
+                           s.tiles, s.bytes_down, s.bytes_up, sums.oom,
+                           tuple(getattr(s, c) for c in COMPONENTS), last_in, False)  # fmt: skip
 
 
 def _span(e: Gemm | Coord) -> Interval:
     return (e.issue, e.end) if isinstance(e, Gemm) else (e.t0, e.t1)
-
-
-def _unique(events: Iterable[Any], key: Callable[[Any], tuple], what: str) -> dict[tuple, Any]:
-    seen: dict[tuple, Any] = {}
-    for e in events:
-        if key(e) in seen:
-            raise ValueError(f"line {e.line}: repeats the {what} of line {seen[key(e)].line}")
-        seen[key(e)] = e
-    return seen
 
 
 def _no_overlap(events: list[Any], span: Callable[[Any], Interval], what: str) -> None:
@@ -549,6 +970,20 @@ def _no_overlap(events: list[Any], span: Callable[[Any], Interval], what: str) -
                 f"line {after.line}: {what} {span(after)} overlaps line {before.line}'s "
                 f"{span(before)} of the same job"
             )
+
+
+def steps_text(steps: StepRange | None) -> str:
+    """A range of steps in words: 'every step', 'steps 1-50', 'steps up to 1000'."""
+    if steps is None:
+        return "no step"
+    first, last = steps.first, steps.last
+    if first is None and last is None:
+        return "every step"
+    if first == last:
+        return f"step {first}"
+    if first is None:
+        return f"steps up to {last}"
+    return f"steps from {first}" if last is None else f"steps {first}-{last}"
 
 
 # -- summarising -----------------------------------------------------------------------------
@@ -564,20 +999,6 @@ def union_s(intervals: Iterable[Interval]) -> float:
     return total
 
 
-def thermal_samples(run: Run) -> dict[int, list[tuple[float, float | None, float | None]]]:
-    """Per device with a thermal model, (t, MHz, °C) in time order: the frequency changes,
-    and each tile's state at its compute start (a ``steps`` log: the last tile's of each
-    step); a later sample wins a tie."""
-    samples: dict[int, list[tuple[float, float | None, float | None]]] = defaultdict(list)
-    for f in run.freqs:
-        samples[f.device].append((f.t, f.freq_mhz, f.temp_c))
-    for t in (*run.tiles, *run.device_steps):  # a DeviceStep's ``t`` is its compute start
-        start = t.compute[0] if isinstance(t, Tile) else t.t
-        if t.freq_mhz is not None or t.temp_c is not None:
-            samples[t.device].append((start, t.freq_mhz, t.temp_c))
-    return {d: sorted(s, key=lambda x: x[0]) for d, s in sorted(samples.items())}
-
-
 def summarize(run: Run) -> dict[str, Any]:
     """Everything the reports show, as JSON-ready data (``summary.json``)."""
     jobs = _jobs(run)
@@ -590,26 +1011,24 @@ def summarize(run: Run) -> dict[str, Any]:
         mean_utilisation=statistics.fmean(d["utilisation"] for d in devices),
     )
     names = {d.id: d.name for d in run.fleet}
-    detail = run.level == "full"  # every tile, GEMM and coordinator span is logged
     info: dict[str, Any] = {
         "path": str(run.path),
         "policy": run.policy,
         "block": run.block,
         "coordinator_time": run.coordinator_time,
         "event_log": run.level,
+        "detail": _detail(run),
         "bottleneck": run.bottleneck,
         "command": list(run.command),
         "incomplete": run.incomplete,
     }
+    every = run.every_step_logged  # the bottleneck's busy time needs every tile
     if run.bottleneck is not None:
-        nic_down = union_s(t.nic_down for t in run.tiles if t.nic_down)
-        nic_up = union_s(t.nic_up for t in run.tiles if t.nic_up)
-        info["bottleneck"] = {  # from the tiles: not known from a steps log
+        info["bottleneck"] = {
             "parameters": run.bottleneck,
-            "downlink_utilisation": _share(nic_down, run) if detail else None,
-            "uplink_utilisation": _share(nic_up, run) if detail else None,
+            "downlink_utilisation": _share(run.nic_busy_s[0], run) if every else None,
+            "uplink_utilisation": _share(run.nic_busy_s[1], run) if every else None,
         }
-    stragglers = [d for d in devices if (d["lateness"] or 0.0) >= STRAGGLER_LATENESS]
     return {
         "version": FORMAT_VERSION,
         "run": info,
@@ -619,12 +1038,8 @@ def summarize(run: Run) -> dict[str, Any]:
         "stragglers": {
             "definition": STRAGGLER_DEFINITION,
             "threshold": STRAGGLER_LATENESS,
-            "devices": [
-                {k: d[k] for k in ("id", "name", "lateness", "gemms", "last_in", "expected_last")}
-                for d in sorted(stragglers, key=lambda d: -d["lateness"])
-            ]
-            if detail
-            else None,  # a steps log has no device's finish within a GEMM
+            # a steps log has no device's finish within a GEMM
+            "devices": None if run.logged is None else _stragglers(run, devices),
         },
         "ooms": {
             "count": len(run.ooms),
@@ -646,6 +1061,36 @@ def summarize(run: Run) -> dict[str, Any]:
     }
 
 
+def _stragglers(run: Run, devices: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The devices late by ``STRAGGLER_LATENESS`` or more, latest first; ``last_in`` over
+    the GEMMs whose tiles the log has, as ``gemms`` is."""
+    late = [d for d in devices if (d["lateness"] or 0.0) >= STRAGGLER_LATENESS]
+    return [
+        {"id": d["id"], "name": d["name"], "lateness": d["lateness"], "gemms": d["gemms"],
+         "last_in": run.devices[d["id"]].last_in_detail, "expected_last": d["expected_last"]}
+        for d in sorted(late, key=lambda d: -d["lateness"])
+    ]  # fmt: skip
+
+
+def _detail(run: Run) -> dict[str, Any]:
+    """Which steps the log has tiles for, which the trace, the timeline and the segments
+    show, and how to see others."""
+    shown: dict[int, list[int]] = defaultdict(list)
+    for s in run.steps:
+        if run.shows(s.step):
+            shown[s.job].append(s.step)
+    return {
+        "logged": None if run.logged is None else str(run.logged),
+        "every_step_logged": run.every_step_logged,
+        "window": str(run.window),
+        "shown": [
+            {"job": job, "first": min(steps), "last": max(steps), "steps": len(steps)}
+            for job, steps in sorted(shown.items())
+        ],
+        "others": OTHER_STEPS,
+    }
+
+
 def _share(busy_s: float, run: Run) -> float:
     return busy_s / run.span_s if run.span_s > 0 else 0.0
 
@@ -656,247 +1101,99 @@ def _sum_rows(rows: list[dict[str, Any]], keys: Iterable[str]) -> dict[str, Any]
 
 def _jobs(run: Run) -> list[dict[str, Any]]:
     """Per job, its steps (with their critical paths) and their sums."""
-    if run.level == "steps":
-        return _jobs_from_totals(run)
-    by_step: dict[tuple[int, int], dict[str, list[Any]]] = defaultdict(lambda: defaultdict(list))
-    for kind, events in (
-        ("tiles", run.tiles),
-        ("gemms", run.gemms),
-        ("coords", run.coords),
-        ("steps", run.steps),
-        ("ooms", run.ooms),
-    ):
-        for e in events:
-            by_step[e.job, e.step][kind].append(e)
+    names = {d.id: d.name for d in run.fleet}
+    segments = _segments(run, names)
+    rows: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for s in run.steps:
+        breakdown = {"coordinator_s": s.coord_s, **dict(zip(COMPONENTS, s.critical, strict=True)),
+                     "unattributed_s": 0.0}  # fmt: skip
+        # step time no GEMM or coordinator span covers: 0 unless the step is incomplete
+        breakdown["unattributed_s"] = (s.t1 - s.t0) - sum(breakdown.values())
+        rows[s.job].append({
+            "job": s.job, "step": s.step, "complete": s.complete, "t0": s.t0, "t1": s.t1,
+            "emulated_s": s.t1 - s.t0, "coordinator_s": s.coord_s, "gemm_s": s.gemm_s,
+            "gemms": s.gemms, "local_gemms": s.local_gemms, "tiles": s.tiles,
+            "bytes_down": s.bytes_down, "bytes_up": s.bytes_up, "oom": s.oom,
+            "critical_path": {
+                "breakdown": breakdown,
+                "devices": {names[d]: n for d, n in s.last_in},
+                "segments": segments.get((s.job, s.step)) if run.shows(s.step) else None,
+            },
+        })  # fmt: skip
+    return [
+        {"id": job.id, "name": job.name, **_sum_rows(rows[job.id], _SUMMED),
+         "steps": rows[job.id]}
+        for job in run.jobs
+    ]  # fmt: skip
+
+
+def _segments(run: Run, names: dict[int, str]) -> dict[tuple[int, int], list[dict[str, Any]]]:
+    """The critical path of each step shown tile by tile: its coordinator spans and its
+    GEMMs (each followed along its critical tile), in order."""
     tiles = {(t.job, t.gemm, t.tile): t for t in run.tiles}
-    names = {d.id: d.name for d in run.fleet}
-    jobs = []
-    for job in run.jobs:
-        steps = [
-            _step(job.id, step, by_step[job.id, step], tiles, names)
-            for (j, step) in sorted(by_step)
-            if j == job.id
-        ]
-        jobs.append({"id": job.id, "name": job.name, **_sum_rows(steps, _SUMMED), "steps": steps})
-    return jobs
-
-
-def _jobs_from_totals(run: Run) -> list[dict[str, Any]]:
-    """``_jobs`` from a ``steps`` log: each step's totals as the engine summed them, its
-    critical path without its segments."""
-    names = {d.id: d.name for d in run.fleet}
-    critical: dict[tuple[int, int], Counter[str]] = defaultdict(Counter)
-    for d in run.device_steps:
-        critical[d.job, d.step][names[d.device]] += d.last_in
-    ooms = Counter((o.job, o.step) for o in run.ooms)
-    jobs = []
-    for job in run.jobs:
-        steps = []
-        for s in sorted((s for s in run.steps if s.job == job.id), key=lambda s: s.step):
-            breakdown = {"coordinator_s": s.coord_s, **{k: getattr(s, k) for k in COMPONENTS}}
-            breakdown["unattributed_s"] = 0.0  # as ``_step`` sums it: over every part
-            breakdown["unattributed_s"] = (s.t1 - s.t0) - sum(breakdown.values())
-            devices = critical[job.id, s.step]
-            steps.append({
-                "job": job.id, "step": s.step, "complete": True, "t0": s.t0, "t1": s.t1,
-                "emulated_s": s.t1 - s.t0, "coordinator_s": s.coord_s, "gemm_s": s.gemm_s,
-                "gemms": s.gemms, "local_gemms": s.local_gemms, "tiles": s.tiles,
-                "bytes_down": s.bytes_down, "bytes_up": s.bytes_up,
-                "oom": ooms[job.id, s.step],
-                "critical_path": {"breakdown": breakdown,
-                                  "devices": {n: c for n, c in devices.most_common() if c},
-                                  "segments": None},
-            })  # fmt: skip
-        jobs.append({"id": job.id, "name": job.name, **_sum_rows(steps, _SUMMED), "steps": steps})
-    return jobs
-
-
-def _step(
-    job: int,
-    step: int,
-    events: dict[str, list[Any]],
-    tiles: dict[tuple[int, int, int], Tile],
-    names: dict[int, str],
-) -> dict[str, Any]:
-    """One step's row. A step the engine did not close (the script stopped inside it) spans
-    its logged events and is marked incomplete."""
-    segments = sorted((*events["gemms"], *events["coords"]), key=_span)
-    if events["steps"]:
-        (closed,) = events["steps"]
-        t0, t1, local = closed.t0, closed.t1, closed.local_gemms
-    else:
-        spans = [_span(s) for s in segments] + [(t.down[0], t.up[1]) for t in events["tiles"]]
-        spans += [(o.t, o.t) for o in events["ooms"]]
-        t0, t1, local = min(s[0] for s in spans), max(s[1] for s in spans), 0
-    breakdown = dict.fromkeys(BREAKDOWN, 0.0)
-    path, critical = [], Counter[str]()
-    for seg in segments:
+    paths: dict[tuple[int, int], list[dict[str, Any]]] = defaultdict(list)
+    for seg in sorted((*run.gemms, *run.coords), key=_span):
+        path = paths[seg.job, seg.step]
         if isinstance(seg, Coord):
-            breakdown["coordinator_s"] += seg.t1 - seg.t0
             path.append({"kind": "coordinator", "t0": seg.t0, "t1": seg.t1})
-            continue
-        tile = tiles[seg.job, seg.gemm, seg.last_tile]
-        parts = critical_breakdown(seg.issue, tile.down, tile.compute, tile.up)
-        for k, v in parts.items():
-            breakdown[k] += v
-        critical[names[tile.device]] += 1
-        path.append(
-            {
-                "kind": "gemm",
-                "gemm": seg.gemm,
-                "t0": seg.issue,
-                "t1": seg.end,
-                "tile": tile.tile,
-                "device": tile.device,
-                "device_name": names[tile.device],
-                **parts,
-            }
-        )
-    breakdown["unattributed_s"] = (t1 - t0) - sum(breakdown.values())
-    return {
-        "job": job,
-        "step": step,
-        "complete": bool(events["steps"]),
-        "t0": t0,
-        "t1": t1,
-        "emulated_s": t1 - t0,
-        "coordinator_s": breakdown["coordinator_s"],
-        "gemm_s": sum(g.end - g.issue for g in events["gemms"]),
-        "gemms": len(events["gemms"]),
-        "local_gemms": local,
-        "tiles": len(events["tiles"]),
-        "bytes_down": sum(t.bytes_down for t in events["tiles"]),
-        "bytes_up": sum(t.bytes_up for t in events["tiles"]),
-        "oom": len(events["ooms"]),
-        "critical_path": {
-            "breakdown": breakdown,
-            "devices": dict(critical.most_common()),
-            "segments": path,
-        },
-    }
+        elif seg.last_tile is not None:  # an empty GEMM takes no time on the fleet
+            tile = tiles[seg.job, seg.gemm, seg.last_tile]
+            path.append({
+                "kind": "gemm", "gemm": seg.gemm, "t0": seg.issue, "t1": seg.end,
+                "tile": tile.tile, "device": tile.device, "device_name": names[tile.device],
+                **critical_breakdown(seg.issue, tile.down, tile.compute, tile.up),
+            })  # fmt: skip
+    return paths
 
 
 def _devices(run: Run) -> list[dict[str, Any]]:
-    """Per device: work, utilisation of compute and links, thermal state, lateness (not
-    from a ``steps`` log: it needs each tile)."""
-    work = _work(run) if run.level == "full" else _work_from_totals(run)
-    thermal = thermal_samples(run)
-    lateness, last_in, expected, gemms = _lateness(run)
-    if run.level == "steps":
-        last_in = Counter[int]()
-        for ds in run.device_steps:
-            last_in[ds.device] += ds.last_in
+    """Per device: work, utilisation of compute and links, thermal state; and, over the
+    steps whose tiles the log has (none in a ``steps`` log), GEMMs and lateness."""
+    tiled = run.logged is not None
     rows = []
     for d in run.fleet:
-        tiles, busy, down, up, bytes_down, bytes_up = work.get(d.id, (0, 0.0, 0.0, 0.0, 0, 0))
-        temps = [temp for _, _, temp in thermal.get(d.id, []) if temp is not None]
-        top, below = _below_top(thermal.get(d.id, []), run.span_s)
+        f = run.devices.get(d.id, DeviceFigures())
+        samples = run.thermal.get(d.id, [])
+        temps = [temp for _, _, temp in samples if temp is not None]
+        top, below = _below_top(samples, f.top_freq_mhz, run.span_s)
         rows.append(
             {
                 "id": d.id,
                 "name": d.name,
                 "profile": d.profile,
                 "kind": d.kind,
-                "tiles": tiles,
-                "busy_s": busy,
-                "utilisation": _share(busy, run),
-                "downlink_utilisation": _share(down, run),
-                "uplink_utilisation": _share(up, run),
-                "bytes_down": bytes_down,
-                "bytes_up": bytes_up,
+                "tiles": f.tiles,
+                "busy_s": f.busy_s,
+                "utilisation": _share(f.busy_s, run),
+                "downlink_utilisation": _share(f.down_s, run),
+                "uplink_utilisation": _share(f.up_s, run),
+                "bytes_down": f.bytes_down,
+                "bytes_up": f.bytes_up,
                 "final_temp_c": temps[-1] if temps else None,
                 "top_freq_mhz": top,
                 "below_top_s": below,
-                "gemms": gemms[d.id] if run.level == "full" else None,
-                "last_in": last_in[d.id],
-                "expected_last": expected[d.id] if run.level == "full" else None,
-                "lateness": statistics.fmean(lateness[d.id]) if lateness[d.id] else None,
+                "gemms": f.gemms if tiled else None,
+                "last_in": f.last_in,
+                "expected_last": f.expected_last if tiled else None,
+                "lateness": f.lateness,
             }
         )
     return rows
 
 
-# A device's tiles, compute, downlink and uplink busy seconds, bytes down and up.
-Work = tuple[int, float, float, float, int, int]
-
-
-def _work(run: Run) -> dict[int, Work]:
-    """Per device, from its tiles: busy seconds are the union of their stages' intervals."""
-    mine: dict[int, list[Tile]] = defaultdict(list)
-    for t in run.tiles:
-        mine[t.device].append(t)
-    return {
-        device: (
-            len(tiles),
-            union_s(t.compute for t in tiles),
-            union_s(t.down for t in tiles),
-            union_s(t.up for t in tiles),
-            sum(t.bytes_down for t in tiles),
-            sum(t.bytes_up for t in tiles),
-        )
-        for device, tiles in mine.items()
-    }
-
-
-def _work_from_totals(run: Run) -> dict[int, Work]:
-    """Per device, from its totals per step: a device's stages are FIFOs, so its tiles'
-    intervals never overlap and their union is their sum (up to float rounding)."""
-    mine: dict[int, list[DeviceStep]] = defaultdict(list)
-    for d in run.device_steps:
-        mine[d.device].append(d)
-    return {
-        device: (
-            sum(d.tiles for d in steps),
-            math.fsum(d.compute_s for d in steps),
-            math.fsum(d.down_s for d in steps),
-            math.fsum(d.up_s for d in steps),
-            sum(d.bytes_down for d in steps),
-            sum(d.bytes_up for d in steps),
-        )
-        for device, steps in mine.items()
-    }
-
-
 def _below_top(
-    samples: list[tuple[float, float | None, float | None]], span_s: float
+    samples: list[Sample], top: float | None, span_s: float
 ) -> tuple[float | None, float | None]:
     """(top MHz, seconds below it): the device starts at its top (highest logged) frequency
     and holds each logged frequency until the next one."""
-    changes = [(t, mhz) for t, mhz, _ in samples if mhz is not None]
-    if not changes:
+    if top is None:
         return None, None
-    top = max(mhz for _, mhz in changes)
     below, now, mhz_now = 0.0, 0.0, top
-    for t, mhz in [*changes, (span_s, top)]:
+    for t, mhz in [*((t, mhz) for t, mhz, _ in samples if mhz is not None), (span_s, top)]:
         if mhz_now < top:
             below += t - now
         now, mhz_now = t, mhz
     return top, below
-
-
-def _lateness(
-    run: Run,
-) -> tuple[dict[int, list[float]], Counter[int], dict[int, float], Counter[int]]:
-    """Per device: its lateness in each shared GEMM, how often it was last, how often it
-    would be last by chance (1/participants per GEMM), and how many GEMMs it took part in."""
-    finish: dict[tuple[int, int], dict[int, float]] = defaultdict(dict)
-    for t in run.tiles:
-        mine = finish[t.job, t.gemm]
-        mine[t.device] = max(mine.get(t.device, 0.0), t.up[1])
-    lateness: dict[int, list[float]] = defaultdict(list)
-    last_in, gemms = Counter[int](), Counter[int]()
-    expected: dict[int, float] = defaultdict(float)
-    for g in run.gemms:
-        done = finish[g.job, g.gemm]
-        last_in[g.last_device] += 1
-        for device in done:
-            gemms[device] += 1
-            expected[device] += 1 / len(done)
-        if len(done) >= 2 and g.end > g.issue:
-            median = statistics.median(done.values())
-            for device, t in done.items():
-                lateness[device].append((t - median) / (g.end - g.issue))
-    return lateness, last_in, expected, gemms
 
 
 # -- text ------------------------------------------------------------------------------------
@@ -934,8 +1231,10 @@ def format_summary(summary: dict[str, Any]) -> str:
     if run["event_log"] == "steps":
         out.append(
             f"event log: steps (each step's and each device's totals), so this report has no "
-            f"{STEPS_LOG_LACKS}: run with --events full for them"
+            f"{STEPS_LOG_LACKS}: run with --events auto or full for them"
         )
+    else:
+        out += _detail_text(summary)
     if run["incomplete"] is not None:
         out.append(f"incomplete: the run ended early ({run['incomplete']}); this is what it "
                    "logged until then")  # fmt: skip
@@ -991,6 +1290,7 @@ def _steps_table(summary: dict[str, Any]) -> list[str]:
 def _devices_table(summary: dict[str, Any]) -> list[str]:
     devices = sorted(summary["devices"], key=lambda d: (-d["utilisation"], d["id"]))
     shown = devices[:TOP_DEVICES]
+    every = summary["run"]["detail"]["every_step_logged"]
     rows = [
         f"devices by compute utilisation ({len(shown)} of {len(devices)}; mean "
         f"{_percent(summary['totals']['mean_utilisation'])}%):",
@@ -1003,16 +1303,39 @@ def _devices_table(summary: dict[str, Any]) -> list[str]:
             f"{_percent(d['utilisation']):>9} {_percent(d['downlink_utilisation']):>6} "
             f"{_percent(d['uplink_utilisation']):>6} {_maybe(d['final_temp_c'], '.1f'):>7} "
             f"{_maybe(d['top_freq_mhz'], '.0f'):>8} {_maybe(d['below_top_s'], '.3f'):>8} "
-            f"{_maybe(d['lateness'], '+.3f'):>9} {_last_in(d):>9}"
+            f"{_maybe(d['lateness'], '+.3f'):>9} {_last_in(d, every):>9}"
         )
     return rows
 
 
-def _last_in(device: dict[str, Any]) -> str:
-    """Critical tiles of GEMMs taken part in; their count alone from a ``steps`` log."""
-    if device["gemms"] is None:
+def _last_in(device: dict[str, Any], every: bool) -> str:
+    """Critical tiles of GEMMs taken part in; their count alone where the log lacks the
+    tiles of some steps (``every`` False), which the GEMMs taken part in need."""
+    if not every:
         return str(device["last_in"])
     return f"{device['last_in']}/{device['gemms']}"
+
+
+def _detail_text(summary: dict[str, Any]) -> list[str]:
+    """Which steps the trace, timeline.png and the critical-path segments show, when that
+    is not every step, and how to see others."""
+    detail, steps = summary["run"]["detail"], summary["totals"]["steps"]
+    shown = sum(s["steps"] for s in detail["shown"])
+    if shown == steps:
+        return []
+    which = "; ".join(
+        f"job {s['job']} steps {s['first']}-{s['last']}" if s["first"] != s["last"]
+        else f"job {s['job']} step {s['first']}"
+        for s in detail["shown"]
+    ) or "no step"  # fmt: skip
+    logged = StepRange.parse(detail["logged"])
+    return [
+        f"detail: trace.json, timeline.png and the critical-path segments show {which} of "
+        f"{steps} steps (--detail-steps {detail['window']}); the log has every tile of "
+        f"{steps_text(logged)}"
+        + ("" if logged == StepRange() else " of each job, and each step's totals after them"),
+        f"  {OTHER_STEPS.replace('RUN_DIR', summary['run']['path'])}",
+    ]
 
 
 def _stragglers_text(summary: dict[str, Any]) -> list[str]:
@@ -1020,6 +1343,8 @@ def _stragglers_text(summary: dict[str, Any]) -> list[str]:
     head = f"stragglers (lateness >= {STRAGGLER_LATENESS} of a GEMM's duration):"
     if stragglers is None:
         return [f"{head} not known from a steps log"]
+    if not summary["run"]["detail"]["every_step_logged"]:
+        head = head[:-2] + ", over the steps whose tiles the log has):"
     if not stragglers:
         return [f"{head} none"]
     return [head] + [
@@ -1046,9 +1371,11 @@ def _critical_text(step: dict[str, Any]) -> list[str]:
 # -- files -----------------------------------------------------------------------------------
 
 
-def write_reports(run_dir: str | Path, *, plots: bool = True) -> list[Path]:
+def write_reports(
+    run_dir: str | Path, *, plots: bool = True, detail: StepRange = DEFAULT_DETAIL
+) -> list[Path]:
     """Load and summarise the run in ``run_dir`` and write its reports there; their paths."""
-    run = load_run(run_dir)
+    run = load_run(run_dir, detail)
     return write_report_files(run, summarize(run), plots=plots)
 
 
@@ -1057,7 +1384,9 @@ def write_report_files(run: Run, summary: dict[str, Any], *, plots: bool = True)
     from .chrome_trace import write_trace
 
     summary_path, trace_path = run.path / SUMMARY_FILE, run.path / TRACE_FILE
-    summary_path.write_text(json.dumps(summary, indent=1) + "\n")
+    with summary_path.open("w") as f:  # written as it is encoded: a long run has many steps
+        json.dump(summary, f, indent=1)
+        f.write("\n")
     write_trace(run, trace_path)
     paths = [summary_path, trace_path]
     if plots:

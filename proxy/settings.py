@@ -108,7 +108,7 @@ class EmulatorConfig:
         "morphling report reads; empty: keep only its hash",
     )
     events: str = _opt(
-        "full",
+        "auto",
         "what the event log keeps: auto (every tile, GEMM and coordinator span of each "
         "job's first --events-detail-steps steps, then each step's and each device's "
         "totals: bounded for long runs), full (every tile of every step: the trace, "

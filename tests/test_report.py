@@ -35,6 +35,7 @@ from morphling.proxy.chrome_trace import chrome_trace
 from morphling.proxy.report import (
     BREAKDOWN,
     RunError,
+    StepRange,
     format_summary,
     load_run,
     summarize,
@@ -446,7 +447,8 @@ STEP_TOTALS = {"tiles": 0, "coord_s": 0.0, "gemm_s": 0.0, "bytes_down": 0, "byte
     [
         ([{"ev": "step", "job": JOB, "step": 0, "t0": 0.0, "t1": 1.0, "gemms": 0,
            "local_gemms": 0}],
-         r"line 1: step event: a steps log's step needs its totals: missing \['tiles'"),
+         r"line 1: step event: a step whose tiles the log does not keep needs its totals: "
+         r"missing \['tiles'"),
         ([{"ev": "step", "job": JOB, "step": 0, "t0": 0.0, "t1": 1.0, "gemms": 0,
            "local_gemms": 0, **STEP_TOTALS},
           {"ev": "device_step", "job": JOB, "step": 1, "device": 0, "tiles": 1, "bytes_down": 1,
@@ -460,6 +462,118 @@ def test_steps_log_is_checked(tmp_path: Path, events: list[dict[str, Any]], mess
     must have the totals, and each device's totals belong to a logged step."""
     with pytest.raises(RunError, match=message):
         load_run(write_run(tmp_path, events, event_log="steps"))
+
+
+def renumbered(events: list[dict[str, Any]], by: int) -> list[dict[str, Any]]:
+    """The events with their steps numbered ``by`` more (the engine's start at 1)."""
+    return [{**e, "step": e["step"] + by} if "step" in e else e for e in events]
+
+
+DEVICE_STEP = {"ev": "device_step", "job": JOB, "step": 0, "device": 0, "tiles": 1,
+               "bytes_down": 1, "bytes_up": 1, "down_s": 0.0, "compute_s": 0.0, "up_s": 0.0,
+               "last_in": 0, "t": 0.5, "freq_mhz": None, "temp_c": None}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("events", "meta", "message"),
+    [
+        # a steps log keeps no step's tiles: the first one met (the log is reversed) is wrong
+        (run_events(), {"event_log": "steps"},
+         r"line 2: step event: a step whose tiles the log does not keep needs its totals"),
+        ([e for e in run_events() if e["ev"] != "step"], {"event_log": "steps"},
+         r"line 2: coord of job 1 step 1, but a log at level steps keeps tiles, GEMMs and "
+         r"coordinator spans for no step"),
+        # auto keeps the tiles of each job's first steps (here 1), the totals of the others
+        (renumbered(run_events(), 1), {"event_log": "auto", "event_detail_steps": 1},
+         r"line 2: step event: a step whose tiles the log does not keep needs its totals"),
+        ([*run_events(), DEVICE_STEP], {}, "line 24: device_step of job 1 step 0, whose tiles "
+         "the log keeps"),
+        (run_events(), {"event_log": "auto"}, "'event_detail_steps' must be an integer >= 0"),
+        (run_events(), {"event_log": "auto", "event_detail_steps": 0},
+         "'event_detail_steps' must be >= 1"),
+    ],
+)  # fmt: skip
+def test_each_step_keeps_tiles_or_totals_as_the_level_says(
+    tmp_path: Path, events: list[dict[str, Any]], meta: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(RunError, match=message):
+        load_run(write_run(tmp_path, events, **meta))
+
+
+def test_auto_log_of_a_short_run_is_read_as_full(tmp_path: Path) -> None:
+    """A run shorter than its ``event_detail_steps`` has every tile: its report is a full
+    log's (the hand-made schedule numbers its steps from 0, the engine from 1)."""
+    events = renumbered(run_events(), 1)
+    full = summarize(load_run(write_run(tmp_path / "full", events)))
+    auto = summarize(load_run(write_run(tmp_path / "auto", events, event_log="auto",
+                                        event_detail_steps=2)))  # fmt: skip
+    assert auto["run"]["detail"] == full["run"]["detail"] | {"logged": ":2"}
+    assert auto["run"]["detail"]["every_step_logged"]
+    assert auto | {"run": full["run"]} == full
+
+
+def test_a_window_keeps_the_records_of_its_steps_only(run_dir: Path) -> None:
+    """Loaded for step 1 only: its records are kept (for the trace, the timeline, the
+    segments); step 0's are reduced as they are read, to the same figures."""
+    whole = summarize(load_run(run_dir))
+    run = load_run(run_dir, StepRange(1, 1))
+    assert {(t.step, t.gemm) for t in run.tiles} == {(1, 2)} and len(run.tiles) == 3
+    assert [g.gemm for g in run.gemms] == [2] and {c.step for c in run.coords} == {1}
+    part = summarize(run)
+    s0, s1 = part["jobs"][0]["steps"]
+    w0, w1 = whole["jobs"][0]["steps"]
+    assert s0["critical_path"].pop("segments") is None and s1 == w1
+    del w0["critical_path"]["segments"]
+    assert s0 == w0
+    for key in ("totals", "devices", "stragglers", "ooms"):
+        assert part[key] == whole[key], key
+    assert part["run"]["detail"]["shown"] == [{"job": JOB, "first": 1, "last": 1, "steps": 1}]
+    assert "show job 1 step 1 of 2 steps (--detail-steps 1)" in format_summary(part)
+    events = chrome_trace(run)["traceEvents"]
+    assert [e["name"] for e in events if e.get("cat") == "step"] == ["step 1"]
+    assert len([e for e in events if e.get("cat") == "compute"]) == 3
+    # the thermal counters of step 1's time, [6, 9]: the freq event and b-1's tile
+    assert (
+        sorted(e["ts"] for e in events if e["ph"] == "C") == [6_000_000.0] * 2 + [6_500_000.0] * 2
+    )
+
+
+def test_an_empty_gemm_is_read(tmp_path: Path) -> None:
+    """A GEMM with no output has no tiles and no last tile (null): it takes no time and is
+    not a GEMM on the fleet, but the log holds it."""
+    empty = {"ev": "gemm", "job": JOB, "gemm": 3, "step": 1, "issue": 9.0, "end": 9.0,
+             "tiles": 0, "last_tile": None, "last_device": None, "m": 0, "n": 5, "k": 3,
+             "batch": 1}  # fmt: skip
+    expected = summarize(load_run(write_run(tmp_path / "without", run_events())))
+    run = load_run(write_run(tmp_path / "with", [*run_events(), empty]))
+    assert [g.gemm for g in run.gemms if g.last_tile is None] == [3]
+    summary = summarize(run)
+    assert summary["jobs"] == expected["jobs"] and summary["totals"] == expected["totals"]
+    assert len(chrome_trace(run)["traceEvents"]) == len(chrome_trace(
+        load_run(tmp_path / "without"))["traceEvents"]) + 1  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("text", "steps", "inside", "outside"),
+    [("all", (None, None), [0, 1, 10**6], []), ("3:7", (3, 7), [3, 5, 7], [2, 8]),
+     (":50", (None, 50), [0, 1, 50], [51]), ("100:", (100, None), [100, 10**6], [99]),
+     ("7", (7, 7), [7], [6, 8]), (":", (None, None), [0, 10**6], [])],
+)  # fmt: skip
+def test_step_range(
+    text: str, steps: tuple[int | None, int | None], inside: list[int], outside: list[int]
+) -> None:
+    r = StepRange.parse(text)
+    assert (r.first, r.last) == steps and StepRange.parse(str(r)) == r
+    assert all(n in r for n in inside) and not any(n in r for n in outside)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [("", "is not A:B"), ("x:3", "is not A:B"), ("-2:3", "is not A:B"), ("9:3", "ends before")],
+)
+def test_bad_step_range(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        StepRange.parse(text)
 
 
 def test_incomplete_run(tmp_path: Path) -> None:

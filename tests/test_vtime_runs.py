@@ -6,7 +6,10 @@ same log, bit for bit (its sha256 is in ``run.json``). Every run directory is
 then reported on: summary, trace and plots, and ``morphling report`` reads it
 again. The same deterministic run with each ``--events`` level: a compressed full
 log, a ``steps`` log with the same per-step figures, no log at all; and a run
-directory as older engines left it (uncompressed) is still read.
+directory as older engines left it (uncompressed) is still read. A longer run at the
+default level, ``auto``: tiles for its first steps, totals after, the same per-step
+figures as ``full``; reports that show a window of steps (``--detail-steps`` moves it);
+a run directory that grows little per step.
 """
 
 from __future__ import annotations
@@ -77,16 +80,17 @@ def test_run_directory_is_reported_and_report_reads_it_again(tmp_path):
 
 # -- what the event log keeps (--events) --------------------------------------------------------
 
-# 30 SGD steps of a small MLP; tiles of 16 rows make each GEMM many tiles, as a large
-# model's are.
+# SGD steps of a small MLP (as many as its argument says); tiles of 16 rows make each GEMM
+# many tiles, as a large model's are.
 MLP = """\
+import sys
 import torch
 
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.ReLU(), torch.nn.Linear(96, 10))
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
-for _ in range(30):
+for _ in range(int(sys.argv[1])):
     loss = torch.nn.functional.cross_entropy(model(x), y)
     opt.zero_grad()
     loss.backward()
@@ -112,7 +116,7 @@ def levels(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, st
     runs = {}
     for level in ("full", "steps", "off"):
         proc = succeeded(morphling_run(*FLEET, "--run-dir", tmp / level, "--events", level,
-                                       "--", "python", script))  # fmt: skip
+                                       "--", "python", script, MLP_STEPS))  # fmt: skip
         runs[level] = (tmp / level, proc.stderr)
     return runs
 
@@ -199,3 +203,122 @@ def test_report_reads_an_uncompressed_log_and_refuses_a_cut_one(levels, tmp_path
     proc = report(cut, "--no-plots")
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1
     assert "events.jsonl.gz" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# -- a longer run at the default level (auto) ---------------------------------------------------
+
+DETAIL_STEPS, SHORT, LONG = 10, 60, 240  # tiles for each job's first 10 steps, then totals
+
+
+@pytest.fixture(scope="module")
+def long_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, str]]:
+    """The MLP for LONG steps at the default level and at full, and for SHORT steps at the
+    default level: run directory and stderr of each."""
+    tmp = tmp_path_factory.mktemp("long")
+    script = tmp / "mlp.py"
+    script.write_text(MLP)
+    runs = {}
+    for name, steps, level in (("auto", LONG, ()), ("short", SHORT, ()),
+                               ("full", LONG, ("--events", "full"))):  # fmt: skip
+        flags = ("--run-dir", tmp / name, "--events-detail-steps", DETAIL_STEPS, *level)
+        proc = succeeded(morphling_run(*FLEET, *flags, "--", "python", script, steps))
+        runs[name] = (tmp / name, proc.stderr)
+    return runs
+
+
+def log_records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in gzip.open(run_dir / "events.jsonl.gz", "rt")]
+
+
+def step_rows(summary: dict) -> list[dict]:
+    """Each step's row without its critical-path segments (which cover a window)."""
+    rows = [dict(s, critical_path=dict(s["critical_path"])) for s in summary["jobs"][0]["steps"]]
+    for row in rows:
+        del row["critical_path"]["segments"]
+    return rows
+
+
+def test_auto_logs_the_first_steps_tile_by_tile_then_totals(long_runs):
+    """The default level keeps every tile of each job's first steps and each step's and
+    device's totals after them; the report reads the mixed log, says so, and gives every
+    step the figures a full log gives."""
+    (auto_dir, stderr), (full_dir, _) = long_runs["auto"], long_runs["full"]
+    run = meta(auto_dir)
+    assert (run["event_log"], run["event_detail_steps"]) == ("auto", DETAIL_STEPS)
+    steps_of: dict[str, set[int]] = {}
+    for r in log_records(auto_dir):
+        steps_of.setdefault(r["ev"], set()).add(r.get("step"))
+    detailed, after = set(range(1, DETAIL_STEPS + 1)), set(range(DETAIL_STEPS + 1, LONG + 1))
+    assert steps_of["tile"] == steps_of["gemm"] == steps_of["coord"] == detailed
+    assert steps_of["device_step"] == after and steps_of["step"] == detailed | after
+    assert f"the log has every tile of steps up to {DETAIL_STEPS} of each job" in stderr
+
+    auto = json.loads(succeeded(report(auto_dir, "--json", "--no-plots")).stdout)
+    full = json.loads(succeeded(report(full_dir, "--json", "--no-plots")).stdout)
+    assert len(step_rows(auto)) == LONG and step_rows(auto) == step_rows(full)  # to the bit
+    mean = "mean_utilisation"  # of busy times, below
+    assert auto["totals"].pop(mean) == pytest.approx(full["totals"].pop(mean), rel=1e-12)
+    assert auto["totals"] == full["totals"]
+    for a, f in zip(auto["devices"], full["devices"], strict=True):
+        for key in ("tiles", "bytes_down", "bytes_up", "last_in", "final_temp_c",
+                    "top_freq_mhz", "below_top_s"):  # fmt: skip
+            assert a[key] == f[key], key
+        for key in ("busy_s", "utilisation", "downlink_utilisation", "uplink_utilisation"):
+            assert a[key] == pytest.approx(f[key], rel=1e-12), key
+    assert auto["run"]["detail"]["logged"] == f":{DETAIL_STEPS}"
+    assert not auto["run"]["detail"]["every_step_logged"]
+    assert full["run"]["detail"]["every_step_logged"]
+
+
+def shown_steps(run_dir: Path) -> tuple[list[int], set[int]]:
+    """The steps whose segments summary.json has, and those trace.json covers."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    trace = json.loads((run_dir / "trace.json").read_text())["traceEvents"]
+    segments = [s["step"] for s in summary["jobs"][0]["steps"]
+                if s["critical_path"]["segments"] is not None]  # fmt: skip
+    traced = {e["args"]["step"] for e in trace if e.get("cat") in ("compute", "gemm")}
+    traced |= {int(e["name"].split()[1]) for e in trace if e.get("cat") == "step"}
+    return segments, traced
+
+
+def test_reports_show_a_window_of_steps_and_detail_steps_moves_it(long_runs, tmp_path):
+    """trace.json, timeline.png and the segments cover each job's first 50 steps (or those
+    of them the log has tiles for); --detail-steps shows others the log has."""
+    full_dir, auto_dir = tmp_path / "full", tmp_path / "auto"  # reported on again here
+    shutil.copytree(long_runs["full"][0], full_dir)
+    shutil.copytree(long_runs["auto"][0], auto_dir)
+    first_50 = list(range(1, 51))
+    assert shown_steps(full_dir) == (first_50, set(first_50))
+    detail = json.loads((full_dir / "summary.json").read_text())["run"]["detail"]
+    assert detail["shown"] == [{"job": 1, "first": 1, "last": 50, "steps": 50}]
+    assert shown_steps(auto_dir) == (list(range(1, DETAIL_STEPS + 1)), set(range(1, 51)))
+
+    proc = succeeded(report(full_dir, "--detail-steps", "100:120"))
+    assert "show job 1 steps 100-120 of 240 steps (--detail-steps 100:120)" in proc.stdout
+    assert shown_steps(full_dir) == (list(range(100, 121)), set(range(100, 121)))
+    assert (full_dir / "timeline.png").stat().st_size > 0
+    succeeded(report(auto_dir, "--detail-steps", "all", "--no-plots"))
+    assert shown_steps(auto_dir)[0] == list(range(1, DETAIL_STEPS + 1))
+
+    # steps the log has no tiles for: said in one line, a usage error
+    refused = report(auto_dir, "--detail-steps", "100:120")
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1
+    assert f"tiles of steps up to {DETAIL_STEPS}" in refused.stderr
+    bad = report(auto_dir, "--detail-steps", "20:10")
+    assert bad.returncode == 2 and "ends before it starts" in bad.stderr
+
+
+def test_run_directory_grows_little_per_step(long_runs):
+    """At the default level, a run four times longer takes far less than four times the
+    disk: the log, the trace and the plots are bounded; the summary's rows grow."""
+    (short_dir, _), (long_dir, _) = long_runs["short"], long_runs["auto"]
+
+    def size(run_dir: Path, name: str = "*") -> int:
+        return sum(p.stat().st_size for p in run_dir.glob(name))
+
+    per_step = {n: size(d) / steps for n, d, steps in (("short", short_dir, SHORT),
+                                                       ("long", long_dir, LONG))}  # fmt: skip
+    assert per_step["long"] < per_step["short"] / 2, per_step
+    # each step after the first ones adds a fraction of what each of those took in the log
+    log_short, log_long = size(short_dir, "events.jsonl.gz"), size(long_dir, "events.jsonl.gz")
+    assert (log_long - log_short) / (LONG - SHORT) < log_short / SHORT / 4, (log_short, log_long)
