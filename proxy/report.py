@@ -587,7 +587,7 @@ def _read_event(raw: bytes, where: str, line: int) -> Any:
 
 # -- reducing the records as they come -------------------------------------------------------
 
-Span = tuple[float, float, int]  # a GEMM's or a coordinator span's (start, end, line)
+Segment = tuple[float, float, int]  # a GEMM's or a coordinator span's (start, end, line)
 
 
 @dataclass(slots=True)
@@ -606,8 +606,8 @@ class _StepSums:
     last_in: Counter[int] = field(default_factory=Counter)  # device → critical tiles
     t0: float = math.inf  # the span of its records: an unclosed step's
     t1: float = -math.inf
-    first: Span | None = None  # its GEMM or coordinator span that starts first
-    last: Span | None = None  # ... and the one that ends last
+    first: Segment | None = None  # its GEMM or coordinator span that starts first
+    last: Segment | None = None  # ... and the one that ends last
     devices: dict[int, int] | None = None  # device → the line of its device_step
     samples: dict[int, Sample] | None = None  # device → its last tile's state, when not shown
 
@@ -673,10 +673,11 @@ class _Reader:
     """Reduces a log's records, given in any order, to a ``Run`` (see ``load_run``).
 
     Errors are ValueErrors starting ``line N:``. Each record is checked as it comes
-    (its device and job exist, its step keeps tiles or totals as the level says, no tile,
-    GEMM, step or device_step twice), each GEMM once its tiles are in, each step at the
-    end (its GEMMs and coordinator spans inside it, the steps of a job apart); GEMMs and
-    coordinator spans are checked for overlaps among the records kept (the steps shown)."""
+    (its device and job exist, its step keeps tiles or totals as the level says, no step
+    or device_step twice, no tile or GEMM twice while its GEMM is read), each GEMM once
+    its tiles are in, each step at the end (its GEMMs and coordinator spans inside it, the
+    steps of a job apart); GEMMs and coordinator spans are checked for overlaps among the
+    records kept (the steps shown)."""
 
     def __init__(self, fleet: tuple[Device, ...], jobs: tuple[Job, ...], level: str,
                  logged: StepRange | None, window: StepRange) -> None:  # fmt: skip
