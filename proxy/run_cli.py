@@ -179,7 +179,12 @@ def check_output(path: str, flag: str) -> Path:
 
 
 def _run_script(kind: str, what: str, argv: list[str]) -> int:
-    """Run like ``python`` would; the exit code (SystemExit honoured, a traceback is 1)."""
+    """Run like ``python`` would; the exit code (SystemExit honoured, a traceback is 1).
+
+    The emulator ending the job (no device left in time, a refused request) is one line:
+    where the script was, its next GEMM, says nothing the error does not."""
+    from .client import EmulatorError
+
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     sys.argv = argv
     sys.path.insert(0, str(Path(what).resolve().parent) if kind == "path" else os.getcwd())
@@ -193,6 +198,10 @@ def _run_script(kind: str, what: str, argv: list[str]) -> int:
         if exc.code is None or isinstance(exc.code, int):
             return exc.code or 0
         print(exc.code, file=sys.stderr)
+        return 1
+    except EmulatorError as exc:
+        log.debug("the job ended in the script", exc_info=True)
+        print(f"morphling run: the emulator ended the job: {exc}", file=sys.stderr)
         return 1
     except Exception:
         traceback.print_exc()
