@@ -50,6 +50,8 @@ from typing import Any, Self
 import torch
 from tqdm import tqdm
 
+from .outputs import Kind, NotAnOutput, prove
+
 log = logging.getLogger("morphling.checkpoint")
 
 FORMAT = "morphling-checkpoint"
@@ -144,7 +146,7 @@ def write_checkpoint(
     are cast to ``dtype`` when it is given; integer and bool buffers keep theirs.
 
     An existing ``output`` must be absent or empty, unless ``force``; even then only a previous
-    checkpoint is replaced (see ``_not_a_checkpoint``), never an arbitrary directory.
+    checkpoint is replaced (``outputs.prove``), never an arbitrary directory.
     """
     output = Path(output)
     _check_output(output, force)
@@ -195,36 +197,23 @@ def _check_output(output: Path, force: bool) -> None:
         return
     if not force:
         raise OutputError(f"{output}: already exists and is not empty (use --force to replace)")
-    problem = _not_a_checkpoint(output)
-    if problem:
-        raise OutputError(
-            f"{output}: not a Morphling checkpoint ({problem}); "
-            "refusing to replace it even with --force"
-        )
-
-
-def _not_a_checkpoint(directory: Path) -> str:
-    """Why ``directory`` is not a checkpoint (empty if it is one): --force deletes what it
-    replaces, so the directory must prove it holds nothing else, not merely an index.json."""
     try:
-        index = json.loads((directory / INDEX_NAME).read_bytes())
-    except FileNotFoundError:
-        return f"no {INDEX_NAME}"
-    except (OSError, ValueError) as exc:  # ValueError: not JSON, not UTF-8
-        return f"{INDEX_NAME} is unreadable: {getattr(exc, 'strerror', None) or exc}"
-    if not isinstance(index, dict) or index.get("format") != FORMAT:
-        return f"{INDEX_NAME} does not say format {FORMAT!r}"
+        prove(output, CHECKPOINT)
+    except NotAnOutput as exc:
+        raise OutputError(
+            f"{output}: not a Morphling checkpoint ({exc}); "
+            "refusing to replace it even with --force"
+        ) from None
+
+
+def _checkpoint_files(index: dict[str, Any]) -> tuple[str, str]:
     data = index.get("data")
     if not isinstance(data, str) or not data or Path(data).name != data:
-        return f"{INDEX_NAME} names no data file"
-    others = sorted(
-        entry.name
-        for entry in directory.iterdir()
-        if entry.name not in (INDEX_NAME, data) or entry.is_dir()
-    )
-    if others:
-        return f"it holds {', '.join(others)}, which a checkpoint does not"
-    return ""
+        raise NotAnOutput(f"{INDEX_NAME} names no data file")
+    return INDEX_NAME, data
+
+
+CHECKPOINT = Kind("a checkpoint", INDEX_NAME, FORMAT, _checkpoint_files)
 
 
 def _install(staging: Path, output: Path) -> None:

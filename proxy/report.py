@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 RUN_FILE, EVENTS_FILE = "run.json", "events.jsonl"
+RUN_FORMAT = "morphling-run"  # run.json's "format"; older runs lack it
 COMPRESSED_EVENTS_FILE = EVENTS_FILE + ".gz"  # what the engine writes; older runs: EVENTS_FILE
 # What the engine logs: every record; each step's and each device's totals per step; nothing.
 EVENT_LEVELS = ("full", "steps", "off")
@@ -32,6 +33,11 @@ STEPS_LOG_LACKS = (
     "timeline plot"
 )
 SUMMARY_FILE, TRACE_FILE = "summary.json", "trace.json"
+PLOT_FILES = {"timeline": "timeline.png", "utilisation": "utilisation.png",
+              "thermal": "thermal.png", "steps": "steps.png"}  # fmt: skip
+# Every file ``write_report_files`` may write: a run directory holding any other is not
+# replaced by ``morphling run --force``.
+REPORT_FILES = (SUMMARY_FILE, TRACE_FILE, *PLOT_FILES.values())
 FORMAT_VERSION = 1
 # A device straggles when, over the GEMMs it takes part in, it finishes on average this
 # fraction of the GEMM's duration after the median device: each such GEMM would have been
@@ -394,6 +400,8 @@ def _read_meta(meta_file: Path) -> dict[str, Any]:
     try:
         if not isinstance(meta, dict):
             raise ValueError(f"expected a JSON object, got {type(meta).__name__}")
+        if meta.get("format", RUN_FORMAT) != RUN_FORMAT:
+            raise ValueError(f"field 'format' is {meta['format']!r}, not {RUN_FORMAT!r}")
         if meta.get("version") != FORMAT_VERSION:
             raise ValueError(
                 f"field 'version' is {meta.get('version')!r}; this reader knows {FORMAT_VERSION}"
