@@ -50,7 +50,7 @@ from typing import Any, Self
 import torch
 from tqdm import tqdm
 
-from .outputs import Kind, NotAnOutput, prove
+from .outputs import Kind, NotAnOutput, delete, prove
 
 log = logging.getLogger("morphling.checkpoint")
 
@@ -146,10 +146,14 @@ def write_checkpoint(
     are cast to ``dtype`` when it is given; integer and bool buffers keep theirs.
 
     An existing ``output`` must be absent or empty, unless ``force``; even then only a previous
-    checkpoint is replaced (``outputs.prove``), never an arbitrary directory.
+    checkpoint is replaced (``outputs.prove``), never an arbitrary directory: checked before
+    writing, and again on the directory the swap took out of ``output``.
     """
-    output = Path(output)
-    _check_output(output, force)
+    shown = Path(output)  # as the user gave it, for messages
+    # Absolute and normalised: the staging directory goes beside the output, and "." or
+    # ".." have no name to put it beside.
+    output = Path(os.path.abspath(output))
+    _check_output(output, shown, force)
     # mkdir (not mkdtemp, which forces 0700) so the checkpoint gets the usual umask modes and
     # an emulator running as another user can read it.
     staging = output.parent / f".{output.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
@@ -159,7 +163,7 @@ def write_checkpoint(
     except OSError as exc:  # FileExistsError: a file where a parent directory should be
         reason = os.strerror(errno.ENOTDIR) if isinstance(exc, FileExistsError) else exc.strerror
         raise OutputError(
-            f"{output}: cannot create a directory in {output.parent}: {reason}"
+            f"{shown}: cannot create a directory in {shown.parent}: {reason}"
         ) from None
     try:
         entries = _write_data(staging / DATA_NAME, tensors, dtype, progress)
@@ -171,11 +175,11 @@ def write_checkpoint(
             f.write(_index_text(header, entries))
             f.flush()
             os.fsync(f.fileno())
-        _install(staging, output)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    log.info("wrote %d tensors to %s", len(entries), output)
+    _install(staging, output, shown, force)
+    log.info("wrote %d tensors to %s", len(entries), shown)
     return entries
 
 
@@ -184,26 +188,6 @@ def _index_text(header: dict[str, Any], entries: list[TensorEntry]) -> str:
     lines = ",\n".join(f"  {json.dumps(entry.to_json())}" for entry in entries)
     head = json.dumps(header, indent=1).removesuffix("\n}")
     return f'{head},\n "tensors": [\n{lines}\n ]\n}}\n'
-
-
-def _check_output(output: Path, force: bool) -> None:
-    if not output.exists() and not output.is_symlink():
-        return
-    if output.is_symlink():  # replacing it would replace the link, not what it points to
-        raise OutputError(f"{output}: is a symbolic link; give the directory it points to")
-    if not output.is_dir():
-        raise OutputError(f"{output}: exists and is not a directory; choose another --output")
-    if not any(output.iterdir()):
-        return
-    if not force:
-        raise OutputError(f"{output}: already exists and is not empty (use --force to replace)")
-    try:
-        prove(output, CHECKPOINT)
-    except NotAnOutput as exc:
-        raise OutputError(
-            f"{output}: not a Morphling checkpoint ({exc}); "
-            "refusing to replace it even with --force"
-        ) from None
 
 
 def _checkpoint_files(index: dict[str, Any]) -> tuple[str, str]:
@@ -216,25 +200,91 @@ def _checkpoint_files(index: dict[str, Any]) -> tuple[str, str]:
 CHECKPOINT = Kind("a checkpoint", INDEX_NAME, FORMAT, _checkpoint_files)
 
 
-def _install(staging: Path, output: Path) -> None:
-    """Put the finished staging directory at ``output``.
+def _check_output(output: Path, shown: Path, force: bool) -> None:
+    if not output.exists() and not output.is_symlink():
+        return
+    if output.is_symlink():  # replacing it would replace the link, not what it points to
+        raise OutputError(f"{shown}: is a symbolic link; give the directory it points to")
+    if not output.is_dir():
+        raise OutputError(f"{shown}: exists and is not a directory; choose another --output")
+    if output.samefile(os.getcwd()):
+        raise OutputError(
+            f"{shown}: is the current directory; a save replaces the directory itself, which "
+            "would leave this shell in a removed one: run it from the parent directory"
+        )
+    _replaced_files(output, shown, force)
 
-    An old checkpoint there is swapped with the new one in one step, so ``output`` names a
-    whole checkpoint, old or new, at every instant; only then is the old one deleted.
+
+def _replaced_files(directory: Path, shown: Path, force: bool) -> list[Path]:
+    """What replacing ``directory`` (``shown`` to the user) deletes: nothing when it is
+    empty, a checkpoint's files when ``force`` says so; OutputError for anything else."""
+    if not any(directory.iterdir()):
+        return []
+    if not force:
+        raise OutputError(f"{shown}: already exists and is not empty (use --force to replace)")
+    try:
+        return prove(directory, CHECKPOINT)
+    except NotAnOutput as exc:
+        raise OutputError(
+            f"{shown}: not a Morphling checkpoint ({exc}); refusing to replace it even with --force"
+        ) from None
+
+
+def _install(staging: Path, output: Path, shown: Path, force: bool) -> None:
+    """Put the finished staging directory at ``output``, or remove it and raise.
+
+    A directory at ``output`` is swapped with the new checkpoint, so ``output`` names a
+    whole one, old or new, at every instant. The directory taken out is checked again, as
+    it is now, before anything of it is deleted: something added to it while the model was
+    written puts it back, and the save is refused. Then only the files proven a
+    checkpoint's are deleted.
     """
-    old = None
-    if output.is_dir() and any(output.iterdir()):
-        # After the swap the old checkpoint is under the staging name.
-        old = staging if _exchange(staging, output) else _move_aside(staging, output)
-    else:
-        os.replace(staging, output)  # over nothing, or over an empty directory
+    existed = output.exists()
+    try:
+        if existed:
+            _swap(staging, output)  # the old directory is now under the staging name
+        else:
+            os.replace(staging, output)
+    except OSError:
+        shutil.rmtree(staging)
+        raise
+    if existed:
+        try:
+            replaced = _replaced_files(staging, shown, force)
+        except OutputError:
+            _swap(staging, output)  # back: the new checkpoint is under the staging name again
+            shutil.rmtree(staging)
+            raise
     dir_fd = os.open(output.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
-    if old is not None:
-        shutil.rmtree(old)
+    if existed:
+        delete(replaced)
+        try:
+            staging.rmdir()
+        except OSError as exc:  # something was put into it after it was checked: kept
+            log.warning("kept %s, the replaced checkpoint's directory: %s", staging, exc)
+
+
+def _swap(a: Path, b: Path) -> None:
+    """Exchange two directories: in one step where the kernel can, else in three renames
+    (``b`` is briefly missing, never partial)."""
+    if _exchange(a, b):
+        return
+    aside = Path(tempfile.mkdtemp(prefix=f".{b.name}.", suffix=".old", dir=b.parent))
+    try:
+        os.replace(b, aside)  # over the empty directory mkdtemp made
+    except OSError:
+        aside.rmdir()
+        raise
+    try:
+        os.replace(a, b)
+    except OSError:
+        os.replace(aside, b)
+        raise
+    os.replace(aside, a)
 
 
 _AT_FDCWD = -100
@@ -253,20 +303,6 @@ def _exchange(a: Path, b: Path) -> bool:
     if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
         return False
     raise OSError(err, os.strerror(err), str(a), None, str(b))
-
-
-def _move_aside(staging: Path, output: Path) -> Path:
-    """Replace ``output`` in two renames where it cannot be swapped in one; return where the
-    old checkpoint went. Between the renames ``output`` is briefly missing, never partial."""
-    old = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".old", dir=output.parent))
-    os.replace(output, old / "checkpoint")
-    try:
-        os.replace(staging, output)
-    except OSError:
-        os.replace(old / "checkpoint", output)
-        old.rmdir()
-        raise
-    return old
 
 
 def _write_data(
