@@ -136,6 +136,7 @@ def write_checkpoint(
     source: str = "",
     force: bool = False,
     progress: bool = False,
+    check: Callable[[], None] | None = None,
 ) -> list[TensorEntry]:
     """Stream ``tensors`` into a new checkpoint at ``output``; return the index entries.
 
@@ -144,6 +145,8 @@ def write_checkpoint(
     so a crash never leaves a directory that looks like a valid checkpoint, and a save that
     fails leaves the checkpoint it was to replace as it was. Floating tensors
     are cast to ``dtype`` when it is given; integer and bool buffers keep theirs.
+    ``check`` is called between tensors and before the swap: what it raises (``morphling
+    save`` on a signal) abandons the save, its staging directory removed.
 
     An existing ``output`` must be absent or empty, unless ``force``; even then only a previous
     checkpoint is replaced (``outputs.prove``), never an arbitrary directory: checked before
@@ -166,7 +169,7 @@ def write_checkpoint(
             f"{shown}: cannot create a directory in {shown.parent}: {reason}"
         ) from None
     try:
-        entries = _write_data(staging / DATA_NAME, tensors, dtype, progress)
+        entries = _write_data(staging / DATA_NAME, tensors, dtype, progress, check)
         header: dict[str, Any] = {"format": FORMAT, "version": VERSION, "data": DATA_NAME}
         header["source"] = source
         if config is not None:
@@ -175,6 +178,8 @@ def write_checkpoint(
             f.write(_index_text(header, entries))
             f.flush()
             os.fsync(f.fileno())
+        if check is not None:
+            check()
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -310,6 +315,7 @@ def _write_data(
     tensors: Iterable[tuple[str, torch.Tensor]],
     dtype: torch.dtype | None,
     progress: bool,
+    check: Callable[[], None] | None,
 ) -> list[TensorEntry]:
     entries: list[TensorEntry] = []
     names: set[str] = set()
@@ -322,6 +328,8 @@ def _write_data(
         tqdm(total=total, unit=" tensors", desc="saving", disable=not progress) as bar,
     ):
         for name, tensor in tensors:
+            if check is not None:
+                check()
             if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
                 raise CheckpointError(f"{name!r}: expected a (str, torch.Tensor) pair")
             if name in names:

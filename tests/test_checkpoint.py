@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -424,6 +425,22 @@ def test_a_file_added_while_the_model_is_written_is_never_deleted(tmp_path):
     with Checkpoint.open(out) as ckpt:  # the old checkpoint, whole
         assert ckpt.source == "random-init opt-tiny seed=0"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["big"]  # the new one removed
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_while_the_model_is_written_removes_the_staging_directory(tmp_path, sig, code):
+    """SIGTERM killed the save on the spot, leaving the staging directory (hundreds of MB);
+    Ctrl-C cleaned up but ended in a traceback. Both: one line, 128 + the signal."""
+    out = tmp_path / "big"
+    assert save("--model", "opt-tiny", "--random-init", "--output", out) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    proc = saving_large(out)
+    proc.send_signal(sig)
+    _, stderr = proc.communicate(timeout=300)
+    name = signal.Signals(sig).name
+    assert (proc.returncode, stderr) == (code, f"morphling save: interrupted by {name}\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big"]
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
 @pytest.mark.parametrize("output", [".", "../ck"])
