@@ -1,4 +1,5 @@
-"""What Morphling writes to the user's directories: proven its own before anything deletes it.
+"""What Morphling writes to the user's paths: proven its own before anything deletes it, and
+found writable before a long command starts.
 
 ``morphling save --force`` and ``morphling run --force`` replace an earlier output. A name
 alone proves nothing (any web app has an ``index.json``, any project may have a
@@ -6,12 +7,16 @@ alone proves nothing (any web app has an ``index.json``, any project may have a
 (``"format"``) and it holds nothing but the regular files that kind of output has: no
 subdirectory, no file of the user's. Then only those files are deleted, by name, so what
 appears in the directory after the proof is never deleted with it.
+
+Writability is probed by writing, not with ``os.access``, which says yes to root
+everywhere (``/proc``) and knows nothing of read-only mounts or full quotas.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import tempfile
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,3 +70,23 @@ def delete(files: list[Path]) -> None:
     """Delete the files ``prove`` returned, and nothing else (missing ones are skipped)."""
     for path in files:
         path.unlink(missing_ok=True)
+
+
+def check_file_writable(path: Path) -> None:
+    """OSError unless ``path`` can be opened for writing: opened to append (its content is
+    kept), created if absent and then removed again. Non-blocking, so a FIFO without a
+    reader is refused instead of hanging."""
+    flags = os.O_WRONLY | os.O_NONBLOCK
+    try:
+        os.close(os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o666))
+    except FileExistsError:
+        os.close(os.open(path, flags | os.O_APPEND))
+    else:
+        os.unlink(path)
+
+
+def check_dir_writable(directory: Path) -> None:
+    """OSError unless a file can be created in ``directory`` (a probe, removed again)."""
+    fd, probe = tempfile.mkstemp(dir=directory, prefix=".morphling-probe-")
+    os.close(fd)
+    os.unlink(probe)

@@ -35,6 +35,7 @@ from ..devices.thermal import COOLING
 from ..runtime import parse_server
 from .coordinator import MODES
 from .interrupt import Interrupted, Signals
+from .outputs import check_file_writable
 from .placement import POLICIES
 from .report import EVENT_LEVELS
 from .run_dir import claim
@@ -167,14 +168,14 @@ def check_module(name: str) -> None:
 
 def check_output(path: str, flag: str) -> Path:
     """``path`` made absolute (the script may change directory), ValueError unless a file
-    can be written there: checked before the script runs, not after."""
+    can be written there: opened for writing before the script runs, not after."""
     target = Path(path).absolute()
-    if target.is_dir():
-        raise ValueError(f"{flag} {path}: is a directory")
     if not target.parent.is_dir():
         raise ValueError(f"{flag} {path}: no such directory {target.parent}")
-    if not os.access(target if target.exists() else target.parent, os.W_OK):
-        raise ValueError(f"{flag} {path}: permission denied")
+    try:
+        check_file_writable(target)
+    except OSError as exc:
+        raise ValueError(f"{flag} {path}: cannot write it: {exc.strerror}") from exc
     return target
 
 

@@ -4,8 +4,9 @@ A run directory is one run's record: a second run writing into it would mix two 
 logs or replace the first without a word. So the default name is created exclusively
 (``mkdir`` fails when it exists: two runs started in the same second cannot share one),
 and a directory given that already holds files is refused unless ``--force`` says to
-replace an earlier run's, proven one (``outputs.prove``). Claimed before the script
-starts, a directory that cannot be created is an error at once, not after the training.
+replace an earlier run's, proven one (``outputs.prove``). Claimed, and written to, before
+the script starts, a directory that cannot be used is an error at once, not after the
+training.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ RUN = outputs.Kind("a run directory", RUN_FILE, RUN_FORMAT, lambda _header: RUN_
 
 
 def claim(given: str, script: str, *, force: bool = False) -> tuple[Path, bool]:
-    """The run directory, empty and ours, and whether it was created (ValueError: why not).
+    """The run directory, empty, ours and writable, and whether it was created (ValueError:
+    why not).
 
     ``given`` empty: ``morphling-runs/SCRIPT-DATE-TIME``, with ``-2``, ``-3``, ... when
     that is taken. A directory given may exist empty; one holding files is refused
@@ -40,9 +42,13 @@ def claim(given: str, script: str, *, force: bool = False) -> tuple[Path, bool]:
         raise ValueError(f"cannot create run directory {exc.filename or given}: "
                          f"{exc.strerror or exc}") from exc  # fmt: skip
     try:
-        outputs.delete([] if created else _earlier_run(path, force))
+        earlier = [] if created else _earlier_run(path, force)
+        outputs.check_dir_writable(path)  # before deleting anything, and before the script
+        outputs.delete(earlier)
     except OSError as exc:
-        raise ValueError(f"run directory {path}: {exc.strerror}") from exc
+        if created:
+            path.rmdir()
+        raise ValueError(f"run directory {path}: cannot write in it: {exc.strerror}") from exc
     return path, created
 
 

@@ -353,6 +353,8 @@ def test_script_exit_code_propagates(echo: Path, exit_with: str, code: int) -> N
 
 
 BOTH = "exactly one of --server HOST:PORT, --embedded"
+# An empty directory (binfmt_misc not mounted) in which nobody, root included, makes a file.
+UNWRITABLE_DIR = "/proc/sys/fs/binfmt_misc"
 USAGE_ERRORS = [
     pytest.param(["--embedded"], "no script given", id="nothing"),
     pytest.param(["--embedded", "--"], "no script given", id="bare-dashes"),
@@ -387,6 +389,20 @@ USAGE_ERRORS = [
         ["--embedded", "--json", "/nonexistent/dir/r.json", "--", "ECHO"],
         "--json /nonexistent/dir/r.json: no such directory",
         id="json-nowhere",
+    ),
+    pytest.param(  # root may write anywhere, says os.access; /proc takes no new file
+        ["--embedded", "--json", "/proc/r.json", "--", "ECHO"],
+        "--json /proc/r.json: cannot write it: No such file or directory",
+        id="json-unwritable",
+    ),
+    pytest.param(
+        ["--embedded", "--run-dir", UNWRITABLE_DIR, "--", "ECHO"],
+        f"run directory {UNWRITABLE_DIR}: cannot write in it",
+        id="run-dir-unwritable",
+        marks=pytest.mark.skipif(
+            not Path(UNWRITABLE_DIR).is_dir() or any(Path(UNWRITABLE_DIR).iterdir()),
+            reason=f"{UNWRITABLE_DIR} is not an empty directory here",
+        ),
     ),
     pytest.param(
         ["--embedded", "--ckpt", "/nonexistent/ckpt", "--", "ECHO"],
@@ -529,6 +545,20 @@ def test_force_replaces_only_a_run_directory_holding_nothing_else(echo: Path) ->
     (run_dir / "run.json").write_text(json.dumps(meta))
     succeeded(morphling_run(*flags, "--force", "--no-report", "--", echo))
     assert sorted(p.name for p in run_dir.iterdir()) == ["events.jsonl.gz", "run.json"]
+
+
+def test_json_is_checked_without_a_trace(echo: Path) -> None:
+    """--json is opened before the script runs: an existing file keeps what it holds, and
+    one that did not exist does not stay when the run is refused afterwards."""
+    kept, new = echo.parent / "kept.json", echo.parent / "new.json"
+    kept.write_text("earlier")
+    for path in (kept, new):
+        proc = morphling_run("--embedded", "--devices", "1", "--json", path, "--ckpt",
+                             "/nonexistent/ckpt", "--", echo)  # fmt: skip
+        assert proc.returncode == 2, proc.stderr
+        assert "/nonexistent/ckpt: no such checkpoint directory" in proc.stderr
+    assert kept.read_text() == "earlier"
+    assert not new.exists()
 
 
 def test_bad_device_spec_and_server_address_are_usage_errors(echo: Path) -> None:
