@@ -256,7 +256,7 @@ def _install(staging: Path, output: Path, shown: Path, force: bool) -> None:
     if existed:
         try:
             replaced = _replaced_files(staging, shown, force)
-        except OutputError:
+        except (OutputError, OSError):  # OSError: no longer a directory one can list
             _swap(staging, output)  # back: the new checkpoint is under the staging name again
             shutil.rmtree(staging)
             raise
