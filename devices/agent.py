@@ -117,6 +117,7 @@ class DeviceConnection(FrameConnection):
             self.close()
         elif t == MsgType.BYE:
             log.info("%s: emulator said goodbye: %s", agent.name, msg.reason)
+            agent.dismissed = True
             self.close()
 
     def _tile(self, msg: Tile) -> None:
@@ -266,6 +267,7 @@ class DeviceAgent:
         self.uuid = uuidlib.uuid4().hex
         self.device_id: int | None = None
         self.last_error: tuple[str, str] | None = None
+        self.dismissed = False  # the emulator ended the last connection with BYE
         self.connection: DeviceConnection | None = None
         self.joined = asyncio.Event()  # registered once, or gave up trying
         self._stopping = False
@@ -299,7 +301,8 @@ class DeviceAgent:
         after: asyncio.Event | None = None,
     ) -> int:
         """Stay connected until ``stop()`` or a fatal refusal; the exit code: 2 for a
-        refusal, 1 when the emulator cannot be reached and ``reconnect`` is off, else 0.
+        refusal; with ``reconnect`` off, 1 when the emulator cannot be reached or the
+        connection is lost without its goodbye (BYE); else 0.
 
         ``gate`` bounds how many devices of a fleet connect at the same moment;
         the first connection waits for ``after`` (the previous device's ``joined``),
@@ -340,8 +343,13 @@ class DeviceAgent:
                     return 1
             if self.last_error and self.last_error[0] in REFUSALS:
                 return 2
-            if not reconnect or self._stopping:
+            if self._stopping:
                 break
+            if not reconnect:
+                if self.dismissed:
+                    break
+                log.error("%s: lost the connection to %s:%d", self.name, host, port)
+                return 1
             delay = backoff_s(attempt, max_backoff_s)
             attempt += 1
             log.info("%s: reconnecting in %.2f s", self.name, delay)

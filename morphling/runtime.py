@@ -53,6 +53,11 @@ class Stop(asyncio.Event):
         return 128 + self.signum
 
 
+def format_address(host: str, port: int) -> str:
+    """``HOST:PORT`` as ``parse_server`` reads it: an IPv6 address in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def serve(main: Callable[[Stop], Awaitable[int]]) -> int:
     """Run ``main(stop)`` on uvloop; SIGINT/SIGTERM set ``stop`` for a clean shutdown."""
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from ..config import option as _opt
 from ..proxy.settings import check_heartbeats
-from ..runtime import parse_server
+from ..runtime import format_address, parse_server
 
 UPSTREAM = "morphling_emulators"
 _SAFE_PATH = re.compile(r"[^\s;{}'\"#$\\]+")  # nginx takes these unquoted, without surprises
@@ -68,8 +68,7 @@ class NginxConfig:
 
 def address(text: str, what: str) -> str:
     """``HOST:PORT`` as nginx writes it (IPv6 in brackets); ValueError names ``what``."""
-    host, port = parse_server(text, what)
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return format_address(*parse_server(text, what))
 
 
 def _addresses(host: str) -> set[ipaddress.IPv4Address | ipaddress.IPv6Address]:
@@ -97,16 +96,18 @@ def _is_local(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
 
 def _refuse_itself(listen: str, emulator: str) -> None:
     """ValueError if ``emulator`` is nginx's own ``listen`` address: nginx would proxy each
-    connection to itself until it ran out of sockets. A wildcard listen address (0.0.0.0,
-    ::) is every address of this machine."""
+    connection to itself until it ran out of sockets. A wildcard listen address is every
+    address of this machine in its family: 0.0.0.0 the IPv4 ones, :: the IPv6 ones (nginx
+    listens on [::] with ipv6only=on unless told otherwise)."""
     listen_host, listen_port = parse_server(listen, "--listen")
     host, port = parse_server(emulator, "--emulators")
     if port != listen_port:
         return
     listening = _addresses(listen_host)
     targets = _addresses(host)
-    if any(ip.is_unspecified for ip in listening):
-        itself = any(_is_local(ip) for ip in targets)
+    wildcards = {ip.version for ip in listening if ip.is_unspecified}
+    if wildcards:
+        itself = any(ip.version in wildcards and _is_local(ip) for ip in targets)
     else:
         itself = bool(listening & targets)
     if itself:

@@ -50,6 +50,8 @@ from typing import Any, Self
 import torch
 from tqdm import tqdm
 
+from .outputs import Kind, NotAnOutput, delete, prove
+
 log = logging.getLogger("morphling.checkpoint")
 
 FORMAT = "morphling-checkpoint"
@@ -134,6 +136,7 @@ def write_checkpoint(
     source: str = "",
     force: bool = False,
     progress: bool = False,
+    check: Callable[[], None] | None = None,
 ) -> list[TensorEntry]:
     """Stream ``tensors`` into a new checkpoint at ``output``; return the index entries.
 
@@ -142,12 +145,18 @@ def write_checkpoint(
     so a crash never leaves a directory that looks like a valid checkpoint, and a save that
     fails leaves the checkpoint it was to replace as it was. Floating tensors
     are cast to ``dtype`` when it is given; integer and bool buffers keep theirs.
+    ``check`` is called between tensors and before the swap: what it raises (``morphling
+    save`` on a signal) abandons the save, its staging directory removed.
 
     An existing ``output`` must be absent or empty, unless ``force``; even then only a previous
-    checkpoint is replaced (see ``_not_a_checkpoint``), never an arbitrary directory.
+    checkpoint is replaced (``outputs.prove``), never an arbitrary directory: checked before
+    writing, and again on the directory the swap took out of ``output``.
     """
-    output = Path(output)
-    _check_output(output, force)
+    shown = Path(output)  # as the user gave it, for messages
+    # Absolute and normalised: the staging directory goes beside the output, and "." or
+    # ".." have no name to put it beside.
+    output = Path(os.path.abspath(output))
+    _check_output(output, shown, force)
     # mkdir (not mkdtemp, which forces 0700) so the checkpoint gets the usual umask modes and
     # an emulator running as another user can read it.
     staging = output.parent / f".{output.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
@@ -157,10 +166,10 @@ def write_checkpoint(
     except OSError as exc:  # FileExistsError: a file where a parent directory should be
         reason = os.strerror(errno.ENOTDIR) if isinstance(exc, FileExistsError) else exc.strerror
         raise OutputError(
-            f"{output}: cannot create a directory in {output.parent}: {reason}"
+            f"{shown}: cannot create a directory in {shown.parent}: {reason}"
         ) from None
     try:
-        entries = _write_data(staging / DATA_NAME, tensors, dtype, progress)
+        entries = _write_data(staging / DATA_NAME, tensors, dtype, progress, check)
         header: dict[str, Any] = {"format": FORMAT, "version": VERSION, "data": DATA_NAME}
         header["source"] = source
         if config is not None:
@@ -169,11 +178,13 @@ def write_checkpoint(
             f.write(_index_text(header, entries))
             f.flush()
             os.fsync(f.fileno())
-        _install(staging, output)
+        if check is not None:
+            check()
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    log.info("wrote %d tensors to %s", len(entries), output)
+    _install(staging, output, shown, force)
+    log.info("wrote %d tensors to %s", len(entries), shown)
     return entries
 
 
@@ -184,68 +195,101 @@ def _index_text(header: dict[str, Any], entries: list[TensorEntry]) -> str:
     return f'{head},\n "tensors": [\n{lines}\n ]\n}}\n'
 
 
-def _check_output(output: Path, force: bool) -> None:
+def _checkpoint_files(index: dict[str, Any]) -> tuple[str, str]:
+    data = index.get("data")
+    if not isinstance(data, str) or not data or Path(data).name != data:
+        raise NotAnOutput(f"{INDEX_NAME} names no data file")
+    return INDEX_NAME, data
+
+
+CHECKPOINT = Kind("a checkpoint", INDEX_NAME, FORMAT, _checkpoint_files)
+
+
+def _check_output(output: Path, shown: Path, force: bool) -> None:
     if not output.exists() and not output.is_symlink():
         return
     if output.is_symlink():  # replacing it would replace the link, not what it points to
-        raise OutputError(f"{output}: is a symbolic link; give the directory it points to")
+        raise OutputError(f"{shown}: is a symbolic link; give the directory it points to")
     if not output.is_dir():
-        raise OutputError(f"{output}: exists and is not a directory; choose another --output")
-    if not any(output.iterdir()):
-        return
-    if not force:
-        raise OutputError(f"{output}: already exists and is not empty (use --force to replace)")
-    problem = _not_a_checkpoint(output)
-    if problem:
+        raise OutputError(f"{shown}: exists and is not a directory; choose another --output")
+    if output.samefile(os.getcwd()):
         raise OutputError(
-            f"{output}: not a Morphling checkpoint ({problem}); "
-            "refusing to replace it even with --force"
+            f"{shown}: is the current directory; a save replaces the directory itself, which "
+            "would leave this shell in a removed one: run it from the parent directory"
         )
+    _replaced_files(output, shown, force)
 
 
-def _not_a_checkpoint(directory: Path) -> str:
-    """Why ``directory`` is not a checkpoint (empty if it is one): --force deletes what it
-    replaces, so the directory must prove it holds nothing else, not merely an index.json."""
+def _replaced_files(directory: Path, shown: Path, force: bool) -> list[Path]:
+    """What replacing ``directory`` (``shown`` to the user) deletes: nothing when it is
+    empty, a checkpoint's files when ``force`` says so; OutputError for anything else."""
+    if not any(directory.iterdir()):
+        return []
+    if not force:
+        raise OutputError(f"{shown}: already exists and is not empty (use --force to replace)")
     try:
-        index = json.loads((directory / INDEX_NAME).read_bytes())
-    except FileNotFoundError:
-        return f"no {INDEX_NAME}"
-    except (OSError, ValueError) as exc:  # ValueError: not JSON, not UTF-8
-        return f"{INDEX_NAME} is unreadable: {getattr(exc, 'strerror', None) or exc}"
-    if not isinstance(index, dict) or index.get("format") != FORMAT:
-        return f"{INDEX_NAME} does not say format {FORMAT!r}"
-    data = index.get("data")
-    if not isinstance(data, str) or not data or Path(data).name != data:
-        return f"{INDEX_NAME} names no data file"
-    others = sorted(
-        entry.name
-        for entry in directory.iterdir()
-        if entry.name not in (INDEX_NAME, data) or entry.is_dir()
-    )
-    if others:
-        return f"it holds {', '.join(others)}, which a checkpoint does not"
-    return ""
+        return prove(directory, CHECKPOINT)
+    except NotAnOutput as exc:
+        raise OutputError(
+            f"{shown}: not a Morphling checkpoint ({exc}); refusing to replace it even with --force"
+        ) from None
 
 
-def _install(staging: Path, output: Path) -> None:
-    """Put the finished staging directory at ``output``.
+def _install(staging: Path, output: Path, shown: Path, force: bool) -> None:
+    """Put the finished staging directory at ``output``, or remove it and raise.
 
-    An old checkpoint there is swapped with the new one in one step, so ``output`` names a
-    whole checkpoint, old or new, at every instant; only then is the old one deleted.
+    A directory at ``output`` is swapped with the new checkpoint, so ``output`` names a
+    whole one, old or new, at every instant. The directory taken out is checked again, as
+    it is now, before anything of it is deleted: something added to it while the model was
+    written puts it back, and the save is refused. Then only the files proven a
+    checkpoint's are deleted.
     """
-    old = None
-    if output.is_dir() and any(output.iterdir()):
-        # After the swap the old checkpoint is under the staging name.
-        old = staging if _exchange(staging, output) else _move_aside(staging, output)
-    else:
-        os.replace(staging, output)  # over nothing, or over an empty directory
+    existed = output.exists()
+    try:
+        if existed:
+            _swap(staging, output)  # the old directory is now under the staging name
+        else:
+            os.replace(staging, output)
+    except OSError:
+        shutil.rmtree(staging)
+        raise
+    if existed:
+        try:
+            replaced = _replaced_files(staging, shown, force)
+        except (OutputError, OSError):  # OSError: no longer a directory one can list
+            _swap(staging, output)  # back: the new checkpoint is under the staging name again
+            shutil.rmtree(staging)
+            raise
     dir_fd = os.open(output.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
-    if old is not None:
-        shutil.rmtree(old)
+    if existed:
+        delete(replaced)
+        try:
+            staging.rmdir()
+        except OSError as exc:  # something was put into it after it was checked: kept
+            log.warning("kept %s, the replaced checkpoint's directory: %s", staging, exc)
+
+
+def _swap(a: Path, b: Path) -> None:
+    """Exchange two directories: in one step where the kernel can, else in three renames
+    (``b`` is briefly missing, never partial)."""
+    if _exchange(a, b):
+        return
+    aside = Path(tempfile.mkdtemp(prefix=f".{b.name}.", suffix=".old", dir=b.parent))
+    try:
+        os.replace(b, aside)  # over the empty directory mkdtemp made
+    except OSError:
+        aside.rmdir()
+        raise
+    try:
+        os.replace(a, b)
+    except OSError:
+        os.replace(aside, b)
+        raise
+    os.replace(aside, a)
 
 
 _AT_FDCWD = -100
@@ -266,25 +310,12 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(a), None, str(b))
 
 
-def _move_aside(staging: Path, output: Path) -> Path:
-    """Replace ``output`` in two renames where it cannot be swapped in one; return where the
-    old checkpoint went. Between the renames ``output`` is briefly missing, never partial."""
-    old = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".old", dir=output.parent))
-    os.replace(output, old / "checkpoint")
-    try:
-        os.replace(staging, output)
-    except OSError:
-        os.replace(old / "checkpoint", output)
-        old.rmdir()
-        raise
-    return old
-
-
 def _write_data(
     path: Path,
     tensors: Iterable[tuple[str, torch.Tensor]],
     dtype: torch.dtype | None,
     progress: bool,
+    check: Callable[[], None] | None,
 ) -> list[TensorEntry]:
     entries: list[TensorEntry] = []
     names: set[str] = set()
@@ -297,6 +328,8 @@ def _write_data(
         tqdm(total=total, unit=" tensors", desc="saving", disable=not progress) as bar,
     ):
         for name, tensor in tensors:
+            if check is not None:
+                check()
             if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
                 raise CheckpointError(f"{name!r}: expected a (str, torch.Tensor) pair")
             if name in names:

@@ -10,7 +10,7 @@ import os
 import sys
 
 from .. import config as configuration
-from ..runtime import serve
+from ..runtime import format_address, serve
 from ..sdnotify import Notifier
 from .server import Emulator
 from .settings import EmulatorConfig
@@ -47,14 +47,14 @@ def run(args: argparse.Namespace) -> int:
             return 2
         except OSError as exc:  # asyncio's message repeats the address: the errno's alone
             reason = os.strerror(exc.errno) if exc.errno else str(exc)
-            print(f"morphling emulator: cannot listen on {cfg.listen_ip}:{cfg.listen_port}: "
-                  f"{reason}", file=sys.stderr)  # fmt: skip
+            where = format_address(cfg.listen_ip, cfg.listen_port)
+            print(f"morphling emulator: cannot listen on {where}: {reason}", file=sys.stderr)
             return 2
         # What is alive now (modules, torch, the shared weights) lives as long as the
         # process: frozen, it is no longer walked by every full collection of the run.
         gc.collect()
         gc.freeze()
-        systemd.notify(READY=1, STATUS=f"listening on {host}:{port}")
+        systemd.notify(READY=1, STATUS=f"listening on {format_address(host, port)}")
         watchdog = asyncio.ensure_future(systemd.keep_alive(emulator.healthy, emulator.status))
         await stop.wait()
         log.info("stopping: saying goodbye to %d peers", len(emulator.peers))

@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # the report imports this module: it need not load the engine
     from .vdevice import Work
 
 RUN_FILE, EVENTS_FILE = "run.json", "events.jsonl"
+RUN_FORMAT = "morphling-run"  # run.json's "format"; older runs lack it
 # The critical tile of a GEMM, from issue to its result back: these sum to the GEMM's time.
 COMPONENTS = (
     "link_queue_s",

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .report import Run
+from .report import PLOT_FILES, Run
 
 # More rows than this make a timeline unreadable; the rest are named in the title.
 MAX_TIMELINE_DEVICES = 32
@@ -191,9 +191,9 @@ def plot_steps(summary: dict[str, Any], path: Path) -> Path:
 def write_plots(run: Run, summary: dict[str, Any], out_dir: Path) -> list[Path]:
     """Every plot that applies to this run, as PNGs in ``out_dir``; their paths."""
     paths = [
-        plot_timeline(run, summary, out_dir / "timeline.png"),
-        plot_utilisation(summary, out_dir / "utilisation.png"),
-        plot_thermal(run, summary, out_dir / "thermal.png"),
-        plot_steps(summary, out_dir / "steps.png"),
+        plot_timeline(run, summary, out_dir / PLOT_FILES["timeline"]),
+        plot_utilisation(summary, out_dir / PLOT_FILES["utilisation"]),
+        plot_thermal(run, summary, out_dir / PLOT_FILES["thermal"]),
+        plot_steps(summary, out_dir / PLOT_FILES["steps"]),
     ]
     return [p for p in paths if p is not None]

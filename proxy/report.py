@@ -34,6 +34,7 @@ from .eventlog import (
     EVENT_LEVELS,
     EVENTS_FILE,
     RUN_FILE,
+    RUN_FORMAT,
     STEP_TOTALS,
     critical_breakdown,
 )
@@ -43,6 +44,11 @@ STEPS_LOG_LACKS = (
     "timeline plot"
 )
 SUMMARY_FILE, TRACE_FILE = "summary.json", "trace.json"
+PLOT_FILES = {"timeline": "timeline.png", "utilisation": "utilisation.png",
+              "thermal": "thermal.png", "steps": "steps.png"}  # fmt: skip
+# Every file ``write_report_files`` may write: a run directory holding any other is not
+# replaced by ``morphling run --force``.
+REPORT_FILES = (SUMMARY_FILE, TRACE_FILE, *PLOT_FILES.values())
 FORMAT_VERSION = 1
 # The steps of each job the trace, timeline.png and the critical-path segments show by
 # default: what one looks at, in files that stay small however long the run.
@@ -493,6 +499,8 @@ def _read_meta(meta_file: Path) -> dict[str, Any]:
     try:
         if not isinstance(meta, dict):
             raise ValueError(f"expected a JSON object, got {type(meta).__name__}")
+        if meta.get("format", RUN_FORMAT) != RUN_FORMAT:
+            raise ValueError(f"field 'format' is {meta['format']!r}, not {RUN_FORMAT!r}")
         if meta.get("version") != FORMAT_VERSION:
             raise ValueError(
                 f"field 'version' is {meta.get('version')!r}; this reader knows {FORMAT_VERSION}"

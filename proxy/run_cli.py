@@ -36,6 +36,7 @@ from ..runtime import parse_server
 from .coordinator import MODES
 from .eventlog import EVENT_LEVELS
 from .interrupt import Interrupted, Signals
+from .outputs import check_file_writable
 from .placement import POLICIES
 from .run_dir import claim
 from .settings import DEFAULT_MIN_FLOPS, EmulatorConfig
@@ -173,19 +174,24 @@ def check_module(name: str) -> None:
 
 def check_output(path: str, flag: str) -> Path:
     """``path`` made absolute (the script may change directory), ValueError unless a file
-    can be written there: checked before the script runs, not after."""
+    can be written there: opened for writing before the script runs, not after."""
     target = Path(path).absolute()
-    if target.is_dir():
-        raise ValueError(f"{flag} {path}: is a directory")
     if not target.parent.is_dir():
         raise ValueError(f"{flag} {path}: no such directory {target.parent}")
-    if not os.access(target if target.exists() else target.parent, os.W_OK):
-        raise ValueError(f"{flag} {path}: permission denied")
+    try:
+        check_file_writable(target)
+    except OSError as exc:
+        raise ValueError(f"{flag} {path}: cannot write it: {exc.strerror}") from exc
     return target
 
 
 def _run_script(kind: str, what: str, argv: list[str]) -> int:
-    """Run like ``python`` would; the exit code (SystemExit honoured, a traceback is 1)."""
+    """Run like ``python`` would; the exit code (SystemExit honoured, a traceback is 1).
+
+    The emulator ending the job (no device left in time, a refused request) is one line:
+    where the script was, its next GEMM, says nothing the error does not."""
+    from .client import EmulatorError
+
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     sys.argv = argv
     sys.path.insert(0, str(Path(what).resolve().parent) if kind == "path" else os.getcwd())
@@ -199,6 +205,10 @@ def _run_script(kind: str, what: str, argv: list[str]) -> int:
         if exc.code is None or isinstance(exc.code, int):
             return exc.code or 0
         print(exc.code, file=sys.stderr)
+        return 1
+    except EmulatorError as exc:
+        log.debug("the job ended in the script", exc_info=True)
+        print(f"morphling run: the emulator ended the job: {exc}", file=sys.stderr)
         return 1
     except Exception:
         traceback.print_exc()

@@ -1,7 +1,8 @@
 """``morphling save`` (alias ``morphling-cmd save``): convert a model into a Morphling checkpoint.
 
 A one-shot command, so a plain argparse parser rather than the layered configuration the
-long-running roles use. torch is imported only when the command runs: it is an optional
+long-running roles use. SIGTERM or Ctrl-C ends it with 143 or 130, its partly written copy
+removed. torch is imported only when the command runs: it is an optional
 dependency, and ``morphling --help`` builds this parser.
 """
 
@@ -11,6 +12,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+
+from .interrupt import Interrupted, Signals
 
 # float32 by default: it is what the device kernels compute in.
 DTYPES = ("float32", "float16", "bfloat16")
@@ -53,18 +56,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        return _save(args)
-    except ImportError as exc:  # torch, transformers and safetensors are optional extras
-        print(
-            f"morphling save: needs {exc.name}, which is not installed "
-            "(pip install 'morphling[torch]')",
-            file=sys.stderr,
-        )
-        return 1
+    with Signals() as signals:
+        signals.raising = True  # until the checkpoint is being written: nothing to clean up
+        try:
+            return _save(args, signals)
+        except Interrupted as exc:
+            print(f"morphling save: {exc}", file=sys.stderr)
+            return exc.exit_code
+        except ImportError as exc:  # torch, transformers and safetensors are optional extras
+            print(
+                f"morphling save: needs {exc.name}, which is not installed "
+                "(pip install 'morphling[torch]')",
+                file=sys.stderr,
+            )
+            return 1
 
 
-def _save(args: argparse.Namespace) -> int:
+def _save(args: argparse.Namespace, signals: Signals) -> int:
     import torch
 
     from .checkpoint import CheckpointError, OutputError, write_checkpoint
@@ -93,6 +101,9 @@ def _save(args: argparse.Namespace) -> int:
             config = load_config(config_path) if config_path.is_file() else None
             tensors = iter_tensors(files)
             source = f"hf {Path(args.model).resolve()}"
+        # From here a signal is acted on between tensors, so the staging directory is
+        # removed, and never while the finished checkpoint is swapped in.
+        signals.raising = False
         entries = write_checkpoint(
             args.output,
             tensors,
@@ -101,6 +112,7 @@ def _save(args: argparse.Namespace) -> int:
             source=source,
             force=args.force,
             progress=not args.no_progress,
+            check=signals.check,
         )
     except OutputError as exc:  # the --output the user gave cannot be used
         print(f"morphling save: {exc}", file=sys.stderr)
@@ -111,7 +123,7 @@ def _save(args: argparse.Namespace) -> int:
     stored = {(e.offset, e.nbytes) for e in entries}
     nbytes = sum(size for _, size in stored)
     print(f"saved {len(entries)} tensors ({nbytes:,} bytes) to {args.output}")
-    return 0
+    return signals.exit_code or 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -31,7 +31,7 @@ from .auth import mac_matches
 from .checkpoint import CheckpointError
 from .codec import ProtocolError
 from .connection import SMALL_PAYLOAD, FrameConnection, pool_allocator, undelivered_bytes
-from .eventlog import COMPRESSED_EVENTS_FILE, EventLog, open_event_file
+from .eventlog import COMPRESSED_EVENTS_FILE, RUN_FILE, RUN_FORMAT, EventLog, open_event_file
 from .memory import Admission
 from .messages import (
     Bye,
@@ -920,7 +920,7 @@ class Emulator:
             for d in sorted(self.timeline.devices.values(), key=lambda d: d.id)
         ]  # fmt: skip
         info = {
-            "version": 1, "policy": cfg.policy, "block": cfg.block_size,
+            "format": RUN_FORMAT, "version": 1, "policy": cfg.policy, "block": cfg.block_size,
             "bottleneck": None if bottleneck is None
             else {"dl_bw": bottleneck.dl_bw, "ul_bw": bottleneck.ul_bw},
             "fleet": fleet, "jobs": self.timeline.job_names(), "event_log": cfg.events,
@@ -932,7 +932,7 @@ class Emulator:
             "coordinator_time": "per job",
             **self.run_info,
         }  # fmt: skip
-        path = Path(cfg.run_dir) / "run.json"
+        path = Path(cfg.run_dir) / RUN_FILE
         path.write_text(json.dumps(info, indent=1) + "\n")
 
     async def _keep_time(self) -> None:

@@ -28,6 +28,7 @@ from ..devices.capacity import MAX_DEVICES_HELP
 from ..devices.profiles import expand_fleet
 from .eventlog import EVENT_LEVELS
 from .interrupt import Signals
+from .outputs import check_dir_writable
 from .report import format_bytes, load_run, summarize
 
 COOLINGS = ("none", "fan")
@@ -213,8 +214,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        print(f"morphling sweep: cannot create {out}: {exc.strerror}", file=sys.stderr)
-        return 1
+        return _usage(f"--out {out}: cannot create it: {exc.strerror}")
+    try:
+        check_dir_writable(out)  # now, not when the first run's log is opened
+    except OSError as exc:
+        return _usage(f"--out {out}: cannot write in it: {exc.strerror}")
 
     rows, failed = [], []
     passed = passed_flags(args.events, args.max_devices)

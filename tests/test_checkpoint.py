@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -388,6 +390,80 @@ def test_a_save_that_fails_midway_leaves_the_old_checkpoint_intact(tmp_path, mod
     with Checkpoint.open(out) as ckpt:  # verifies every checksum
         assert ckpt.source == "random-init opt-tiny seed=0"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "hf"]
+
+
+# opt-125m as float16: about 250 MB, written for long enough to act while it is written.
+LARGE = ("--model", "opt-125m", "--random-init", "--dtype", "float16")
+
+
+def saving_large(out: Path) -> subprocess.Popen[str]:
+    """``morphling save --force`` of a large model to ``out``, started; returned once its
+    staging directory beside ``out`` exists, so the model is being written."""
+    proc = subprocess.Popen([*MORPHLING, "--log-level", "warning", "save", "--no-progress",
+                             *LARGE, "--output", str(out), "--force"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=child_env())  # fmt: skip
+    deadline = time.monotonic() + 300
+    while not list(out.parent.glob(f".{out.name}.*.tmp")):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "no staging directory"
+        time.sleep(0.005)
+    return proc
+
+
+def test_a_file_added_while_the_model_is_written_is_never_deleted(tmp_path):
+    """The review's case: --force proved the output a checkpoint before writing; a file
+    added to it meanwhile was deleted at the swap unchecked (exit 0, notes.txt gone)."""
+    out = tmp_path / "big"
+    assert save("--model", "opt-tiny", "--random-init", "--output", out) == 0
+    proc = saving_large(out)
+    (out / "notes.txt").write_text("precious")
+    _, stderr = proc.communicate(timeout=300)
+    assert (proc.returncode, stderr) == (2, (
+        f"morphling save: {out}: not a Morphling checkpoint (it holds notes.txt, which a "
+        "checkpoint does not); refusing to replace it even with --force\n"))  # fmt: skip
+    assert (out / "notes.txt").read_text() == "precious"
+    with Checkpoint.open(out) as ckpt:  # the old checkpoint, whole
+        assert ckpt.source == "random-init opt-tiny seed=0"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big"]  # the new one removed
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_while_the_model_is_written_removes_the_staging_directory(tmp_path, sig, code):
+    """SIGTERM killed the save on the spot, leaving the staging directory (hundreds of MB);
+    Ctrl-C cleaned up but ended in a traceback. Both: one line, 128 + the signal."""
+    out = tmp_path / "big"
+    assert save("--model", "opt-tiny", "--random-init", "--output", out) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    proc = saving_large(out)
+    proc.send_signal(sig)
+    _, stderr = proc.communicate(timeout=300)
+    name = signal.Signals(sig).name
+    assert (proc.returncode, stderr) == (code, f"morphling save: interrupted by {name}\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big"]
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+@pytest.mark.parametrize("output", [".", "../ck"])
+def test_the_current_directory_is_refused_before_writing(tmp_path, output):
+    """Run inside the checkpoint: the whole model was written, then the swap failed with a
+    raw '[Errno 16] Device or resource busy', exit 1. Now one line before writing, exit 2."""
+    out = tmp_path / "ck"
+    assert save("--model", "opt-tiny", "--random-init", "--output", out) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    proc = morphling_save("--model", "opt-tiny", "--random-init", "--seed", 1, "--output",
+                          output, "--force", cwd=out)  # fmt: skip
+    assert (proc.returncode, proc.stderr) == (2, (
+        f"morphling save: {output}: is the current directory; a save replaces the directory "
+        "itself, which would leave this shell in a removed one: run it from the parent "
+        "directory\n"))  # fmt: skip
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+    proc = morphling_save("--model", "opt-tiny", "--random-init", "--seed", 1, "--output",
+                          "ck", "--force", cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    with Checkpoint.open(out) as ckpt:
+        assert ckpt.source == "random-init opt-tiny seed=1"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
 
 
 @pytest.mark.parametrize(

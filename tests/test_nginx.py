@@ -190,8 +190,9 @@ def test_nginx_config_refuses_an_upstream_that_is_its_own_listen_address():
     [
         ("0.0.0.0:39000", "localhost:39000", True),
         ("0.0.0.0:39000", "10.0.0.2:39000,0.0.0.0", True),
-        ("[::]:39000", "127.0.0.1", True),
-        ("0.0.0.0:39000", "[::1]:39000", True),
+        ("[::]:39000", "[::1]:39000", True),
+        ("[::]:39000", "127.0.0.1", False),  # nginx's [::] is ipv6only=on by default
+        ("0.0.0.0:39000", "[::1]:39000", False),  # an IPv4 wildcard has no IPv6 address
         ("127.0.0.1:40000", "localhost:40000", True),
         ("0.0.0.0:39000", "127.0.0.1:39001", False),
         ("127.0.0.1:39000", "127.0.0.2:39000", False),  # another socket: nginx binds only .1

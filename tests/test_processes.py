@@ -510,3 +510,20 @@ async def test_idle_job_outlives_heartbeat_timeout(procs: Procs):
         np.testing.assert_array_equal(await client.matmul(a, a, timeout=10), a)
     finally:
         await client.close()
+
+
+@pytest.mark.parametrize(("stop", "code"), [(signal.SIGTERM, 0), (signal.SIGKILL, 1)])
+def test_a_device_that_may_not_reconnect_exits_by_how_its_connection_ended(
+    procs: Procs, stop: signal.Signals, code: int
+):
+    """With --no-reconnect an emulator that says goodbye (stopping: BYE) ends the device
+    cleanly, but one that vanishes is a failure, as an unreachable one is."""
+    emulator, port = procs.emulator("--no-probe")
+    device = procs.device(port, "pi", "rpi4", "--no-reconnect")
+    procs.wait_for(emulator, "device 0 (pi) ready")
+    emulator.signal(stop)
+    assert device.wait(timeout=30) == code, device.text()
+    if code:
+        assert f"ERROR morphling.devices.agent: pi: lost the connection to 127.0.0.1:{port}" in (
+            device.text()
+        )

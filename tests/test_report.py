@@ -400,6 +400,7 @@ def test_missing_field(tmp_path: Path) -> None:
     ("meta", "message"),
     [
         ({"version": 2}, "'version' is 2"),
+        ({"format": "morphling-ckpt"}, "'format' is 'morphling-ckpt', not 'morphling-run'"),
         ({"fleet": []}, "'fleet' must be a non-empty list"),
         ({"fleet": [{**FLEET[0], "flops": "fast"}]}, "'flops' must be a finite number"),
         ({"bottleneck": {"bw": "fast"}}, "'bottleneck.bw' must be a finite number"),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -352,6 +353,8 @@ def test_script_exit_code_propagates(echo: Path, exit_with: str, code: int) -> N
 
 
 BOTH = "exactly one of --server HOST:PORT, --embedded"
+# An empty directory (binfmt_misc not mounted) in which nobody, root included, makes a file.
+UNWRITABLE_DIR = "/proc/sys/fs/binfmt_misc"
 USAGE_ERRORS = [
     pytest.param(["--embedded"], "no script given", id="nothing"),
     pytest.param(["--embedded", "--"], "no script given", id="bare-dashes"),
@@ -386,6 +389,20 @@ USAGE_ERRORS = [
         ["--embedded", "--json", "/nonexistent/dir/r.json", "--", "ECHO"],
         "--json /nonexistent/dir/r.json: no such directory",
         id="json-nowhere",
+    ),
+    pytest.param(  # root may write anywhere, says os.access; /proc takes no new file
+        ["--embedded", "--json", "/proc/r.json", "--", "ECHO"],
+        "--json /proc/r.json: cannot write it: No such file or directory",
+        id="json-unwritable",
+    ),
+    pytest.param(
+        ["--embedded", "--run-dir", UNWRITABLE_DIR, "--", "ECHO"],
+        f"run directory {UNWRITABLE_DIR}: cannot write in it",
+        id="run-dir-unwritable",
+        marks=pytest.mark.skipif(
+            not Path(UNWRITABLE_DIR).is_dir() or any(Path(UNWRITABLE_DIR).iterdir()),
+            reason=f"{UNWRITABLE_DIR} is not an empty directory here",
+        ),
     ),
     pytest.param(
         ["--embedded", "--ckpt", "/nonexistent/ckpt", "--", "ECHO"],
@@ -453,7 +470,7 @@ def test_existing_run_directory_needs_force(echo: Path) -> None:
     flags = ["--embedded", "--devices", "1", "--no-report", "--run-dir", run_dir]
     succeeded(morphling_run(*flags, "--", echo))
     before = (run_dir / "run.json").read_bytes()
-    (run_dir / "stale.png").write_text("an earlier report")
+    (run_dir / "steps.png").write_text("an earlier report")
     proc = morphling_run(*flags, "--", echo)
     assert proc.returncode == 2, proc.stderr
     assert f"run directory {run_dir} already exists and is not empty" in proc.stderr
@@ -467,8 +484,81 @@ def test_existing_run_directory_needs_force(echo: Path) -> None:
     (notes / "keep.txt").write_text("mine")
     proc = morphling_run(*flags[:-1], notes, "--force", "--", echo)
     assert proc.returncode == 2, proc.stderr
-    assert "not a run directory" in proc.stderr
+    assert "not a Morphling run directory (no run.json)" in proc.stderr
     assert [p.name for p in notes.iterdir()] == ["keep.txt"]
+
+
+def tree(directory: Path) -> dict[str, bytes | None]:
+    """Every path under ``directory`` (relative) and its bytes (None: a directory)."""
+    return {str(p.relative_to(directory)): None if p.is_dir() else p.read_bytes()
+            for p in directory.rglob("*")}  # fmt: skip
+
+
+def test_force_never_empties_a_directory_that_merely_has_a_run_json(echo: Path) -> None:
+    """The review's case: a project whose run.json is its own lost src/ and README to
+    --force (exit 0). A run directory must say format morphling-run in its run.json and
+    hold only what a run writes."""
+    project = echo.parent / "proj"
+    (project / "src").mkdir(parents=True)
+    (project / "run.json").write_text('{"scripts":{}}')
+    (project / "src" / "main.py").write_text("precious")
+    (project / "README").write_text("notes")
+    before = tree(project)
+    proc = morphling_run("--embedded", "--devices", "1", "--run-dir", project, "--force", "--",
+                         "python", echo)  # fmt: skip
+    assert (proc.returncode, proc.stderr, proc.stdout) == (
+        2,
+        (
+            f"morphling run: run directory {project}: not a Morphling run directory (run.json "
+            "does not say format 'morphling-run'); refusing to replace it even with --force\n"
+        ),
+        "",
+    )
+    assert tree(project) == before
+
+
+def test_force_replaces_only_a_run_directory_holding_nothing_else(echo: Path) -> None:
+    """An earlier run with its reports is replaced (none of its files stay); with a
+    subdirectory of the user's, or from before run.json said its format, it is not."""
+    run_dir = echo.parent / "run"
+    flags = ["--embedded", "--devices", "1", "--run-dir", run_dir]
+    succeeded(morphling_run(*flags, "--", echo))
+    meta = json.loads((run_dir / "run.json").read_text())
+    assert meta["format"] == "morphling-run"
+    assert {"summary.json", "trace.json", "steps.png"} <= {p.name for p in run_dir.iterdir()}
+    older = {k: v for k, v in meta.items() if k != "format"}
+
+    def refused(why: str) -> None:
+        before = tree(run_dir)
+        proc = morphling_run(*flags, "--force", "--", echo)
+        assert proc.returncode == 2, proc.stderr
+        assert f"not a Morphling run directory ({why}); refusing" in proc.stderr
+        assert tree(run_dir) == before
+
+    (run_dir / "sub").mkdir()
+    (run_dir / "sub" / "keep.txt").write_text("mine")
+    refused("it holds sub, which a run directory does not")
+    shutil.rmtree(run_dir / "sub")
+    (run_dir / "run.json").write_text(json.dumps(older))
+    refused("run.json does not say format 'morphling-run'")
+    load_run(run_dir)  # a run.json without a format is still read
+    (run_dir / "run.json").write_text(json.dumps(meta))
+    succeeded(morphling_run(*flags, "--force", "--no-report", "--", echo))
+    assert sorted(p.name for p in run_dir.iterdir()) == ["events.jsonl.gz", "run.json"]
+
+
+def test_json_is_checked_without_a_trace(echo: Path) -> None:
+    """--json is opened before the script runs: an existing file keeps what it holds, and
+    one that did not exist does not stay when the run is refused afterwards."""
+    kept, new = echo.parent / "kept.json", echo.parent / "new.json"
+    kept.write_text("earlier")
+    for path in (kept, new):
+        proc = morphling_run("--embedded", "--devices", "1", "--json", path, "--ckpt",
+                             "/nonexistent/ckpt", "--", echo)  # fmt: skip
+        assert proc.returncode == 2, proc.stderr
+        assert "/nonexistent/ckpt: no such checkpoint directory" in proc.stderr
+    assert kept.read_text() == "earlier"
+    assert not new.exists()
 
 
 def test_bad_device_spec_and_server_address_are_usage_errors(echo: Path) -> None:

@@ -168,6 +168,22 @@ def test_existing_run_directory_is_not_reused(
     assert "already holds rpi4-2_default_fan" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("out", "problem"),
+    [
+        ("/proc", "cannot write in it: No such file or directory"),  # root may, says access()
+        ("/proc/x", "cannot create it: No such file or directory"),
+    ],
+)
+def test_unwritable_out_is_refused_before_any_run(
+    train: Path, out: str, problem: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--out is written to before the first run starts: one line, exit 2 (a traceback when
+    the first run's log was opened, before)."""
+    assert sweep("--fleet", "rpi4:2", "--out", out, "--", "python", train) == 2
+    assert capsys.readouterr().err == f"morphling sweep: --out {out}: {problem}\n"
+
+
 # -- the table -------------------------------------------------------------------------------
 
 
