@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import psutil
 
-from ..proxy.report import format_bytes
+from ..text import format_bytes
 
 # Host memory one virtual device costs: its agent and connection in the fleet, its
 # peer in the emulator (one process under `morphling run --embedded`; usually one host

@@ -28,6 +28,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from ..text import elide, elided_line, format_bytes
 from .eventlog import (
     COMPONENTS,
     COMPRESSED_EVENTS_FILE,
@@ -1208,15 +1209,6 @@ def _below_top(
 # -- text ------------------------------------------------------------------------------------
 
 
-def format_bytes(n: float) -> str:
-    """1536 -> '1.5 KiB': binary units, as memory and link sizes are quoted."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
 def _maybe(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
@@ -1279,14 +1271,11 @@ def _steps_table(summary: dict[str, Any]) -> list[str]:
     )
     rows = [head, "-" * len(head)]
     for job in summary["jobs"]:
-        for s in job["steps"]:
-            mark = "" if s["complete"] else "  (incomplete)"
-            rows.append(
-                f"{s['job']:>4} {s['step']:>5} {s['emulated_s']:>11.4f} "
-                f"{s['coordinator_s']:>9.4f} {s['gemm_s']:>9.4f} {s['gemms']:>6} "
-                f"{s['local_gemms']:>6} {s['tiles']:>7} {format_bytes(s['bytes_down']):>10} "
-                f"{format_bytes(s['bytes_up']):>10} {s['oom']:>4}{mark}"
-            )
+        first, left_out, last = elide(job["steps"])
+        rows += [_step_row(s) for s in first]
+        if left_out:
+            rows.append(elided_line(left_out, "summary.json or --json has every step"))
+            rows += [_step_row(s) for s in last]
     t = summary["totals"]
     rows.append(
         f"{'all':>10} {t['emulated_s']:>11.4f} {t['coordinator_s']:>9.4f} {t['gemm_s']:>9.4f} "
@@ -1294,6 +1283,16 @@ def _steps_table(summary: dict[str, Any]) -> list[str]:
         f"{format_bytes(t['bytes_down']):>10} {format_bytes(t['bytes_up']):>10} {t['oom']:>4}"
     )
     return rows
+
+
+def _step_row(s: dict[str, Any]) -> str:
+    mark = "" if s["complete"] else "  (incomplete)"
+    return (
+        f"{s['job']:>4} {s['step']:>5} {s['emulated_s']:>11.4f} "
+        f"{s['coordinator_s']:>9.4f} {s['gemm_s']:>9.4f} {s['gemms']:>6} "
+        f"{s['local_gemms']:>6} {s['tiles']:>7} {format_bytes(s['bytes_down']):>10} "
+        f"{format_bytes(s['bytes_up']):>10} {s['oom']:>4}{mark}"
+    )
 
 
 def _devices_table(summary: dict[str, Any]) -> list[str]:

@@ -32,6 +32,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..runtime import parse_server
+from ..text import elide, elided_line
 from .checkpoint import Checkpoint, CheckpointError
 from .client import Client
 from .coordinator import MODES, CoordinatorModel, HostWork
@@ -194,13 +195,11 @@ class Session:
                 f"{'GEMMs':>6} {'local':>6} {'tiles':>7} {'MiB down':>9} {'MiB up':>8} "
                 f"{'OOM':>5}")  # fmt: skip
         rows = [head, "-" * len(head)]
-        for r in self.steps:
-            rows.append(
-                f"{r.step:>5} {r.emulated_s:>11.4f} {r.fleet_s:>9.4f} {r.coord_s:>8.4f} "
-                f"{r.host_s:>8.3f} "
-                f"{r.gemms:>6} {r.local_gemms:>6} {r.tiles:>7} "
-                f"{r.bytes_down / 2**20:>9.1f} {r.bytes_up / 2**20:>8.1f} {r.oom:>5}"
-            )
+        first, left_out, last = elide(self.steps)
+        rows += [_step_row(r) for r in first]
+        if left_out:
+            rows.append(elided_line(left_out, "--json has every step"))
+            rows += [_step_row(r) for r in last]
         local = ", ".join(f"{n} {why}" for why, n in sorted(self.counts.local.items())) or "none"
         rows.append(f"GEMMs: {self.counts.remote} on the fleet ({self.counts.copied} copied "
                     f"to a BLAS layout first); local: {local}")  # fmt: skip
@@ -215,6 +214,14 @@ class Session:
             "gemms_copied": self.counts.copied,
             "gemms_local": dict(self.counts.local),
         }
+
+
+def _step_row(r: StepReport) -> str:
+    return (
+        f"{r.step:>5} {r.emulated_s:>11.4f} {r.fleet_s:>9.4f} {r.coord_s:>8.4f} {r.host_s:>8.3f} "
+        f"{r.gemms:>6} {r.local_gemms:>6} {r.tiles:>7} "
+        f"{r.bytes_down / 2**20:>9.1f} {r.bytes_up / 2**20:>8.1f} {r.oom:>5}"
+    )
 
 
 @contextlib.contextmanager

@@ -26,10 +26,11 @@ from typing import Any
 
 from ..devices.capacity import MAX_DEVICES_HELP
 from ..devices.profiles import expand_fleet
+from ..text import format_bytes
 from .eventlog import EVENT_LEVELS
 from .interrupt import Signals
 from .outputs import check_dir_writable
-from .report import format_bytes, load_run, summarize
+from .report import load_run, summarize
 
 COOLINGS = ("none", "fan")
 LOG_TAIL_LINES = 20

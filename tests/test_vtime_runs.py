@@ -18,6 +18,7 @@ import gzip
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -26,6 +27,8 @@ from pathlib import Path
 import pytest
 from processes import child_env
 from test_run import SCRIPTS, morphling_run, succeeded
+
+from morphling.text import FIRST_ROWS, LAST_ROWS
 
 FLEET = ("--embedded", "--devices", "rpi4:2,orin-nano:1,jetson-nano:1", "--block-size", "16",
          "--min-flops", "0", "--coordinator-time", "model")  # fmt: skip
@@ -322,3 +325,17 @@ def test_run_directory_grows_little_per_step(long_runs):
     # each step after the first ones adds a fraction of what each of those took in the log
     log_short, log_long = size(short_dir, "events.jsonl.gz"), size(long_dir, "events.jsonl.gz")
     assert (log_long - log_short) / (LONG - SHORT) < log_short / SHORT / 4, (log_short, log_long)
+
+
+def test_a_long_runs_tables_show_its_first_and_last_steps(long_runs):
+    """Every step's row on stderr made a 60,000-step run's table 60,000 lines: the job's
+    table and the report's show the first and last steps and say how many lie between;
+    --json and summary.json keep them all."""
+    _, stderr = long_runs["auto"]
+    left_out = LONG - FIRST_ROWS - LAST_ROWS
+    assert f"... {left_out} more rows (--json has every step) ..." in stderr  # the job's
+    assert f"... {left_out} more rows (summary.json or --json has every step) ..." in stderr
+    job_rows = [line.split()[0] for line in stderr.splitlines()
+                if re.fullmatch(r"\s*\d+ +\d+\.\d{4} .*", line)]  # fmt: skip
+    shown = [*range(1, FIRST_ROWS + 1), *range(LONG - LAST_ROWS + 1, LONG + 1)]
+    assert [int(step) for step in job_rows] == shown
