@@ -21,13 +21,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-
-from ..kernels import BufferPool, GemmResult, WorkerPool, plan_explicit, run_plan
-from ..proxy import challenge, local
-from ..proxy.arena import OperandArena
-from ..proxy.auth import hello
-from ..proxy.connection import FrameConnection, pool_allocator
-from ..proxy.messages import (
+from morphling.kernels import BufferPool, GemmResult, WorkerPool, plan_explicit, run_plan
+from morphling.proxy.net.protocol import FrameConnection, pool_allocator
+from morphling.proxy.shm import handover as local
+from morphling.proxy.shm.arena import OperandArena
+from morphling.proxy.shm.weights import SharedWeights
+from morphling.proxy.wire import challenge
+from morphling.proxy.wire.auth import hello
+from morphling.proxy.wire.messages import (
     REFUSALS,
     Message,
     MsgType,
@@ -36,9 +37,9 @@ from ..proxy.messages import (
     Tile,
     TileResult,
 )
-from ..proxy.states import Conversation
-from ..proxy.weights import SharedWeights
-from .profiles import DeviceProfile
+from morphling.proxy.wire.states import Conversation
+
+from .models.profiles import DeviceProfile
 
 log = logging.getLogger(__name__)
 

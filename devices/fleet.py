@@ -13,9 +13,10 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from ..kernels import BufferPool, WorkerPool
+from morphling.kernels import BufferPool, WorkerPool
+
 from .agent import DeviceAgent, Tls
-from .profiles import DeviceProfile
+from .models.profiles import DeviceProfile
 
 log = logging.getLogger(__name__)
 

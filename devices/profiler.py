@@ -31,13 +31,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from morphling.kernels import GemmPlan, blas_info, plan_explicit, run_plan, set_threads
 from tqdm import tqdm
 
-from ..kernels import GemmPlan, blas_info, plan_explicit, run_plan, set_threads
-from .compute_model import ComputeModel, GemmShape, heldout_error
-from .links import LINKS, Link
-from .profiles import HOST
-from .thermal import ThermalFit, Trace, clock_changes, fit
+from .models.compute import ComputeModel, GemmShape, heldout_error
+from .models.links import LINKS, Link
+from .models.profiles import HOST
+from .models.thermal import ThermalFit, Trace, clock_changes, fit
 
 log = logging.getLogger(__name__)
 

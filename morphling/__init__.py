@@ -11,7 +11,7 @@ except PackageNotFoundError:  # running from a source tree that was never instal
 def __getattr__(name: str):
     """``morphling.emulate`` without importing torch for every ``morphling`` command."""
     if name == "emulate":
-        from .proxy.session import emulate
+        from .proxy.job.session import emulate
 
         return emulate
     raise AttributeError(f"module 'morphling' has no attribute {name!r}")

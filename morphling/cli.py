@@ -47,14 +47,14 @@ def _add_version(sub: argparse._SubParsersAction) -> None:
 
 
 def _subcommands() -> list[Callable[[argparse._SubParsersAction], None]]:
-    from .devices.cli import add_device_parser, add_fleet_parser
-    from .devices.profile_cli import add_parser as add_profile_parser
-    from .nginx.cli import add_parser as add_nginx_parser
-    from .proxy.cli import add_parser as add_emulator_parser
-    from .proxy.report_cli import add_parser as add_report_parser
-    from .proxy.run_cli import add_parser as add_run_parser
-    from .proxy.save_cli import add_parser as add_save_parser
-    from .proxy.sweep_cli import add_parser as add_sweep_parser
+    from .commands.device import add_device_parser, add_fleet_parser
+    from .commands.emulator import add_parser as add_emulator_parser
+    from .commands.nginx_config import add_parser as add_nginx_parser
+    from .commands.profile import add_parser as add_profile_parser
+    from .commands.report import add_parser as add_report_parser
+    from .commands.run import add_parser as add_run_parser
+    from .commands.save import add_parser as add_save_parser
+    from .commands.sweep import add_parser as add_sweep_parser
 
     return [
         _add_version, add_emulator_parser, add_device_parser, add_fleet_parser, add_run_parser,

@@ -23,9 +23,10 @@ import re
 import socket
 from dataclasses import dataclass
 
-from ..config import option as _opt
-from ..proxy.settings import check_heartbeats
-from ..runtime import format_address, parse_server
+from morphling.proxy.emulator.settings import check_heartbeats
+
+from morphling.config import option as _opt
+from morphling.runtime import format_address, parse_server
 
 UPSTREAM = "morphling_emulators"
 _SAFE_PATH = re.compile(r"[^\s;{}'\"#$\\]+")  # nginx takes these unquoted, without surprises

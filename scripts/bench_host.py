@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from benchlib import run_meta, write_results
-from morphling.devices.compute_model import ComputeModel, heldout_error
+from morphling.devices.models.compute import ComputeModel, heldout_error
 from morphling.devices.profiler import (
     FULL,
     HOST_KEY,
@@ -58,7 +58,7 @@ STEP_SCRIPT = """\
 import argparse, json, sys, time, torch
 sys.path.insert(0, {scripts!r})
 from demo import MODEL
-from morphling.proxy.hf_models import build_model, load_config
+from morphling.proxy.checkpoint.hf_models import build_model, load_config
 parser = argparse.ArgumentParser()
 parser.add_argument("steps", type=int)
 parser.add_argument("--time-gemms", action="store_true", help="time the CPU GEMM kernels")

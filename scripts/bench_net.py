@@ -229,7 +229,7 @@ class _Frames:
     each message to ``handle(self, msg)``: the protocol floor's processes, nothing more."""
 
     def __init__(self, handle: Callable[[Any, Any], None]) -> None:
-        from morphling.proxy.codec import Decoder, encode
+        from morphling.proxy.wire.codec import Decoder, encode
 
         self.decoder, self.encode, self.handle, self.peer = Decoder(), encode, handle, None
 
@@ -260,7 +260,7 @@ def child_floor_device() -> None:
 
     import numpy as np
     import uvloop
-    from morphling.proxy.messages import TileResult
+    from morphling.proxy.wire.messages import TileResult
 
     def tile(conn: _Frames, msg: Any) -> None:
         a = np.frombuffer(msg.segments[0], np.float32).reshape(msg.m, msg.k)
@@ -280,7 +280,7 @@ def child_floor_emulator(port: int) -> None:
     import asyncio
 
     import uvloop
-    from morphling.proxy.messages import Result, Tile
+    from morphling.proxy.wire.messages import Result, Tile
 
     def from_job(conn: _Frames, g: Any) -> None:
         conn.peer.send(Tile(tile=g.gemm, dtype=g.dtype, ta=g.ta, tb=g.tb, m=g.m, n=g.n, k=g.k,
@@ -546,8 +546,8 @@ class TorchRpc:
 def floor_matmul(sock: socket.socket, a: Any, b: Any) -> Callable[[], Any]:
     """``a @ b`` through the protocol floor's emulator on ``sock``, as ``Client.matmul``
     does it: the same request, encoding, decoding and result, with no handshake."""
-    from morphling.proxy.client import gemm_request, result_array
-    from morphling.proxy.codec import Decoder, encode
+    from morphling.proxy.job.client import gemm_request, result_array
+    from morphling.proxy.wire.codec import Decoder, encode
 
     decoder, ids = Decoder(), itertools.count(1)
 
@@ -568,7 +568,7 @@ def floor_matmul(sock: socket.socket, a: Any, b: Any) -> Callable[[], Any]:
 
 def bench_gemm_rtt(children: Children, port: int, reps: int, bar: Any) -> dict:
     import numpy as np
-    from morphling.proxy.client import Client
+    from morphling.proxy.job.client import Client
 
     calls, warm = 200, 20
     rng = np.random.default_rng(0)
@@ -654,7 +654,7 @@ def iperf3_gbps(children: Children) -> tuple[float | None, str]:
 def bench_bulk(children: Children, port: int, reps: int, bar: Any) -> dict:
     import uvloop
 
-    from morphling.netbench import ProbeClient
+    from morphling.commands.bench import ProbeClient
 
     transfers = 3
     bar.set_description("bulk_64mib")

@@ -44,7 +44,7 @@ from bench_net import (
 
 STEP_SCRIPT = """\
 import json, sys, time, torch
-from morphling.proxy.hf_models import build_model, load_config
+from morphling.proxy.checkpoint.hf_models import build_model, load_config
 torch.manual_seed(0)
 cfg = load_config("opt-125m")
 cfg["num_hidden_layers"] = 2
@@ -162,7 +162,7 @@ def run(args: argparse.Namespace) -> dict:
         script = workdir / "step.py"
         script.write_text(STEP_SCRIPT)
         config = workdir / "opt-2l.json"
-        from morphling.proxy.hf_models import load_config
+        from morphling.proxy.checkpoint.hf_models import load_config
 
         config.write_text(json.dumps({**load_config("opt-125m"), "num_hidden_layers": 2}))
         ckpt = workdir / "ckpt"

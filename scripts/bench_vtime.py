@@ -31,11 +31,11 @@ from pathlib import Path
 
 import numpy as np
 from benchlib import run_meta, write_results
-from morphling.devices.profiles import BUILTIN
-from morphling.proxy.eventlog import EventLog
-from morphling.proxy.messages import Gemm
-from morphling.proxy.partition import make_task
-from morphling.proxy.timeline import Timeline
+from morphling.devices.models.profiles import BUILTIN
+from morphling.proxy.emulator.partition import make_task
+from morphling.proxy.vtime.eventlog import EventLog
+from morphling.proxy.vtime.timeline import Timeline
+from morphling.proxy.wire.messages import Gemm
 
 STAGES = 3  # download, compute, upload
 FLEET_1000 = "rpi4:400,rpi5:300,orin-nano:200,jetson-nano:100"
@@ -44,7 +44,7 @@ STEP_SCRIPT = """\
 import json, sys, time, torch
 sys.path.insert(0, {scripts!r})
 from demo import MODEL
-from morphling.proxy.hf_models import build_model, load_config
+from morphling.proxy.checkpoint.hf_models import build_model, load_config
 cfg = load_config("opt-tiny")
 cfg.update(MODEL)
 model = build_model(cfg, seed=0)

@@ -22,9 +22,9 @@ import time
 from pathlib import Path
 
 import torch
-from morphling.proxy.hf_models import build_model, load_config
-from morphling.proxy.report import format_summary, load_run, summarize, write_report_files
-from morphling.proxy.settings import EmulatorConfig
+from morphling.proxy.checkpoint.hf_models import build_model, load_config
+from morphling.proxy.emulator.settings import EmulatorConfig
+from morphling.proxy.report.analysis import format_summary, load_run, summarize, write_report_files
 
 import morphling
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""What one virtual device costs in host memory: the figure ``devices/capacity.py`` bounds
+"""What one virtual device costs in host memory: the figure ``devices/models/capacity.py`` bounds
 fleets by.
 
 Starts an emulator (``--no-probe``), then a ``morphling fleet`` of ``--small`` devices and

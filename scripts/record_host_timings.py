@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from morphling.devices.compute_model import GemmShape
+from morphling.devices.models.compute import GemmShape
 from morphling.devices.profiler import (
     grid_shapes,
     heldout_shapes,

@@ -9,7 +9,7 @@ import argparse
 
 import torch
 from demo import MODEL
-from morphling.proxy.hf_models import build_model, load_config
+from morphling.proxy.checkpoint.hf_models import build_model, load_config
 
 
 def main() -> None:

@@ -22,14 +22,14 @@ from typing import Any
 import numpy as np
 import pytest
 from morphling.devices.agent import DeviceAgent
-from morphling.devices.profiles import BUILTIN
+from morphling.devices.models.profiles import BUILTIN
 from morphling.kernels import BufferPool, CpuBackend, WorkerPool
-from morphling.proxy.arena import PAGE, OperandArena
-from morphling.proxy.client import AsyncClient, Client, gemm_request, result_array
-from morphling.proxy.messages import Gemm, MsgType, Open, Slab, Step, TileResult
-from morphling.proxy.partition import make_task
-from morphling.proxy.server import Emulator
-from morphling.proxy.settings import EmulatorConfig
+from morphling.proxy.emulator.partition import make_task
+from morphling.proxy.emulator.server import Emulator
+from morphling.proxy.emulator.settings import EmulatorConfig
+from morphling.proxy.job.client import AsyncClient, Client, gemm_request, result_array
+from morphling.proxy.shm.arena import PAGE, OperandArena
+from morphling.proxy.wire.messages import Gemm, MsgType, Open, Slab, Step, TileResult
 
 # -- the allocator -----------------------------------------------------------------------------
 
@@ -79,7 +79,7 @@ def test_a_full_dev_shm_means_no_allocation_not_a_crash():
     if shutil.which("unshare") is None:
         pytest.skip("needs unshare(1) to mount a small /dev/shm")
     script = textwrap.dedent("""
-        from morphling.proxy.arena import OperandArena
+        from morphling.proxy.shm.arena import OperandArena
         arena = OperandArena.create(64 << 20)
         small = arena.allocate(512 << 10)
         small[:] = b"x" * len(small)
@@ -563,7 +563,7 @@ def test_morphling_run_share_memory_decides_how_operands_go(share):
     the embedded emulator's process, hands a linear layer's operands over as arrays, or
     sends them as bytes; it uses no slab either way."""
     torch = pytest.importorskip("torch")
-    from morphling.proxy.session import emulate
+    from morphling.proxy.job.session import emulate
 
     layer = torch.nn.Linear(256, 256)
     x = torch.randn(128, 256)

@@ -13,14 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 from huggingface_hub import split_torch_state_dict_into_shards
-from morphling.proxy import save_cli
-from morphling.proxy.checkpoint import (
+from morphling.proxy.checkpoint.format import (
     ALIGNMENT,
     Checkpoint,
     CheckpointError,
     write_checkpoint,
 )
-from morphling.proxy.hf_models import (
+from morphling.proxy.checkpoint.hf_models import (
     build_model,
     bundled_configs,
     iter_tensors,
@@ -28,6 +27,8 @@ from morphling.proxy.hf_models import (
     model_files,
 )
 from processes import MORPHLING, child_env
+
+from morphling.commands import save as save_cli
 
 TIED = "lm_head.weight"  # transformers drops the tied copy when it writes safetensors
 
@@ -516,7 +517,7 @@ def test_iter_tensors_streams_each_file(tmp_path, model, state):
 def test_imports_stay_light():
     """``morphling --help`` builds the save parser: it must not need torch (an optional extra)."""
     code = (
-        "import sys, morphling.proxy.save_cli; assert 'torch' not in sys.modules; "
-        "import morphling.proxy.hf_models; assert 'transformers' not in sys.modules"
+        "import sys, morphling.commands.save; assert 'torch' not in sys.modules; "
+        "import morphling.proxy.checkpoint.hf_models; assert 'transformers' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

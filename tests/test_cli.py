@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from morphling.proxy.settings import EmulatorConfig
-from morphling.proxy.shm import shm_dir
+from morphling.proxy.emulator.settings import EmulatorConfig
+from morphling.proxy.shm.files import shm_dir
 from processes import child_env, free_port
 
 from morphling import __version__

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
-from morphling.proxy.codec import (
+from morphling.proxy.wire.codec import (
     MAGIC,
     PREFIX,
     VERSION,
@@ -21,7 +21,7 @@ from morphling.proxy.codec import (
     encode_bytes,
     segment_array,
 )
-from morphling.proxy.messages import (
+from morphling.proxy.wire.messages import (
     MESSAGES,
     Bye,
     Gemm,

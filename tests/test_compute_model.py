@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from morphling.devices.compute_model import ComputeModel, GemmShape, heldout_error
+from morphling.devices.models.compute import ComputeModel, GemmShape, heldout_error
 from morphling.devices.profiler import dump_toml, grid_shapes, heldout_shapes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))

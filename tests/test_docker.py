@@ -14,13 +14,13 @@ import tomllib
 from pathlib import Path
 
 import yaml
-from morphling.devices.cli import FleetConfig
-from morphling.devices.profiles import expand_fleet
-from morphling.proxy.settings import EmulatorConfig
+from morphling.devices.models.profiles import expand_fleet
+from morphling.proxy.emulator.settings import EmulatorConfig
 from processes import MORPHLING, child_env
 
 from morphling import config as configuration
 from morphling.cli import build_parser
+from morphling.commands.device import FleetConfig
 
 REPO = Path(__file__).resolve().parent.parent
 SCHEMAS = {"emulator": EmulatorConfig, "fleet": FleetConfig}

@@ -24,13 +24,17 @@ import msgpack
 import numpy as np
 import pytest
 from morphling.devices.agent import INLINE_FLOPS, DeviceAgent, backoff_s
-from morphling.devices.links import LINKS
-from morphling.devices.profiles import BUILTIN
+from morphling.devices.models.links import LINKS
+from morphling.devices.models.profiles import BUILTIN
 from morphling.kernels import BufferPool, CpuBackend, WorkerPool
-from morphling.proxy import challenge, codec, probes
-from morphling.proxy.auth import expected_mac
-from morphling.proxy.client import AsyncClient, Client, EmulatorError
-from morphling.proxy.messages import (
+from morphling.proxy.emulator import probes
+from morphling.proxy.emulator.registry import DeviceRecord
+from morphling.proxy.emulator.server import Emulator
+from morphling.proxy.emulator.settings import EmulatorConfig
+from morphling.proxy.job.client import AsyncClient, Client, EmulatorError
+from morphling.proxy.wire import challenge, codec
+from morphling.proxy.wire.auth import expected_mac
+from morphling.proxy.wire.messages import (
     Bye,
     Error,
     Gemm,
@@ -51,9 +55,6 @@ from morphling.proxy.messages import (
     TileResult,
     Welcome,
 )
-from morphling.proxy.registry import DeviceRecord
-from morphling.proxy.server import Emulator
-from morphling.proxy.settings import EmulatorConfig
 
 try:  # imported up front: importing torch inside a test would stall the event loop
     import torch

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from morphling.proxy.checkpoint import Checkpoint, write_checkpoint
+from morphling.proxy.checkpoint.format import Checkpoint, write_checkpoint
 from processes import MORPHLING, Procs, child_env
 
 SCRIPT = """\

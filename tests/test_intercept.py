@@ -23,11 +23,11 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from morphling.proxy.client import EmulatorError
-from morphling.proxy.embedded import EmbeddedFleet
-from morphling.proxy.server import Emulator
-from morphling.proxy.session import Session, emulate
-from morphling.proxy.settings import EmulatorConfig
+from morphling.proxy.emulator.server import Emulator
+from morphling.proxy.emulator.settings import EmulatorConfig
+from morphling.proxy.job.client import EmulatorError
+from morphling.proxy.job.embedded import EmbeddedFleet
+from morphling.proxy.job.session import Session, emulate
 from torch import nn
 
 import morphling
@@ -239,7 +239,7 @@ def test_opt_tiny_forward_backward(server: Address) -> None:
     """The bundled tiny OPT as is (ReLU, SDPA attention, tied LM head), one training-mode
     forward and backward: native loss and gradients, every GEMM on the fleet. Per layer
     6 Linear and one attention call, then the head: 3·13 + 6·2 = 51 GEMMs."""
-    from morphling.proxy.hf_models import build_model, load_config
+    from morphling.proxy.checkpoint.hf_models import build_model, load_config
 
     config = load_config("opt-tiny")
     model = build_model(config, seed=0)

@@ -1,4 +1,4 @@
-"""Operands handed over as arrays in the emulator's own process (``morphling.proxy.local``).
+"""Operands handed over as arrays in the emulator's own process (``morphling.proxy.shm.handover``).
 
 The embedded emulator, its devices and the job share one process: the job hands over its
 operands and a new C, and each device the blocks of its tiles and where its C goes, over
@@ -15,12 +15,13 @@ from typing import Any
 import numpy as np
 import pytest
 from morphling.devices.agent import DeviceAgent
-from morphling.devices.profiles import BUILTIN
+from morphling.devices.models.profiles import BUILTIN
 from morphling.kernels import BufferPool, CpuBackend, WorkerPool
-from morphling.proxy import connection, local
-from morphling.proxy.client import Client
-from morphling.proxy.messages import Gemm, MsgType, Open
-from morphling.proxy.server import Emulator
+from morphling.proxy.emulator.server import Emulator
+from morphling.proxy.job.client import Client
+from morphling.proxy.net import protocol as connection
+from morphling.proxy.shm import handover as local
+from morphling.proxy.wire.messages import Gemm, MsgType, Open
 from test_arena import CountingSocket, Served, serve, stop_served
 from test_emulator import RawPeer
 

@@ -14,10 +14,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from morphling.proxy.server import Emulator
-from morphling.proxy.settings import EmulatorConfig
+from morphling.proxy.emulator.server import Emulator
+from morphling.proxy.emulator.settings import EmulatorConfig
 
-from morphling.netbench import format_size, parse_size, parse_sizes
+from morphling.commands.bench import format_size, parse_size, parse_sizes
 
 
 @contextmanager
@@ -51,7 +51,7 @@ def server() -> Iterator[str]:
 
 def bench(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "morphling.netbench", *args],
+        [sys.executable, "-m", "morphling.commands.bench", *args],
         capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
 

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from morphling.nginx.conf import NginxConfig, render
 from morphling.nginx.harness import Nginx, NginxUnavailable, find_nginx
-from morphling.proxy.client import AsyncClient, gemm_request, result_array
+from morphling.proxy.job.client import AsyncClient, gemm_request, result_array
 from processes import MORPHLING, Procs, child_env, free_port
 
 REPO = Path(__file__).resolve().parent.parent

@@ -2,7 +2,7 @@
 
 Nothing is mocked. Each test starts ``python -m morphling`` processes with their
 stderr in a log file under ``tmp_path``, waits for readiness by polling those
-logs, drives jobs through ``morphling.proxy.client`` and reads what happened from
+logs, drives jobs through ``morphling.proxy.job.client`` and reads what happened from
 the logs and from the ``Result`` messages (which say which devices computed
 tiles and how many were re-queued). A fixture finalizer stops every child.
 """
@@ -20,9 +20,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from morphling.devices.capacity import DEVICE_BYTES
-from morphling.proxy.client import AsyncClient, Client, EmulatorError
-from morphling.proxy.messages import Gemm, Result
+from morphling.devices.models.capacity import DEVICE_BYTES
+from morphling.proxy.job.client import AsyncClient, Client, EmulatorError
+from morphling.proxy.wire.messages import Gemm, Result
 from processes import MORPHLING, Procs, child_env, free_port
 
 try:

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from morphling.devices.compute_model import ComputeModel, GemmShape, heldout_error
-from morphling.devices.profile_cli import add_parser
+from morphling.devices.models.compute import ComputeModel, GemmShape, heldout_error
+from morphling.devices.models.profiles import DeviceProfile, load_profile
+from morphling.devices.models.thermal import ThermalParams, ThermalState
 from morphling.devices.profiler import (
     HOST_KEY,
     HOST_THREADS_ENV,
@@ -40,8 +41,8 @@ from morphling.devices.profiler import (
     sustained_trace,
     top_clock_mhz,
 )
-from morphling.devices.profiles import DeviceProfile, load_profile
-from morphling.devices.thermal import ThermalParams, ThermalState
+
+from morphling.commands.profile import add_parser
 
 # Off the grid levels (200, 300, 700), so a profile predicts it from its fit, not its cache.
 FRESH = GemmShape(200, 300, 700, False, True, 700, 700, "float32")

@@ -10,9 +10,8 @@ import math
 import msgpack
 import psutil
 import pytest
-from morphling.devices.capacity import DEVICE_BYTES, check_fleet_size
-from morphling.devices.profiler import HOST_THREADS_ENV, cached_host_profile
-from morphling.devices.profiles import (
+from morphling.devices.models.capacity import DEVICE_BYTES, check_fleet_size
+from morphling.devices.models.profiles import (
     BUILTIN,
     DEFAULT_PROFILE,
     GIB,
@@ -21,6 +20,7 @@ from morphling.devices.profiles import (
     load_profile,
     parse_fleet_spec,
 )
+from morphling.devices.profiler import HOST_THREADS_ENV, cached_host_profile
 from test_profiler import SMALL
 
 VALID = {
@@ -286,7 +286,7 @@ def test_toml_people_tables_are_left_alone(tmp_path):
 
 
 def test_toml_thermal_table_is_the_thermal_model_and_is_validated(tmp_path):
-    from morphling.devices.thermal import BUILTIN_THERMAL
+    from morphling.devices.models.thermal import BUILTIN_THERMAL
 
     path = tmp_path / "p.toml"
     params = BUILTIN_THERMAL["rpi4"]

@@ -30,9 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from morphling.proxy import report_cli
-from morphling.proxy.chrome_trace import chrome_trace
-from morphling.proxy.report import (
+from morphling.proxy.report.analysis import (
     BREAKDOWN,
     RunError,
     StepRange,
@@ -41,8 +39,10 @@ from morphling.proxy.report import (
     summarize,
     write_reports,
 )
+from morphling.proxy.report.trace import chrome_trace
 
 from morphling.cli import command_parser, run_command
+from morphling.commands import report as report_cli
 
 BW = 4096.0  # bytes/s on every link (latency 0): a transfer of s seconds moves s × BW bytes
 JOB = 1

@@ -61,7 +61,7 @@ def test_the_token_authenticates_from_a_file_for_every_command(procs: Procs, tmp
     assert "GEMMs: 1 on the fleet" in job.text()  # it computed there, authenticated
 
     bench = subprocess.run(
-        [sys.executable, "-m", "morphling.netbench", *server, "--token-file", path,
+        [sys.executable, "-m", "morphling.commands.bench", *server, "--token-file", path,
          "--sizes", "64KiB", "--repeats", "1", "--latency-rounds", "2", "--flops-dim", "32",
          "--no-progress", "--log-level", "debug"],
         capture_output=True, text=True, timeout=120, env=child_env(),

@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
-from morphling.proxy.report import load_run
-from morphling.proxy.shm import shm_dir
+from morphling.proxy.report.analysis import load_run
+from morphling.proxy.shm.files import shm_dir
 from processes import MORPHLING, Procs, child_env
 
 FOREVER = Path(__file__).parent / "scripts" / "train_forever.py"

@@ -15,18 +15,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from morphling.proxy import sweep_cli
-from morphling.proxy.report import load_run, summarize
-from morphling.proxy.sweep_cli import (
+from morphling.proxy.report.analysis import load_run, summarize
+from test_report import run_events, write_run
+
+from morphling.cli import command_parser, run_command
+from morphling.commands import sweep as sweep_cli
+from morphling.commands.sweep import (
     Combination,
     comparison_row,
     format_comparison,
     mean_step_s,
     with_speedups,
 )
-from test_report import run_events, write_run
-
-from morphling.cli import command_parser, run_command
 
 # GEMMs of 2·32·64·64 FLOPs: above morphling run's local threshold (2·32³), so on the fleet.
 TRAIN = """\

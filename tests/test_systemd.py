@@ -16,11 +16,11 @@ import time
 from pathlib import Path
 
 import pytest
-from morphling.devices.cli import DeviceConfig
-from morphling.proxy.settings import EmulatorConfig
+from morphling.proxy.emulator.settings import EmulatorConfig
 from processes import Procs, free_port
 
 from morphling import config as configuration
+from morphling.commands.device import DeviceConfig
 from morphling.sdnotify import Notifier
 
 REPO = Path(__file__).resolve().parent.parent

@@ -9,7 +9,7 @@ import math
 import msgpack
 import numpy as np
 import pytest
-from morphling.devices.thermal import (
+from morphling.devices.models.thermal import (
     BUILTIN_THERMAL,
     COOLING,
     ThermalParams,

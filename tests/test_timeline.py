@@ -12,16 +12,16 @@ import json
 
 import numpy as np
 import pytest
-from morphling.devices.compute_model import GemmShape
-from morphling.devices.links import LINKS
-from morphling.devices.profiles import BUILTIN, DeviceProfile
-from morphling.proxy.engine import Clock, Fifo
-from morphling.proxy.eventlog import EventLog
-from morphling.proxy.messages import Gemm
-from morphling.proxy.partition import GemmTask, make_task
-from morphling.proxy.placement import Placement
-from morphling.proxy.timeline import Bottleneck, Timeline
-from morphling.proxy.vdevice import Work
+from morphling.devices.models.compute import GemmShape
+from morphling.devices.models.links import LINKS
+from morphling.devices.models.profiles import BUILTIN, DeviceProfile
+from morphling.proxy.emulator.partition import GemmTask, make_task
+from morphling.proxy.vtime.engine import Clock, Fifo
+from morphling.proxy.vtime.eventlog import EventLog
+from morphling.proxy.vtime.placement import Placement
+from morphling.proxy.vtime.timeline import Bottleneck, Timeline
+from morphling.proxy.vtime.vdevice import Work
+from morphling.proxy.wire.messages import Gemm
 
 MB = 1e6
 

@@ -21,14 +21,14 @@ import numpy as np
 import pytest
 import torch
 from morphling.devices.agent import DeviceAgent
-from morphling.devices.profiles import BUILTIN
+from morphling.devices.models.profiles import BUILTIN
 from morphling.kernels import BufferPool, CpuBackend, WorkerPool
-from morphling.proxy.checkpoint import Checkpoint, CheckpointError, write_checkpoint
-from morphling.proxy.client import Client, EmulatorError
-from morphling.proxy.memory import DeviceMemory
-from morphling.proxy.server import Emulator
-from morphling.proxy.session import Session
-from morphling.proxy.settings import EmulatorConfig
+from morphling.proxy.checkpoint.format import Checkpoint, CheckpointError, write_checkpoint
+from morphling.proxy.emulator.server import Emulator
+from morphling.proxy.emulator.settings import EmulatorConfig
+from morphling.proxy.job.client import Client, EmulatorError
+from morphling.proxy.job.session import Session
+from morphling.proxy.vtime.memory import DeviceMemory
 
 M, N, K, BLOCK = 40, 96, 64, 32
 X_BYTES = 3 * M * K * 4  # op(A) rows go to each of the 3 column blocks of C
@@ -106,7 +106,7 @@ async def setup(ckpt: Path):
 
 def product(client: Client, a: torch.Tensor, b: torch.Tensor) -> tuple[np.ndarray, Any]:
     """``a @ b`` through the client, and its RESULT (for the byte counts)."""
-    from morphling.proxy.client import gemm_request, result_array
+    from morphling.proxy.job.client import gemm_request, result_array
 
     request, shape = gemm_request(1000 + client.job_id, a, b, client.shared, epoch=client.steps)
     result = client.submit(request, timeout=30)
@@ -222,7 +222,7 @@ async def test_operands_that_do_not_fit_are_an_emulated_oom(setup, caplog):
     await s.add_device(share_memory=False, memory=8 << 10)  # the smallest tile needs 11 KiB
     client, w = await s.job()
     x = torch.randn(M, K)
-    with caplog.at_level(logging.WARNING, logger="morphling.proxy.timeline"):
+    with caplog.at_level(logging.WARNING, logger="morphling.proxy.vtime.timeline"):
         c, result = await asyncio.to_thread(product, client, x, w.t())
     assert_product(c, x, w.t())  # computed anyway: the OOM is emulated, not real
     assert result.oom == result.tiles == 6
@@ -277,7 +277,7 @@ def test_device_memory_keeps_recent_blocks_and_forgets_stale_ones():
 
 
 def test_working_copies_of_dead_emulators_are_removed(tmp_path):
-    from morphling.proxy.shm import remove_orphans
+    from morphling.proxy.shm.files import remove_orphans
 
     dead = tmp_path / "morphling-weights-999999999-abc"  # no such pid
     alive = tmp_path / f"morphling-weights-{os.getpid()}-abc"

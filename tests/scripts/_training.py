@@ -30,7 +30,7 @@ def train(model: torch.nn.Module, step_loss: Callable[[], torch.Tensor]) -> None
 
 def train_causal_lm(config: dict) -> None:
     """A Hugging Face causal LM built from ``config`` (seeded, no hub) on random tokens."""
-    from morphling.proxy.hf_models import build_model
+    from morphling.proxy.checkpoint.hf_models import build_model
 
     torch.manual_seed(0)  # dropout draws from the global RNG: both runs must see the same
     model = build_model(config, seed=0)

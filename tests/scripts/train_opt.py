@@ -12,7 +12,7 @@ bit-identical to a native run with math attention). GEMMs are the same either wa
 """
 
 from _training import train_causal_lm
-from morphling.proxy.hf_models import load_config
+from morphling.proxy.checkpoint.hf_models import load_config
 
 if __name__ == "__main__":
     config = load_config("opt-tiny")

@@ -1,0 +1,79 @@
+"""``morphling emulator`` (alias ``morphling-emulator``): run the emulator until stopped."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import logging
+import os
+import sys
+
+from morphling import config as configuration
+from morphling.proxy.emulator.server import Emulator
+from morphling.proxy.emulator.settings import EmulatorConfig
+from morphling.runtime import format_address, serve
+from morphling.sdnotify import Notifier
+
+log = logging.getLogger("morphling.emulator")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    configuration.add_command(
+        sub, "emulator", EmulatorConfig, run,
+        help="run the emulator (devices and jobs connect to it)",
+        description="Accept devices and jobs, tile GEMMs and schedule them on the devices.",
+    )  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cfg, sources = configuration.load(EmulatorConfig, args, section="emulator")
+    except configuration.ConfigError as exc:
+        print(f"morphling emulator: {exc}", file=sys.stderr)
+        return 2
+    log.info("effective configuration:\n%s", configuration.describe(cfg, sources))
+
+    async def main(stop: asyncio.Event) -> int:
+        emulator = Emulator(cfg)
+        systemd = Notifier()
+        # Neither a missing checkpoint nor an address it cannot listen on is fixed by
+        # starting again: exit 2, which the unit does not restart.
+        try:
+            host, port = await emulator.start()
+        except ValueError as exc:  # CheckpointError: missing or corrupt
+            print(f"morphling emulator: cannot share the checkpoint's weights: {exc}",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+        except OSError as exc:  # asyncio's message repeats the address: the errno's alone
+            reason = os.strerror(exc.errno) if exc.errno else str(exc)
+            where = format_address(cfg.listen_ip, cfg.listen_port)
+            print(f"morphling emulator: cannot listen on {where}: {reason}", file=sys.stderr)
+            return 2
+        # What is alive now (modules, torch, the shared weights) lives as long as the
+        # process: frozen, it is no longer walked by every full collection of the run.
+        gc.collect()
+        gc.freeze()
+        systemd.notify(READY=1, STATUS=f"listening on {format_address(host, port)}")
+        watchdog = asyncio.ensure_future(systemd.keep_alive(emulator.healthy, emulator.status))
+        await stop.wait()
+        log.info("stopping: saying goodbye to %d peers", len(emulator.peers))
+        systemd.notify(STOPPING=1, STATUS="saying goodbye to peers")
+        watchdog.cancel()
+        await emulator.stop()
+        systemd.close()
+        return 0
+
+    return serve(main)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The ``morphling-emulator`` console script: ``morphling emulator``, whose flags it
+    takes, with ``morphling``'s own ``--log-level`` among them."""
+    from morphling.cli import main as morphling_main
+
+    level = argparse.ArgumentParser(add_help=False)
+    level.add_argument("--log-level")
+    known, rest = level.parse_known_args(sys.argv[1:] if argv is None else argv)
+    lead = [] if known.log_level is None else ["--log-level", known.log_level]
+    return morphling_main([*lead, "emulator", *rest])

@@ -1,0 +1,325 @@
+"""``morphling run [options] -- python train.py ARGS``: an unmodified script on a fleet.
+
+The script runs in this process (as ``python`` would run it: ``__main__``,
+its ``sys.argv``, its directory first on ``sys.path``) inside
+``session.emulate``, so its GEMMs go to the emulator. At the end the
+per-step report is printed to stderr (the script owns stdout) and, with
+``--json``, written as JSON. With ``--embedded`` the virtual timeline is
+written to a run directory and reported on (``morphling report`` reads it
+again). The exit code is the script's; SIGTERM or SIGINT stops the script as Ctrl-C
+does, and the run ends as usual (the fleet stopped, its shared memory removed, the
+report printed, the run directory marked incomplete), exiting 143 or 130.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import logging
+import os
+import runpy
+import shutil
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+from morphling import config as configuration
+from morphling.config import option as _opt
+from morphling.devices.models.capacity import MAX_DEVICES_HELP
+from morphling.devices.models.links import LINKS
+from morphling.devices.models.profiles import expand_fleet
+from morphling.devices.models.thermal import COOLING
+from morphling.interrupt import Interrupted, Signals
+from morphling.outputs import check_file_writable
+from morphling.proxy.emulator.settings import DEFAULT_MIN_FLOPS, EmulatorConfig
+from morphling.proxy.job.coordinator import MODES
+from morphling.proxy.vtime.eventlog import EVENT_LEVELS
+from morphling.proxy.vtime.placement import POLICIES
+from morphling.runtime import parse_server
+
+from .run_dir import claim
+
+log = logging.getLogger("morphling.job")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    server: str = _opt("", "emulator address HOST:PORT (one of --server, --embedded)",
+                       aliases=("--proxy_host",))  # fmt: skip
+    embedded: bool = _opt(False, "start an emulator and a virtual fleet in this process")
+    devices: str = _opt("4", "fleet SPEC for --embedded: NAME:COUNT,... or a count (NAME 'host': "
+                        "this host, measured on first use and cached)")  # fmt: skip
+    max_devices: int = _opt(0, f"--embedded: {MAX_DEVICES_HELP}", min=0)
+    token: str = _opt("", "shared secret, if the emulator requires one", secret=True)
+    ckpt: str = _opt(
+        "",
+        "checkpoint (morphling save) the emulator shares: the model's "
+        "parameters become views of it, sent to devices by reference",
+    )
+    fresh_weights: bool = _opt(
+        False,
+        "with --ckpt: start from the checkpoint as saved, restoring the emulator's working "
+        "copy first (refused while another job maps it); otherwise the job continues from "
+        "what earlier jobs trained",
+    )
+    block_size: int = _opt(0, "tile edge (0: the emulator's default)", min=0)
+    policy: str = _opt("greedy", "tile placement policy (--embedded)", choices=POLICIES)
+    link: str = _opt("", "link preset for every device (--embedded; empty: the profiles' own)",
+                     choices=("", *LINKS))  # fmt: skip
+    cooling: str = _opt("", "cooling of every device (--embedded; empty: the profiles' own)",
+                        choices=("", *COOLING))  # fmt: skip
+    bottleneck_bw: float = _opt(
+        0.0,
+        "bytes/s of a FIFO all transfers share, e.g. the access point (--embedded; 0: none)",
+        min=0.0,
+    )
+    coordinator_time: str = _opt(
+        "measured",
+        "host time between GEMMs: measured (wall time x --coordinator-scale) or model "
+        "(counted work: the same timeline on any host, however loaded)",
+        choices=MODES,
+    )
+    coordinator_scale: float = _opt(1.0, "multiplies measured coordinator time", min=0.0)
+    share_memory: bool = _opt(
+        True,
+        "on the emulator's host, pass GEMM operands and results through its operand arena, "
+        "and in its process (--embedded) hand them over as arrays "
+        "(off: as bytes over the socket, like a job on another host)",
+    )
+    arena_bytes: int = _opt(
+        EmulatorConfig.arena_bytes,
+        "operand arena the embedded devices read operands from (--embedded; 0: none, "
+        "operands go as bytes)",
+        min=0,
+    )
+    min_flops: int = _opt(DEFAULT_MIN_FLOPS, "GEMMs with fewer FLOPs run locally", min=0)
+    device_wait_s: float = _opt(
+        300.0,
+        "fail the job once its GEMMs have waited this long with no device ready "
+        "(it is told while they wait); 0: wait for ever",
+        min=0.0,
+    )
+    run_dir: str = _opt(
+        "",
+        "where the virtual timeline and its reports go (--embedded; empty: "
+        "morphling-runs/SCRIPT-TIME, a new directory)",
+    )
+    events: str = _opt(
+        EmulatorConfig.events,
+        "what the run directory's event log keeps (--embedded): auto (every tile of each "
+        "job's first --events-detail-steps steps, then each step's and device's totals: "
+        "bounded for long runs), full (every tile of every step: trace, timeline, "
+        "stragglers of any step), steps (only the totals) or off (none, and no report)",
+        choices=EVENT_LEVELS,
+    )
+    events_detail_steps: int = _opt(
+        EmulatorConfig.events_detail_steps,
+        "with --events auto: the steps of each job whose every tile the log keeps",
+        min=1,
+    )
+    force: bool = _opt(False, "replace an earlier run in --run-dir (refused without it)")
+    report: bool = _opt(True, "write the reports (summary, trace, plots) into the run directory")
+    json: str = _opt("", "also write the per-step report as JSON to this file")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    parser = configuration.add_command(
+        sub, "run", RunConfig, run,
+        help="run an unmodified PyTorch script with its GEMMs on an emulated fleet",
+        description="Run SCRIPT with its GEMMs (forward and backward) computed by the "
+        "fleet: morphling run --embedded --devices rpi4:4 -- python train.py ARGS.",
+    )  # fmt: skip
+    parser.add_argument(
+        "command", nargs=argparse.REMAINDER, metavar="-- [python] SCRIPT.py|-m MODULE [ARGS]"
+    )
+
+
+def script_target(command: list[str]) -> tuple[str, str, list[str]]:
+    """("path" or "module", what, argv) for a ``[python] script.py ARGS`` command line."""
+    if command and command[0] == "--":
+        command = command[1:]
+    if command and Path(command[0]).name.startswith("python") and not command[0].endswith(".py"):
+        command = command[1:]
+    if not command:
+        raise ValueError("no script given: morphling run [options] -- python train.py ARGS")
+    if command[0] == "-m":
+        if len(command) < 2:
+            raise ValueError("-m needs a module name")
+        return "module", command[1], [command[1], *command[2:]]
+    if command[0].startswith("-"):
+        raise ValueError(f"python option {command[0]!r} is not supported; give a script or -m")
+    if not Path(command[0]).is_file():
+        raise ValueError(f"script {command[0]!r} not found")
+    return "path", command[0], command
+
+
+def check_module(name: str) -> None:
+    """ValueError unless ``python -m name`` finds something to run (the current directory
+    first on ``sys.path``, as there; parent packages are imported, as there)."""
+    sys.path.insert(0, os.getcwd())
+    try:
+        spec = importlib.util.find_spec(name)
+        package = spec is not None and spec.submodule_search_locations is not None
+        if package and importlib.util.find_spec(f"{name}.__main__") is None:
+            raise ValueError(f"{name!r} is a package without __main__: it cannot be run")
+    except ImportError as exc:  # a parent package is missing
+        raise ValueError(f"no module named {name!r} ({exc})") from exc
+    finally:
+        del sys.path[0]
+    if spec is None:
+        raise ValueError(f"no module named {name!r}")
+
+
+def check_output(path: str, flag: str) -> Path:
+    """``path`` made absolute (the script may change directory), ValueError unless a file
+    can be written there: opened for writing before the script runs, not after."""
+    target = Path(path).absolute()
+    if not target.parent.is_dir():
+        raise ValueError(f"{flag} {path}: no such directory {target.parent}")
+    try:
+        check_file_writable(target)
+    except OSError as exc:
+        raise ValueError(f"{flag} {path}: cannot write it: {exc.strerror}") from exc
+    return target
+
+
+def _run_script(kind: str, what: str, argv: list[str]) -> int:
+    """Run like ``python`` would; the exit code (SystemExit honoured, a traceback is 1).
+
+    The emulator ending the job (no device left in time, a refused request) is one line:
+    where the script was, its next GEMM, says nothing the error does not."""
+    from morphling.proxy.job.client import EmulatorError
+
+    saved_argv, saved_path = sys.argv[:], sys.path[:]
+    sys.argv = argv
+    sys.path.insert(0, str(Path(what).resolve().parent) if kind == "path" else os.getcwd())
+    try:
+        if kind == "path":
+            runpy.run_path(what, run_name="__main__")  # sets argv[0] = what, as python does
+        else:
+            runpy.run_module(what, run_name="__main__", alter_sys=True)
+        return 0
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            return exc.code or 0
+        print(exc.code, file=sys.stderr)
+        return 1
+    except EmulatorError as exc:
+        log.debug("the job ended in the script", exc_info=True)
+        print(f"morphling run: the emulator ended the job: {exc}", file=sys.stderr)
+        return 1
+    except Exception:
+        traceback.print_exc()
+        return 1
+    finally:
+        sys.argv, sys.path[:] = saved_argv, saved_path
+
+
+def run(args: argparse.Namespace) -> int:
+    with Signals() as signals:
+        try:
+            return _run(args, signals)
+        except Interrupted as exc:  # before the script started: nothing ran to report
+            print(f"morphling run: {exc}", file=sys.stderr)
+            return exc.exit_code
+
+
+def _run(args: argparse.Namespace, signals: Signals) -> int:
+    signals.raising = True  # until the script ends, SIGTERM and SIGINT raise Interrupted
+    try:
+        cfg, sources = configuration.load(RunConfig, args, section="run")
+        if cfg.embedded == bool(cfg.server):
+            raise configuration.ConfigError("give exactly one of --server HOST:PORT, --embedded")
+        if cfg.fresh_weights and not cfg.ckpt:
+            raise configuration.ConfigError("--fresh-weights needs --ckpt")
+        if cfg.embedded:
+            expand_fleet(cfg.devices, max_devices=cfg.max_devices)
+        else:
+            parse_server(cfg.server)
+        target = script_target(args.command)
+        if target[0] == "module":
+            check_module(target[1])
+        json_path = check_output(cfg.json, "--json") if cfg.json else None
+    except ValueError as exc:
+        print(f"morphling run: {exc}", file=sys.stderr)
+        return 2
+    log.info("effective configuration:\n%s", configuration.describe(cfg, sources))
+
+    from morphling.proxy.job.session import emulate  # torch is imported only now
+
+    session, run_dir, created = None, None, False
+    try:
+        if cfg.embedded:
+            run_dir, created = claim(cfg.run_dir, target[1], force=cfg.force)
+        emulator = dataclasses.replace(
+            EmulatorConfig(),
+            policy=cfg.policy,
+            run_dir=str(run_dir or ""),
+            bottleneck_dl_bw=cfg.bottleneck_bw,
+            arena_bytes=cfg.arena_bytes,
+            events=cfg.events,
+            events_detail_steps=cfg.events_detail_steps,
+        )
+        if cfg.block_size:
+            emulator = dataclasses.replace(emulator, block_size=cfg.block_size)
+        with emulate(
+            cfg.server or None, devices=cfg.devices if cfg.embedded else None, config=emulator,
+            token=cfg.token, block=cfg.block_size, min_flops=cfg.min_flops, name=target[1],
+            ckpt=cfg.ckpt or None, coordinator=cfg.coordinator_time,
+            scale=cfg.coordinator_scale, link=cfg.link or None, cooling=cfg.cooling or None,
+            share_memory=cfg.share_memory, max_devices=cfg.max_devices,
+            device_wait_s=cfg.device_wait_s, fresh_weights=cfg.fresh_weights,
+        ) as session:  # fmt: skip
+            try:
+                code = _run_script(*target)
+                signals.check()
+            finally:
+                signals.raising = False  # the session ends cleanly, whatever arrives now
+    except Interrupted as exc:
+        if session is None:  # while the fleet started
+            raise
+        print(f"morphling run: {exc}; reporting what ran until then", file=sys.stderr)
+        code = exc.exit_code
+    except ValueError as exc:  # bad input: the run directory, a checkpoint
+        print(f"morphling run: {exc}", file=sys.stderr)
+        return 2
+    except (OSError, RuntimeError) as exc:
+        print(f"morphling run: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if session is None and created:  # nothing ran: leave no empty run directory
+            shutil.rmtree(run_dir, ignore_errors=True)
+    print(session.table(), file=sys.stderr)
+    if json_path is not None:
+        try:
+            json_path.write_text(json.dumps(session.summary(), indent=1) + "\n")
+        except OSError as exc:
+            print(f"morphling run: cannot write --json {cfg.json}: {exc.strerror}",
+                  file=sys.stderr)  # fmt: skip
+            code = code or 1
+    if run_dir and cfg.report and cfg.events != "off":
+        _report(run_dir)
+    return code if signals.exit_code is None else signals.exit_code
+
+
+def _report(run_dir: Path) -> None:
+    """Summarise the run directory on stderr and write its reports beside it."""
+    from morphling.proxy.report.analysis import (
+        format_summary,
+        load_run,
+        summarize,
+        write_report_files,
+    )
+
+    try:
+        run = load_run(run_dir)
+        summary = summarize(run)
+        written = write_report_files(run, summary)
+    except ValueError as exc:
+        print(f"morphling run: no report: {exc}", file=sys.stderr)
+        return
+    print(format_summary(summary), file=sys.stderr)
+    print(f"run directory {run_dir}: " + ", ".join(p.name for p in written), file=sys.stderr)

@@ -1,0 +1,314 @@
+"""Cut a GEMM's output into tiles, and find the operand bytes each tile needs.
+
+A job's GEMM arrives as two flat operand spans plus BLAS-style layout
+(``Gemm`` message). ``GemmTask`` checks that layout against the spans (a
+header that lies about shapes or strides is refused, naming the field), owns
+the output and produces ``TileTask``s: output blocks of at most ``block ×
+block`` of one batch pivot, each with full K (no split-K, no reduction).
+
+The bytes a tile needs are sent as they are stored (the span from its first
+to its last element, with the leading dimension) unless that span is more
+than twice the elements used, in which case the block is packed: a column
+block of a row-major matrix, for instance, would otherwise drag the whole
+matrix along. Packed blocks are cached per GEMM, since every tile in the
+same block row or column needs the same one.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from morphling.proxy.shm.handover import Writers
+from morphling.proxy.shm.weights import SharedWeights
+from morphling.proxy.wire.messages import Gemm
+
+_ids = itertools.count(1)
+
+
+class GemmError(ValueError):
+    """A GEMM request whose header does not describe its operands."""
+
+
+@dataclass(eq=False)
+class TileTask:
+    """One output block of one pivot."""
+
+    id: int
+    gemm: GemmTask
+    pivot: int
+    r0: int
+    r1: int
+    c0: int
+    c1: int
+    attempts: int = 0
+    wire_bytes: int = 0  # its operand bytes on the wire to the device it was last sent to
+    in_place: bool = False  # that device writes C into the output itself (``Tile.in_place``)
+    _operands: tuple[Block, Block] | None = field(default=None, repr=False)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.r1 - self.r0, self.c1 - self.c0
+
+    @property
+    def out_start(self) -> int:
+        """The element of the GEMM's output ``[batch, m, n]`` where this tile starts."""
+        _, m, n = self.gemm.out.shape
+        return (self.pivot * m + self.r0) * n + self.c0
+
+    def operands(self) -> tuple[Block, Block]:
+        """Op(A)'s rows and op(B)'s columns that this tile needs (found once: the timeline
+        costs them and the server sends them)."""
+        if self._operands is None:
+            a = self.gemm.block("a", self.pivot, self.r0, self.r1)
+            self._operands = (a, self.gemm.block("b", self.pivot, self.c0, self.c1))
+        return self._operands
+
+
+@dataclass(frozen=True)
+class Block:
+    """One operand block of a tile: ``rows × cols`` stored with leading dimension ``ld``.
+
+    ``span`` is its memory as stored; ``offset`` is where that lies in the shared
+    weights (None for a job's own bytes) and ``version`` the weight's version.
+    """
+
+    span: np.ndarray
+    rows: int
+    cols: int
+    ld: int
+    offset: int | None = None
+    version: int = 0
+
+    @property
+    def packs(self) -> bool:
+        """Sending the span would more than double the bytes: pack the block instead."""
+        return self.span.size > 2 * self.rows * self.cols
+
+    @property
+    def sent_ld(self) -> int:
+        """The leading dimension of the bytes ``GemmTask.packed`` sends for this block."""
+        return self.cols if self.packs else self.ld
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.cols * self.span.itemsize
+
+    @property
+    def key(self) -> tuple[int, int, int, int]:
+        return (self.offset, self.rows, self.cols, self.ld)
+
+    @property
+    def ref(self) -> list[int]:
+        return [*self.key, self.version]
+
+
+@dataclass(eq=False)
+class GemmTask:
+    """A validated GEMM, its output and its bookkeeping."""
+
+    request: Gemm
+    a: np.ndarray
+    b: np.ndarray
+    out: np.ndarray
+    owner: Any = None
+    remaining: int = 0
+    done: set[int] = field(default_factory=set)
+    devices: set[int] = field(default_factory=set)
+    requeued: int = 0
+    cancelled: bool = False
+    weights: dict[str, tuple[int, int]] = field(default_factory=dict)  # operand → (offset, ver.)
+    oom: int = 0
+    virtual_ns: int = 0  # issue to end in virtual time, once the timeline settled it
+    bytes_down: int = 0
+    bytes_up: int = 0
+    slab_retired: bool = False  # its C is in a slab a lost device may still write into
+    writers: Writers | None = None  # kernels writing into C, a job's own array (``local``)
+    _packed: dict[int, tuple[np.ndarray, int]] = field(default_factory=dict)
+    # A row of tiles shares its A block and a column its B block: made once each.
+    _blocks: dict[tuple[str, int, int, int], Block] = field(default_factory=dict)
+
+    @property
+    def id(self) -> int:
+        return self.request.gemm
+
+    @property
+    def in_place(self) -> bool:
+        """C is where the job reads it (its slab, or its own array): RESULT carries none."""
+        return self.request.slab_c != -1 or self.request.local
+
+    def block(self, which: str, pivot: int, lo: int, hi: int) -> Block:
+        """Rows ``lo:hi`` of op(A) (``which="a"``) or columns of op(B), as stored."""
+        key = (which, pivot, lo, hi)
+        block = self._blocks.get(key)
+        if block is None:
+            block = self._blocks[key] = self._make_block(which, pivot, lo, hi)
+        return block
+
+    def _make_block(self, which: str, pivot: int, lo: int, hi: int) -> Block:
+        g = self.request
+        if which == "a":
+            flat, ld, stride, trans, inner = self.a, g.lda, g.stride_a, g.ta, g.k
+        else:  # op(B)'s columns are B's rows when B is stored transposed
+            flat, ld, stride, trans, inner = self.b, g.ldb, g.stride_b, not g.tb, g.k
+        base = pivot * stride
+        if not trans:  # the block is whole stored rows lo:hi
+            start, rows, cols = base + lo * ld, hi - lo, inner
+        else:  # the block is stored columns lo:hi of every row
+            start, rows, cols = base + lo, inner, hi - lo
+        if rows == 0 or cols == 0:
+            return Block(flat[:0], rows, cols, max(1, cols))
+        span = flat[start : start + (rows - 1) * ld + cols]
+        weight = self.weights.get(which)
+        if weight is None:
+            return Block(span, rows, cols, ld)
+        offset, version = weight
+        return Block(span, rows, cols, ld, offset + start * flat.itemsize, version)
+
+    def packed(self, block: Block) -> tuple[np.ndarray, int]:
+        """The bytes to send for ``block`` and their leading dimension: the span, or the
+        block packed when the span would more than double them (cached per GEMM, by what
+        fixes the packed bytes: one span may hold A's block and B's, or a broadcast
+        operand's for every pivot)."""
+        if not block.packs:
+            return block.span, block.ld
+        key = (block.span.ctypes.data, block.rows, block.cols, block.ld)
+        if key not in self._packed:
+            view = np.lib.stride_tricks.as_strided(
+                block.span, shape=(block.rows, block.cols),
+                strides=(block.ld * block.span.itemsize, block.span.itemsize),
+            )  # fmt: skip
+            self._packed[key] = (np.ascontiguousarray(view).reshape(-1), block.sent_ld)
+        return self._packed[key]
+
+    def tile_count(self, block: int) -> int:
+        g = self.request
+        return g.batch * -(-g.m // block) * -(-g.n // block)
+
+    def tiles(self, block: int) -> list[TileTask]:
+        """Cut the output into tiles of at most ``block × block`` per pivot."""
+        g = self.request
+        if self.tile_count(block) == 0:  # an empty output: nothing to walk, however large
+            self.remaining = 0
+            return []
+        tiles = [
+            TileTask(next(_ids), self, p, r, min(r + block, g.m), c, min(c + block, g.n))
+            for p in range(g.batch)
+            for r in range(0, g.m, block)
+            for c in range(0, g.n, block)
+        ]
+        self.remaining = len(tiles)
+        return tiles
+
+    def put(self, tile: TileTask, values: np.ndarray | None) -> bool:
+        """Store a tile's result (its elements, or None when the device wrote them into
+        ``out`` itself); False when it was already stored (a duplicate)."""
+        if tile.id in self.done:
+            return False
+        if values is not None:
+            self.out[tile.pivot, tile.r0 : tile.r1, tile.c0 : tile.c1] = values.reshape(tile.shape)
+        self.done.add(tile.id)
+        self.remaining -= 1
+        return True
+
+
+def _extent(name: str, rows: int, cols: int, ld: int, stride: int, batch: int) -> int:
+    """Elements an operand addresses: its last pivot's last element + 1."""
+    if ld < max(1, cols):
+        raise GemmError(f"ld{name}={ld} is smaller than the stored row length {cols}")
+    if stride < 0:
+        raise GemmError(f"stride_{name}={stride} is negative")
+    if rows == 0 or cols == 0:
+        return 0
+    return (batch - 1) * stride + (rows - 1) * ld + cols
+
+
+def make_task(
+    request: Gemm, out: np.ndarray | None = None, weights: SharedWeights | None = None,
+    slab: np.ndarray | None = None,
+) -> GemmTask:  # fmt: skip
+    """Validate a GEMM request against its segments; the task and its output.
+
+    The output is not initialised: RESULT waits for every tile, and filling C first
+    (NaN, once, to show a tile that never came) cost the emulator's thread a pass
+    over every output: 39 ms of a 1.7 s training step, the whole of it serial.
+
+    ``out`` may be supplied (pool memory, ``[batch, m, n]`` of the dtype); an operand
+    sent by reference is found in ``weights``, one the job wrote into its slab (the
+    bytes of the arena it was given) in ``slab``, where C then goes too when asked.
+    """
+    g = request
+    if g.dtype not in ("float32", "float64"):
+        raise GemmError(f"dtype {g.dtype!r} is not supported (float32, float64)")
+    for name in ("m", "n", "k"):
+        if getattr(g, name) < 0:
+            raise GemmError(f"{name}={getattr(g, name)} is negative")
+    if g.batch < 1:
+        raise GemmError(f"batch={g.batch} must be >= 1")
+    a_rows, a_cols = (g.k, g.m) if g.ta else (g.m, g.k)
+    b_rows, b_cols = (g.n, g.k) if g.tb else (g.k, g.n)
+    item = np.dtype(g.dtype).itemsize
+    arrays, refs, in_slab = [], {}, []
+    for name, seg, rows, cols, ld, stride, ref, at in (
+        ("a", g.segments[0], a_rows, a_cols, g.lda, g.stride_a, g.ref_a, g.slab_a),
+        ("b", g.segments[1], b_rows, b_cols, g.ldb, g.stride_b, g.ref_b, g.slab_b),
+    ):
+        need = _extent(name, rows, cols, ld, stride, g.batch)
+        if ref and at != -1:
+            raise GemmError(f"operand {name} is both a reference and in the slab")
+        if ref:
+            seg = _referenced(name, seg, ref, need, g.dtype, weights)
+            refs[name] = (ref[0], ref[1])
+        elif at != -1:
+            seg = _slab_range(f"slab_{name}", seg, at, need * item, item, slab)
+            in_slab.append((name, at, need * item))
+        if len(seg) % item or len(seg) // item < need:
+            raise GemmError(
+                f"operand {name}: {len(seg)} bytes, but its layout (rows {rows}, cols {cols}, "
+                f"ld {ld}, stride {stride}, batch {g.batch}) addresses {need} {g.dtype} elements"
+            )
+        arrays.append(np.frombuffer(seg, dtype=g.dtype))
+    shape = (g.batch, g.m, g.n)
+    if g.slab_c != -1:
+        nbytes = g.batch * g.m * g.n * item
+        out = np.frombuffer(_slab_range("slab_c", b"", g.slab_c, nbytes, item, slab), g.dtype)
+        out = out.reshape(shape)
+        for name, at, size in in_slab:  # devices write C while others still read A and B
+            if at < g.slab_c + nbytes and g.slab_c < at + size:
+                raise GemmError(f"slab_c [{g.slab_c}, {g.slab_c + nbytes}) overlaps operand "
+                                f"{name} at [{at}, {at + size}) in the slab")  # fmt: skip
+    elif out is None:
+        out = np.empty(shape, dtype=g.dtype)
+    return GemmTask(g, arrays[0], arrays[1], out, weights=refs)
+
+
+def _slab_range(
+    field: str, seg: Any, offset: int, nbytes: int, item: int, slab: np.ndarray | None
+) -> memoryview:  # fmt: skip
+    """``nbytes`` at ``offset`` of the job's slab, for the GEMM field that names them."""
+    if slab is None:
+        raise GemmError(f"{field}={offset}: this job has no slab (SLAB)")
+    if len(seg):
+        raise GemmError(f"{field}: an operand in the slab must have an empty segment")
+    if offset < 0 or offset % item or offset + nbytes > len(slab):
+        raise GemmError(f"{field}: [{offset}, {offset + nbytes}) is not an aligned range "
+                        f"inside the job's slab ({len(slab)} bytes)")  # fmt: skip
+    return memoryview(slab[offset : offset + nbytes])
+
+
+def _referenced(
+    name: str, seg: Any, ref: list, need: int, dtype: str, weights: SharedWeights | None
+) -> memoryview:
+    """The operand a GEMM sent by reference, as a view of the shared weights."""
+    if weights is None:
+        raise GemmError(f"ref_{name}: this emulator has no shared weights (--ckpt-path)")
+    if len(seg):
+        raise GemmError(f"ref_{name}: an operand sent by reference must have an empty segment")
+    if len(ref) != 2 or not all(type(v) is int for v in ref):
+        raise GemmError(f"ref_{name}={ref!r}: expected [byte offset, version]")
+    try:
+        return memoryview(weights.region(ref[0], need, dtype)).cast("B")
+    except ValueError as exc:
+        raise GemmError(f"ref_{name}: {exc}") from None

@@ -1,0 +1,68 @@
+"""The devices the emulator knows: server-assigned ids, profiles, tiles in flight."""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from morphling.devices.models.profiles import DeviceProfile
+
+from .partition import TileTask
+
+
+@dataclass(eq=False)
+class DeviceRecord:
+    """A registered device. ``model`` is the profile its virtual twin runs on; ``queue``
+    holds the tiles placed on it and not yet sent (with their memory admission)."""
+
+    id: int
+    name: str
+    declared: DeviceProfile
+    conn: Any
+    virtual: bool
+    model: DeviceProfile
+    ready: bool = False
+    outstanding: dict[int, TileTask] = field(default_factory=dict)
+    queue: deque = field(default_factory=deque)
+    completed: int = 0
+    colocated: bool = False  # maps the emulator's shared weights (same host)
+    arena: bool = False  # maps the emulator's operand arena (same host)
+    local: bool = False  # runs in the emulator's process: takes tiles as arrays (``local``)
+
+    def take(self, tile: TileTask) -> None:
+        self.outstanding[tile.id] = tile
+
+    def give_back(self, tile_id: int) -> TileTask | None:
+        """The tile it no longer holds, or None when it did not hold ``tile_id``."""
+        return self.outstanding.pop(tile_id, None)
+
+    def can_take(self, window: int) -> bool:
+        return (
+            self.ready and self.conn.open and self.conn.writable and len(self.outstanding) < window
+        )
+
+
+class Registry:
+    """Devices by id; ids are 0, 1, 2, ... in registration order and never reused."""
+
+    def __init__(self) -> None:
+        self._ids = itertools.count()
+        self.devices: dict[int, DeviceRecord] = {}
+
+    def add(
+        self, name: str, declared: DeviceProfile, conn: Any, *, virtual: bool, colocated: bool,
+        arena: bool = False, local: bool = False,
+    ) -> DeviceRecord:  # fmt: skip
+        record = DeviceRecord(next(self._ids), name, declared, conn, virtual, model=declared,
+                              colocated=colocated, arena=arena, local=local)  # fmt: skip
+        self.devices[record.id] = record
+        return record
+
+    def remove(self, device_id: int) -> DeviceRecord | None:
+        return self.devices.pop(device_id, None)
+
+    def ready(self) -> list[DeviceRecord]:
+        """Devices that may be given tiles (one being closed may not: its tiles go back)."""
+        return [d for d in self.devices.values() if d.ready and d.conn.open]

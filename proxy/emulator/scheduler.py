@@ -1,0 +1,159 @@
+"""Sending placed tiles to their devices, with flow control.
+
+Which device computes a tile is decided in virtual time (``placement``,
+through the ``Timeline``); this module only moves the real tiles: a queue
+per device, in placement order, drained while the device has room.
+
+A device takes at most ``window`` tiles at once and none while its send
+buffer is above the high-water mark, so a slow device never makes the
+server buffer without bound. Across all devices, at most ``inflight_bytes``
+of tile operands are on the wire at once (a single tile always may go): a
+window per device alone would let a fleet of a thousand virtual devices in
+one process hold a thousand windows of operands. Operands a device reads
+from its own mapping (the operand arena, shared weights) or already holds
+cost nothing there, so they do not count: counting them would let one tile
+with a long K (a 256-row block of a 50,000-wide matrix is 50 MiB) hold the
+whole fleet to one tile at a time.
+
+A device that leaves has its queued and outstanding tiles sent to the
+device with the least work waiting (ties: lowest id), as bytes: the virtual
+timeline keeps them where they were placed, and the log says they moved.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable
+
+from morphling.proxy.vtime.memory import Admission
+from morphling.proxy.wire.messages import Tile
+
+from .partition import GemmTask, TileTask
+from .registry import DeviceRecord, Registry
+
+log = logging.getLogger(__name__)
+
+Placed = tuple[TileTask, Admission | None]  # None: moved off its device, send as bytes
+
+
+class Scheduler:
+    """Per-device queues. ``build(device, tile, admission)`` makes a tile's TILE message
+    for that device (what it reads from its mappings goes as references), and
+    ``send(device, tile, message)`` sends it."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        build: Callable[[DeviceRecord, TileTask, Admission | None], Tile],
+        send: Callable[[DeviceRecord, TileTask, Tile], None],
+        *,
+        window: int = 4,
+        inflight_bytes: int = 64 << 20,
+    ) -> None:
+        if window < 1:
+            raise ValueError(f"window={window}: must be >= 1")
+        self.registry = registry
+        self.window = window
+        self.max_inflight_bytes = inflight_bytes
+        self.inflight_bytes = 0
+        self._build = build
+        self._send = send
+        self.orphans: deque[Placed] = deque()  # moved tiles waiting for any device
+        self._waiting: dict[int, DeviceRecord] = {}  # devices with queued tiles
+
+    @property
+    def queued(self) -> int:
+        """Tiles placed and not yet sent."""
+        return len(self.orphans) + sum(len(d.queue) for d in self._waiting.values())
+
+    def submit(self, placed: list[tuple[TileTask, int, Admission]]) -> None:
+        """Queue tiles on the devices they were placed on."""
+        devices = self.registry.devices
+        for tile, device_id, admission in placed:
+            device = devices.get(device_id)
+            if device is None:  # it left since: like any tile of a lost device
+                self.orphans.append((tile, None))
+            else:
+                device.queue.append((tile, admission))
+                self._waiting[device.id] = device
+        self.dispatch()
+
+    def requeue(self, device: DeviceRecord) -> list[TileTask]:
+        """Move a lost device's tiles, outstanding first, to the other devices."""
+        held = [device.give_back(tile_id) for tile_id in list(device.outstanding)]
+        self.inflight_bytes -= sum(t.wire_bytes for t in held)
+        moved = [t for t in held + [t for t, _ in device.queue] if not t.gemm.cancelled]
+        device.queue.clear()
+        self._waiting.pop(device.id, None)
+        for tile in moved:
+            tile.gemm.requeued += 1
+        self.orphans.extend((t, None) for t in moved)
+        return moved
+
+    def retry(self, tile: TileTask) -> None:
+        """Send ``tile`` again, before anything else, to any device: the result its device
+        sent was unusable (and that device is being dropped)."""
+        tile.gemm.requeued += 1
+        self.orphans.appendleft((tile, None))
+
+    def cancel(self, gemm: GemmTask) -> None:
+        """Drop the tiles of a GEMM whose job is gone (those out come back ignored)."""
+        gemm.cancelled = True
+        self.orphans = deque(p for p in self.orphans if p[0].gemm is not gemm)
+        for device in list(self._waiting.values()):
+            device.queue = deque(p for p in device.queue if p[0].gemm is not gemm)
+            if not device.queue:
+                del self._waiting[device.id]
+
+    def finished(self, device: DeviceRecord, tile_id: int) -> TileTask | None:
+        """The device returned ``tile_id``: the task, or None when it was not expected."""
+        tile = device.give_back(tile_id)
+        if tile is not None:
+            self.inflight_bytes -= tile.wire_bytes
+            device.completed += 1
+        return tile
+
+    def dispatch(self) -> None:
+        """Send queued tiles while their devices have room."""
+        if self.orphans:
+            self._adopt()
+        for device in list(self._waiting.values()):
+            if not self._drain(device):
+                return  # the byte budget is spent: results coming back dispatch again
+
+    def _adopt(self) -> None:
+        ready = self.registry.ready()
+        if not ready:
+            return
+        while self.orphans:
+            device = min(ready, key=lambda d: (len(d.queue) + len(d.outstanding), d.id))
+            tile, _ = self.orphans.popleft()
+            log.debug("tile %d of GEMM %d moves to device %d", tile.id, tile.gemm.id, device.id)
+            device.queue.append((tile, None))
+            self._waiting[device.id] = device
+
+    def _drain(self, device: DeviceRecord) -> bool:
+        """Send from ``device``'s queue while it may take more; False when the global
+        byte budget stopped it."""
+        queue = device.queue
+        while queue and device.can_take(self.window):
+            tile, admission = queue[0]
+            if tile.gemm.cancelled:
+                queue.popleft()
+                continue
+            message = self._build(device, tile, admission)
+            nbytes = sum(segment.nbytes for segment in message.segments)
+            if nbytes and self.inflight_bytes and \
+                    self.inflight_bytes + nbytes > self.max_inflight_bytes:  # fmt: skip
+                return False  # (a tile built is sent: one handed over as arrays is offered)
+            queue.popleft()
+            self.inflight_bytes += nbytes
+            tile.wire_bytes = nbytes
+            tile.attempts += 1
+            device.take(tile)
+            tile.gemm.devices.add(device.id)
+            self._send(device, tile, message)
+        if not queue:
+            self._waiting.pop(device.id, None)
+        return True

@@ -1,0 +1,154 @@
+"""The emulator's configuration schema (loaded by ``morphling.config``)."""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+
+from morphling.proxy.vtime.eventlog import DETAIL_STEPS, EVENT_LEVELS
+from morphling.proxy.vtime.placement import POLICIES
+
+from morphling.config import ConfigError
+from morphling.config import option as _opt
+
+PROFILE_SOURCES = ("auto", "declared", "measured")
+
+
+# A job's GEMMs under 2·32³ FLOPs stay local: their round trip would dwarf their compute.
+DEFAULT_MIN_FLOPS = 2 * 32**3
+
+
+def check_heartbeats(heartbeat_s: float, heartbeat_timeout_s: float) -> None:
+    """The rule the emulator and ``nginx-config`` share: a live peer is quiet for up to
+    ``heartbeat_s`` before it heartbeats, so a timeout no longer than that drops it."""
+    if heartbeat_timeout_s <= heartbeat_s:
+        raise ConfigError(
+            f"--heartbeat-timeout-s ({heartbeat_timeout_s}) must exceed --heartbeat-s "
+            f"({heartbeat_s}): peers heartbeat only after --heartbeat-s of quiet, so a "
+            "shorter timeout drops live ones"
+        )
+
+
+@dataclass(frozen=True)
+class EmulatorConfig:
+    """Every emulator setting; flags > MORPHLING_* environment > TOML [emulator] > these."""
+
+    listen_ip: str = _opt("0.0.0.0", "IP address to listen on (0.0.0.0: every IPv4 interface)",
+                          aliases=("--listen_ip",))  # fmt: skip
+    listen_port: int = _opt(39000, "TCP port to listen on (0: any free one)", min=0,
+                            max=65535, aliases=("--listen_port",))  # fmt: skip
+    token: str = _opt("", "shared secret peers must prove (HMAC); empty: no authentication",
+                      secret=True)  # fmt: skip
+    ckpt_path: str = _opt(
+        "",
+        "checkpoint (morphling save) whose weights jobs and devices "
+        "on this host share; empty: none",
+        aliases=("--ckpt_path",),
+    )
+    block_size: int = _opt(256, "tile edge: output blocks of at most N×N", min=1,
+                           aliases=("--block_size",))  # fmt: skip
+    policy: str = _opt("greedy", "tile placement policy (decided in virtual time)",
+                       choices=POLICIES, aliases=("--sched_policy",))  # fmt: skip
+    window: int = _opt(4, "tiles in flight per device", min=1, aliases=("--max_inflight",))
+    inflight_bytes: int = _opt(
+        64 << 20,
+        "tile operand bytes on the wire over all devices (one tile "
+        "always may go; blocks a device reads in place do not count): "
+        "bounds what a fleet process holds however many devices it runs",
+        min=1,
+    )
+    high_water_bytes: int = _opt(
+        4 << 20,
+        "send buffer per peer past which no tile is sent to a device and no request is "
+        "read from a job",
+        min=1,
+        aliases=("--send_high_water_mark",),
+    )
+    max_payload_bytes: int = _opt(1 << 30, "largest frame payload accepted", min=1)
+    max_job_tiles: int = _opt(
+        1 << 20,
+        "tiles of a job's GEMMs in flight past which its next requests wait (each costs "
+        "the emulator about 250 bytes and 1.5 µs of its event loop; the GEMM that "
+        "crosses the mark is taken); one GEMM with more is refused",
+        min=1,
+    )
+    max_job_bytes: int = _opt(
+        1 << 30,
+        "bytes a job's GEMMs in flight hold (operands received, outputs) past which its "
+        "next requests wait (the GEMM that crosses the mark is taken)",
+        min=1,
+    )
+    arena_bytes: int = _opt(
+        1 << 30,
+        "shared-memory arena for jobs' GEMM operands, which devices on this "
+        "host read in place instead of receiving them as bytes (reserved as "
+        "used); 0: none",
+        min=0,
+    )
+    heartbeat_s: float = _opt(5.0, "send a heartbeat after this long without traffic", min=0.01)
+    heartbeat_timeout_s: float = _opt(15.0, "drop a peer silent for this long", min=0.01)
+    hello_timeout_s: float = _opt(10.0, "drop a connection that sends no HELLO in time", min=0.01)
+    device_wait_notice_s: float = _opt(
+        10.0, "while a job's tiles wait because no device is ready, tell it this often", min=0.01
+    )
+    probe: bool = _opt(True, "probe latency, bandwidth and FLOPS of each device on arrival")
+    probe_concurrency: int = _opt(
+        8,
+        "devices probed at once (concurrent bandwidth probes "
+        "measure each other, and their buffers add up)",
+        min=1,
+    )
+    probe_latency_bytes: int = _opt(64, "latency probe payload", min=1)
+    probe_bandwidth_bytes: int = _opt(4 << 20, "bandwidth probe payload, each direction", min=1)
+    probe_flops_dim: int = _opt(256, "FLOPS challenge matrix size", min=1)
+    probe_timeout_s: float = _opt(5.0, "time limit of each probe", min=0.01)
+    probe_tolerance: float = _opt(1e-3, "FLOPS check: |ref - c| <= tol + tol*|ref|", min=0.0)
+    run_dir: str = _opt(
+        "",
+        "directory for the virtual timeline's event log (events.jsonl.gz, run.json) that "
+        "morphling report reads; empty: keep only its hash",
+    )
+    events: str = _opt(
+        "auto",
+        "what the event log keeps: auto (every tile, GEMM and coordinator span of each "
+        "job's first --events-detail-steps steps, then each step's and each device's "
+        "totals: bounded for long runs), full (every tile of every step: the trace, "
+        "timeline and stragglers of any step), steps (only the totals: per-step times, "
+        "utilisation) or off (no log)",
+        choices=EVENT_LEVELS,
+    )
+    events_detail_steps: int = _opt(
+        DETAIL_STEPS,
+        "with --events auto: the steps of each job whose every tile the log keeps",
+        min=1,
+    )
+    sync_timeout_s: float = _opt(
+        1.0,
+        "with several jobs, how long virtual time waits for a job computing on the host "
+        "before going on without it",
+        min=0.01,
+    )
+    bottleneck_dl_bw: float = _opt(
+        0.0,
+        "bytes/s of a FIFO every download also crosses (the access point or this "
+        "host's NIC); 0: none",
+        min=0.0,
+    )
+    bottleneck_ul_bw: float = _opt(
+        0.0, "bytes/s of the same shared FIFO for uploads; 0: as downloads", min=0.0
+    )
+    profile_source: str = _opt(
+        "auto",
+        "which profile plans the schedule: declared, measured, or auto (measured for physical "
+        "devices, declared for virtual ones, whose host is not the board they model)",
+        choices=PROFILE_SOURCES,
+    )
+
+    def __post_init__(self) -> None:
+        check_heartbeats(self.heartbeat_s, self.heartbeat_timeout_s)
+        # A malformed address is a configuration error now, not a failed bind later.
+        try:
+            ipaddress.ip_address(self.listen_ip)
+        except ValueError:
+            raise ConfigError(f"listen_ip {self.listen_ip!r} is not an IP address "
+                              "(e.g. 0.0.0.0, 127.0.0.1, ::)") from None  # fmt: skip

@@ -1,0 +1,613 @@
+"""The job API: submit ``C = op(A)·op(B)`` to an emulator and get C back.
+
+``AsyncClient`` is the asyncio form. ``Client`` is the blocking form for
+ordinary code (a training script): the calling thread does its own socket
+I/O through the same sans-IO codec, so a GEMM costs no hop to an event-loop
+thread and back; a small daemon thread only sends HEARTBEATs. Operands are
+numpy arrays or CPU torch tensors of any BLAS-readable layout — transposed,
+padded, batched, a 2-D operand broadcast over a batch — and go on the wire as
+the memory they span, with their layout, never made contiguous first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import math
+import select
+import socket
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import numpy as np
+from morphling.kernels import blas_operand
+from morphling.proxy.net.protocol import SMALL_PAYLOAD, FrameConnection
+from morphling.proxy.shm import handover as local
+from morphling.proxy.shm.arena import OperandArena, pages
+from morphling.proxy.wire.auth import hello
+from morphling.proxy.wire.codec import Decoder, ProtocolError, encode
+from morphling.proxy.wire.messages import (
+    Close,
+    Gemm,
+    Heartbeat,
+    Message,
+    MsgType,
+    Notice,
+    Open,
+    Result,
+    Slab,
+    Step,
+)
+from morphling.proxy.wire.states import Conversation
+
+log = logging.getLogger("morphling.job")
+DTYPES = ("float32", "float64")
+_DTYPE_NAMES = {np.dtype(name): name for name in DTYPES}
+
+
+def gemm_request(
+    gemm: int, a: Any, b: Any, shared: tuple[int, int] | None = None, *, after: int = 0,
+    host_ns: int = 0, epoch: int = 0,
+) -> tuple[Gemm, tuple[int, ...]]:  # fmt: skip
+    """The GEMM message for ``a @ b`` and the shape of its result.
+
+    An operand inside ``shared`` (the address and size of this process's mapping of
+    the emulator's shared weights) goes by reference, with a version made of its
+    tensor's and ``epoch`` (see ``_weight_ref``). ``after`` and ``host_ns`` place it
+    in virtual time (see ``Gemm``).
+    """
+    oa, ob = blas_operand(a, "a"), blas_operand(b, "b")
+    dtype = _dtype_name(oa.span.dtype)
+    if dtype not in DTYPES or _dtype_name(ob.span.dtype) != dtype:
+        raise ValueError(f"dtypes {dtype} and {ob.span.dtype.name}: need one of {DTYPES}")
+    if oa.cols != ob.rows:
+        raise ValueError(f"inner dimensions differ: a is {oa.rows}×{oa.cols}, "
+                         f"b is {ob.rows}×{ob.cols}")  # fmt: skip
+    if oa.batch >= 0 and ob.batch >= 0 and oa.batch != ob.batch:
+        raise ValueError(f"batch sizes differ: {oa.batch} and {ob.batch}")
+    batch = max(oa.batch, ob.batch)
+    ref_a, ref_b = (_weight_ref(x, o.span, shared, epoch) for x, o in ((a, oa), (b, ob)))
+    request = Gemm(
+        gemm=gemm, dtype=dtype, ta=bool(oa.trans), tb=bool(ob.trans),
+        m=oa.rows, n=ob.cols, k=oa.cols, lda=oa.ld, ldb=ob.ld, batch=max(batch, 1),
+        stride_a=oa.stride if oa.batch >= 0 else 0,
+        stride_b=ob.stride if ob.batch >= 0 else 0,
+        ref_a=ref_a, ref_b=ref_b, after=after, host_ns=host_ns,
+        segments=(oa.span[:0] if ref_a else oa.span, ob.span[:0] if ref_b else ob.span),
+    )  # fmt: skip
+    shape = (oa.rows, ob.cols) if batch < 0 else (batch, oa.rows, ob.cols)
+    return request, shape
+
+
+def slab_bytes(request: Gemm) -> int:
+    """The slab ``into_slab`` needs for ``request``: its operand segments and C, each
+    starting on a page."""
+    a, b = request.segments
+    c = request.batch * request.m * request.n * np.dtype(request.dtype).itemsize
+    return pages(a.nbytes) + pages(b.nbytes) + pages(c)
+
+
+def into_slab(request: Gemm, slab: np.ndarray) -> Gemm:
+    """``request`` with its operand segments copied into ``slab`` (the job's bytes of the
+    operand arena, at least ``slab_bytes`` long) and C to be put there after them."""
+    fields, segments, at = {}, [], 0
+    for name, seg in zip("ab", request.segments, strict=True):
+        if seg.nbytes:
+            slab[at : at + seg.nbytes] = seg.view(np.uint8)
+            fields[f"slab_{name}"] = at
+            at += pages(seg.nbytes)
+        segments.append(seg[:0])
+    return dataclasses.replace(request, **fields, slab_c=at, segments=tuple(segments))
+
+
+def _dtype_name(dtype: np.dtype) -> str:
+    """``dtype.name``, looked up for the usual ones: the attribute costs microseconds."""
+    return _DTYPE_NAMES.get(dtype) or dtype.name
+
+
+def _weight_ref(
+    x: Any, span: np.ndarray, shared: tuple[int, int] | None, epoch: int
+) -> list[int]:  # fmt: skip
+    """[byte offset, version] when ``span`` lies in the shared weights, else [].
+
+    Torch bumps a tensor's ``_version`` on in-place updates, but not those through
+    ``.data`` nor those of fused optimizers (``AdamW(fused=True)``): ``epoch``, the
+    steps marked so far, is in the version too, so no block a step may have changed
+    is taken for the one a device holds."""
+    if shared is None or span.size == 0:
+        return []
+    start = span.ctypes.data - shared[0]
+    if start < 0 or start + span.nbytes > shared[1]:
+        return []
+    return [start, (epoch << 32) + getattr(x, "_version", 0)]
+
+
+def result_array(
+    request: Gemm, result: Result, shape: tuple[int, ...], out: Any,
+    slab: np.ndarray | None = None,
+) -> Any:  # fmt: skip
+    """C from a RESULT: a view of its segment, or of the job's ``slab`` copied (it is
+    reused) where the request had it put there; copied into ``out`` when given."""
+    if request.slab_c == -1:
+        c = np.frombuffer(result.segments[0], dtype=request.dtype).reshape(shape)
+    else:
+        nbytes = np.dtype(request.dtype).itemsize * math.prod(shape)
+        c = slab[request.slab_c : request.slab_c + nbytes].view(request.dtype).reshape(shape)
+        if out is None:
+            return c.copy()
+    if out is None:
+        return c
+    np.copyto(out if isinstance(out, np.ndarray) else out.numpy(), c)
+    return out
+
+
+def tell(notice: Notice) -> None:
+    """Log what the emulator tells the job's user (its tiles wait for devices, or no longer
+    do): a job that only waited would look hung."""
+    level = logging.INFO if notice.code == "devices" else logging.WARNING
+    log.log(level, "emulator: %s", notice.text)
+
+
+class EmulatorError(RuntimeError):
+    """The emulator refused a request or the connection; ``code`` says why."""
+
+    def __init__(self, code: str, reason: str) -> None:
+        super().__init__(f"{code}: {reason}")
+        self.code = code
+        self.reason = reason
+
+
+class JobConnection(FrameConnection):
+    """The job's side of its one connection."""
+
+    def __init__(self, token: str, name: str, block: int, device_wait_s: float) -> None:
+        super().__init__(Conversation("peer", "job"))
+        loop = asyncio.get_running_loop()
+        self.token, self.name, self.block = token, name, block
+        self.device_wait_s = device_wait_s
+        self.welcomed: asyncio.Future[int] = loop.create_future()
+        self.results: dict[int, asyncio.Future[Result]] = {}
+        self.replies: deque[asyncio.Future[Message]] = deque()  # STEP and CLOSE, in order
+        self.error: EmulatorError | None = None
+
+    def message_received(self, msg: Message) -> None:
+        t = msg.TYPE
+        if t == MsgType.RESULT:
+            future = self.results.pop(msg.gemm, None)
+            if future is not None and not future.done():
+                future.set_result(msg)
+        elif t in (MsgType.STEP, MsgType.CLOSE):
+            if self.replies:
+                self.replies.popleft().set_result(msg)
+        elif t == MsgType.NOTICE:
+            tell(msg)
+        elif t == MsgType.GREETING:
+            self.send(hello(msg, self.token, "job", name=self.name))
+        elif t == MsgType.WELCOME:
+            self.send(Open(name=self.name, block=self.block, device_wait_s=self.device_wait_s))
+            self.start_heartbeats(msg.heartbeat_s, 3 * msg.heartbeat_s)
+            self.welcomed.set_result(msg.peer_id)
+        elif t == MsgType.ERROR:
+            self.error = EmulatorError(msg.code, msg.reason)
+            self.close()
+        elif t == MsgType.BYE:
+            self.error = EmulatorError("bye", msg.reason)
+            self.close()
+
+    def disconnected(self, exc: Exception | None) -> None:
+        error = self.error or EmulatorError("disconnected", f"connection lost ({exc})")
+        for future in [self.welcomed, *self.results.values(), *self.replies]:
+            if not future.done():
+                future.set_exception(error)
+        self.results.clear()
+        self.replies.clear()
+
+
+class AsyncClient:
+    """A job connected to an emulator. Use ``await AsyncClient.connect(...)``."""
+
+    def __init__(self, conn: JobConnection, job_id: int) -> None:
+        self._conn = conn
+        self.job_id = job_id
+        self._ids = itertools.count(1)
+
+    @classmethod
+    async def connect(
+        cls, host: str, port: int, *, token: str = "", name: str = "", block: int = 0,
+        timeout: float = 30.0, device_wait_s: float = 0.0,
+    ) -> AsyncClient:  # fmt: skip
+        """Connect and open the job. ``device_wait_s``: the emulator fails it (EmulatorError
+        ``no_devices``) once its tiles have waited that long with no device ready (0: never)."""
+        loop = asyncio.get_running_loop()
+        _, conn = await asyncio.wait_for(
+            loop.create_connection(lambda: JobConnection(token, name, block, device_wait_s),
+                                   host, port),
+            timeout,
+        )  # fmt: skip
+        job_id = await asyncio.wait_for(conn.welcomed, timeout)
+        return cls(conn, job_id)
+
+    async def matmul(
+        self, a: Any, b: Any, out: Any = None, *, timeout: float | None = None
+    ) -> np.ndarray:
+        """``a @ b`` for 2-D or batched ([batch, m, k]) views, computed by the fleet.
+
+        Returns ``out`` (filled) when given, else a new array of shape
+        ``[m, n]`` or ``[batch, m, n]``.
+        """
+        request, shape = gemm_request(next(self._ids), a, b)
+        return result_array(request, await self.submit(request, timeout=timeout), shape, out)
+
+    async def submit(self, request: Gemm, *, timeout: float | None = None) -> Result:
+        """Send an explicit GEMM request (the wire contract) and wait for its RESULT."""
+        conn = self._conn
+        if conn.error is not None:
+            raise conn.error
+        future: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
+        conn.results[request.gemm] = future
+        conn.send(request)
+        try:
+            return await asyncio.wait_for(future, timeout)
+        finally:
+            conn.results.pop(request.gemm, None)
+
+    async def _ask(self, msg: Message) -> Message:
+        future: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
+        self._conn.replies.append(future)
+        self._conn.send(msg)
+        return await future
+
+    async def step(self, step: int) -> Step:
+        """Mark the end of a training step; the emulator's account of it."""
+        return await self._ask(Step(step=step))
+
+    async def close(self) -> Close | None:
+        """End the job; its totals (None when the connection was already gone)."""
+        if not self._conn.open:
+            return None
+        try:
+            return await self._ask(Close())
+        except EmulatorError:
+            return None
+        finally:
+            self._conn.close()
+
+
+class Client:
+    """Blocking job client; the caller's thread reads and writes the socket itself.
+
+    One request is in flight at a time (calls from several threads are
+    serialised). A daemon thread sends HEARTBEAT whenever the caller has sent
+    nothing for a heartbeat period, so a script busy elsewhere stays connected.
+
+    On the emulator's host (and unless ``share_memory`` is off) it maps the
+    operand arena and asks for a slab of it, grown to the largest GEMM's needs:
+    ``matmul`` copies the operands into the slab and reads C from it, so neither
+    crosses the socket. In the emulator's own process (``morphling run
+    --embedded``) it copies nothing: it hands the emulator the operands and a
+    new output array (``local``; ``hand_over=False`` uses the slab instead).
+
+    Each GEMM and step mark says how long the caller computed on the host since
+    its last result (``elapsed_ns``, or the ``host_ns`` it passes): the
+    coordinator time between GEMMs in the emulator's virtual timeline. The job's
+    first GEMM counts none (setting up the script is not emulated).
+
+    While its tiles wait because no device is ready, the emulator says so, and the
+    client logs it; past ``device_wait_s`` (0: never) the emulator fails the job and the
+    call raises EmulatorError ``no_devices``.
+
+    ``map_weights`` says (HELLO ``caps.weights``) that the job will map the emulator's
+    shared weights (``Session.share_weights``) and may train them; ``fresh_weights``
+    has the emulator restore them from the checkpoint before the job starts (refused,
+    EmulatorError ``weights_busy``, while another job maps them).
+    """
+
+    def __init__(
+        self, host: str, port: int, *, token: str = "", name: str = "", block: int = 0,
+        timeout: float = 30.0, share_memory: bool = True, hand_over: bool = True,
+        device_wait_s: float = 0.0, map_weights: bool = False, fresh_weights: bool = False,
+    ) -> None:  # fmt: skip
+        self._sock = socket.create_connection((host, port), timeout)
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._sock.setblocking(False)  # every wait is a poll: see ``_await_room``
+        self._readable = select.poll()  # for the thread that holds ``_recv_lock``
+        self._readable.register(self._sock, select.POLLIN)
+        self._decoder = Decoder()
+        self._conversation = Conversation("peer", "job")
+        self._call_lock = threading.Lock()  # one request and its reply at a time
+        self._send_lock = threading.Lock()  # the caller and the heartbeat thread
+        self._recv_lock = threading.Lock()  # the decoder: the caller, or a waiting send
+        self._ids = itertools.count(1)
+        self._last_sent = time.monotonic()
+        self._stopped = threading.Event()
+        self.error: EmulatorError | None = None
+        self.shared: tuple[int, int] | None = None  # see gemm_request
+        self._last_received = time.monotonic()
+        self._silence_s = math.inf  # until WELCOME gives the heartbeat period
+        self._after = 0  # the GEMM whose result came last (0: a step mark, or none yet)
+        self.steps = 0  # step marks made
+        self._since_ns: int | None = None  # when it came (perf_counter_ns)
+        self._arena: OperandArena | None = None  # this process's mapping of the arena
+        self._slab: np.ndarray | None = None  # the job's bytes of it (SLAB)
+        self._slab_refused = 1 << 62  # the smallest slab the emulator did not give
+        self._slab_busy = 0  # a GEMM using the slab whose RESULT has not come (timed out)
+        self._local = ""  # in the emulator's process, its token: operands go as arrays
+        try:
+            greeting = self._expect(MsgType.GREETING, timeout)
+            self.weights: dict[str, Any] = greeting.weights  # what the emulator shares
+            if share_memory and greeting.arena:
+                self._arena = OperandArena.shared(greeting.arena)
+            caps = {"arena": str(self._arena.path)} if self._arena is not None else {}
+            if share_memory and hand_over and local.in_this_process(greeting.process):
+                self._local = greeting.process  # the emulator's token
+                caps["process"] = greeting.process
+            if (map_weights or fresh_weights) and greeting.weights:
+                caps["weights"] = greeting.weights["path"]
+            self._send(hello(greeting, token, "job", name=name, caps=caps))
+            welcome = self._expect(MsgType.WELCOME, timeout)
+            self.job_id: int = welcome.peer_id
+            self._silence_s = 3 * welcome.heartbeat_s  # as the AsyncClient: an emulator gone
+            threading.Thread(target=self._beat, args=(welcome.heartbeat_s,), daemon=True,
+                             name=f"morphling-heartbeat-{self.job_id}").start()  # fmt: skip
+            self._send(Open(name=name, block=block, device_wait_s=device_wait_s,
+                            fresh_weights=fresh_weights))  # fmt: skip
+            if fresh_weights:  # restored once OPEN answers: however long that takes
+                self._expect(MsgType.OPEN, None)
+                self.weights = {**self.weights, "trained": [], "trained_jobs": 0}
+        except BaseException:
+            self._stopped.set()
+            self._sock.close()
+            raise
+
+    def elapsed_ns(self) -> int:
+        """Host time since the last result (0 before the first GEMM)."""
+        return 0 if self._since_ns is None else time.perf_counter_ns() - self._since_ns
+
+    def matmul(
+        self, a: Any, b: Any, out: Any = None, *, timeout: float | None = None,
+        host_ns: int | None = None,
+    ) -> Any:  # fmt: skip
+        """``a @ b`` as in ``AsyncClient.matmul``; ``host_ns`` overrides the measured
+        coordinator time since the last result."""
+        with self._call_lock:
+            request, shape = gemm_request(
+                next(self._ids), a, b, self.shared, after=self._after, epoch=self.steps,
+                host_ns=self.elapsed_ns() if host_ns is None else host_ns,
+            )  # fmt: skip
+            if self._local:
+                return self._hand_over(request, shape, out, timeout)
+            slab = self._slab_for(request)
+            if slab is not None:
+                request = into_slab(request, slab)
+            return result_array(request, self._call(request, timeout), shape, out, slab)
+
+    def _hand_over(
+        self, request: Gemm, shape: tuple[int, ...], out: Any, timeout: float | None
+    ) -> Any:  # fmt: skip
+        """``request`` with its operands and a new C handed to the emulator in this process
+        (``local``). C is always new: should the call time out, a device may still write
+        into it later, so it must be nobody's yet."""
+        c = np.empty((request.batch, request.m, request.n), request.dtype)
+        spans = [seg.view(np.uint8) for seg in request.segments]
+        key = (self._local, self.job_id, request.gemm)
+        local.offer_gemm(key, local.JobOperands(*spans, c))
+        try:
+            self._call(dataclasses.replace(request, local=True, segments=(
+                spans[0][:0], spans[1][:0])), timeout)  # fmt: skip
+        except TimeoutError:  # sent: the emulator takes them when it reads the GEMM
+            raise
+        except BaseException:  # perhaps never sent, or the emulator is gone
+            local.take_gemm(key)
+            raise
+        c = c.reshape(shape)
+        if out is None:
+            return c
+        np.copyto(out if isinstance(out, np.ndarray) else out.numpy(), c)
+        return out
+
+    def submit(self, request: Gemm, *, timeout: float | None = None) -> Result:
+        """Send an explicit GEMM request (its ``after``/``host_ns`` as the caller set
+        them) and wait for its RESULT."""
+        with self._call_lock:
+            return self._call(request, timeout)
+
+    def _call(self, request: Gemm, timeout: float | None) -> Result:
+        self._send(request)
+        if request.slab_c != -1:
+            self._slab_busy = request.gemm
+        while True:  # a RESULT for an abandoned (timed-out) request is dropped
+            result = self._expect(MsgType.RESULT, timeout)
+            if result.gemm == request.gemm:
+                self._after, self._since_ns = result.gemm, time.perf_counter_ns()
+                return result
+
+    def _slab_for(self, request: Gemm) -> np.ndarray | None:
+        """The job's slab, grown as ``request`` needs, or None when it goes as bytes: too
+        small to be worth it, no arena here, no room there (asked again after the next
+        step mark), or the slab still in use by a GEMM that timed out."""
+        arena = self._arena
+        if arena is None or self._slab_busy:
+            return None
+        need, most = slab_bytes(request), arena.nbytes // 2  # the emulator gives no more
+        have = 0 if self._slab is None else len(self._slab)
+        if need < SMALL_PAYLOAD:
+            return None
+        if need <= have:
+            return self._slab
+        if need > most or need >= self._slab_refused:
+            return None
+        for ask in dict.fromkeys((min(max(need, 2 * have), most), need)):  # doubled, or just
+            if self._ask_slab(ask) >= need:
+                return self._slab
+        self._slab_refused = need
+        return None
+
+    def _ask_slab(self, nbytes: int) -> int:
+        """Ask for a slab of ``nbytes`` (the old one goes back); the size of the one given.
+
+        Should the exchange be cut short (a timeout, Ctrl-C), this job stops using the
+        arena: the reply, when it comes, would be read as nothing, and the emulator may
+        already have reused the old slab."""
+        arena, self._arena, self._slab = self._arena, None, None
+        self._send(Slab(nbytes=nbytes))
+        reply = self._expect(MsgType.SLAB, 30.0)
+        if reply.nbytes:
+            try:
+                self._slab = arena.region(reply.offset, reply.nbytes, "uint8")
+            except ValueError as exc:
+                self._fail(EmulatorError("bad_slab", f"SLAB from the emulator: {exc}"))
+        self._arena = arena
+        return reply.nbytes
+
+    def step(self, step: int, *, host_ns: int | None = None, local_gemms: int = 0) -> Step:
+        """Mark the end of a training step (``local_gemms`` computed on the host in it);
+        the emulator's account of it, once the step is settled in virtual time."""
+        with self._call_lock:
+            host = self.elapsed_ns() if host_ns is None else host_ns
+            self._send(Step(step=step, host_ns=host, local_gemms=local_gemms))
+            reply = self._expect(MsgType.STEP, None)
+            self.steps += 1  # the optimizer may have changed any weight (``_weight_ref``)
+            self._after, self._since_ns = 0, time.perf_counter_ns()
+            self._slab_refused = 1 << 62  # the arena may have room again
+            return reply
+
+    def close(self) -> Close | None:
+        """End the job; its totals (None when the connection was already gone)."""
+        if self._stopped.is_set():
+            return None
+        try:
+            with self._call_lock:
+                self._send(Close())
+                return self._expect(MsgType.CLOSE, 30.0)
+        except (EmulatorError, OSError):
+            return None
+        finally:
+            self._stopped.set()
+            self._sock.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- I/O -------------------------------------------------------------------------
+
+    def _send(self, msg: Message) -> None:
+        buffers = encode(msg)  # bytes and byte views: ``len`` is their size
+        with self._send_lock:
+            if self.error is not None:
+                raise self.error
+            started = False  # some of the frame went out
+            try:
+                while True:
+                    try:
+                        sent = self._sock.sendmsg(buffers)
+                    except BlockingIOError:
+                        sent = 0
+                    started = started or sent > 0
+                    while buffers and sent >= len(buffers[0]):
+                        sent -= len(buffers[0])
+                        buffers.pop(0)
+                    if not buffers:
+                        break
+                    buffers[0] = buffers[0][sent:]
+                    self._await_room()
+            except BaseException:  # Ctrl-C, say: a frame cut short leaves the stream unusable
+                if started and buffers and self.error is None:
+                    self.error = EmulatorError("disconnected", "a request was cut off while "
+                                               "being sent; the connection is closed")  # fmt: skip
+                    self._stopped.set()
+                    self._sock.close()
+                raise
+            self._last_sent = time.monotonic()
+
+    def _await_room(self) -> None:
+        """Wait until the socket takes more, reading what arrives meanwhile (unless the
+        caller's thread is reading already): the emulator reads no more of a job that
+        leaves its replies unread, so a send that only waited could wait for ever."""
+        reading = self._recv_lock.acquire(blocking=False)
+        try:
+            poller = select.poll()
+            poller.register(self._sock, select.POLLOUT | (select.POLLIN if reading else 0))
+            [(_, events)] = poller.poll()
+            if reading and events & ~select.POLLOUT:  # data, or the end of the connection
+                self._read_some()
+        finally:
+            if reading:
+                self._recv_lock.release()
+
+    def _expect(self, kind: MsgType, timeout: float | None) -> Any:
+        """The next message of type ``kind``; HEARTBEATs are skipped, NOTICEs logged, ERROR
+        and BYE raise, and a RESULT says whether the slab is free again (whatever was
+        expected)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            msg = self._receive(deadline)
+            if msg.TYPE == MsgType.RESULT and msg.gemm == self._slab_busy:
+                self._slab_busy = 0
+                if msg.slab_retired:  # C is still there to read, but no more
+                    self._slab = None
+            if kind == msg.TYPE:
+                return msg
+            if msg.TYPE == MsgType.NOTICE:
+                tell(msg)
+            elif msg.TYPE in (MsgType.ERROR, MsgType.BYE):
+                code = msg.code if msg.TYPE == MsgType.ERROR else "bye"
+                self._fail(EmulatorError(code, msg.reason))
+
+    def _receive(self, deadline: float | None) -> Message:
+        with self._recv_lock:
+            while (msg := self._decoder.next_message()) is None:
+                if self._read_some():
+                    continue
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
+                    raise TimeoutError("no reply from the emulator in time")
+                if now - self._last_received > self._silence_s:  # it heartbeats when idle
+                    self._fail(EmulatorError("timeout", f"nothing from the emulator for "
+                                             f"{self._silence_s:.3g} s"))  # fmt: skip
+                until = min(self._last_received + self._silence_s,
+                            math.inf if deadline is None else deadline)  # fmt: skip
+                self._readable.poll(None if until == math.inf else
+                                    math.ceil(max(until - now, 0.0) * 1000))  # fmt: skip
+            try:
+                self._conversation.received(msg)
+            except ProtocolError as exc:
+                self._fail(EmulatorError(exc.code, f"bad frame from the emulator: {exc.reason}"))
+        return msg
+
+    def _read_some(self) -> bool:
+        """Decode what has arrived; False if nothing has (the socket does not block)."""
+        decoder = self._decoder
+        try:
+            nbytes = self._sock.recv_into(decoder.get_buffer())
+            if nbytes == 0:
+                self._fail(EmulatorError("disconnected", "the emulator closed the connection"))
+            self._last_received = time.monotonic()
+            decoder.buffer_updated(nbytes)
+        except BlockingIOError:
+            return False
+        except ProtocolError as exc:
+            self._fail(EmulatorError(exc.code, f"bad frame from the emulator: {exc.reason}"))
+        except ConnectionError as exc:
+            self._fail(EmulatorError("disconnected", f"connection lost ({exc})"))
+        return True
+
+    def _fail(self, error: EmulatorError) -> None:
+        self.error = error
+        self._stopped.set()
+        self._sock.close()
+        raise error
+
+    def _beat(self, period_s: float) -> None:
+        while not self._stopped.wait(period_s / 2):
+            if time.monotonic() - self._last_sent >= period_s:
+                try:
+                    self._send(Heartbeat())
+                except (EmulatorError, OSError):
+                    return

@@ -1,0 +1,336 @@
+"""The job runtime: a PyTorch program's GEMMs computed by an emulated fleet.
+
+``emulate()`` is the library form of ``morphling run``::
+
+    with morphling.emulate(devices="rpi4:4") as session:   # or server="HOST:PORT"
+        train()                                            # unchanged code
+    print(session.table())
+
+Inside, every eligible GEMM (see ``intercept``) goes to the emulator over a
+blocking socket; attention uses PyTorch's math backend so that its GEMMs are
+visible; each optimizer step closes a *step* whose report says how long it
+would have taken on the fleet: the emulator's virtual timeline places every
+GEMM after the coordinator time the script spent on the host since the last
+one (measured, or modelled: see ``coordinator``), and the step ends where
+its last GEMM and the optimizer's work after it end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from morphling.proxy.checkpoint.format import Checkpoint, CheckpointError
+from morphling.proxy.emulator.settings import DEFAULT_MIN_FLOPS, EmulatorConfig
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from morphling.interrupt import Interrupted
+from morphling.runtime import parse_server
+from morphling.text import elide, elided_line
+
+from .client import Client
+from .coordinator import MODES, CoordinatorModel, HostWork
+from .embedded import EmbeddedFleet
+from .intercept import GemmCounts, GemmInterceptor
+
+log = logging.getLogger("morphling.job")
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """One training step (one optimizer step) as the emulation saw it."""
+
+    step: int
+    emulated_s: float  # the step's span in virtual time
+    coord_s: float  # of which the script computing on the host (coordinator time)
+    fleet_s: float  # the rest: waiting for the fleet's GEMMs
+    host_s: float  # wall time on this host
+    gemms: int  # sent to the fleet
+    local_gemms: int
+    tiles: int
+    bytes_down: int  # over the emulated links (resident weight blocks do not travel)
+    bytes_up: int
+    wire_down: int  # over this host's sockets
+    wire_up: int
+    oom: int  # tiles that did not fit a device's emulated memory
+
+
+class Session:
+    """A job connected to an emulator; collects per-step reports."""
+
+    def __init__(
+        self, client: Client, *, min_flops: int = DEFAULT_MIN_FLOPS,
+        coordinator: str = "measured", scale: float = 1.0,
+        model: CoordinatorModel | None = None,
+    ) -> None:  # fmt: skip
+        if coordinator not in MODES:
+            raise ValueError(f"coordinator={coordinator!r}: expected one of {', '.join(MODES)}")
+        if not 0 <= scale < math.inf:  # 0: the script's own time does not count at all
+            raise ValueError(f"coordinator scale={scale!r}: must be finite and >= 0")
+        self.client = client
+        self.checkpoint: Checkpoint | None = None
+        self.work = HostWork() if coordinator == "model" else None
+        self.model = model or CoordinatorModel()
+        self.scale = scale
+        self.interceptor = GemmInterceptor(self._remote, min_flops=min_flops,
+                                           host_work=self.work)  # fmt: skip
+        self.steps: list[StepReport] = []
+        self.totals: dict[str, int] = {}
+        self._step_start: float | None = None  # step 1 starts at its first GEMM
+        self._counts = GemmCounts()
+        self._marked_ns = 0  # when the last step mark went back to the script
+
+    def share_weights(self, ckpt: str) -> None:
+        """Map the emulator's shared copy of checkpoint ``ckpt``; see ``bind``."""
+        announced = self.client.weights
+        if not announced:
+            raise CheckpointError("the emulator shares no weights (start it with --ckpt-path)")
+        try:
+            checkpoint = Checkpoint.open(ckpt, verify=False, writable=True, data=announced["path"])
+        except CheckpointError as exc:
+            raise CheckpointError(f"cannot map the emulator's shared weights (they must be on "
+                                  f"this host): {exc}") from exc  # fmt: skip
+        if checkpoint.digest != announced["digest"]:
+            raise CheckpointError(f"{ckpt} is not the checkpoint the emulator shares")
+        if announced.get("trained"):
+            log.warning("weights: continuing from the working copy that %s; --fresh-weights "
+                        "restores the checkpoint as saved", _trained_by(announced))  # fmt: skip
+        self.checkpoint = checkpoint
+        buffer = checkpoint.buffer
+        self.client.shared = (buffer.data_ptr(), buffer.numel())
+
+    def bind(self, module: torch.nn.Module) -> int:
+        """Make ``module``'s parameters views of the shared weights, by name; how many.
+
+        The Parameter objects stay (an optimizer built on them keeps working); their
+        data becomes the checkpoint's, so GEMMs on them go to devices by reference.
+        """
+        if self.checkpoint is None:
+            raise RuntimeError("bind() needs shared weights (emulate(ckpt=...))")
+        bound, skipped = 0, []
+        names = set(self.checkpoint.names())
+        for name, param in module.named_parameters():
+            view = self.checkpoint.tensor(name) if name in names else None
+            if view is None or view.shape != param.shape or view.dtype != param.dtype:
+                skipped.append(name)
+                continue
+            param.data = view
+            bound += 1
+        log.info("%d parameters of %s are views of the shared weights; %d are not%s",
+                 bound, type(module).__name__, len(skipped),
+                 f" ({', '.join(skipped[:5])}{', ...' if len(skipped) > 5 else ''})"
+                 if skipped else "")  # fmt: skip
+        return bound
+
+    @property
+    def counts(self) -> GemmCounts:
+        return self.interceptor.counts
+
+    def _host_ns(self, until_ns: int) -> int:
+        """Coordinator time up to ``until_ns`` since the script last got control back from
+        a fleet GEMM or a step mark: modelled, or measured (scaled; 0 before the first).
+
+        Measured from the interceptor's stamps, so the time Morphling itself spends on a
+        GEMM (checking it, sending it, waiting, making the result a tensor) is not the
+        script's: what is left is what the script would spend without Morphling.
+        """
+        if self.work is not None:
+            return round(self.model.seconds(self.work.take()) * 1e9)
+        since = max(self.interceptor.returned_ns, self._marked_ns)
+        return round((until_ns - since) * self.scale) if since else 0
+
+    def _remote(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        if self._step_start is None:
+            self._step_start = time.perf_counter()
+        host_ns = self._host_ns(self.interceptor.entered_ns)
+        return torch.from_numpy(self.client.matmul(a, b, host_ns=host_ns))
+
+    def end_step(self) -> StepReport:
+        """Close the current step (called after every optimizer step)."""
+        host_ns = self._host_ns(time.perf_counter_ns())
+        now = time.perf_counter()
+        counts = self.counts.since(self._counts)
+        local = sum(counts.local.values())
+        reply = self.client.step(len(self.steps) + 1, host_ns=host_ns, local_gemms=local)
+        emulated_s, coord_s = reply.emulated_ns / 1e9, reply.coord_ns / 1e9
+        report = StepReport(
+            step=reply.step,
+            emulated_s=emulated_s,
+            coord_s=coord_s,
+            fleet_s=emulated_s - coord_s,
+            host_s=now - (self._step_start if self._step_start is not None else now),
+            gemms=counts.remote,
+            local_gemms=local,
+            tiles=reply.tiles,
+            bytes_down=reply.link_down,
+            bytes_up=reply.link_up,
+            wire_down=reply.bytes_down,
+            wire_up=reply.bytes_up,
+            oom=reply.oom,
+        )
+        self.steps.append(report)
+        self._counts = self.counts.snapshot()
+        log.debug("step %d: %s", report.step, report)
+        self._step_start = time.perf_counter()
+        self._marked_ns = time.perf_counter_ns()  # the script's time starts again
+        return report
+
+    def close(self) -> None:
+        reply = self.client.close()
+        if reply is not None:
+            keys = ("gemms", "tiles", "model_ns", "bytes_down", "bytes_up", "oom")
+            self.totals = {k: getattr(reply, k) for k in keys}
+
+    def table(self) -> str:
+        """The per-step report as a fixed-width table."""
+        head = (f"{'step':>5} {'emulated s':>11} {'fleet s':>9} {'coord s':>8} {'host s':>8} "
+                f"{'GEMMs':>6} {'local':>6} {'tiles':>7} {'MiB down':>9} {'MiB up':>8} "
+                f"{'OOM':>5}")  # fmt: skip
+        rows = [head, "-" * len(head)]
+        first, left_out, last = elide(self.steps)
+        rows += [_step_row(r) for r in first]
+        if left_out:
+            rows.append(elided_line(left_out, "--json has every step"))
+            rows += [_step_row(r) for r in last]
+        local = ", ".join(f"{n} {why}" for why, n in sorted(self.counts.local.items())) or "none"
+        rows.append(f"GEMMs: {self.counts.remote} on the fleet ({self.counts.copied} copied "
+                    f"to a BLAS layout first); local: {local}")  # fmt: skip
+        return "\n".join(rows)
+
+    def summary(self) -> dict[str, Any]:
+        """Machine-readable: every step, the totals and the local GEMMs by reason."""
+        return {
+            "steps": [asdict(r) for r in self.steps],
+            "totals": self.totals,
+            "gemms_remote": self.counts.remote,
+            "gemms_copied": self.counts.copied,
+            "gemms_local": dict(self.counts.local),
+        }
+
+
+def _step_row(r: StepReport) -> str:
+    return (
+        f"{r.step:>5} {r.emulated_s:>11.4f} {r.fleet_s:>9.4f} {r.coord_s:>8.4f} {r.host_s:>8.3f} "
+        f"{r.gemms:>6} {r.local_gemms:>6} {r.tiles:>7} "
+        f"{r.bytes_down / 2**20:>9.1f} {r.bytes_up / 2**20:>8.1f} {r.oom:>5}"
+    )
+
+
+@contextlib.contextmanager
+def emulate(
+    server: str | None = None,
+    *,
+    devices: str | None = None,
+    config: EmulatorConfig | None = None,
+    token: str = "",
+    block: int = 0,
+    min_flops: int = DEFAULT_MIN_FLOPS,
+    name: str = "job",
+    ckpt: str | None = None,
+    coordinator: str = "measured",
+    scale: float = 1.0,
+    link: str | None = None,
+    cooling: str | None = None,
+    share_memory: bool = True,
+    max_devices: int = 0,
+    device_wait_s: float = 0.0,
+    fresh_weights: bool = False,
+) -> Iterator[Session]:
+    """Run the body's GEMMs on a fleet: a running emulator at ``server``
+    (``HOST:PORT``), or an embedded one with the virtual ``devices`` SPEC (the
+    emulator's ``config`` may set its run directory, policy, ...; ``link`` and
+    ``cooling`` override the devices' own).
+
+    With ``ckpt``, the first module the body calls gets its parameters bound to the
+    emulator's shared copy of that checkpoint (an embedded emulator loads it): as earlier
+    jobs left it (a warning says which trained it), or with ``fresh_weights`` restored
+    from the checkpoint first.
+    ``coordinator`` is how host time between GEMMs counts (``coordinator.MODES``;
+    measured time is multiplied by ``scale``). ``share_memory`` off sends operands and
+    results as bytes even on the emulator's host. ``max_devices`` bounds the embedded
+    fleet instead of the host's available memory (``devices.capacity``).
+    ``device_wait_s`` (0: for ever) is how long the job's GEMMs may wait with no device
+    ready before it fails (``Client``). Should the body raise (Ctrl-C, say), the embedded
+    emulator's run directory is marked incomplete, with the reason.
+    """
+    if (server is None) == (devices is None):
+        raise ValueError("give exactly one of server='HOST:PORT' or devices='SPEC' (embedded)")
+    if fresh_weights and ckpt is None:
+        raise ValueError("fresh_weights needs ckpt: the weights to restore are a checkpoint's")
+    with contextlib.ExitStack() as stack:
+        if devices is not None:
+            if ckpt is not None:
+                config = dataclasses.replace(config or EmulatorConfig(), ckpt_path=str(ckpt))
+            embedded = EmbeddedFleet(
+                devices, config, link=link, cooling=cooling, max_devices=max_devices,
+                run_info={"coordinator_time": coordinator, "coordinator_scale": scale,
+                          "link": link, "cooling": cooling, "devices": devices},
+            )  # fmt: skip
+            stack.callback(embedded.stop)
+            host, port = embedded.start()
+        else:
+            host, port = parse_server(server)
+        session = Session(Client(host, port, token=token, name=name, block=block,
+                                 share_memory=share_memory, device_wait_s=device_wait_s,
+                                 map_weights=ckpt is not None, fresh_weights=fresh_weights),
+                          min_flops=min_flops, coordinator=coordinator,
+                          scale=scale)  # fmt: skip
+        stack.callback(session.close)
+        if ckpt is not None:
+            session.share_weights(ckpt)
+            stack.callback(_bind_first_module(session).remove)
+        hook = register_optimizer_step_post_hook(lambda *_: session.end_step())
+        stack.callback(hook.remove)
+        stack.enter_context(sdpa_kernel([SDPBackend.MATH]))
+        stack.enter_context(session.interceptor)
+        try:
+            yield session
+        except BaseException as exc:  # Ctrl-C, SIGTERM (``interrupt``), an error
+            if devices is not None:  # its run.json says the run did not end
+                embedded.run_info["incomplete"] = _ended_by(exc)
+            raise
+
+
+def _ended_by(exc: BaseException) -> str:
+    """Why a run did not end: "interrupted by SIGTERM", "KeyboardInterrupt", "OSError: ..."."""
+    if isinstance(exc, Interrupted) or not str(exc):
+        return str(exc) or type(exc).__name__
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _trained_by(announced: dict[str, Any]) -> str:
+    """Which jobs trained the shared weights (GREETING ``weights``), in words."""
+    trained = announced["trained"]
+    count = announced.get("trained_jobs", len(trained))
+
+    def steps(entry: dict[str, Any]) -> str:
+        return f"{entry['steps']} step{'s' if entry['steps'] != 1 else ''}"
+
+    if count == 1:
+        (entry,) = trained
+        running = " and is still training" if entry["running"] else ""
+        return f"job '{entry['job']}' trained for {steps(entry)}{running}"
+    jobs = ", ".join(f"'{e['job']}' ({steps(e)}{', still running' if e['running'] else ''})"
+                     for e in trained)  # fmt: skip
+    earlier = f" and {count - len(trained)} earlier" if count > len(trained) else ""
+    return f"jobs {jobs}{earlier} trained"
+
+
+def _bind_first_module(session: Session) -> Any:
+    """Bind the first module called (the model, when the script calls it) once."""
+
+    def hook(module: torch.nn.Module, args: Any) -> None:
+        handle.remove()
+        session.bind(module)
+
+    handle = register_module_forward_pre_hook(hook)
+    return handle

@@ -1,0 +1,199 @@
+"""PNG plots of a run: timeline, utilisation, thermal state, step times.
+
+matplotlib is imported inside the functions (``morphling --help`` must not pay for it) and
+drawn through its Agg canvas on a bare ``Figure``, never through pyplot: no GUI backend,
+no global figure state, safe to call from anywhere.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .analysis import PLOT_FILES, Run
+
+# More rows than this make a timeline unreadable; the rest are named in the title.
+MAX_TIMELINE_DEVICES = 32
+MAX_THERMAL_DEVICES = 16
+MAX_LEGEND_DEVICES = 10
+MAX_NAMED_TICKS = 40
+MAX_STEP_LINES = 50
+MAX_STEP_BARS = 500
+DPI = 120
+COLOURS = {"compute": "tab:blue", "downlink": "tab:green", "uplink": "tab:orange"}
+
+
+def _figure(width: float, height: float) -> Any:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), dpi=DPI, layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _busiest(summary: dict[str, Any], limit: int) -> tuple[list[dict[str, Any]], str]:
+    """The ``limit`` busiest devices, and a note for the title when some are left out."""
+    devices = sorted(summary["devices"], key=lambda d: (-d["busy_s"], d["id"]))
+    if len(devices) <= limit:
+        return devices, ""
+    return devices[:limit], f" (busiest {limit} of {len(devices)} devices shown)"
+
+
+def _steps(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    return [s for job in summary["jobs"] for s in job["steps"]]
+
+
+def plot_timeline(run: Run, summary: dict[str, Any], path: Path) -> Path | None:
+    """One row per device over the steps shown tile by tile (``Run.shows``): compute bars,
+    thin downlink bars above, uplink bars below; None (and no file) when there are none,
+    as from a ``steps`` log."""
+    from matplotlib.patches import Patch
+
+    steps = [s for s in run.steps if run.shows(s.step)]
+    if not run.tiles or not steps:
+        return None
+    shown, note = _busiest(summary, MAX_TIMELINE_DEVICES)
+    row = {d["id"]: i for i, d in enumerate(shown)}
+    bars: dict[int, dict[str, list[tuple[float, float]]]] = {
+        d: {kind: [] for kind in COLOURS} for d in row
+    }
+    for t in run.tiles:
+        if t.device in row:
+            for kind, (t0, t1) in (("downlink", t.down), ("compute", t.compute), ("uplink", t.up)):
+                bars[t.device][kind].append((t0, t1 - t0))
+    fig = _figure(11, 1.6 + 0.35 * len(shown))
+    ax = fig.subplots()
+    # No antialiasing: back-to-back tiles would show hairline seams between them.
+    style = {"linewidth": 0, "antialiased": False}
+    for device, y in row.items():  # y grows downwards (inverted axis): downlink on top
+        for kind, (offset, height) in (
+            ("downlink", (-0.45, 0.12)), ("compute", (-0.25, 0.5)), ("uplink", (0.33, 0.12))
+        ):  # fmt: skip
+            ax.broken_barh(bars[device][kind], (y + offset, height), color=COLOURS[kind], **style)
+    if len(steps) <= MAX_STEP_LINES:
+        for s in steps:
+            ax.axvline(s.t1, color="black", linewidth=0.8, linestyle=":", zorder=3)
+    ax.set_yticks(range(len(shown)), [d["name"] for d in shown])
+    ax.set_ylim(len(shown) - 0.5, -0.5)
+    start, end = min(s.t0 for s in steps), max(s.t1 for s in steps)
+    ax.set_xlim(start, end if end > start else start + 1.0)
+    ax.set_xlabel("virtual time (s)")
+    which = (
+        "every step" if len(steps) == len(run.steps) else f"{len(steps)} of {len(run.steps)} steps"
+    )
+    ax.set_title(f"Per-device timeline of {which}{note}; dotted lines end steps")
+    ax.legend(
+        handles=[Patch(color=c, label=kind) for kind, c in COLOURS.items()],
+        loc="upper left",
+        bbox_to_anchor=(1.0, 1.0),
+        fontsize="small",
+    )
+    fig.savefig(path)
+    return path
+
+
+def plot_utilisation(summary: dict[str, Any], path: Path) -> Path:
+    """Compute, downlink and uplink utilisation per device, busiest compute first."""
+    import numpy as np
+
+    devices = sorted(summary["devices"], key=lambda d: (-d["utilisation"], d["id"]))
+    x = np.arange(len(devices))
+    fig = _figure(max(6.0, min(16.0, 0.3 * len(devices) + 3)), 4.5)
+    ax = fig.subplots()
+    width = 0.27
+    for i, (kind, key) in enumerate(
+        (("compute", "utilisation"), ("downlink", "downlink_utilisation"),
+         ("uplink", "uplink_utilisation"))
+    ):  # fmt: skip
+        values = [100 * d[key] for d in devices]
+        ax.bar(x + (i - 1) * width, values, width, color=COLOURS[kind], label=kind)
+    if len(devices) <= MAX_NAMED_TICKS:
+        ax.set_xticks(x, [d["name"] for d in devices], rotation=90, fontsize="small")
+        ax.set_xlabel("device")
+    else:
+        ax.set_xlabel("devices, by compute utilisation (rank)")
+    ax.set_ylabel("utilisation (% of the run)")
+    ax.set_ylim(0, 100)
+    ax.set_title(
+        f"Device utilisation over {summary['totals']['span_s']:.3g} s of virtual time "
+        f"(mean compute {100 * summary['totals']['mean_utilisation']:.1f}%)"
+    )
+    ax.legend(fontsize="small")
+    fig.savefig(path)
+    return path
+
+
+def plot_thermal(run: Run, summary: dict[str, Any], path: Path) -> Path | None:
+    """Temperature and frequency over time of the devices with a thermal model; None (and
+    no file) when no device has one."""
+    samples = run.thermal
+    if not samples:
+        return None
+    shown, note = _busiest(
+        {"devices": [d for d in summary["devices"] if d["id"] in samples]}, MAX_THERMAL_DEVICES
+    )
+    fig = _figure(11, 6)
+    temp_ax, freq_ax = fig.subplots(2, 1, sharex=True)
+    for d in shown:
+        for ax, index in ((temp_ax, 2), (freq_ax, 1)):
+            held = [(p[0], p[index]) for p in samples[d["id"]] if p[index] is not None]
+            if held:  # each value holds until the next, the last one to the run's end
+                ts, values = zip(*held, strict=True)
+                ax.step([*ts, run.span_s], [*values, values[-1]], where="post", label=d["name"])
+    temp_ax.set_ylabel("temperature (°C)")
+    freq_ax.set_ylabel("frequency (MHz)")
+    freq_ax.set_xlabel("virtual time (s)")
+    freq_ax.set_xlim(0, run.span_s or 1.0)
+    temp_ax.set_title(f"Thermal state of the devices with a thermal model{note}")
+    if len(shown) <= MAX_LEGEND_DEVICES:
+        temp_ax.legend(fontsize="small")
+    fig.savefig(path)
+    return path
+
+
+def plot_steps(summary: dict[str, Any], path: Path) -> Path:
+    """Emulated time per step, stacked: coordinator, GEMMs, and any time neither covers.
+    Bars up to ``MAX_STEP_BARS`` steps, stacked areas beyond (as many bars take minutes)."""
+    steps = _steps(summary)
+    jobs = len(summary["jobs"])
+    labels = [str(s["step"]) if jobs == 1 else f"{s['job']}:{s['step']}" for s in steps]
+    coord = [s["coordinator_s"] for s in steps]
+    gemm = [s["gemm_s"] for s in steps]
+    other = [s["critical_path"]["breakdown"]["unattributed_s"] for s in steps]
+    fig = _figure(max(6.0, min(16.0, 0.25 * len(steps) + 3)), 4.5)
+    ax = fig.subplots()
+    # one job: its step numbers; several: the steps in order, labelled job:step when few
+    x = [s["step"] for s in steps] if jobs == 1 else list(range(len(steps)))
+    # Rounding leaves ~1e-16 s; only a real gap (an incomplete step) is worth a legend entry.
+    longest = max((s["emulated_s"] for s in steps), default=0.0)
+    parts = [(coord, "tab:gray", "coordinator (host)"), (gemm, "tab:blue", "GEMMs on the fleet")]
+    if any(o > 1e-9 * longest for o in other):
+        parts.append((other, "tab:red", "neither (unlogged)"))
+    if len(steps) <= MAX_STEP_BARS:
+        bottom = [0.0] * len(steps)
+        for values, colour, label in parts:
+            ax.bar(x, values, bottom=bottom, color=colour, label=label)
+            bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    else:
+        ax.stackplot(x, *(values for values, _, _ in parts), colors=[c for _, c, _ in parts],
+                     labels=[label for _, _, label in parts], step="mid")  # fmt: skip
+    if len(steps) <= MAX_NAMED_TICKS:
+        ax.set_xticks(x, labels)
+    ax.set_xlabel("step" if jobs == 1 else "job:step")
+    ax.set_ylabel("emulated time (s)")
+    ax.set_title("Emulated time per training step")
+    ax.legend(fontsize="small")
+    fig.savefig(path)
+    return path
+
+
+def write_plots(run: Run, summary: dict[str, Any], out_dir: Path) -> list[Path]:
+    """Every plot that applies to this run, as PNGs in ``out_dir``; their paths."""
+    paths = [
+        plot_timeline(run, summary, out_dir / PLOT_FILES["timeline"]),
+        plot_utilisation(summary, out_dir / PLOT_FILES["utilisation"]),
+        plot_thermal(run, summary, out_dir / PLOT_FILES["thermal"]),
+        plot_steps(summary, out_dir / PLOT_FILES["steps"]),
+    ]
+    return [p for p in paths if p is not None]

@@ -1,0 +1,145 @@
+"""A run as a Chrome trace (the JSON Perfetto and chrome://tracing open).
+
+One process per job (tracks: steps, GEMMs, coordinator) listed first, then one per
+device (tracks: downlink, compute, uplink; counters for temperature and frequency;
+OOMs as instant events), then the shared bottleneck when the run had one. Complete
+("X") events carry ts and dur in microseconds of virtual time. The trace covers the
+steps the run was loaded for (``Run.window``: by default each job's first 50): their
+tiles, GEMMs and coordinator spans where the log has them, and the OOMs and thermal
+states of their time. Events are generated one at a time and streamed to the file.
+From a ``steps`` log there are no tiles, GEMMs or coordinator spans: the header says so.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from .analysis import Run, StepFigures, steps_text
+
+US_PER_S = 1e6
+DOWNLINK, COMPUTE, UPLINK = 1, 2, 3
+STEPS, GEMMS, COORDINATOR = 1, 2, 3
+JOB_THREADS = {STEPS: "steps", GEMMS: "GEMMs", COORDINATOR: "coordinator"}
+DEVICE_THREADS = {DOWNLINK: "downlink", COMPUTE: "compute", UPLINK: "uplink"}
+NIC_THREADS = {DOWNLINK: "downlink", UPLINK: "uplink"}
+
+
+def _x(name: str, cat: str, pid: int, tid: int, t0: float, t1: float, **args: Any) -> dict:
+    return {"name": name, "cat": cat, "ph": "X", "pid": pid, "tid": tid,
+            "ts": t0 * US_PER_S, "dur": (t1 - t0) * US_PER_S, "args": args}  # fmt: skip
+
+
+def _process(pid: int, name: str, order: int, threads: dict[int, str]) -> Iterator[dict]:
+    """Metadata naming a process and its threads, and its place in the list."""
+    yield {"name": "process_name", "ph": "M", "pid": pid, "args": {"name": name}}
+    yield {"name": "process_sort_index", "ph": "M", "pid": pid, "args": {"sort_index": order}}
+    for tid, thread in threads.items():
+        yield {"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": thread}}
+
+
+def _pids(run: Run) -> tuple[dict[int, int], dict[int, int], int]:
+    """(job id -> pid, device id -> pid, bottleneck pid): jobs first, in log order."""
+    jobs = {j.id: i for i, j in enumerate(run.jobs, 1)}
+    devices = {d.id: i for i, d in enumerate(run.fleet, len(jobs) + 1)}
+    return jobs, devices, len(jobs) + len(devices) + 1
+
+
+def trace_events(run: Run) -> Iterator[dict[str, Any]]:
+    """Every trace event of the run, metadata first."""
+    job_pid, device_pid, nic_pid = _pids(run)
+    for job in run.jobs:
+        pid = job_pid[job.id]
+        yield from _process(pid, f"job {job.id}: {job.name}", pid, JOB_THREADS)
+    for d in run.fleet:
+        pid = device_pid[d.id]
+        yield from _process(pid, f"device {d.id}: {d.name} ({d.profile})", pid, DEVICE_THREADS)
+    if run.bottleneck is not None:
+        yield from _process(nic_pid, "shared bottleneck", nic_pid, NIC_THREADS)
+
+    steps = _steps(run)
+    for s in steps:
+        yield _x(f"step {s.step}", "step", job_pid[s.job], STEPS, s.t0, s.t1,
+                 gemms=s.gemms, local_gemms=s.local_gemms)  # fmt: skip
+    for g in run.gemms:
+        yield _x(f"gemm {g.gemm} ({g.m}×{g.n}×{g.k}, batch {g.batch})", "gemm",
+                 job_pid[g.job], GEMMS, g.issue, g.end, step=g.step, tiles=g.tiles,
+                 last_tile=g.last_tile, last_device=g.last_device)  # fmt: skip
+    for c in run.coords:
+        yield _x("coordinator", "coordinator", job_pid[c.job], COORDINATOR, c.t0, c.t1,
+                 step=c.step)  # fmt: skip
+
+    for t in run.tiles:
+        pid, name = device_pid[t.device], f"gemm {t.gemm} tile {t.tile}"
+        ids = {"job": t.job, "step": t.step, "gemm": t.gemm, "tile": t.tile}
+        stages = (
+            ("download", pid, DOWNLINK, t.down, {"bytes": t.bytes_down}),
+            ("compute", pid, COMPUTE, t.compute, {"freq_mhz": t.freq_mhz, "temp_c": t.temp_c}),
+            ("upload", pid, UPLINK, t.up, {"bytes": t.bytes_up}),
+            ("download", nic_pid, DOWNLINK, t.nic_down, {"device": t.device}),
+            ("upload", nic_pid, UPLINK, t.nic_up, {"device": t.device}),
+        )
+        for cat, where, tid, span, args in stages:
+            # A download of [t, t] moved nothing (the operands were resident): no event.
+            if span is not None and (cat != "download" or span[1] > span[0]):
+                yield _x(name, cat, where, tid, *span, **args, **ids)
+
+    if not steps:
+        return
+    start, end = min(s.t0 for s in steps), max(s.t1 for s in steps)
+    for o in run.ooms:
+        if not start <= o.t <= end:
+            continue
+        args = {"job": o.job, "step": o.step, "gemm": o.gemm, "tile": o.tile,
+                "need_bytes": o.need_bytes, "capacity_bytes": o.capacity_bytes}  # fmt: skip
+        yield {"name": "OOM", "cat": "oom", "ph": "i", "s": "t", "pid": device_pid[o.device],
+               "tid": COMPUTE, "ts": o.t * US_PER_S, "args": args}  # fmt: skip
+    for device, samples in run.thermal.items():
+        for t, mhz, temp in samples:
+            if not start <= t <= end:
+                continue
+            if temp is not None:
+                yield {"name": "temperature (°C)", "ph": "C", "pid": device_pid[device],
+                       "ts": t * US_PER_S, "args": {"temp_c": temp}}  # fmt: skip
+            if mhz is not None:
+                yield {"name": "frequency (MHz)", "ph": "C", "pid": device_pid[device],
+                       "ts": t * US_PER_S, "args": {"freq_mhz": mhz}}  # fmt: skip
+
+
+def _steps(run: Run) -> list[StepFigures]:
+    """The steps the trace covers."""
+    return [s for s in run.steps if s.step in run.window]
+
+
+def _header(run: Run) -> dict[str, Any]:
+    return {
+        "displayTimeUnit": "ms",
+        "otherData": {
+            "run": str(run.path),
+            "clock": "virtual seconds from the run's start, as µs",
+            "policy": run.policy,
+            "command": " ".join(run.command),
+            "event_log": run.level
+            if run.logged is not None
+            else f"{run.level}: no tiles, GEMMs or coordinator spans (--events full has them)",
+            "steps": f"{steps_text(run.window)} of each job, tile by tile where the log has "
+            f"them ({steps_text(run.logged)}); morphling report --detail-steps A:B|all "
+            "for others",
+        },
+    }
+
+
+def chrome_trace(run: Run) -> dict[str, Any]:
+    """The whole trace as one object (small runs, tests); ``write_trace`` streams it."""
+    return {**_header(run), "traceEvents": list(trace_events(run))}
+
+
+def write_trace(run: Run, path: Path) -> None:
+    """Write the trace JSON to ``path`` one event at a time."""
+    with path.open("w", encoding="utf-8") as f:
+        f.write(json.dumps(_header(run))[:-1] + ', "traceEvents": [\n')
+        for i, event in enumerate(trace_events(run)):
+            f.write((",\n" if i else "") + json.dumps(event, ensure_ascii=False))
+        f.write("\n]}\n")

@@ -1,0 +1,520 @@
+"""The virtual clock of a fleet: where every tile of every job would be, and when.
+
+A job issues GEMM g at job time t (the end of the GEMM it last waited on,
+plus the coordinator time the script spent since). At t every tile is placed
+on a device (``placement``) and charged to its emulated memory; it waits for
+and crosses the device's downlink (only the bytes not already resident),
+waits for and runs on its compute queue (the device's model at its thermal
+state), and crosses the uplink. The GEMM ends when its last tile is back,
+an event in virtual time, and the job's clock moves there.
+
+The real work follows the virtual placement: ``submit`` hands each placed
+tile to the caller, which sends it to that device's connection. Numerics
+never depend on time, so the virtual timeline may run ahead of the real
+tiles or behind them.
+
+Several jobs share one fleet in virtual time: the clock only runs events
+due before every open job's horizon — the time of its last settled event
+while it computes between GEMMs, unbounded while it waits on one — so a job
+that issues its next GEMM late in wall time still lands in the right place.
+A job enters virtual time with its first GEMM, at the clock's time then
+(setting a script up is not emulated), and holds nobody back before it. A
+job that stays open and idle later would hold the others back for ever, so
+the emulator calls ``release_idle`` when the clock has been held for a
+while: the idle jobs stop counting until they issue again, and what they
+issue then starts no earlier than the clock (a warning says so).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from morphling.devices.models.compute import GemmShape
+from morphling.devices.models.profiles import DeviceProfile
+from morphling.proxy.emulator.partition import Block, GemmTask, TileTask
+
+from .engine import Clock, Fifo, Span
+from .eventlog import COMPONENTS, EventLog, critical_breakdown
+from .memory import Admission
+from .placement import Placement
+from .vdevice import VirtualDevice, Work
+
+log = logging.getLogger(__name__)
+
+ENDS_KEPT = 4096  # GEMM end times a job remembers for GEMMs issued "after" them
+WORKS_KEPT = 4096  # distinct tile ``Work``s kept for reuse (a run has few)
+
+
+@dataclass(frozen=True)
+class Bottleneck:
+    """A FIFO every transfer also crosses: the access point, or the emulator's NIC."""
+
+    dl_bw: float
+    ul_bw: float
+
+    def __post_init__(self) -> None:
+        for name in ("dl_bw", "ul_bw"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ValueError(f"bottleneck {name}={value!r}: must be > 0 bytes/s")
+
+
+@dataclass(slots=True)
+class DeviceTotals:
+    """What one device did for one step of a job whose log keeps totals (the ``steps``
+    level, ``auto`` after its first steps): its tiles' totals, and its state at its last
+    tile's compute start (the thermal report's sample)."""
+
+    tiles: int = 0
+    bytes_down: int = 0
+    bytes_up: int = 0
+    down_s: float = 0.0
+    compute_s: float = 0.0
+    up_s: float = 0.0
+    last_in: int = 0  # the step's GEMMs whose last tile back was its
+    t: float = 0.0
+    freq_mhz: float | None = None
+    temp_c: float | None = None
+
+    def add(self, work: Work, down: Span, compute: Span, up: Span, freq: float | None,
+            temp: float | None) -> None:  # fmt: skip
+        self.tiles += 1
+        self.bytes_down += work.bytes_down
+        self.bytes_up += work.bytes_up
+        self.down_s += down[1] - down[0]
+        self.compute_s += compute[1] - compute[0]
+        self.up_s += up[1] - up[0]
+        if compute[0] >= self.t:
+            self.t, self.freq_mhz, self.temp_c = compute[0], freq, temp
+
+
+@dataclass
+class StepTimes:
+    """A closed step of one job, in virtual seconds."""
+
+    step: int
+    t0: float
+    t1: float
+    coord_s: float
+    gemms: int
+    tiles: int
+    link_down: int  # bytes the fleet's links would carry
+    link_up: int
+    oom: int
+    gemm_s: float = 0.0  # its GEMMs' issue to end, summed
+    # its GEMMs' critical paths (``eventlog.critical_breakdown``), summed
+    critical: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COMPONENTS, 0.0))
+    # its devices' totals, when the log keeps them instead of its tiles (``EventLog.detail``)
+    totals: bool = False
+    devices: dict[int, DeviceTotals] = field(default_factory=dict)
+
+    @property
+    def emulated_s(self) -> float:
+        return self.t1 - self.t0
+
+
+@dataclass(eq=False)
+class _Job:
+    id: int
+    name: str
+    clock: float  # the time of its last settled event
+    waiting: int = 0  # GEMMs and step marks submitted and not yet settled
+    # GEMMs not yet ended, by submission number (a GEMM id may come again once its RESULT
+    # is out, before its GEMM ended in virtual time), each with what waits for its end
+    inflight: dict[int, list[Callable[[float], None]]] = field(default_factory=dict)
+    barrier: list[Callable[[float], None]] = field(default_factory=list)  # after all of them
+    submitted: int = 0  # submission numbers given
+    latest: dict[int, int] = field(default_factory=dict)  # GEMM id → its last, in flight
+    # GEMM id → (submission number, end) of the last GEMM of that id to end
+    ends: dict[int, tuple[int, float]] = field(default_factory=dict)
+    step: StepTimes | None = None  # the step under way
+    steps: int = 0  # steps closed
+    step_end: float = 0.0  # when the last one closed
+    released: bool = True  # not started, or idle too long: holds the clock back no more
+    started: bool = False
+
+
+class _Back(NamedTuple):
+    """The tile of a GEMM that comes back last, and when: the GEMM's end."""
+
+    gemm: _Gemm
+    time: float
+    tile: int  # its number in this timeline: ids of its own, the same on every run
+    device: int
+    stages: tuple[Span, Span, Span]  # its down, compute and up
+
+
+@dataclass(eq=False)
+class _Gemm:
+    job: _Job
+    task: GemmTask
+    tiles: list[TileTask]
+    issue: float
+    step: int
+    place: Callable[[list[tuple[TileTask, int, Admission]]], None]
+    done: Callable[[float, float], None]
+    seq: int  # its submission number in its job
+
+
+class Timeline:
+    """A fleet's virtual clock; see the module docstring."""
+
+    def __init__(
+        self, policy: str, *, log: EventLog | None = None, bottleneck: Bottleneck | None = None
+    ) -> None:
+        self.clock = Clock()
+        self.placement = Placement(policy)
+        self.log = log or EventLog()
+        self.bottleneck = bottleneck
+        self.nic_down, self.nic_up = Fifo(), Fifo()
+        self.devices: dict[int, VirtualDevice] = {}
+        self.jobs: dict[int, _Job] = {}  # open ones
+        self._names: dict[int, str] = {}  # every job ever opened
+        self._stalled: list[_Gemm] = []  # issued while no device was there
+        self._tiles = 0  # tiles placed so far: their numbers in the log
+        self._works: dict[tuple[Any, ...], Work] = {}  # see ``_work``
+
+    # -- fleet and jobs ----------------------------------------------------------------
+
+    def add_device(self, device_id: int, name: str, profile: DeviceProfile) -> VirtualDevice:
+        device = self.devices[device_id] = VirtualDevice(device_id, name, profile)
+        self.placement.add(device)
+        stalled, self._stalled = self._stalled, []
+        for gemm in stalled:
+            self._issue(gemm)
+        self._advance()
+        return device
+
+    @property
+    def stalled(self) -> int:
+        """GEMMs issued while no device was there, waiting for one."""
+        return len(self._stalled)
+
+    def remove_device(self, device_id: int) -> None:
+        """No more tiles go to it; those it already has finish in virtual time."""
+        self.placement.remove(device_id)
+
+    def open_job(self, job_id: int, name: str) -> None:
+        self.jobs[job_id] = _Job(job_id, name, clock=self.clock.now)
+        self._names[job_id] = name
+        self._advance()
+
+    def job_names(self) -> list[dict[str, object]]:
+        return [{"id": job_id, "name": name} for job_id, name in self._names.items()]
+
+    def close_job(self, job_id: int) -> None:
+        self.jobs.pop(job_id, None)
+        self._stalled = [gemm for gemm in self._stalled if gemm.job.id != job_id]  # its memory
+        self._advance()
+
+    # -- what jobs do ------------------------------------------------------------------
+
+    def submit(
+        self,
+        job_id: int,
+        task: GemmTask,
+        tiles: list[TileTask],
+        *,
+        after: int,
+        host_s: float,
+        place: Callable[[list[tuple[TileTask, int, Admission]]], None],
+        done: Callable[[float, float], None],
+    ) -> None:
+        """Issue ``task`` ``host_s`` after GEMM ``after`` ended (0: after the job's last
+        settled event). ``place`` gets the tiles with their devices once they are
+        placed; ``done(issue, end)`` is called when the GEMM ends in virtual time."""
+        job = self._active(job_id)
+        job.waiting += 1
+        waits = job.inflight.get(job.latest.get(after, 0))  # ``after`` as it was until now
+        job.submitted += 1
+        seq = job.latest[task.id] = job.submitted
+        job.inflight[seq] = []
+
+        def issue(base: float) -> None:
+            at = max(base + host_s, self.clock.now)  # later only for a released job
+            times = self._step_of(job, at)
+            self._coordinator(job, times, base, at)
+            gemm = _Gemm(job, task, tiles, at, times.step, place, done, seq)
+            self.clock.at(at, self._issue, gemm, job=job.id, tile=task.id)
+
+        if waits is not None:
+            waits.append(issue)
+        else:
+            issue(job.ends[after][1] if after in job.ends else job.clock)
+        self._advance()
+
+    def mark_step(self, job_id: int, step: int, *, host_s: float, local_gemms: int = 0,
+                  done: Callable[[StepTimes], None]) -> None:  # fmt: skip
+        """The job's step ``step`` ended ``host_s`` after its GEMMs in flight all ended;
+        ``done`` gets its times."""
+        job = self._active(job_id)
+        job.waiting += 1
+
+        def close(base: float) -> None:
+            at = base + host_s
+            times = self._step_of(job, at)
+            self._coordinator(job, times, base, at)
+            times.t1, times.step = at, step
+            job.steps += 1
+            job.step, job.step_end = None, at
+            job.clock = max(job.clock, at)
+            job.waiting -= 1
+            self._log_step(job, times, local_gemms)
+            done(times)
+
+        if job.inflight:
+            job.barrier.append(close)
+        else:
+            close(job.clock)
+        self._advance()
+
+    def _log_step(self, job: _Job, times: StepTimes, local_gemms: int) -> None:
+        """A closed step's record: its times and totals (all a ``steps`` log has of its
+        GEMMs), and its devices' totals when the log keeps them instead of its tiles."""
+        self.log.write({"ev": "step", "job": job.id, "step": times.step, "t0": times.t0,
+                        "t1": times.t1, "gemms": times.gemms, "local_gemms": local_gemms,
+                        "tiles": times.tiles, "coord_s": times.coord_s, "oom": times.oom,
+                        "gemm_s": times.gemm_s, "bytes_down": times.link_down,
+                        "bytes_up": times.link_up, **times.critical})  # fmt: skip
+        for device, totals in sorted(times.devices.items()):
+            self.log.write({"ev": "device_step", "job": job.id, "step": times.step,
+                            "device": device, "tiles": totals.tiles,
+                            "bytes_down": totals.bytes_down, "bytes_up": totals.bytes_up,
+                            "down_s": totals.down_s, "compute_s": totals.compute_s,
+                            "up_s": totals.up_s, "last_in": totals.last_in, "t": totals.t,
+                            "freq_mhz": totals.freq_mhz, "temp_c": totals.temp_c})  # fmt: skip
+
+    # -- the clock ---------------------------------------------------------------------
+
+    def _horizon(self) -> float:
+        """Events before this time are settled: no open job can issue anything earlier.
+        (Asked before every event: a loop, as ``min`` over a generator costs six times more.)"""
+        horizon = math.inf
+        for job in self.jobs.values():
+            if not job.waiting and not job.released and job.clock < horizon:
+                horizon = job.clock
+        return horizon
+
+    def blocked(self) -> bool:
+        """Events are due that an open job computing on the host holds back."""
+        return self.clock.next_time() < math.inf and self.clock.next_time() >= self._horizon()
+
+    def release_idle(self) -> list[int]:
+        """Stop waiting for the jobs that hold the clock back; their ids."""
+        horizon = self._horizon()
+        idle = [j for j in self.jobs.values() if not j.waiting and j.clock <= horizon]
+        for job in idle:
+            job.released = True
+            log.warning("job %d (%s) has issued nothing since virtual time %.6f s: virtual "
+                        "time goes on without it, and its next GEMM starts no earlier than "
+                        "the clock", job.id, job.name, job.clock)  # fmt: skip
+        self._advance()
+        return [j.id for j in idle]
+
+    def _active(self, job_id: int) -> _Job:
+        job = self.jobs[job_id]
+        if job.released:
+            job.released = False
+            job.clock = max(job.clock, self.clock.now)
+            if not job.started:
+                job.started = True
+                job.step_end = job.clock
+        return job
+
+    def _advance(self) -> None:
+        self.clock.run(self._horizon)
+
+    def _step_of(self, job: _Job, at: float) -> StepTimes:
+        """The step under way; a new one starts where the last closed (the first at its
+        first event: setting up the script is not a training step)."""
+        if job.step is None:
+            t0 = job.step_end if job.steps else at
+            step = job.steps + 1
+            totals = self.log.steps and not self.log.detail(step)
+            job.step = StepTimes(step, t0, t0, 0.0, 0, 0, 0, 0, 0, totals=totals)
+        return job.step
+
+    def _coordinator(self, job: _Job, times: StepTimes, base: float, at: float) -> None:
+        """The script computed on the host from ``base`` to ``at``: coordinator time."""
+        start = max(base, times.t0)
+        if at > start:
+            times.coord_s += at - start
+            self.log.coord(job.id, times.step, start, at)
+
+    def _issue(self, gemm: _Gemm) -> None:
+        """Place every tile at the issue time and run it through its device's FIFOs.
+
+        A device's compute queue is fed only by its own downlink, and its uplink only
+        by its compute, each first come first served: so, placing tiles in issue-time
+        order, each tile's whole passage is known when it is placed. Only the GEMM's
+        end is an event of its own.
+        """
+        if self.jobs.get(gemm.job.id) is not gemm.job:  # its job left before its issue
+            return
+        if not gemm.tiles:
+            self._finish(gemm, None)
+            return
+        if not self.placement.devices:
+            self._stalled.append(gemm)
+            return
+        now = self.clock.now
+        times = self._step_of(gemm.job, now)
+        times.gemms += 1
+        placement, task = self.placement, gemm.task
+        head = self.log.tile_head(gemm.job.id, task.id, gemm.step)
+        placed = []
+        end: float | None = None  # of the tile back last (``_Back``)
+        end_tile = end_device = 0
+        end_stages: tuple[Span, Span, Span] | None = None
+        link_down = link_up = 0
+        for tile in gemm.tiles:
+            a, b = tile.operands()
+            work = self._work(task, tile, a, b)
+            index = placement.choose(now, work)
+            device = placement.devices[index]
+            self._tiles += 1
+            admission, work = self._admit(gemm, times, device, a, b, work)
+            stages = self._run(now, device, head, work, times)
+            placement.placed(index)
+            link_down += work.bytes_down
+            link_up += work.bytes_up
+            back = stages[2][1]
+            if end is None or back > end:
+                end, end_tile, end_device, end_stages = back, self._tiles, device.id, stages
+            placed.append((tile, device.id, admission))
+        assert end is not None and end_stages is not None  # there was a tile
+        times.tiles += len(placed)
+        times.link_down += link_down
+        times.link_up += link_up
+        self.clock.at(end, self._returned, _Back(gemm, end, end_tile, end_device, end_stages),
+                      job=gemm.job.id, tile=end_tile)  # fmt: skip
+        gemm.place(placed)  # last: should it raise, the GEMM still ends in virtual time
+
+    def _work(self, task: GemmTask, tile: TileTask, a: Block, b: Block) -> Work:
+        """What ``tile`` asks of a device. Tiles that agree on everything it depends on
+        share one, across GEMMs (``_works``): a run repeats few shapes, building a
+        ``GemmShape`` checks every field, and a device's model keeps its last one."""
+        g = task.request
+        rows, cols = tile.shape
+        key = (rows, cols, a.sent_ld, b.sent_ld, a.nbytes + b.nbytes, g.k, g.ta, g.tb, g.dtype)
+        work = self._works.get(key)
+        if work is None:
+            if len(self._works) >= WORKS_KEPT:
+                self._works.clear()
+            # k = 0 (C is zeros) is costed as k = 1: the models start at one product
+            shape = GemmShape(rows, cols, max(g.k, 1), g.ta, g.tb, key[2], key[3], g.dtype)
+            work = self._works[key] = Work(key[4], rows * cols * task.out.itemsize, shape)
+        return work
+
+    def _admit(self, gemm: _Gemm, times: StepTimes, device: VirtualDevice, a: Block, b: Block,
+               work: Work) -> tuple[Admission, Work]:  # fmt: skip
+        """Charge the tile to the device's emulated memory: the admission, and the work
+        without the weight blocks it already holds. One that cannot fit is an OOM."""
+        memory = device.memory
+        if a.offset is None and b.offset is None:  # no weight blocks: all of it is transient
+            # and if it fits beside what is resident, ``admit`` would change nothing
+            if memory.used + work.bytes_down + work.bytes_up <= memory.capacity:
+                return Admission(fits=True), work
+            weights = []
+        else:
+            weights = [blk for blk in (a, b) if blk.offset is not None]
+        transient = work.bytes_up + sum(blk.nbytes for blk in (a, b) if blk.offset is None)
+        admission = memory.admit([(blk.key, blk.version, blk.nbytes) for blk in weights], transient)
+        if not admission.fits:
+            job, task = gemm.job, gemm.task
+            times.oom += 1
+            task.oom += 1
+            log.warning("emulated OOM: device %d (%s, %d bytes) cannot hold tile %d of GEMM %d",
+                        device.id, device.name, memory.capacity, self._tiles,
+                        task.id)  # fmt: skip
+            self.log.write({"ev": "oom", "job": job.id, "gemm": task.id, "step": gemm.step,
+                            "tile": self._tiles, "device": device.id, "t": self.clock.now,
+                            "need_bytes": transient + sum(blk.nbytes for blk in weights),
+                            "capacity_bytes": memory.capacity})  # fmt: skip
+        resident = sum(blk.nbytes for blk in weights if blk.key in admission.held)
+        if resident:
+            work = Work(work.bytes_down - resident, work.bytes_up, work.shape)
+        return admission, work
+
+    def _run(self, now: float, device: VirtualDevice, head: str, work: Work,
+             times: StepTimes) -> tuple[Span, Span, Span]:  # fmt: skip
+        """The tile's passage, logged (``head``: ``EventLog.tile_head``; when the log keeps
+        its step's totals, added to its device's in ``times``): down the link (and the shared
+        FIFO), compute, up."""
+        bottleneck, thermal = self.bottleneck, device.thermal
+        if not work.bytes_down:
+            down = (now, now)
+        elif bottleneck is None:
+            down = device.down.serve(now, device.profile.download_s(work.bytes_down))
+        else:
+            down = self._shared(now, device.down, device.profile.download_s(work.bytes_down),
+                                self.nic_down, work.bytes_down, bottleneck.dl_bw,
+                                device.profile.dl_lat_s)  # fmt: skip
+        changes = len(thermal.changes) if thermal is not None else 0
+        compute, freq, temp = device.compute_after(down[1], work.shape)
+        if thermal is not None and len(thermal.changes) > changes:
+            for t, mhz, temp_c in thermal.changes[changes:]:
+                self.log.write({"ev": "freq", "device": device.id, "t": t, "freq_mhz": mhz,
+                                "temp_c": temp_c})  # fmt: skip
+        if bottleneck is None:
+            up = device.up.serve(compute[1], device.profile.upload_s(work.bytes_up))
+        else:
+            up = self._shared(compute[1], device.up, device.profile.upload_s(work.bytes_up),
+                              self.nic_up, work.bytes_up, bottleneck.ul_bw,
+                              device.profile.ul_lat_s)  # fmt: skip
+        device.returns_at(up[1])
+        self.log.tile(head, self._tiles, device.id, work, down, compute, up, freq, temp)
+        if times.totals:
+            totals = times.devices.get(device.id)
+            if totals is None:
+                totals = times.devices[device.id] = DeviceTotals()
+            totals.add(work, down, compute, up, freq, temp)
+        return down, compute, up
+
+    @staticmethod
+    def _shared(arrival: float, link: Fifo, seconds: float, nic: Fifo, nbytes: int,
+                nic_bw: float, latency: float) -> Span:  # fmt: skip
+        """A transfer on ``link`` that also crosses the shared FIFO ``nic``: it cannot end
+        before the shared FIFO has passed its last byte."""
+        shared = nic.serve(arrival, nbytes / nic_bw)
+        start, end = link.serve(shared[0], seconds)
+        link.free_at = end = max(end, shared[1] + latency)
+        return start, end
+
+    def _returned(self, last: _Back) -> None:
+        self._finish(last.gemm, last)
+
+    def _finish(self, gemm: _Gemm, last: _Back | None) -> None:
+        """The GEMM's last tile is back (``last``; None for an empty GEMM)."""
+        now, job, task = self.clock.now, gemm.job, gemm.task
+        g = task.request
+        self.log.gemm(job.id, task.id, gemm.step, gemm.issue, now, len(gemm.tiles),
+                      None if last is None else (last.tile, last.device),
+                      (g.m, g.n, g.k, g.batch))  # fmt: skip
+        times = job.step  # its step: a step closes only once its GEMMs have ended
+        if times is not None:
+            times.gemm_s += now - gemm.issue
+            if last is not None:  # as the report sums a full log's, GEMM by GEMM
+                for part, seconds in critical_breakdown(gemm.issue, *last.stages).items():
+                    times.critical[part] += seconds
+                if last.device in times.devices:
+                    times.devices[last.device].last_in += 1
+        job.clock = max(job.clock, now)
+        job.waiting -= 1
+        if job.latest.get(task.id) == gemm.seq:
+            del job.latest[task.id]
+        if job.ends.get(task.id, (0, 0.0))[0] < gemm.seq:  # not an earlier GEMM of its id
+            job.ends[task.id] = (gemm.seq, now)
+            if len(job.ends) > ENDS_KEPT:
+                del job.ends[next(iter(job.ends))]
+        gemm.done(gemm.issue, now)
+        for action in job.inflight.pop(gemm.seq):
+            action(now)
+        if not job.inflight:
+            barrier, job.barrier = job.barrier, []
+            for action in barrier:
+                action(job.clock)
