@@ -22,22 +22,27 @@ from typing import Any
 
 import numpy as np
 from morphling.kernels import BufferPool, GemmResult, WorkerPool, plan_explicit, run_plan
-from morphling.proxy.net.protocol import FrameConnection, pool_allocator
+from morphling.proxy.net.peer import PeerProtocol
+from morphling.proxy.net.protocol import pool_allocator
 from morphling.proxy.shm import handover as local
 from morphling.proxy.shm.arena import OperandArena
+from morphling.proxy.shm.attach import attach
 from morphling.proxy.shm.weights import SharedWeights
-from morphling.proxy.wire import challenge
-from morphling.proxy.wire.auth import hello
+from morphling.proxy.wire import challenge, handshake
+from morphling.proxy.wire.connection import Connection
 from morphling.proxy.wire.messages import (
     REFUSALS,
+    Greeting,
+    Hello,
     Message,
-    MsgType,
     ProbeFlops,
     ProbeFlopsResult,
+    ProbeVerdict,
     Tile,
     TileResult,
+    Welcome,
 )
-from morphling.proxy.wire.states import Conversation
+from morphling.proxy.wire.states import Party
 
 from .models.profiles import DeviceProfile
 
@@ -46,6 +51,7 @@ log = logging.getLogger(__name__)
 # Tiles this small are computed on the event loop: handing them to a worker thread
 # and back costs ~100 µs, twenty times their compute.
 INLINE_FLOPS = 1 << 20
+NO_BYTES = memoryview(b"")
 
 
 @dataclass(frozen=True)
@@ -56,11 +62,11 @@ class Tls:
     server_name: str  # what the certificate must name
 
 
-class DeviceConnection(FrameConnection):
+class DeviceConnection(PeerProtocol):
     """One connection of a device agent."""
 
     def __init__(self, agent: DeviceAgent) -> None:
-        super().__init__(Conversation("peer", "device"), allocate=agent.allocate)
+        super().__init__(Connection(Party.PEER, "device", allocate=agent.allocate))
         self.agent = agent
         self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.weights: SharedWeights | None = None  # the emulator's, when on this host
@@ -72,54 +78,43 @@ class DeviceConnection(FrameConnection):
         if not self.closed.done():
             self.closed.set_result(None)
 
-    def message_received(self, msg: Message) -> None:
+    def greeted(self, greeting: Greeting) -> Hello:
         agent = self.agent
-        t = msg.TYPE
-        if t == MsgType.TILE:
+        if handshake.token_missing(greeting, agent.token):
+            log.error("%s: the emulator requires a token (--token)", agent.name)
+        share = agent.share_memory
+        got = attach(greeting, weights=share, arena=share, in_process=share)
+        self.weights, self.arena, self.emulator_token = got.weights, got.arena, got.process
+        caps = {"virtual": agent.virtual, **got.caps}
+        profile = agent.profile.to_wire()
+        fields = {"name": agent.name, "uuid": agent.uuid, "profile": profile, "caps": caps}
+        return handshake.hello(greeting, agent.token, "device", **fields)
+
+    def welcomed(self, welcome: Welcome) -> None:
+        agent = self.agent
+        agent.device_id = welcome.peer_id
+        agent.joined.set()
+        if self.emulator_token:  # only now: a TILE may not overtake WELCOME
+            self.pair_in_process()
+        log.info("%s registered as device %d", agent.name, welcome.peer_id)
+
+    def refused(self, code: str, reason: str) -> None:
+        log.error("%s: emulator says %s: %s", self.agent.name, code, reason)
+        self.agent.last_error = (code, reason)
+
+    def dismissed(self, reason: str) -> None:
+        log.info("%s: emulator said goodbye: %s", self.agent.name, reason)
+        self.agent.dismissed = True
+
+    def received(self, msg: Message) -> None:
+        if isinstance(msg, Tile):
             self._tile(msg)
-        elif t == MsgType.GREETING:
-            if msg.auth and not agent.token:
-                log.error("%s: the emulator requires a token (--token)", agent.name)
-            caps = {"virtual": agent.virtual}
-            if agent.share_memory:
-                if msg.weights:
-                    self.weights = SharedWeights.shared(msg.weights)
-                    if self.weights is not None:
-                        caps["weights"] = str(self.weights.path)
-                if msg.arena:
-                    self.arena = OperandArena.shared(msg.arena)
-                    if self.arena is not None:
-                        caps["arena"] = str(self.arena.path)
-                if local.in_this_process(msg.process):
-                    self.emulator_token = msg.process
-                    caps["process"] = msg.process
-            self.send(hello(
-                msg, agent.token, "device", name=agent.name, uuid=agent.uuid,
-                profile=agent.profile.to_wire(), caps=caps,
-            ))  # fmt: skip
-        elif t == MsgType.WELCOME:
-            agent.device_id = msg.peer_id
-            agent.joined.set()
-            if self.emulator_token:  # only now: a TILE may not overtake WELCOME
-                self.pair_in_process()
-            self.start_heartbeats(msg.heartbeat_s, 3 * msg.heartbeat_s)
-            log.info("%s registered as device %d", agent.name, msg.peer_id)
-        elif self.answer_probe(msg):
-            pass
-        elif t == MsgType.PROBE_FLOPS:
+        elif isinstance(msg, ProbeFlops):
             self._challenge(msg)
-        elif t == MsgType.PROBE_VERDICT:
+        elif isinstance(msg, ProbeVerdict):
             level = logging.INFO if msg.ok else logging.ERROR
-            log.log(level, "%s: FLOPS challenge %s (%.3g GFLOP/s) %s", agent.name,
-                    "passed" if msg.ok else "FAILED", msg.flops / 1e9, msg.reason)  # fmt: skip
-        elif t == MsgType.ERROR:
-            log.error("%s: emulator says %s: %s", agent.name, msg.code, msg.reason)
-            agent.last_error = (msg.code, msg.reason)
-            self.close()
-        elif t == MsgType.BYE:
-            log.info("%s: emulator said goodbye: %s", agent.name, msg.reason)
-            agent.dismissed = True
-            self.close()
+            verdict = f"{'passed' if msg.ok else 'FAILED'} ({msg.flops / 1e9:.3g} GFLOP/s)"
+            log.log(level, "%s: FLOPS challenge %s %s", self.agent.name, verdict, msg.reason)
 
     def _tile(self, msg: Tile) -> None:
         agent = self.agent
@@ -167,8 +162,15 @@ class DeviceConnection(FrameConnection):
 
     def _result(self, msg: Tile, compute_ns: int, model_ns: int, out: Any) -> None:
         in_place = msg.in_place  # C is in the emulator's output already
-        self.send(TileResult(tile=msg.tile, compute_ns=compute_ns, model_ns=model_ns,
-                             in_place=in_place, segments=(b"" if in_place else out,)))  # fmt: skip
+        c = NO_BYTES if in_place else out  # as received: what a paired end is handed too
+        result = TileResult(
+            tile=msg.tile,
+            compute_ns=compute_ns,
+            model_ns=model_ns,
+            in_place=in_place,
+            segments=(c,),
+        )
+        self.send(result)
 
     def _operand(self, msg: Tile, which: str) -> Any:
         """Operand ``which`` ("a" or "b") of a tile: read from the operand arena, its
@@ -216,9 +218,7 @@ class DeviceConnection(FrameConnection):
         self._result(msg, res.compute_ns, model_ns, res.out)
 
     def _challenge(self, msg: ProbeFlops) -> None:
-        if not 1 <= msg.dim <= 4096:
-            self.fail("bad_probe", f"PROBE_FLOPS.dim={msg.dim} outside 1..4096")
-            return
+        challenge.check_dim(msg.dim, "PROBE_FLOPS.dim")
         self.spawn(self._answer_challenge(msg))
 
     async def _answer_challenge(self, msg: ProbeFlops) -> None:

@@ -20,6 +20,15 @@ def format_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+def format_size(nbytes: int) -> str:
+    """The shortest exact binary spelling, as sizes are given on command lines: ``64KiB``,
+    ``4MiB``, ``1000B``."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale}{unit}"
+    return f"{nbytes}B"
+
+
 def elide(rows: Sequence[T]) -> tuple[Sequence[T], int, Sequence[T]]:
     """(first rows, how many are left out, last rows) of a table: a 60,000-step run's
     table is no use on a terminal; every row stays in the JSON."""

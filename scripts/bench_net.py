@@ -653,8 +653,7 @@ def iperf3_gbps(children: Children) -> tuple[float | None, str]:
 
 def bench_bulk(children: Children, port: int, reps: int, bar: Any) -> dict:
     import uvloop
-
-    from morphling.commands.bench import ProbeClient
+    from morphling.devices.bench import ProbeClient
 
     transfers = 3
     bar.set_description("bulk_64mib")

@@ -279,7 +279,7 @@ def job_products(host: str, port: int, pairs: list[tuple[np.ndarray, np.ndarray]
     socket sent and received, and its slab's size after each product. The job uses its
     slab as a job in another process would, unless ``hand_over`` says otherwise."""
     with Client(host, port, name="slab-job", **{"hand_over": False, **kw}) as client:
-        counted = client._sock = CountingSocket(client._sock)
+        counted = client._channel.sock = CountingSocket(client._channel.sock)
         products, slabs = [], []
         for a, b in pairs:
             products.append(client.matmul(a, b))
@@ -465,7 +465,7 @@ async def test_after_a_timed_out_gemm_its_slab_waits_for_its_result(emulator, op
 
     def job() -> dict[str, Any]:
         with Client(host, port, name="patient", hand_over=False) as client:
-            counted = client._sock = CountingSocket(client._sock)
+            counted = client._channel.sock = CountingSocket(client._channel.sock)
             with pytest.raises(TimeoutError):
                 client.matmul(a, b, timeout=0.3)
             busy = client._slab_busy

@@ -33,7 +33,7 @@ from morphling.proxy.emulator.server import Emulator
 from morphling.proxy.emulator.settings import EmulatorConfig
 from morphling.proxy.job.client import AsyncClient, Client, EmulatorError
 from morphling.proxy.wire import challenge, codec
-from morphling.proxy.wire.auth import expected_mac
+from morphling.proxy.wire.handshake import expected_mac
 from morphling.proxy.wire.messages import (
     Bye,
     Error,
@@ -966,13 +966,14 @@ async def test_a_send_cut_short_leaves_the_blocking_client_closed_not_stuck(flee
     def job() -> tuple[EmulatorError | None, float, str]:
         client = Client(f.host, f.port, name="interrupted", share_memory=False)
 
-        wait = client._await_room
+        channel = client._channel
+        wait = channel._await_room
 
         def interrupted() -> None:
-            client._await_room = wait  # once: a second Ctrl-C would stop the test run
+            channel._await_room = wait  # once: a second Ctrl-C would stop the test run
             raise KeyboardInterrupt
 
-        client._await_room = interrupted  # as if Ctrl-C came while the send waited
+        channel._await_room = interrupted  # as if Ctrl-C came while the send waited
         with pytest.raises(KeyboardInterrupt):
             client.matmul(a, a[:1].T, timeout=30)
         start = time.monotonic()

@@ -19,8 +19,9 @@ from morphling.devices.models.profiles import BUILTIN
 from morphling.kernels import BufferPool, CpuBackend, WorkerPool
 from morphling.proxy.emulator.server import Emulator
 from morphling.proxy.job.client import Client
-from morphling.proxy.net import protocol as connection
+from morphling.proxy.net import pairing
 from morphling.proxy.shm import handover as local
+from morphling.proxy.wire import connection
 from morphling.proxy.wire.messages import Gemm, MsgType, Open
 from test_arena import CountingSocket, Served, serve, stop_served
 from test_emulator import RawPeer
@@ -87,7 +88,7 @@ async def test_a_job_in_the_emulators_process_hands_over_its_operands(emulator, 
 
     def job() -> tuple[list[np.ndarray], int, int, Any]:
         with Client(host, port, name="in-process") as client:
-            counted = client._sock = CountingSocket(client._sock)
+            counted = client._channel.sock = CountingSocket(client._channel.sock)
             products = [client.matmul(a, b) for a, b in pairs]
             return products, counted.sent, counted.received, client._slab
 
@@ -202,7 +203,7 @@ async def test_paired_ends_hand_tiles_and_results_over_on_the_loop(emulator, wor
             break
         await asyncio.sleep(0.01)
     assert ends[1].partner is None and device_end.partner is None
-    assert ends[1]._end not in connection._ends and device_end._end not in connection._ends
+    assert ends[1]._pairing not in pairing._offers and device_end._pairing not in pairing._offers
 
 
 async def test_tiles_with_bytes_still_cross_the_socket(emulator, workers, encoded):

@@ -17,7 +17,8 @@ import pytest
 from morphling.proxy.emulator.server import Emulator
 from morphling.proxy.emulator.settings import EmulatorConfig
 
-from morphling.commands.bench import format_size, parse_size, parse_sizes
+from morphling.commands.bench import parse_size, parse_sizes
+from morphling.text import format_size
 
 
 @contextmanager

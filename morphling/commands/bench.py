@@ -1,81 +1,34 @@
 """``morphling-bench``: measure the link to an emulator and this machine's verified FLOPS.
 
-Connects as a ``probe`` peer (GREETING → HELLO{role: "probe"} → WELCOME) and
-measures, with the protocol's own probe messages:
-
-- latency: RTT/2 of 64-byte PROBE_ECHO round trips (median and minimum);
-- downlink (emulator → here): PROBE_PULL of each size, timed to the last byte of
-  its PROBE_PULLED, less one round trip;
-- uplink (here → emulator): PROBE_PUSH of each size, timed to its PROBE_ACK,
-  less one round trip;
-- FLOPS: PROBE_FLOPS_REQUEST{dim}; the emulator answers with a seeded
-  PROBE_FLOPS challenge, this machine computes it with ``morphling.kernels.gemm``
-  (timing the computation itself), returns PROBE_FLOPS_RESULT and gets a
-  PROBE_VERDICT saying whether C was right and what FLOP/s it stands for.
-
-Bandwidth repetitions alternate down and up for each size and report medians.
-Exit status: 0 success, 1 the FLOPS verdict failed or a measurement broke off,
-2 a usage error, an unreachable server or a refused handshake.
+The measuring is ``morphling.devices.bench`` (a probe peer); this is the command:
+arguments, the table or JSON, the exit status (0 success, 1 the FLOPS verdict failed
+or a measurement broke off, 2 a usage error, an unreachable server or a refused
+handshake).
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import itertools
 import json
 import logging
 import math
-import statistics
 import sys
-import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 import uvloop
-from tqdm import tqdm
 
 from morphling import __version__
-from morphling.config import SIZE_UNITS, parse_int, read_secret
-from morphling.kernels import BufferPool, gemm
-from morphling.proxy.net.protocol import FrameConnection, pool_allocator
-from morphling.proxy.wire import challenge
-from morphling.proxy.wire.auth import hello
-from morphling.proxy.wire.messages import (
-    REFUSALS,
-    Bye,
-    Message,
-    MsgType,
-    ProbeEcho,
-    ProbeFlops,
-    ProbeFlopsRequest,
-    ProbeFlopsResult,
-    ProbePull,
-    ProbePush,
-)
-from morphling.proxy.wire.states import Conversation
+from morphling.config import parse_int, read_secret
+from morphling.devices.bench import LATENCY_BYTES, PROG, BenchError, run_bench
+from morphling.proxy.wire.challenge import MAX_DIM
 from morphling.runtime import parse_server
 
 log = logging.getLogger(__name__)
 
-PROG = "morphling-bench"
-LOG_LEVELS = ("debug", "info", "warning", "error")
 DEFAULT_SIZES = "4MiB"
-LATENCY_BYTES = 64
-MAX_FLOPS_DIM = 4096  # the emulator refuses larger challenges
 MAX_SIZE = 1 << 30  # the emulator's default max_payload_bytes
-CHALLENGE_RUNS = 7
-CHALLENGE_BUDGET_NS = 200_000_000
-
-
-class BenchError(Exception):
-    """The benchmark cannot go on; ``exit_code`` is what the command returns."""
-
-    def __init__(self, message: str, exit_code: int = 1) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 # -- sizes ---------------------------------------------------------------------------
@@ -100,334 +53,6 @@ def parse_sizes(text: str) -> list[int]:
     if not parts:
         raise ValueError(f"sizes {text!r}: no size given")
     return [parse_size(p) for p in parts]
-
-
-def format_size(nbytes: int) -> str:
-    """The shortest exact binary spelling: ``64KiB``, ``4MiB``, ``1000B``."""
-    for unit in ("GiB", "MiB", "KiB"):
-        scale = SIZE_UNITS[unit]
-        if nbytes >= scale and nbytes % scale == 0:
-            return f"{nbytes // scale}{unit}"
-    return f"{nbytes}B"
-
-
-# -- the probe connection ----------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """The emulator's PROBE_VERDICT on our FLOPS challenge result."""
-
-    ok: bool
-    flops: float
-    reason: str
-    dim: int
-    compute_ns: int
-    runs: int
-
-
-class ProbeConnection(FrameConnection):
-    """A ``probe`` peer: asks the emulator's probes and answers its challenge.
-
-    Replies are matched to requests by probe id; each waiter gets the reply and
-    the ``perf_counter`` reading taken when its last byte was decoded, so the
-    event loop's wake-up latency is not part of a measurement.
-    """
-
-    def __init__(self, token: str, name: str, pool: BufferPool) -> None:
-        super().__init__(Conversation("peer", "probe"), allocate=pool_allocator(pool))
-        loop = asyncio.get_running_loop()
-        self.token, self.name = token, name
-        self.welcomed: asyncio.Future[int] = loop.create_future()
-        self.verdict: asyncio.Future[Verdict] | None = None
-        self.error: BenchError | None = None
-        self._waiters: dict[int, asyncio.Future[tuple[Message, float]]] = {}
-        self._answered = (0, 0, 0)  # (dim, compute_ns, runs) of the challenge we answered
-
-    # -- receiving -----------------------------------------------------------------
-
-    def message_received(self, msg: Message) -> None:
-        t = msg.TYPE
-        if t in (MsgType.PROBE_ACK, MsgType.PROBE_PULLED) or (
-            t == MsgType.PROBE_ECHO and msg.reply
-        ):
-            waiter = self._waiters.pop(msg.probe, None)
-            if waiter is not None and not waiter.done():
-                waiter.set_result((msg, time.perf_counter()))
-        elif self.answer_probe(msg):
-            pass
-        elif t == MsgType.PROBE_FLOPS:
-            self.spawn(self._answer_challenge(msg))
-        elif t == MsgType.PROBE_VERDICT:
-            if self.verdict is not None and not self.verdict.done():
-                self.verdict.set_result(Verdict(msg.ok, msg.flops, msg.reason, *self._answered))
-        elif t == MsgType.GREETING:
-            if msg.auth and not self.token:
-                self._abort(BenchError("the emulator requires a token (--token)", 2))
-                return
-            self.send(hello(msg, self.token, "probe", name=self.name))
-        elif t == MsgType.WELCOME:
-            self.start_heartbeats(msg.heartbeat_s, 3 * msg.heartbeat_s)
-            self.welcomed.set_result(msg.peer_id)
-        elif t == MsgType.ERROR:
-            code = 2 if msg.code in REFUSALS else 1
-            self._abort(BenchError(f"the emulator refused: {msg.code}: {msg.reason}", code))
-        elif t == MsgType.BYE:
-            self._abort(BenchError(f"the emulator said goodbye: {msg.reason or '-'}"))
-        # HEARTBEAT: receiving it was the point.
-
-    def disconnected(self, exc: Exception | None) -> None:
-        error = self.error or BenchError(f"connection to the emulator lost ({exc or 'closed'})")
-        futures = [self.welcomed, *self._waiters.values()]
-        if self.verdict is not None:
-            futures.append(self.verdict)
-        for future in futures:
-            if not future.done():
-                future.set_exception(error)
-        self._waiters.clear()
-
-    def _abort(self, error: BenchError) -> None:
-        self.error = self.error or error
-        self.close()
-
-    async def _answer_challenge(self, msg: ProbeFlops) -> None:
-        if not 1 <= msg.dim <= MAX_FLOPS_DIM:
-            self.fail("bad_probe", f"PROBE_FLOPS.dim={msg.dim} outside 1..{MAX_FLOPS_DIM}")
-            return
-        out, compute_ns, runs = await asyncio.to_thread(compute_challenge, msg.seed, msg.dim)
-        self._answered = (msg.dim, compute_ns, runs)
-        if self.open:
-            self.send(ProbeFlopsResult(probe=msg.probe, compute_ns=compute_ns, segments=(out,)))
-
-    # -- asking ----------------------------------------------------------------------
-
-    async def ask(self, msg: Message, timeout: float) -> tuple[Message, float]:
-        """Send ``msg``; its reply and the ``perf_counter`` when it was complete."""
-        if self.error is not None:
-            raise self.error
-        future: asyncio.Future[tuple[Message, float]] = asyncio.get_running_loop().create_future()
-        self._waiters[msg.probe] = future
-        try:
-            self.send(msg)
-            return await asyncio.wait_for(future, timeout)
-        except TimeoutError:
-            raise BenchError(f"no reply to {msg.TYPE.name} within {timeout:g} s") from None
-        except ConnectionError as exc:
-            raise self.error or BenchError(f"connection to the emulator lost ({exc})") from None
-        finally:
-            self._waiters.pop(msg.probe, None)
-
-
-def compute_challenge(seed: int, dim: int) -> tuple[np.ndarray, int, int]:
-    """(C = A·B, best compute ns, runs) for the seeded challenge.
-
-    The first run pays for warming the kernel (threads, page faults), and on a
-    shared host any run can lose its time slice; neither is this machine's
-    speed, so the challenge is computed up to ``CHALLENGE_RUNS`` times, for at
-    most ``CHALLENGE_BUDGET_NS`` in all, and the fastest run counts. A single
-    long run ends it, so the answer stays well inside the emulator's time limit.
-    """
-    a, b = challenge.matrices(seed, dim)
-    out = np.empty((dim, dim), np.float32)
-    best, runs, spent = math.inf, 0, 0
-    while runs < CHALLENGE_RUNS and spent < CHALLENGE_BUDGET_NS:
-        start = time.perf_counter_ns()
-        gemm(a, b, out)
-        elapsed = time.perf_counter_ns() - start
-        best, runs, spent = min(best, elapsed), runs + 1, spent + elapsed
-    return out, max(int(best), 1), runs
-
-
-class ProbeClient:
-    """A probe peer connected to an emulator; ``await ProbeClient.connect(host, port)``."""
-
-    def __init__(self, conn: ProbeConnection, peer_id: int, timeout: float) -> None:
-        self.conn = conn
-        self.peer_id = peer_id
-        self.timeout = timeout
-        self._ids = itertools.count(1)
-        self._payloads: dict[int, np.ndarray] = {}
-
-    @classmethod
-    async def connect(
-        cls,
-        host: str,
-        port: int,
-        *,
-        token: str = "",
-        name: str = PROG,
-        timeout: float = 30.0,
-        pool: BufferPool | None = None,
-    ) -> ProbeClient:
-        """Connect and register; ``BenchError`` (exit code 2) if that cannot be done."""
-        loop = asyncio.get_running_loop()
-        pool = pool or BufferPool(pin=False)
-        where = f"{host}:{port}"
-        try:
-            _, conn = await asyncio.wait_for(
-                loop.create_connection(lambda: ProbeConnection(token, name, pool), host, port),
-                timeout,
-            )
-        except TimeoutError:
-            message = f"cannot reach {where}: no connection within {timeout:g} s"
-            raise BenchError(message, 2) from None
-        except OSError as exc:
-            raise BenchError(f"cannot reach {where}: {exc.strerror or exc}", 2) from None
-        try:
-            peer_id = await asyncio.wait_for(conn.welcomed, timeout)
-        except TimeoutError:
-            conn.close()
-            raise BenchError(
-                f"{where} accepted the connection but did not welcome us within {timeout:g} s "
-                "(is it a Morphling emulator?)",
-                2,
-            ) from None
-        except BenchError as exc:
-            exc.exit_code = 2  # refused at the handshake: nothing was measured
-            raise
-        return cls(conn, peer_id, timeout)
-
-    def _payload(self, nbytes: int) -> np.ndarray:
-        """A payload of ``nbytes`` whose pages exist already (allocated once per size)."""
-        payload = self._payloads.get(nbytes)
-        if payload is None:
-            payload = self._payloads[nbytes] = np.full(nbytes, 0xA5, np.uint8)
-        return payload
-
-    async def echo(self, nbytes: int = LATENCY_BYTES) -> float:
-        """Round-trip seconds of one PROBE_ECHO of ``nbytes``."""
-        payload = self._payload(nbytes)
-        start = time.perf_counter()
-        _, done = await self.conn.ask(
-            ProbeEcho(probe=next(self._ids), segments=(payload,)), self.timeout
-        )
-        return done - start
-
-    async def pull(self, nbytes: int) -> float:
-        """Seconds from asking for ``nbytes`` to their last byte arriving (emulator → here)."""
-        start = time.perf_counter()
-        reply, done = await self.conn.ask(ProbePull(probe=next(self._ids), nbytes=nbytes),
-                                          self.timeout)  # fmt: skip
-        got = reply.segments[0].nbytes
-        if got != nbytes:
-            raise BenchError(f"PROBE_PULLED carried {got} bytes, asked for {nbytes}")
-        return done - start
-
-    async def push(self, nbytes: int) -> float:
-        """Seconds from sending ``nbytes`` to their PROBE_ACK (here → emulator)."""
-        payload = self._payload(nbytes)
-        start = time.perf_counter()
-        reply, done = await self.conn.ask(
-            ProbePush(probe=next(self._ids), segments=(payload,)), self.timeout
-        )
-        if reply.nbytes != nbytes:
-            raise BenchError(f"PROBE_ACK counted {reply.nbytes} bytes, sent {nbytes}")
-        return done - start
-
-    async def flops(self, dim: int) -> Verdict:
-        """Ask for a FLOPS challenge of ``dim``, answer it, and return the verdict."""
-        conn = self.conn
-        if conn.error is not None:
-            raise conn.error
-        conn.verdict = asyncio.get_running_loop().create_future()
-        conn.send(ProbeFlopsRequest(dim=dim))
-        try:
-            return await asyncio.wait_for(conn.verdict, self.timeout)
-        except TimeoutError:
-            raise BenchError(f"no PROBE_VERDICT within {self.timeout:g} s") from None
-        finally:
-            conn.verdict = None
-
-    async def close(self) -> None:
-        if self.conn.open:
-            self.conn.send(Bye(reason=f"{PROG} done"))
-            self.conn.close()
-        await asyncio.sleep(0)
-
-
-# -- the benchmark -----------------------------------------------------------------
-
-
-def _us(seconds: float) -> float:
-    return round(seconds * 1e6, 2)
-
-
-async def measure_latency(client: ProbeClient, rounds: int) -> dict[str, Any]:
-    await client.echo()  # warm-up: first-use allocations on both sides
-    rtts = [await client.echo() for _ in range(rounds)]
-    return {
-        "bytes": LATENCY_BYTES,
-        "rounds": rounds,
-        "median_us": _us(statistics.median(rtts) / 2),
-        "min_us": _us(min(rtts) / 2),
-        "rtt_median_us": _us(statistics.median(rtts)),
-        "rtt_min_us": _us(min(rtts)),
-    }
-
-
-async def measure_bandwidth(
-    client: ProbeClient, sizes: Sequence[int], repeats: int, rtt_s: float, bar: tqdm
-) -> list[dict[str, Any]]:
-    """Per size: median bytes/s each way, alternating down and up, less one RTT each."""
-    rows = []
-    for nbytes in sizes:
-        bar.set_postfix_str(format_size(nbytes))
-        await client.pull(nbytes)  # warm-up: buffers of this size on both sides
-        await client.push(nbytes)
-        down, up = [], []
-        for _ in range(repeats):
-            down.append(nbytes / max(await client.pull(nbytes) - rtt_s, 1e-9))
-            bar.update()
-            up.append(nbytes / max(await client.push(nbytes) - rtt_s, 1e-9))
-            bar.update()
-        d, u = statistics.median(down), statistics.median(up)
-        rows.append({
-            "size": format_size(nbytes), "bytes": nbytes, "repeats": repeats,
-            "down_bytes_s": round(d), "up_bytes_s": round(u),
-            "down_gbit_s": round(d * 8e-9, 3), "up_gbit_s": round(u * 8e-9, 3),
-        })  # fmt: skip
-    return rows
-
-
-async def run_bench(
-    host: str,
-    port: int,
-    *,
-    token: str = "",
-    sizes: Sequence[int] = (4 << 20,),
-    latency_rounds: int = 20,
-    repeats: int = 3,
-    flops_dim: int = 256,
-    timeout: float = 30.0,
-    progress: bool = True,
-) -> dict[str, Any]:
-    """Run every measurement; the report ``--json`` prints. Raises ``BenchError``."""
-    client = await ProbeClient.connect(host, port, token=token, timeout=timeout)
-    try:
-        latency = await measure_latency(client, latency_rounds)
-        rtt = latency["rtt_min_us"] / 1e6
-        with tqdm(total=2 * repeats * len(sizes), desc="bandwidth", unit="transfer",
-                  file=sys.stderr, disable=not progress, leave=False) as bar:  # fmt: skip
-            bandwidth = await measure_bandwidth(client, sizes, repeats, rtt, bar)
-        verdict = await client.flops(flops_dim)
-    finally:
-        await client.close()
-    return {
-        "server": f"{host}:{port}",
-        "peer_id": client.peer_id,
-        "morphling": __version__,
-        "latency": latency,
-        "bandwidth": bandwidth,
-        "flops": {
-            "dim": verdict.dim or flops_dim,
-            "ok": verdict.ok,
-            "flops": verdict.flops,
-            "gflops": round(verdict.flops / 1e9, 2),
-            "reason": verdict.reason,
-            "compute_ns": verdict.compute_ns,
-            "runs": verdict.runs,
-        },
-    }
 
 
 def render_table(report: dict[str, Any]) -> str:
@@ -466,7 +91,7 @@ def _sizes_arg(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _bounded_int(low: int, high: int | None = None):
+def _bounded_int(low: int, high: int | None = None) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -517,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: 3)")  # fmt: skip
     parser.add_argument("--latency-rounds", type=_bounded_int(1), default=20, metavar="N",
                         help=f"{LATENCY_BYTES} B echoes for the latency (default: 20)")  # fmt: skip
-    parser.add_argument("--flops-dim", type=_bounded_int(1, MAX_FLOPS_DIM), default=256,
+    parser.add_argument("--flops-dim", type=_bounded_int(1, MAX_DIM), default=256,
                         metavar="N",
                         help="FLOPS challenge matrix size, N×N float32 (default: 256)")  # fmt: skip
     parser.add_argument("--timeout", type=_positive_float, default=30.0, metavar="SECONDS",

@@ -25,12 +25,8 @@ import numpy as np
 from morphling.devices.models.profiles import DeviceProfile
 from morphling.kernels import BufferPool
 from morphling.proxy.checkpoint.format import CheckpointError
-from morphling.proxy.net.protocol import (
-    SMALL_PAYLOAD,
-    FrameConnection,
-    pool_allocator,
-    undelivered_bytes,
-)
+from morphling.proxy.net.flow import undelivered_bytes
+from morphling.proxy.net.protocol import SMALL_PAYLOAD, FrameConnection, pool_allocator
 from morphling.proxy.shm import handover as local
 from morphling.proxy.shm.arena import OperandArena
 from morphling.proxy.shm.weights import SharedWeights
@@ -43,8 +39,9 @@ from morphling.proxy.vtime.eventlog import (
 )
 from morphling.proxy.vtime.memory import Admission
 from morphling.proxy.vtime.timeline import Bottleneck, StepTimes, Timeline
-from morphling.proxy.wire.auth import mac_matches
+from morphling.proxy.wire import challenge, handshake
 from morphling.proxy.wire.codec import ProtocolError
+from morphling.proxy.wire.connection import Connection
 from morphling.proxy.wire.messages import (
     Bye,
     Close,
@@ -65,7 +62,7 @@ from morphling.proxy.wire.messages import (
     TileResult,
     Welcome,
 )
-from morphling.proxy.wire.states import Conversation
+from morphling.proxy.wire.states import Party, State
 
 from . import probes
 from .partition import GemmError, GemmTask, TileTask, make_task
@@ -87,16 +84,11 @@ class PeerConnection(FrameConnection):
 
     def __init__(self, emulator: Emulator) -> None:
         cfg = emulator.config
-        super().__init__(
-            Conversation("server"),
-            max_payload=cfg.max_payload_bytes,
-            allocate=self._payload_memory,
-            high_water=cfg.high_water_bytes,
-        )
-        self.emulator = emulator
         # Until HELLO is accepted no frame may carry a payload, so a peer that has not
         # authenticated cannot make the emulator allocate anything sizeable.
-        self.decoder.max_payload = 0
+        wire = Connection(Party.EMULATOR, max_payload=0, allocate=self._payload_memory)
+        super().__init__(wire, high_water=cfg.high_water_bytes)
+        self.emulator = emulator
         self.nonce = os.urandom(16)
         self.connected_at = time.monotonic()
         self.device: DeviceRecord | None = None
@@ -242,11 +234,7 @@ class PeerConnection(FrameConnection):
 
     def _hello(self, msg: Hello) -> None:
         cfg = self.emulator.config
-        if cfg.token:
-            if not msg.mac:
-                raise ProtocolError("this emulator requires a token; HELLO had none", "auth")
-            if not mac_matches(cfg.token, self.nonce, msg.mac):
-                raise ProtocolError("token does not match (HMAC of the nonce differs)", "auth")
+        handshake.check_token(msg, cfg.token, self.nonce)
         self.local = msg.caps.get("process") == self.emulator.token
         if msg.role == "device":
             try:
@@ -273,7 +261,7 @@ class PeerConnection(FrameConnection):
                 self.emulator.weights_mapped(self)
         else:
             raise ProtocolError(f"HELLO.role {msg.role!r} is not device, job or probe", "bad_hello")
-        self.decoder.max_payload = cfg.max_payload_bytes
+        self.wire.max_payload = cfg.max_payload_bytes
         self.send(Welcome(peer_id=peer_id, heartbeat_s=cfg.heartbeat_s))
         log.info("%s joined as %s %d (%s)", self.peername, msg.role, peer_id, msg.name or "-")
         if self.device is not None:
@@ -321,8 +309,7 @@ class PeerConnection(FrameConnection):
     def _challenge_requested(self, msg: ProbeFlopsRequest) -> None:
         """One at a time per peer: each holds the peer's result (up to 64 MiB) until it is
         checked, and a peer asking faster than the checks run would pile them up."""
-        if not 1 <= msg.dim <= 4096:
-            raise ProtocolError(f"PROBE_FLOPS_REQUEST.dim={msg.dim} outside 1..4096", "bad_probe")
+        challenge.check_dim(msg.dim, "PROBE_FLOPS_REQUEST.dim")
         if self._challenged:
             raise ProtocolError("PROBE_FLOPS_REQUEST while the one asked for earlier is still "
                                 "running: wait for its PROBE_VERDICT", "overload")  # fmt: skip
@@ -379,7 +366,6 @@ class PeerConnection(FrameConnection):
                                 "restoring them now would change them under it",
                                 "weights_busy")  # fmt: skip
         emulator.weights_mapped(self)
-        self.conversation.state = "job_restoring"
         self.spawn(self._restored(emulator.restore_weights()))
 
     async def _restored(self, restoring: asyncio.Future[None]) -> None:
@@ -394,7 +380,6 @@ class PeerConnection(FrameConnection):
             return
         log.info("job %d (%s) starts from the checkpoint's weights, restored",
                  self.job_id, self.name)  # fmt: skip
-        self.conversation.state = "job"
         self.send(Open(name=self.name, block=self.block, device_wait_s=self.device_wait_s,
                        fresh_weights=True))  # fmt: skip
 
@@ -979,7 +964,7 @@ class Emulator:
                 if not peer.open:
                     peer.abort_if_lingering(now, cfg.heartbeat_timeout_s)
                     continue
-                if peer.conversation.state == "hello":
+                if peer.wire.our_state is State.HELLO_WAIT:
                     if now - peer.connected_at > cfg.hello_timeout_s:
                         peer.fail("timeout", f"no HELLO within {cfg.hello_timeout_s} s")
                 elif not peer.reading and peer.unread_for(now) > cfg.heartbeat_timeout_s:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from morphling.proxy.vtime.eventlog import DETAIL_STEPS, EVENT_LEVELS
 from morphling.proxy.vtime.placement import POLICIES
+from morphling.proxy.wire import challenge
 
 from morphling.config import ConfigError
 from morphling.config import option as _opt
@@ -100,7 +101,7 @@ class EmulatorConfig:
     )
     probe_latency_bytes: int = _opt(64, "latency probe payload", min=1)
     probe_bandwidth_bytes: int = _opt(4 << 20, "bandwidth probe payload, each direction", min=1)
-    probe_flops_dim: int = _opt(256, "FLOPS challenge matrix size", min=1)
+    probe_flops_dim: int = _opt(256, "FLOPS challenge matrix size", min=1, max=challenge.MAX_DIM)
     probe_timeout_s: float = _opt(5.0, "time limit of each probe", min=0.01)
     probe_tolerance: float = _opt(1e-3, "FLOPS check: |ref - c| <= tol + tol*|ref|", min=0.0)
     run_dir: str = _opt(

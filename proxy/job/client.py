@@ -16,7 +16,6 @@ import dataclasses
 import itertools
 import logging
 import math
-import select
 import socket
 import threading
 import time
@@ -25,15 +24,20 @@ from typing import Any
 
 import numpy as np
 from morphling.kernels import blas_operand
-from morphling.proxy.net.protocol import SMALL_PAYLOAD, FrameConnection
+from morphling.proxy.net.blocking import BlockingChannel, ChannelError
+from morphling.proxy.net.peer import PeerProtocol
+from morphling.proxy.net.protocol import SMALL_PAYLOAD
 from morphling.proxy.shm import handover as local
 from morphling.proxy.shm.arena import OperandArena, pages
-from morphling.proxy.wire.auth import hello
-from morphling.proxy.wire.codec import Decoder, ProtocolError, encode
+from morphling.proxy.shm.attach import attach
+from morphling.proxy.wire import handshake
+from morphling.proxy.wire.connection import Connection
 from morphling.proxy.wire.messages import (
     Close,
     Gemm,
+    Greeting,
     Heartbeat,
+    Hello,
     Message,
     MsgType,
     Notice,
@@ -41,8 +45,9 @@ from morphling.proxy.wire.messages import (
     Result,
     Slab,
     Step,
+    Welcome,
 )
-from morphling.proxy.wire.states import Conversation
+from morphling.proxy.wire.states import Party
 
 log = logging.getLogger("morphling.job")
 DTYPES = ("float32", "float64")
@@ -161,46 +166,46 @@ class EmulatorError(RuntimeError):
         self.reason = reason
 
 
-class JobConnection(FrameConnection):
+class JobConnection(PeerProtocol):
     """The job's side of its one connection."""
 
     def __init__(self, token: str, name: str, block: int, device_wait_s: float) -> None:
-        super().__init__(Conversation("peer", "job"))
+        super().__init__(Connection(Party.PEER, "job"))
         loop = asyncio.get_running_loop()
         self.token, self.name, self.block = token, name, block
         self.device_wait_s = device_wait_s
-        self.welcomed: asyncio.Future[int] = loop.create_future()
+        self.welcomed_as: asyncio.Future[int] = loop.create_future()
         self.results: dict[int, asyncio.Future[Result]] = {}
         self.replies: deque[asyncio.Future[Message]] = deque()  # STEP and CLOSE, in order
         self.error: EmulatorError | None = None
 
-    def message_received(self, msg: Message) -> None:
-        t = msg.TYPE
-        if t == MsgType.RESULT:
+    def greeted(self, greeting: Greeting) -> Hello:
+        return handshake.hello(greeting, self.token, "job", name=self.name)
+
+    def welcomed(self, welcome: Welcome) -> None:
+        self.send(Open(name=self.name, block=self.block, device_wait_s=self.device_wait_s))
+        self.welcomed_as.set_result(welcome.peer_id)
+
+    def refused(self, code: str, reason: str) -> None:
+        self.error = EmulatorError(code, reason)
+
+    def dismissed(self, reason: str) -> None:
+        self.error = EmulatorError("bye", reason)
+
+    def received(self, msg: Message) -> None:
+        if isinstance(msg, Result):
             future = self.results.pop(msg.gemm, None)
             if future is not None and not future.done():
                 future.set_result(msg)
-        elif t in (MsgType.STEP, MsgType.CLOSE):
+        elif isinstance(msg, Step | Close):
             if self.replies:
                 self.replies.popleft().set_result(msg)
-        elif t == MsgType.NOTICE:
+        elif isinstance(msg, Notice):
             tell(msg)
-        elif t == MsgType.GREETING:
-            self.send(hello(msg, self.token, "job", name=self.name))
-        elif t == MsgType.WELCOME:
-            self.send(Open(name=self.name, block=self.block, device_wait_s=self.device_wait_s))
-            self.start_heartbeats(msg.heartbeat_s, 3 * msg.heartbeat_s)
-            self.welcomed.set_result(msg.peer_id)
-        elif t == MsgType.ERROR:
-            self.error = EmulatorError(msg.code, msg.reason)
-            self.close()
-        elif t == MsgType.BYE:
-            self.error = EmulatorError("bye", msg.reason)
-            self.close()
 
     def disconnected(self, exc: Exception | None) -> None:
         error = self.error or EmulatorError("disconnected", f"connection lost ({exc})")
-        for future in [self.welcomed, *self.results.values(), *self.replies]:
+        for future in [self.welcomed_as, *self.results.values(), *self.replies]:
             if not future.done():
                 future.set_exception(error)
         self.results.clear()
@@ -228,7 +233,7 @@ class AsyncClient:
                                    host, port),
             timeout,
         )  # fmt: skip
-        job_id = await asyncio.wait_for(conn.welcomed, timeout)
+        job_id = await asyncio.wait_for(conn.welcomed_as, timeout)
         return cls(conn, job_id)
 
     async def matmul(
@@ -311,23 +316,14 @@ class Client:
         timeout: float = 30.0, share_memory: bool = True, hand_over: bool = True,
         device_wait_s: float = 0.0, map_weights: bool = False, fresh_weights: bool = False,
     ) -> None:  # fmt: skip
-        self._sock = socket.create_connection((host, port), timeout)
-        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._sock.setblocking(False)  # every wait is a poll: see ``_await_room``
-        self._readable = select.poll()  # for the thread that holds ``_recv_lock``
-        self._readable.register(self._sock, select.POLLIN)
-        self._decoder = Decoder()
-        self._conversation = Conversation("peer", "job")
+        sock = socket.create_connection((host, port), timeout)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._channel = BlockingChannel(sock, Connection(Party.PEER, "job"))
         self._call_lock = threading.Lock()  # one request and its reply at a time
-        self._send_lock = threading.Lock()  # the caller and the heartbeat thread
-        self._recv_lock = threading.Lock()  # the decoder: the caller, or a waiting send
         self._ids = itertools.count(1)
-        self._last_sent = time.monotonic()
         self._stopped = threading.Event()
         self.error: EmulatorError | None = None
         self.shared: tuple[int, int] | None = None  # see gemm_request
-        self._last_received = time.monotonic()
-        self._silence_s = math.inf  # until WELCOME gives the heartbeat period
         self._after = 0  # the GEMM whose result came last (0: a step mark, or none yet)
         self.steps = 0  # step marks made
         self._since_ns: int | None = None  # when it came (perf_counter_ns)
@@ -339,18 +335,15 @@ class Client:
         try:
             greeting = self._expect(MsgType.GREETING, timeout)
             self.weights: dict[str, Any] = greeting.weights  # what the emulator shares
-            if share_memory and greeting.arena:
-                self._arena = OperandArena.shared(greeting.arena)
-            caps = {"arena": str(self._arena.path)} if self._arena is not None else {}
-            if share_memory and hand_over and local.in_this_process(greeting.process):
-                self._local = greeting.process  # the emulator's token
-                caps["process"] = greeting.process
-            if (map_weights or fresh_weights) and greeting.weights:
+            got = attach(greeting, arena=share_memory, in_process=share_memory and hand_over)
+            self._arena, self._local = got.arena, got.process
+            caps = got.caps
+            if (map_weights or fresh_weights) and greeting.weights:  # the session maps them
                 caps["weights"] = greeting.weights["path"]
-            self._send(hello(greeting, token, "job", name=name, caps=caps))
+            self._send(handshake.hello(greeting, token, "job", name=name, caps=caps))
             welcome = self._expect(MsgType.WELCOME, timeout)
             self.job_id: int = welcome.peer_id
-            self._silence_s = 3 * welcome.heartbeat_s  # as the AsyncClient: an emulator gone
+            self._channel.silence_s = handshake.silence_s(welcome)
             threading.Thread(target=self._beat, args=(welcome.heartbeat_s,), daemon=True,
                              name=f"morphling-heartbeat-{self.job_id}").start()  # fmt: skip
             self._send(Open(name=name, block=block, device_wait_s=device_wait_s,
@@ -360,7 +353,7 @@ class Client:
                 self.weights = {**self.weights, "trained": [], "trained_jobs": 0}
         except BaseException:
             self._stopped.set()
-            self._sock.close()
+            self._channel.close()
             raise
 
     def elapsed_ns(self) -> int:
@@ -487,7 +480,7 @@ class Client:
             return None
         finally:
             self._stopped.set()
-            self._sock.close()
+            self._channel.close()
 
     def __enter__(self) -> Client:
         return self
@@ -498,48 +491,25 @@ class Client:
     # -- I/O -------------------------------------------------------------------------
 
     def _send(self, msg: Message) -> None:
-        buffers = encode(msg)  # bytes and byte views: ``len`` is their size
-        with self._send_lock:
-            if self.error is not None:
-                raise self.error
-            started = False  # some of the frame went out
-            try:
-                while True:
-                    try:
-                        sent = self._sock.sendmsg(buffers)
-                    except BlockingIOError:
-                        sent = 0
-                    started = started or sent > 0
-                    while buffers and sent >= len(buffers[0]):
-                        sent -= len(buffers[0])
-                        buffers.pop(0)
-                    if not buffers:
-                        break
-                    buffers[0] = buffers[0][sent:]
-                    self._await_room()
-            except BaseException:  # Ctrl-C, say: a frame cut short leaves the stream unusable
-                if started and buffers and self.error is None:
-                    self.error = EmulatorError("disconnected", "a request was cut off while "
-                                               "being sent; the connection is closed")  # fmt: skip
-                    self._stopped.set()
-                    self._sock.close()
-                raise
-            self._last_sent = time.monotonic()
-
-    def _await_room(self) -> None:
-        """Wait until the socket takes more, reading what arrives meanwhile (unless the
-        caller's thread is reading already): the emulator reads no more of a job that
-        leaves its replies unread, so a send that only waited could wait for ever."""
-        reading = self._recv_lock.acquire(blocking=False)
+        if self.error is not None:
+            raise self.error
         try:
-            poller = select.poll()
-            poller.register(self._sock, select.POLLOUT | (select.POLLIN if reading else 0))
-            [(_, events)] = poller.poll()
-            if reading and events & ~select.POLLOUT:  # data, or the end of the connection
-                self._read_some()
-        finally:
-            if reading:
-                self._recv_lock.release()
+            self._channel.send(msg)
+        except ChannelError as exc:
+            raise self._lost(exc) from None
+
+    def _receive(self, deadline: float | None) -> Message:
+        try:
+            return self._channel.receive(deadline)
+        except ChannelError as exc:
+            raise self._lost(exc) from None
+
+    def _lost(self, exc: ChannelError) -> EmulatorError:
+        """The channel ended: the job's error, the first reason it ended for."""
+        if self.error is None:
+            self.error = EmulatorError(exc.code, exc.reason)
+            self._stopped.set()
+        return self.error
 
     def _expect(self, kind: MsgType, timeout: float | None) -> Any:
         """The next message of type ``kind``; HEARTBEATs are skipped, NOTICEs logged, ERROR
@@ -560,53 +530,16 @@ class Client:
                 code = msg.code if msg.TYPE == MsgType.ERROR else "bye"
                 self._fail(EmulatorError(code, msg.reason))
 
-    def _receive(self, deadline: float | None) -> Message:
-        with self._recv_lock:
-            while (msg := self._decoder.next_message()) is None:
-                if self._read_some():
-                    continue
-                now = time.monotonic()
-                if deadline is not None and now >= deadline:
-                    raise TimeoutError("no reply from the emulator in time")
-                if now - self._last_received > self._silence_s:  # it heartbeats when idle
-                    self._fail(EmulatorError("timeout", f"nothing from the emulator for "
-                                             f"{self._silence_s:.3g} s"))  # fmt: skip
-                until = min(self._last_received + self._silence_s,
-                            math.inf if deadline is None else deadline)  # fmt: skip
-                self._readable.poll(None if until == math.inf else
-                                    math.ceil(max(until - now, 0.0) * 1000))  # fmt: skip
-            try:
-                self._conversation.received(msg)
-            except ProtocolError as exc:
-                self._fail(EmulatorError(exc.code, f"bad frame from the emulator: {exc.reason}"))
-        return msg
-
-    def _read_some(self) -> bool:
-        """Decode what has arrived; False if nothing has (the socket does not block)."""
-        decoder = self._decoder
-        try:
-            nbytes = self._sock.recv_into(decoder.get_buffer())
-            if nbytes == 0:
-                self._fail(EmulatorError("disconnected", "the emulator closed the connection"))
-            self._last_received = time.monotonic()
-            decoder.buffer_updated(nbytes)
-        except BlockingIOError:
-            return False
-        except ProtocolError as exc:
-            self._fail(EmulatorError(exc.code, f"bad frame from the emulator: {exc.reason}"))
-        except ConnectionError as exc:
-            self._fail(EmulatorError("disconnected", f"connection lost ({exc})"))
-        return True
-
     def _fail(self, error: EmulatorError) -> None:
+        """The emulator refused (ERROR, BYE) or sent what cannot be used: the job ends."""
         self.error = error
         self._stopped.set()
-        self._sock.close()
+        self._channel.close()
         raise error
 
     def _beat(self, period_s: float) -> None:
         while not self._stopped.wait(period_s / 2):
-            if time.monotonic() - self._last_sent >= period_s:
+            if time.monotonic() - self._channel.last_sent >= period_s:
                 try:
                     self._send(Heartbeat())
                 except (EmulatorError, OSError):

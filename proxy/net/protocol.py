@@ -1,67 +1,47 @@
 """The asyncio layer under every connection: bytes in and out, nothing else.
 
-``FrameConnection`` is an ``asyncio.BufferedProtocol``: the event loop reads
-straight into the decoder's buffer (for large payloads, the payload's own
-pool memory), complete messages are checked against the conversation's
-state table and handed to ``message_received``, and outgoing messages go to
-``transport.writelines`` as the codec's buffers. A protocol error is answered
-with an ERROR frame naming it, then the connection is closed; other
-connections never notice. Subclasses (the emulator's peers, the device
-agent, the job client) implement the ``message_received`` hook.
+``FrameConnection`` is an ``asyncio.BufferedProtocol`` around a sans-IO
+``wire.Connection``: the event loop reads straight into the connection's receive
+buffer (for large payloads, the payload's own pool memory), the messages it completes
+(already checked against the conversation's state) go to ``message_received``, and
+each message sent goes to ``transport.writelines`` as the codec's buffers. A protocol
+error is answered with an ERROR frame naming it, then the connection is closed; other
+connections never notice. Subclasses (the emulator's peers, the device agent, the job
+client, ``morphling-bench``) implement ``message_received``.
 
-Two ends of one connection in the same process and on the same event loop (the
-embedded emulator and its fleet) may be *paired* (``pair_in_process``): then a
-TILE or TILE_RESULT that carries no payload bytes (its operands and C were handed
-over as arrays, ``local``, or lie in the operand arena) is handed to the other
-end's ``message_received`` on the loop instead of being encoded, written, read
-and decoded again. That round through the kernel's loopback cost the loop's
-thread 60 of its 165 µs per tile, and the training benchmark's step a fifth of
-its time (1.53 s, now 1.19 s, with 8 devices on 2 cores).
-Everything else, bytes included, still goes through the socket; the messages
-that skip it are independent of each other and of the rest (each TILE names all
-it needs, each TILE_RESULT its tile), so nothing depends on their order against
-the socket's.
+Two ends of one connection in one process may be paired (``pair_in_process``, see
+``pairing``): then what ``pairing.skips_socket`` names is handed to the other end on
+the loop instead of crossing the socket.
 """
 
 from __future__ import annotations
 
 import abc
 import asyncio
-import fcntl
 import logging
-import struct
-import termios
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Coroutine
+from typing import Any, Protocol, cast
 
-import numpy as np
-from morphling.proxy.wire.codec import DEFAULT_MAX_PAYLOAD, Decoder, ProtocolError, encode
-from morphling.proxy.wire.messages import (
-    Error,
-    Heartbeat,
-    Message,
-    MsgType,
-    ProbeAck,
-    ProbeEcho,
-    ProbePulled,
-)
-from morphling.proxy.wire.states import Conversation
+from morphling.proxy.wire import probing
+from morphling.proxy.wire.connection import Connection
+from morphling.proxy.wire.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
+from morphling.proxy.wire.messages import Heartbeat, Message
+
+from . import pairing
 
 log = logging.getLogger(__name__)
 
 DEFAULT_HIGH_WATER = 4 << 20
 SMALL_PAYLOAD = 64 * 1024  # below this a received payload is a plain bytearray
-_IN_PROCESS = (MsgType.TILE, MsgType.TILE_RESULT)  # what paired ends hand over directly
-_NO_BYTES = memoryview(b"")
-_PROBE_REQUESTS = (MsgType.PROBE_ECHO, MsgType.PROBE_PUSH, MsgType.PROBE_PULL)
-# Connection ends that asked to be paired, by (own address, peer's address): each end's
-# partner is filed under the same two addresses the other way round.
-_ends: dict[tuple[Any, Any], FrameConnection] = {}
 
 
-def pool_allocator(pool: Any) -> Callable[[int], memoryview]:
-    """Receive buffers from ``pool`` (``acquire_buffer``) for payloads worth receiving in place."""
+class Pool(Protocol):
+    def acquire_buffer(self, nbytes: int) -> memoryview: ...
+
+
+def pool_allocator(pool: Pool) -> Callable[[int], memoryview]:
+    """Receive buffers from ``pool`` for payloads worth receiving in place."""
 
     def allocate(nbytes: int) -> memoryview:
         if nbytes < SMALL_PAYLOAD:
@@ -71,53 +51,29 @@ def pool_allocator(pool: Any) -> Callable[[int], memoryview]:
     return allocate
 
 
-def undelivered_bytes(transport: asyncio.Transport) -> int:
-    """Bytes written to ``transport`` that the peer's end has not taken yet: those in its
-    buffer, and those in the kernel's send queue (SIOCOUTQ, where there is one). Only
-    together do they shrink as a peer reads: the kernel's queue (megabytes, on a fast
-    link) drains first."""
-    queued = transport.get_write_buffer_size()
-    sock = transport.get_extra_info("socket")
-    try:
-        unsent = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4)
-    except (AttributeError, OSError):  # no socket (a pipe, a test double), or not Linux
-        return queued
-    return queued + struct.unpack("i", unsent)[0]
-
-
 class FrameConnection(asyncio.BufferedProtocol, abc.ABC):
     """One framed connection; see the module docstring."""
 
-    def __init__(
-        self,
-        conversation: Conversation,
-        *,
-        max_payload: int = DEFAULT_MAX_PAYLOAD,
-        allocate: Callable[[int], memoryview] | None = None,
-        high_water: int = DEFAULT_HIGH_WATER,
-    ) -> None:
-        kwargs = {} if allocate is None else {"allocate": allocate}
-        self.decoder = Decoder(max_payload=max_payload, **kwargs)
-        self.conversation = conversation
+    def __init__(self, wire: Connection, *, high_water: int = DEFAULT_HIGH_WATER) -> None:
+        self.wire = wire
         self.high_water = high_water
-        self.max_pull = max_payload  # the largest PROBE_PULL answered
         self.transport: asyncio.Transport | None = None
         self.peername = "?"
         self.last_received = self.last_sent = time.monotonic()
         self.writable = True
         self.reading = True  # False: see ``pause_reading``
         self.appended = 0  # bytes queued behind the high-water mark (see ``send``)
-        self._closing_since: float | None = None  # see ``abort_if_lingering``
         self.partner: FrameConnection | None = None  # the other end, in this process
-        self._end: tuple[Any, Any] | None = None  # this end's key in ``_ends``
-        self._loop: asyncio.AbstractEventLoop | None = None  # where it was paired
+        self._pairing: pairing.Key | None = None  # this end's offer to pair
+        self._closing_since: float | None = None  # see ``abort_if_lingering``
         self._drained: asyncio.Event | None = None
-        self._tasks: set[asyncio.Task] = set()  # cancelled when the connection goes
+        self._tasks: set[asyncio.Task[None]] = set()  # cancelled when the connection goes
 
     # -- asyncio.BufferedProtocol ------------------------------------------------
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:  # uvloop: not a subclass
-        self.transport = transport
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # A stream transport (uvloop's is not an asyncio.Transport subclass, hence the cast)
+        self.transport = transport = cast(asyncio.Transport, transport)
         transport.set_write_buffer_limits(high=self.high_water)
         peer = transport.get_extra_info("peername")
         self.peername = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
@@ -125,7 +81,7 @@ class FrameConnection(asyncio.BufferedProtocol, abc.ABC):
         self.connected()
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        return self.decoder.get_buffer(sizehint)
+        return self.wire.get_buffer(sizehint)
 
     def buffer_updated(self, nbytes: int) -> None:
         self.last_received = time.monotonic()
@@ -136,25 +92,31 @@ class FrameConnection(asyncio.BufferedProtocol, abc.ABC):
         if self.transport is None:  # closed since: as lost as bytes on a closed socket
             return
         self.last_received = time.monotonic()
-        msg.segments = (_NO_BYTES,) * len(msg.segments)  # what the decoder gives for none
-        self._safely(self._take, msg)
+        self._safely(self._take_handed, msg)
+
+    def _take_handed(self, msg: Message) -> None:
+        self.wire.receive_message(msg)
+        self.message_received(msg)
 
     def _decode(self, nbytes: int) -> None:
-        self.decoder.buffer_updated(nbytes)
+        self.wire.buffer_updated(nbytes)
         self._take_decoded()
 
     def _take_decoded(self) -> None:
-        while self.transport is not None and self.reading and (msg := self.decoder.next_message()):
-            self._take(msg)
-
-    def _take(self, msg: Message) -> None:
-        self.conversation.received(msg)
-        self.message_received(msg)
+        while self.transport is not None and self.reading:
+            msg = self.wire.next_message()
+            if msg is None:
+                return
+            self.message_received(msg)
 
     def _safely(self, step: Callable[..., None], *args: Any) -> None:
-        """``step(*args)``; a protocol error, or a bug, fails only this connection."""
+        """``step(*args)``; the other side's protocol error, or a bug here, fails only
+        this connection."""
         try:
             step(*args)
+        except LocalProtocolError:
+            log.exception("%s: this side broke the protocol", self.peername)
+            self.fail("internal", "internal error (see the other side's log)")
         except ProtocolError as exc:
             self.fail(exc.code, exc.reason)
         except Exception:
@@ -166,7 +128,9 @@ class FrameConnection(asyncio.BufferedProtocol, abc.ABC):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
-        self._unpair()
+        self.wire.close()
+        if self._pairing is not None:
+            pairing.withdraw(self, self._pairing)
         for task in list(self._tasks):
             task.cancel()
         if self._drained is not None:
@@ -187,8 +151,9 @@ class FrameConnection(asyncio.BufferedProtocol, abc.ABC):
 
     def pause_reading(self) -> None:
         """Take no more messages until ``resume_reading``: the socket is left unread, so
-        TCP holds the peer back, and messages already decoded wait in the decoder. (Not
-        what a paired end hands over: only jobs are paused, and jobs are never paired.)"""
+        TCP holds the peer back, and messages already decoded wait in the connection.
+        (Not what a paired end hands over: only jobs are paused, and jobs are never
+        paired.)"""
         if self.reading:
             self.reading = False
             if self.transport is not None:
@@ -197,12 +162,19 @@ class FrameConnection(asyncio.BufferedProtocol, abc.ABC):
     def resume_reading(self) -> None:
         """Take messages again: those that waited first, on the loop's next turn (not
         inside whatever handler decided to resume)."""
-        if self.reading or not self.open:
+        if self.reading or self.transport is None or self.transport.is_closing():
             return
         self.reading = True
         self.last_received = time.monotonic()  # the silence while paused was ours
         self.transport.resume_reading()
         asyncio.get_running_loop().call_soon(self._safely, self._take_decoded)
+
+    async def drain(self) -> None:
+        """Wait until the transport's buffer is below the high-water mark."""
+        while self.open and not self.writable:
+            self._drained = self._drained or asyncio.Event()
+            self._drained.clear()
+            await self._drained.wait()
 
     # -- sending -------------------------------------------------------------------
 
@@ -212,77 +184,49 @@ class FrameConnection(asyncio.BufferedProtocol, abc.ABC):
 
     def send(self, msg: Message) -> None:
         """Queue ``msg``; its segments are referenced, not copied, until written. To a
-        paired end, a TILE or TILE_RESULT without bytes is handed over on the loop."""
-        if not self.open:
+        paired end, what ``pairing.skips_socket`` names is handed over on the loop."""
+        transport = self.transport
+        if transport is None or transport.is_closing():
             raise ConnectionError(f"{self.peername}: connection is closed")
         partner = self.partner
-        if partner is not None and msg.TYPE in _IN_PROCESS and not any(map(len, msg.segments)):
+        if partner is not None and pairing.skips_socket(msg):
+            self.wire.hand_over(msg)
             asyncio.get_running_loop().call_soon(partner._handed, msg)
         elif self.writable:
-            self.transport.writelines(encode(msg))
+            transport.writelines(self.wire.send(msg))
         else:  # all of it waits in the buffer: counted, to tell a reader from a deaf peer
-            before = self.transport.get_write_buffer_size()
-            self.transport.writelines(encode(msg))
-            self.appended += self.transport.get_write_buffer_size() - before
+            before = transport.get_write_buffer_size()
+            transport.writelines(self.wire.send(msg))
+            self.appended += transport.get_write_buffer_size() - before
         self.last_sent = time.monotonic()
 
     def pair_in_process(self) -> None:
-        """This end is in the other end's process: once both have said so, and they run on
-        the same event loop, they are paired (see the module docstring)."""
-        if self._end is not None or self.transport is None:
+        """This end is in the other end's process (see ``pairing``)."""
+        if self._pairing is not None or self.transport is None:
             return
         here = self.transport.get_extra_info("sockname")
         there = self.transport.get_extra_info("peername")
-        if not isinstance(here, tuple) or not isinstance(there, tuple):
-            return
-        self._end, self._loop = (here, there), asyncio.get_running_loop()
-        other = _ends.pop((there, here), None)
-        if other is None:
-            _ends[self._end] = self
-        elif other._loop is self._loop:
-            self.partner, other.partner = other, self
-
-    def _unpair(self) -> None:
-        if self._end is not None and _ends.get(self._end) is self:
-            del _ends[self._end]
-        if self.partner is not None:
-            self.partner.partner = None
-            self.partner = None
-
-    async def drain(self) -> None:
-        """Wait until the transport's buffer is below the high-water mark."""
-        while self.open and not self.writable:
-            self._drained = self._drained or asyncio.Event()
-            self._drained.clear()
-            await self._drained.wait()
+        if isinstance(here, tuple) and isinstance(there, tuple):
+            self._pairing = pairing.offer(self, here, there)
 
     def answer_probe(self, msg: Message) -> bool:
-        """Answer the probes either side may send (PROBE_ECHO, PROBE_PUSH, PROBE_PULL);
-        False when ``msg`` is not one of them (or is a reply to one of ours).
+        """Answer a probe request (``probing``); False when ``msg`` is not one.
 
         A request while earlier replies still fill the send buffer past its high-water
         mark is refused: a peer that asks without reading would grow it without bound."""
-        t = msg.TYPE
-        if t not in _PROBE_REQUESTS or (t == MsgType.PROBE_ECHO and msg.reply):
+        if not probing.is_request(msg):
             return False
-        if not self.writable:
+        if not self.writable and self.transport is not None:
             unsent = self.transport.get_write_buffer_size()
-            raise ProtocolError(f"{t.name} while {unsent} bytes of replies to earlier probes are "
-                                "still unsent: read each reply before asking again",
-                                "overload")  # fmt: skip
-        if t == MsgType.PROBE_ECHO:
-            self.send(ProbeEcho(probe=msg.probe, reply=True, segments=msg.segments))
-        elif t == MsgType.PROBE_PUSH:
-            self.send(ProbeAck(probe=msg.probe, nbytes=msg.segments[0].nbytes))
-        else:
-            if not 0 <= msg.nbytes <= self.max_pull:
-                raise ProtocolError(
-                    f"PROBE_PULL.nbytes={msg.nbytes} is outside 0..{self.max_pull}", "bad_probe"
-                )
-            self.send(ProbePulled(probe=msg.probe, segments=(np.zeros(msg.nbytes, np.uint8),)))
+            raise RemoteProtocolError(
+                f"{msg.TYPE.name} while {unsent} bytes of replies to earlier probes are still "
+                "unsent: read each reply before asking again",
+                "overload",
+            )
+        self.send(probing.answer(msg, self.wire.max_payload))
         return True
 
-    def spawn(self, coro: Any) -> None:
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         """Run ``coro`` for this connection; it is cancelled when the connection goes."""
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
@@ -309,11 +253,12 @@ class FrameConnection(asyncio.BufferedProtocol, abc.ABC):
         never take them)."""
         log.warning("%s: %s: %s; closing the connection", self.peername, code, reason)
         if self.open:
-            self.transport.writelines(encode(Error(code=code, reason=reason)))
+            assert self.transport is not None
+            self.transport.writelines(self.wire.send_error(code, reason))
             self.close()
         if abort and self.transport is not None:
             self.transport.abort()
-        self.conversation.state = "closed"
+        self.wire.close()
 
     def close(self) -> None:
         if self.transport is not None:

@@ -12,10 +12,22 @@ from __future__ import annotations
 
 import numpy as np
 
+from .errors import RemoteProtocolError
+
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MASK = (1 << 64) - 1
 SEED_A = 0xA11AA11A
 SEED_B = 0xB22BB22B
+# The largest challenge either side computes: a dim-4096 one is 64 MiB of result and half
+# a minute on a Pi, past which a challenge measures patience, not FLOPS.
+MAX_DIM = 4096
+
+
+def check_dim(dim: int, field: str) -> None:
+    """Refuse (ERROR ``bad_probe``) a challenge of a size outside 1..MAX_DIM; ``field``
+    names the message field it came in."""
+    if not 1 <= dim <= MAX_DIM:
+        raise RemoteProtocolError(f"{field}={dim} outside 1..{MAX_DIM}", "bad_probe")
 
 
 def _uniform(stream: int, count: int) -> np.ndarray:

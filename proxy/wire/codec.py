@@ -1,4 +1,4 @@
-"""Frames to bytes and bytes to frames, sans-IO (no sockets: see ``connection.py``).
+"""Frames to bytes and bytes to frames, sans-IO (``connection`` adds the state; no sockets).
 
 A frame is a 16-byte little-endian prefix ``magic u16 | version u8 | type u8 |
 header_len u32 | payload_len u64``, a msgpack map (the message's fields plus
@@ -24,6 +24,8 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from .errors import ProtocolError as ProtocolError  # re-exported until its importers move
+from .errors import RemoteProtocolError
 from .messages import DTYPES, MESSAGES, Message, from_wire
 
 MAGIC = 0x4D47  # "GM" on the wire
@@ -35,15 +37,6 @@ _ITEMSIZE = {name: np.dtype(name).itemsize for name in DTYPES}
 _NAMES = {np.dtype(name).newbyteorder("<"): name for name in DTYPES}
 _SCRATCH_BYTES = 256 * 1024
 _TYPE_NAMES = {t: cls.TYPE.name for t, cls in MESSAGES.items()}  # an enum .name is slow
-
-
-class ProtocolError(Exception):
-    """The peer broke the protocol; ``code`` is the ERROR frame's code."""
-
-    def __init__(self, reason: str, code: str = "bad_frame") -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.code = code
 
 
 def _segment(seg: Any) -> tuple[list[Any], memoryview]:
@@ -125,11 +118,11 @@ def _bytearray_view(nbytes: int) -> memoryview:
 
 
 class Decoder:
-    """Incremental frame decoder. Feed bytes, take messages; raises ``ProtocolError``.
+    """Incremental frame decoder. Feed bytes, take messages; raises ``RemoteProtocolError``.
 
     ``allocate(nbytes)`` supplies each payload's memory (a writable memoryview;
     a pool's ``acquire_buffer`` for zero-copy receives). After a
-    ``ProtocolError`` the decoder stays failed.
+    ``RemoteProtocolError`` the decoder stays failed.
     """
 
     def __init__(
@@ -148,7 +141,7 @@ class Decoder:
         self._payload: memoryview | None = None
         self._filled = 0
         self._direct = False
-        self._failed: ProtocolError | None = None
+        self._failed: RemoteProtocolError | None = None
         self._messages: deque[Message] = deque()
 
     # -- feeding ---------------------------------------------------------------
@@ -175,19 +168,19 @@ class Decoder:
             if self._filled == len(self._payload):
                 try:
                     self._finish()
-                except ProtocolError as exc:
+                except RemoteProtocolError as exc:
                     self._failed = exc
                     raise
             return
         self._feed(_scratch()[:nbytes])
 
     def _feed(self, data: memoryview) -> None:
-        """Consume bytes; a ``ProtocolError`` fails the decoder for good."""
+        """Consume bytes; a ``RemoteProtocolError`` fails the decoder for good."""
         if self._failed is not None:
             raise self._failed
         try:
             self._consume(data)
-        except ProtocolError as exc:
+        except RemoteProtocolError as exc:
             self._failed = exc
             raise
 
@@ -230,25 +223,27 @@ class Decoder:
     def _parse_prefix(self, block: bytes) -> None:
         magic, version, msg_type, header_len, payload_len = PREFIX.unpack(block)
         if magic != MAGIC:
-            raise ProtocolError(f"bad magic 0x{magic:04x} (expected 0x{MAGIC:04x})", "bad_magic")
+            raise RemoteProtocolError(
+                f"bad magic 0x{magic:04x} (expected 0x{MAGIC:04x})", "bad_magic"
+            )
         if version != VERSION:
-            raise ProtocolError(
+            raise RemoteProtocolError(
                 f"protocol version {version} is not supported (this side speaks {VERSION})",
                 "bad_version",
             )
         if msg_type not in MESSAGES:
-            raise ProtocolError(f"unknown message type {msg_type}", "unknown_type")
+            raise RemoteProtocolError(f"unknown message type {msg_type}", "unknown_type")
         if not 0 < header_len <= self.max_header:
-            raise ProtocolError(
+            raise RemoteProtocolError(
                 f"header length {header_len} outside 1..{self.max_header}", "too_large"
             )
         if payload_len > self.max_payload:
-            raise ProtocolError(
+            raise RemoteProtocolError(
                 f"payload length {payload_len} exceeds the limit of {self.max_payload} bytes",
                 "too_large",
             )
         if payload_len and not MESSAGES[msg_type].SEGMENTS:
-            raise ProtocolError(
+            raise RemoteProtocolError(
                 f"{MESSAGES[msg_type].TYPE.name} carries no payload, but payload_len is "
                 f"{payload_len}",
                 "bad_frame",
@@ -262,12 +257,12 @@ class Decoder:
         try:
             header = msgpack.unpackb(block, raw=False, strict_map_key=True)
         except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
-            raise ProtocolError(f"{name}: header is not valid msgpack ({exc})") from None
+            raise RemoteProtocolError(f"{name}: header is not valid msgpack ({exc})") from None
         if not isinstance(header, dict):
-            raise ProtocolError(f"{name}: header is a {type(header).__name__}, not a map")
+            raise RemoteProtocolError(f"{name}: header is a {type(header).__name__}, not a map")
         total = _segments_total(header.get("seg", []), name)
         if total != payload_len:
-            raise ProtocolError(
+            raise RemoteProtocolError(
                 f"{name}: segments add up to {total} bytes, payload_len is {payload_len}"
             )
         self._header = header
@@ -292,27 +287,31 @@ class Decoder:
         try:
             message = from_wire(msg_type, header, tuple(segments))
         except ValueError as exc:
-            raise ProtocolError(str(exc), "bad_header") from None
+            raise RemoteProtocolError(str(exc), "bad_header") from None
         self._messages.append(message)
 
 
 def _segments_total(seg: Any, name: str) -> int:
     """Validate the segment descriptors; their total byte length."""
     if not isinstance(seg, list):
-        raise ProtocolError(f"{name}: 'seg' must be a list of [dtype, shape, nbytes]")
+        raise RemoteProtocolError(f"{name}: 'seg' must be a list of [dtype, shape, nbytes]")
     total = 0
     for i, desc in enumerate(seg):
         if not (isinstance(desc, list) and len(desc) == 3):
-            raise ProtocolError(f"{name}: seg[{i}] must be [dtype, shape, nbytes]")
+            raise RemoteProtocolError(f"{name}: seg[{i}] must be [dtype, shape, nbytes]")
         dtype, shape, nbytes = desc
         item = _ITEMSIZE.get(dtype) if isinstance(dtype, str) else None
         if item is None:
-            raise ProtocolError(f"{name}: seg[{i}] dtype {dtype!r:.40} is not one of {DTYPES}")
+            raise RemoteProtocolError(
+                f"{name}: seg[{i}] dtype {dtype!r:.40} is not one of {DTYPES}"
+            )
         count = _count(shape)
         if count is None:
-            raise ProtocolError(f"{name}: seg[{i}] shape {shape!r} is not a list of sizes >= 0")
+            raise RemoteProtocolError(
+                f"{name}: seg[{i}] shape {shape!r} is not a list of sizes >= 0"
+            )
         if type(nbytes) is not int or nbytes != count * item:
-            raise ProtocolError(
+            raise RemoteProtocolError(
                 f"{name}: seg[{i}] nbytes {nbytes!r} does not match {dtype} of shape {shape}"
             )
         total += nbytes
@@ -337,7 +336,7 @@ def segment_array(msg: Message, index: int, dtype: str, count: int | None = None
     view = msg.segments[index]
     item = _ITEMSIZE[dtype]
     if view.nbytes % item:
-        raise ProtocolError(
+        raise RemoteProtocolError(
             f"{msg.TYPE.name}: segment {index} of {view.nbytes} bytes is not whole {dtype}s",
             "bad_shape",
         )
