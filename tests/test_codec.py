@@ -32,6 +32,7 @@ from morphling.proxy.wire.messages import (
     ProbeVerdict,
     Tile,
     Welcome,
+    wire_type,
 )
 
 CLASSES = sorted(MESSAGES.values(), key=lambda cls: cls.TYPE)
@@ -96,7 +97,7 @@ def messages(draw, cls: type[Message] | None = None) -> Message:
     for f in header_fields(cls):
         if has_default(f) and draw(st.booleans()):
             continue  # keep the default
-        values[f.name] = draw(FIELD_VALUES[f.type])
+        values[f.name] = draw(FIELD_VALUES[wire_type(f)])
     segments = tuple(draw(_segments) for _ in range(cls.SEGMENTS))
     return cls(**values, segments=segments)
 
@@ -104,7 +105,7 @@ def messages(draw, cls: type[Message] | None = None) -> Message:
 def test_the_strategy_knows_every_field_type():
     for cls in CLASSES:
         for f in header_fields(cls):
-            assert f.type in FIELD_VALUES, f"{cls.__name__}.{f.name}: {f.type}"
+            assert wire_type(f) in FIELD_VALUES, f"{cls.__name__}.{f.name}: {f.type}"
 
 
 # -- helpers ------------------------------------------------------------------------------

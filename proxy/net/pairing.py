@@ -14,46 +14,37 @@ TILE_RESULT its tile), so nothing depends on their order against the socket's.
 from __future__ import annotations
 
 import asyncio
-from typing import Protocol
+from typing import TypeVar, cast
 
 from morphling.proxy.wire.messages import Message, MsgType
 
 HANDED_OVER = frozenset({MsgType.TILE, MsgType.TILE_RESULT})
 
 Key = tuple[object, object]  # (this end's socket address, the other end's)
-
-
-class End(Protocol):
-    """What pairing needs of a connection's end: a place for its partner."""
-
-    partner: End | None
-
+End = TypeVar("End")
 
 # Ends that offered, by their key: each end's partner is filed under the same two
 # addresses the other way round.
-_offers: dict[Key, tuple[End, asyncio.AbstractEventLoop]] = {}
+_offers: dict[Key, tuple[object, asyncio.AbstractEventLoop]] = {}
 
 
-def offer(end: End, here: object, there: object) -> Key:
+def offer(end: End, here: object, there: object) -> tuple[Key, End | None]:
     """``end`` (at socket address ``here``, connected to ``there``) is in its other end's
-    process: pair them once both have offered, on the same event loop. The key to
-    ``withdraw`` the offer with."""
+    process: the key to ``withdraw`` the offer with, and the other end if it offered
+    already, on the same event loop (the two are partners now), else None."""
     loop = asyncio.get_running_loop()
     other = _offers.pop((there, here), None)
     if other is None:
         _offers[here, there] = (end, loop)
-    elif other[1] is loop:
-        end.partner, other[0].partner = other[0], end
-    return (here, there)
+        return (here, there), None
+    partner, partner_loop = other
+    return (here, there), cast(End, partner) if partner_loop is loop else None
 
 
-def withdraw(end: End, key: Key) -> None:
-    """``end`` is closing: forget its offer and part it from its partner."""
+def withdraw(end: object, key: Key) -> None:
+    """``end`` is closing: forget its offer, if it still stands."""
     if _offers.get(key, (None,))[0] is end:
         del _offers[key]
-    if end.partner is not None:
-        end.partner.partner = None
-        end.partner = None
 
 
 def skips_socket(msg: Message) -> bool:

@@ -131,6 +131,9 @@ class FrameConnection(asyncio.BufferedProtocol, abc.ABC):
         self.wire.close()
         if self._pairing is not None:
             pairing.withdraw(self, self._pairing)
+        if self.partner is not None:
+            self.partner.partner = None
+            self.partner = None
         for task in list(self._tasks):
             task.cancel()
         if self._drained is not None:
@@ -207,7 +210,9 @@ class FrameConnection(asyncio.BufferedProtocol, abc.ABC):
         here = self.transport.get_extra_info("sockname")
         there = self.transport.get_extra_info("peername")
         if isinstance(here, tuple) and isinstance(there, tuple):
-            self._pairing = pairing.offer(self, here, there)
+            self._pairing, partner = pairing.offer(self, here, there)
+            if partner is not None:
+                self.partner, partner.partner = partner, self
 
     def answer_probe(self, msg: Message) -> bool:
         """Answer a probe request (``probing``); False when ``msg`` is not one.

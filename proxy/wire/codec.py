@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-import msgpack
+import msgpack  # type: ignore[import-untyped]  # no stubs
 import numpy as np
 
 from .errors import ProtocolError as ProtocolError  # re-exported until its importers move
@@ -52,7 +52,7 @@ def _segment(seg: Any) -> tuple[list[Any], memoryview]:
         if not seg.flags.c_contiguous:
             raise ValueError(f"segment of shape {seg.shape} is not C-contiguous")
         # a C-contiguous view casts to bytes whatever its shape, unless a dimension is 0
-        view = memoryview(seg).cast("B") if seg.size else memoryview(b"")
+        view = seg.data.cast("B") if seg.size else memoryview(b"")
         return [name, list(seg.shape), seg.nbytes], view
     view = memoryview(seg)
     if not view.c_contiguous:
@@ -130,11 +130,11 @@ class Decoder:
         *,
         max_payload: int = DEFAULT_MAX_PAYLOAD,
         max_header: int = MAX_HEADER,
-        allocate: Callable[[int], memoryview] = _bytearray_view,
+        allocate: Callable[[int], memoryview] | None = None,
     ) -> None:
         self.max_payload = max_payload
         self.max_header = max_header
-        self._allocate = allocate
+        self._allocate = allocate or _bytearray_view
         self._pending = bytearray()  # a partial prefix or header
         self._prefix: tuple[int, int, int, int, int] | None = None
         self._header: dict[str, Any] | None = None
@@ -165,6 +165,7 @@ class Decoder:
         if self._direct:
             self._direct = False
             self._filled += nbytes
+            assert self._payload is not None  # ``_direct``: get_buffer gave the payload
             if self._filled == len(self._payload):
                 try:
                     self._finish()
@@ -212,7 +213,8 @@ class Decoder:
                 data = data[take:]
                 if len(self._pending) < want:
                     return
-                block, self._pending = bytes(self._pending), bytearray()
+                block: bytes | memoryview = bytes(self._pending)
+                self._pending = bytearray()
             else:  # all here: parsed where it lies (what is kept of it is copied)
                 block, data = data[:want], data[want:]
             if self._prefix is None:
@@ -220,7 +222,7 @@ class Decoder:
             else:
                 self._parse_header(block)
 
-    def _parse_prefix(self, block: bytes) -> None:
+    def _parse_prefix(self, block: bytes | memoryview) -> None:
         magic, version, msg_type, header_len, payload_len = PREFIX.unpack(block)
         if magic != MAGIC:
             raise RemoteProtocolError(

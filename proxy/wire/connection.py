@@ -42,8 +42,7 @@ class Connection:
     ) -> None:
         self.party = party
         self.conversation = ConversationState(role)
-        kwargs = {} if allocate is None else {"allocate": allocate}
-        self._decoder = Decoder(max_payload=max_payload, **kwargs)
+        self._decoder = Decoder(max_payload=max_payload, allocate=allocate)
 
     @property
     def role(self) -> str | None:

@@ -77,8 +77,10 @@ class Greeting(Message):
     version: int
     nonce: bytes
     auth: bool
-    weights: dict = field(default_factory=dict)  # the shared weights: path, digest, nbytes
-    arena: dict = field(default_factory=dict)  # the operand arena: path, nbytes
+    weights: dict[str, Any] = field(
+        default_factory=dict
+    )  # the shared weights: path, digest, nbytes
+    arena: dict[str, Any] = field(default_factory=dict)  # the operand arena: path, nbytes
     process: str = ""  # the emulator's token (``local``): peers in its process hand over arrays
 
 
@@ -91,8 +93,8 @@ class Hello(Message):
     name: str = ""
     uuid: str = ""
     mac: bytes = b""
-    profile: dict = field(default_factory=dict)
-    caps: dict = field(default_factory=dict)
+    profile: dict[str, Any] = field(default_factory=dict)
+    caps: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -244,9 +246,9 @@ class Tile(Message):
     k: int
     lda: int
     ldb: int
-    ref_a: list = field(default_factory=list)
-    ref_b: list = field(default_factory=list)
-    drop: list = field(default_factory=list)
+    ref_a: list[int] = field(default_factory=list)
+    ref_b: list[int] = field(default_factory=list)
+    drop: list[list[int]] = field(default_factory=list)
     arena_a: int = -1
     arena_b: int = -1
     arena_c: int = -1
@@ -324,8 +326,8 @@ class Gemm(Message):
     batch: int = 1
     stride_a: int = 0
     stride_b: int = 0
-    ref_a: list = field(default_factory=list)
-    ref_b: list = field(default_factory=list)
+    ref_a: list[int] = field(default_factory=list)
+    ref_b: list[int] = field(default_factory=list)
     after: int = 0
     host_ns: int = 0
     # Byte offsets in the job's slab (see ``Slab``): where it wrote A and B (their segments
@@ -353,7 +355,7 @@ class Result(Message):
     SEGMENTS = 1
     gemm: int
     tiles: int
-    devices: list = field(default_factory=list)
+    devices: list[int] = field(default_factory=list)
     requeued: int = 0
     model_ns: int = 0
     bytes_down: int = 0
@@ -439,17 +441,20 @@ class Notice(Message):
     limit_s: float = 0.0
 
 
-MESSAGES: dict[int, type[Message]] = {
-    cls.TYPE: cls
-    for cls in (
-        Greeting, Hello, Welcome, Error, Bye, Heartbeat, ProbeEcho, ProbePush, ProbeAck,
-        ProbePull, ProbePulled, ProbeFlops, ProbeFlopsResult, ProbeVerdict, ProbeFlopsRequest,
-        Tile, TileResult, Open, Gemm, Result, Step, Close, Slab, Notice,
-    )
-}  # fmt: skip
+MESSAGES: dict[int, type[Message]] = {cls.TYPE: cls for cls in Message.__subclasses__()}
 
-_WIRE_TYPES = {"int": (int,), "float": (float, int), "str": (str,), "bytes": (bytes,),
-               "bool": (bool,), "dict": (dict,), "list": (list,)}  # fmt: skip
+# A field's wire type is its annotation's name (``list[int]``: "list"), with the Python
+# types it may arrive as: an int is taken where a float is due (a peer written in another
+# language may send 3 for 3.0).
+_WIRE_TYPES: dict[str, tuple[type, ...]] = {
+    "int": (int,),
+    "float": (float, int),
+    "str": (str,),
+    "bytes": (bytes,),
+    "bool": (bool,),
+    "dict": (dict,),
+    "list": (list,),
+}
 
 
 class _Schema(NamedTuple):
@@ -461,16 +466,27 @@ class _Schema(NamedTuple):
     fields: tuple[tuple[str, str, tuple[type, ...], bool], ...]
 
 
+def wire_type(f: dataclasses.Field[Any]) -> str:
+    """A header field's wire type: its annotation's name (annotations are strings here)."""
+    return str(f.type).split("[", 1)[0]
+
+
 def _schema(cls: type[Message]) -> _Schema:
     fields = [f for f in dataclasses.fields(cls) if f.name != "segments"]
     cls.FIELDS = tuple(f.name for f in fields)
+    kinds = [wire_type(f) for f in fields]
+    required = [
+        f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        for f in fields
+    ]
     return _Schema(
         frozenset(cls.FIELDS),
-        tuple(_WIRE_TYPES[f.type][0] for f in fields),
-        tuple((f.name, f.type, _WIRE_TYPES[f.type],
-               f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
-              for f in fields),
-    )  # fmt: skip
+        tuple(_WIRE_TYPES[kind][0] for kind in kinds),
+        tuple(
+            (f.name, kind, _WIRE_TYPES[kind], need)
+            for f, kind, need in zip(fields, kinds, required, strict=True)
+        ),
+    )
 
 
 _SCHEMAS = {msg_type: _schema(cls) for msg_type, cls in MESSAGES.items()}
@@ -508,8 +524,8 @@ def _checked(cls: type[Message], schema: _Schema, header: dict[str, Any]) -> dic
                 raise ValueError(f"{cls.TYPE.name}: missing header field {name!r}")
             continue
         if not isinstance(value, allowed) or (kind != "bool" and isinstance(value, bool)):
-            raise ValueError(f"{cls.TYPE.name}.{name}: expected {kind}, got "
-                             f"{type(value).__name__} {value!r:.40}")  # fmt: skip
-        if kind == "float" and type(value) is not float:
+            got = f"{type(value).__name__} {value!r:.40}"
+            raise ValueError(f"{cls.TYPE.name}.{name}: expected {kind}, got {got}")
+        if kind == "float" and isinstance(value, int):
             values = {**values, name: float(value)}
     return values

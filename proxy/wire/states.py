@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from enum import Enum
 
-from .messages import Message, MsgType
+from .messages import Hello, Message, MsgType, Open
 
 
 class Party(Enum):
@@ -133,7 +133,7 @@ class ConversationState:
             raise IllegalMessage(f"{t.name} from the {sender.value} while {now}")
         new_mine = MOVES.get((sender, mine, t), mine)
         new_theirs = theirs if reaction is None else reaction[theirs]
-        if t == M.HELLO:  # an unknown role is the handshake's to refuse (bad_hello)
+        if isinstance(msg, Hello):  # an unknown role is the handshake's to refuse (bad_hello)
             if self.role is not None and msg.role != self.role:
                 raise IllegalMessage(f"HELLO.role {msg.role!r}, but this peer is a {self.role}")
             self.role = msg.role if msg.role in ROLES else None
@@ -141,7 +141,7 @@ class ConversationState:
             if self.role is None:
                 raise IllegalMessage("WELCOME to a peer whose HELLO named no known role")
             new_mine, new_theirs = ROLES[self.role]
-        elif t == M.OPEN and sender is P:
+        elif isinstance(msg, Open) and sender is P:
             new_mine = S.JOB_RESTORING if msg.fresh_weights else S.JOB
         elif t in (M.ERROR, M.BYE):
             new_mine = new_theirs = S.CLOSED

@@ -27,10 +27,14 @@ E, P = Party.EMULATOR, Party.PEER
 VALUES = {"int": 0, "float": 0.0, "str": "x", "bytes": b"", "bool": False, "dict": {}, "list": []}
 
 
+def header_fields(cls: type[m.Message]) -> list[dataclasses.Field[object]]:
+    return [f for f in dataclasses.fields(cls) if f.name != "segments"]
+
+
 def sample(msg_type: m.MsgType) -> m.Message:
     """A well-formed message of ``msg_type`` (its fields' values do not matter here)."""
     cls = m.MESSAGES[msg_type]
-    fields = {f.name: VALUES[f.type] for f in dataclasses.fields(cls) if f.name != "segments"}
+    fields = {f.name: VALUES[m.wire_type(f)] for f in header_fields(cls)}
     if msg_type == m.MsgType.HELLO:
         fields["role"] = "job"
     return cls(**fields, segments=(memoryview(b""),) * cls.SEGMENTS)
