@@ -102,6 +102,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_command(build_parser(), argv)
 
 
+def emulator_main(argv: Sequence[str] | None = None) -> int:
+    """The ``morphling-emulator`` console script: ``morphling emulator``, whose flags it
+    takes, with ``morphling``'s own ``--log-level`` among them."""
+    level = argparse.ArgumentParser(add_help=False)
+    level.add_argument("--log-level")
+    known, rest = level.parse_known_args(sys.argv[1:] if argv is None else argv)
+    lead = [] if known.log_level is None else ["--log-level", known.log_level]
+    return main([*lead, "emulator", *rest])
+
+
+def cmd_main(argv: Sequence[str] | None = None) -> int:
+    """The ``morphling-cmd`` console script (upstream's ``morphling_cmd``): ``save`` only."""
+    from .commands.save import add_parser
+
+    parser, sub = command_parser("morphling-cmd", "Morphling model tools.")
+    add_parser(sub)
+    return run_command(parser, argv)
+
+
 def run_command(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
     """Parse, set up logging at the chosen level, run the subcommand; its exit code."""
     args = parser.parse_args(argv)

@@ -28,6 +28,7 @@ from morphling.proxy.checkpoint.hf_models import (
 )
 from processes import MORPHLING, child_env
 
+from morphling.cli import cmd_main
 from morphling.commands import save as save_cli
 
 TIED = "lm_head.weight"  # transformers drops the tied copy when it writes safetensors
@@ -499,11 +500,11 @@ def test_cli_usage_errors(tmp_path, capsys):
 def test_morphling_cmd_accepts_save_only(tmp_path, capsys):
     out = tmp_path / "c"
     argv = ["save", "--no-progress", "--model", "gpt2-tiny", "--random-init", "--output", str(out)]
-    assert save_cli.main(argv) == 0
+    assert cmd_main(argv) == 0
     with Checkpoint.open(out) as ckpt:
         assert ckpt.config == load_config("gpt2-tiny")
     with pytest.raises(SystemExit) as exc:
-        save_cli.main(["emulator"])
+        cmd_main(["emulator"])
     assert exc.value.code == 2
     assert "invalid choice: 'emulator'" in capsys.readouterr().err
 

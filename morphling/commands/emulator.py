@@ -65,15 +65,3 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
     return serve(main)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """The ``morphling-emulator`` console script: ``morphling emulator``, whose flags it
-    takes, with ``morphling``'s own ``--log-level`` among them."""
-    from morphling.cli import main as morphling_main
-
-    level = argparse.ArgumentParser(add_help=False)
-    level.add_argument("--log-level")
-    known, rest = level.parse_known_args(sys.argv[1:] if argv is None else argv)
-    lead = [] if known.log_level is None else ["--log-level", known.log_level]
-    return morphling_main([*lead, "emulator", *rest])

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 
 from morphling.interrupt import Interrupted, Signals
@@ -130,12 +129,3 @@ def _save(args: argparse.Namespace, signals: Signals) -> int:
     nbytes = sum(size for _, size in stored)
     print(f"saved {len(entries)} tensors ({nbytes:,} bytes) to {args.output}")
     return signals.exit_code or 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """The ``morphling-cmd`` console script (upstream's ``morphling_cmd``): ``save`` only."""
-    from morphling.cli import command_parser, run_command
-
-    parser, sub = command_parser("morphling-cmd", "Morphling model tools.")
-    add_parser(sub)
-    return run_command(parser, argv)
