@@ -17,7 +17,7 @@ from morphling.devices.models.links import LINKS
 from morphling.devices.models.profiles import BUILTIN, DeviceProfile
 from morphling.proxy.emulator.partition import GemmTask, make_task
 from morphling.proxy.vtime.engine import Clock, Fifo
-from morphling.proxy.vtime.eventlog import EventLog
+from morphling.proxy.vtime.eventlog import EventLog, Tile
 from morphling.proxy.vtime.placement import Placement
 from morphling.proxy.vtime.timeline import Bottleneck, Timeline
 from morphling.proxy.vtime.vdevice import Work
@@ -333,21 +333,14 @@ def test_tile_records_are_what_write_would_give():
         (gemm, 0, (t[2], t[5]), (t[5], t[6]), (t[6], t[7]), 1000.0, 80.5),  # neither
         (other, 1, (float(repr(t[11])), t[3]), (t[3], t[4]), (t[4], t[5]), None, None),
     ]  # fmt: skip
-    sink = io.BytesIO()
-    log = EventLog(sink)
-    expected = []
+    sink, reference = io.BytesIO(), io.BytesIO()
+    log, written = EventLog(sink), EventLog(reference)
     for seq, (g, device, down, compute, up, mhz, temp) in enumerate(calls, 1):
-        log.tile(log.tile_head(*g), seq, device, work, down, compute, up, mhz, temp)
-        record = {"ev": "tile", "job": g[0], "gemm": g[1], "step": g[2],
-                  "tile": seq, "device": device, "bytes_down": 300, "bytes_up": 40,
-                  "down": list(down), "compute": list(compute), "up": list(up),
-                  "freq_mhz": mhz, "temp_c": temp}  # fmt: skip
-        expected.append(json.dumps(record, separators=(",", ":")))
-    assert sink.getvalue().decode().splitlines() == expected
-    reference = EventLog()
-    for line in expected:
-        reference.write(json.loads(line))
-    assert log.digest() == reference.digest() and log.count == len(calls)
+        log.tile(log.tile_head(*g), seq, device, work, (down, compute, up), (mhz, temp))
+        job, gemm, step = g
+        written.write(Tile(job, gemm, step, seq, device, 300, 40, down, compute, up, mhz, temp))
+    assert sink.getvalue() == reference.getvalue()
+    assert log.digest() == written.digest() and log.count == len(calls)
 
 
 def test_every_record_of_a_run_is_what_write_would_give():
