@@ -50,6 +50,7 @@ COMPRESS_LEVEL = 1
 WRITE_BUFFER = 1 << 16  # bytes gathered before each compression call
 
 Stages = tuple[Span, Span, Span]  # a tile's down, compute and up
+NicSpans = tuple[Span | None, Span | None]  # its down and up on the shared bottleneck
 
 
 def critical_breakdown(issue: float, down: Span, compute: Span, up: Span) -> dict[str, float]:
@@ -281,10 +282,12 @@ class EventLog:
         work: Work,
         stages: Stages,
         state: tuple[float | None, float | None],
+        nic: NicSpans = (None, None),
     ) -> None:
-        """A ``Tile`` record (its stages down, compute and up; its device's MHz and °C),
-        formatted by hand: there is one per tile, and ``json.dumps`` would be a third of the
-        engine's time. The same JSON ``write`` would give.
+        """A ``Tile`` record (its stages down, compute and up; its device's MHz and °C; its
+        spans on the shared bottleneck, ``nic``), formatted by hand: there is one per tile,
+        and ``json.dumps`` would be a third of the engine's time. The same JSON ``write``
+        would give.
 
         ``repr`` of the times is most of what is left, so a time written already is not
         formatted again. A stage that starts when the one before it ends starts at that
@@ -312,11 +315,15 @@ class EventLog:
         mhz = self._levels.get(freq)
         if mhz is None:
             mhz = self._levels[freq] = repr(freq)
+        nic_down, nic_up = nic
+        shared = "" if nic_down is None else f',"nic_down":[{nic_down[0]!r},{nic_down[1]!r}]'
+        if nic_up is not None:
+            shared += f',"nic_up":[{nic_up[0]!r},{nic_up[1]!r}]'
         self._line(
             f'{head}"tile":{seq},"device":{device},"bytes_down":{work.bytes_down},'
             f'"bytes_up":{work.bytes_up},"down":[{down_start},{down_end}],'
             f'"compute":[{compute_start},{compute_end}],"up":[{up_start},{up1!r}],'
-            f'"freq_mhz":{mhz},"temp_c":{"null" if temp is None else repr(temp)}}}'
+            f'"freq_mhz":{mhz},"temp_c":{"null" if temp is None else repr(temp)}{shared}}}'
         )
 
     def coord(self, job: int, step: int, t0: float, t1: float) -> None:

@@ -518,6 +518,7 @@ class Timeline(Generic[T]):
         its step's totals, added to its device's in ``times``): down the link (and the shared
         FIFO), compute, up."""
         bottleneck, thermal, profile = self.bottleneck, device.thermal, device.profile
+        nic_down = nic_up = None  # its spans on the shared FIFO, which the report reads
         if not work.bytes_down:
             down = (now, now)
         elif bottleneck is None:
@@ -538,7 +539,7 @@ class Timeline(Generic[T]):
             up = _behind(nic_up, device.up, profile.upload_s(work.bytes_up), profile.ul_lat_s)
         device.returns_at(up[1])
         stages = (down, compute, up)
-        self.log.tile(head, self._tiles, device.id, work, stages, (freq, temp))
+        self.log.tile(head, self._tiles, device.id, work, stages, (freq, temp), (nic_down, nic_up))
         if times.totals:
             totals = times.devices.get(device.id)
             if totals is None:

@@ -276,7 +276,17 @@ def test_shared_bottleneck_serialises_transfers_of_different_devices():
         submit(tl, Recorder(), 1, task(1, 200, 100, 100), block=100)  # a tile each
     each = 2 * 100 * 100 * 4 / MB
     assert [t["down"][1] for t in records(sink_alone, "tile")] == pytest.approx([each, each])
-    assert [t["down"][1] for t in records(sink, "tile")] == pytest.approx([each, 2 * each])
+    tiles = records(sink, "tile")
+    assert [t["down"][1] for t in tiles] == pytest.approx([each, 2 * each])
+    # the shared FIFO's spans are logged: one transfer after the other, each way
+    nic_down = [t for tile in tiles for t in tile["nic_down"]]
+    assert nic_down == pytest.approx([0, each, each, 2 * each])
+    up = 100 * 100 * 4 / MB
+    assert tiles[1]["nic_up"][0] == pytest.approx(
+        max(tiles[0]["nic_up"][1], tiles[1]["compute"][1])
+    )
+    assert [t["nic_up"][1] - t["nic_up"][0] for t in tiles] == pytest.approx([up, up])
+    assert all("nic_down" not in t for t in records(sink_alone, "tile"))
 
 
 class EveryTileAfresh(Placement):
@@ -322,7 +332,7 @@ def test_greedy_places_as_it_would_predicting_every_device_afresh():
 
 def test_tile_records_are_what_write_would_give():
     """``EventLog.tile`` formats by hand and reuses the text of times it wrote before,
-    matched by identity; every line is still exactly ``write``'s JSON."""
+    matched by identity; every line is still exactly ``write``'s JSON of its ``Tile``."""
     t = [i / 7 + 1e-3 for i in range(12)]  # distinct floats
     gemm, other = (1, 7, 2), (2, 1, 1)  # job, GEMM, step
     work = Work(300, 40, GemmShape(10, 10, 10, False, False, 10, 10, "float32"))
@@ -333,12 +343,16 @@ def test_tile_records_are_what_write_would_give():
         (gemm, 0, (t[2], t[5]), (t[5], t[6]), (t[6], t[7]), 1000.0, 80.5),  # neither
         (other, 1, (float(repr(t[11])), t[3]), (t[3], t[4]), (t[4], t[5]), None, None),
     ]  # fmt: skip
+    # spans on a shared bottleneck: none; both; none down (the operands were resident)
+    nics = [(None, None), (None, None), ((t[0], t[9]), (t[10], t[11])), (None, (t[6], t[7]))]
     sink, reference = io.BytesIO(), io.BytesIO()
     log, written = EventLog(sink), EventLog(reference)
     for seq, (g, device, down, compute, up, mhz, temp) in enumerate(calls, 1):
-        log.tile(log.tile_head(*g), seq, device, work, (down, compute, up), (mhz, temp))
-        job, gemm, step = g
-        written.write(Tile(job, gemm, step, seq, device, 300, 40, down, compute, up, mhz, temp))
+        nic = nics[seq - 1] if seq <= len(nics) else (None, None)
+        log.tile(log.tile_head(*g), seq, device, work, (down, compute, up), (mhz, temp), nic)
+        job, number, step = g
+        record = Tile(job, number, step, seq, device, 300, 40, down, compute, up, mhz, temp, *nic)
+        written.write(record)
     assert sink.getvalue() == reference.getvalue()
     assert log.digest() == written.digest() and log.count == len(calls)
 
