@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 from hand_run import run_events, write_run
-from morphling.proxy.report.analysis import load_run, summarize
+from morphling.proxy.report.analysis import summarize
+from morphling.proxy.report.load import load_run
 
 from morphling.cli import command_parser, run_command
 from morphling.commands import sweep as sweep_cli

@@ -28,7 +28,8 @@ from morphling.devices.models.capacity import MAX_DEVICES_HELP
 from morphling.devices.models.profiles import expand_fleet
 from morphling.interrupt import Signals
 from morphling.outputs import check_dir_writable
-from morphling.proxy.report.analysis import load_run, summarize
+from morphling.proxy.report.analysis import summarize
+from morphling.proxy.report.load import load_run
 from morphling.proxy.vtime.eventlog import EVENT_LEVELS
 from morphling.text import format_bytes
 

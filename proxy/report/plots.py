@@ -10,7 +10,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .analysis import PLOT_FILES, Run
+from .load import Run
+
+PLOT_FILES = {
+    "timeline": "timeline.png",
+    "utilisation": "utilisation.png",
+    "thermal": "thermal.png",
+    "steps": "steps.png",
+}
 
 # More rows than this make a timeline unreadable; the rest are named in the title.
 MAX_TIMELINE_DEVICES = 32

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .analysis import Run, StepFigures, steps_text
+from .load import Run, StepFigures, steps_text
 
 US_PER_S = 1e6
 DOWNLINK, COMPUTE, UPLINK = 1, 2, 3

@@ -15,15 +15,11 @@ from typing import Any
 
 import pytest
 from hand_run import BW, FLEET, JOB, run_events, write_run
-from morphling.proxy.report.analysis import (
-    BREAKDOWN,
-    RunError,
-    StepRange,
-    format_summary,
-    load_run,
-    summarize,
-    write_reports,
-)
+from morphling.proxy.report.analysis import BREAKDOWN, summarize
+from morphling.proxy.report.files import write_reports
+from morphling.proxy.report.load import StepRange, load_run
+from morphling.proxy.report.records import RunError
+from morphling.proxy.report.text import format_summary
 from morphling.proxy.report.trace import chrome_trace
 
 from morphling.cli import command_parser, run_command
