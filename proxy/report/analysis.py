@@ -11,10 +11,10 @@ from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
-from morphling.proxy.vtime.eventlog import COMPONENTS, critical_breakdown
+from morphling.proxy.vtime.eventlog import COMPONENTS, Coord, Gemm, critical_breakdown
 
 from .load import DeviceFigures, Run, Sample, segment_span
-from .records import FORMAT_VERSION, Coord
+from .records import FORMAT_VERSION
 
 # A device straggles when, over the GEMMs it takes part in, it finishes on average this
 # fraction of the GEMM's duration after the median device: each such GEMM would have been
@@ -175,7 +175,8 @@ def _segments(run: Run, names: dict[int, str]) -> dict[tuple[int, int], list[dic
     GEMMs (each followed along its critical tile), in order."""
     tiles = {(t.job, t.gemm, t.tile): t for t in run.tiles}
     paths: dict[tuple[int, int], list[dict[str, Any]]] = defaultdict(list)
-    for seg in sorted((*run.gemms, *run.coords), key=segment_span):
+    segments: list[Gemm | Coord] = [*run.gemms, *run.coords]
+    for seg in sorted(segments, key=segment_span):
         path = paths[seg.job, seg.step]
         if isinstance(seg, Coord):
             path.append({"kind": "coordinator", "t0": seg.t0, "t1": seg.t1})

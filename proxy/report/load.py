@@ -19,29 +19,27 @@ import itertools
 import math
 import statistics
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from morphling.proxy.vtime.eventlog import COMPONENTS, RUN_FILE, STEP_TOTALS, critical_breakdown
-
-from .records import (
+from morphling.proxy.vtime.engine import Span
+from morphling.proxy.vtime.eventlog import (
+    COMPONENTS,
+    RUN_FILE,
+    STEP_TOTALS,
     Coord,
-    Device,
     DeviceStep,
     Freq,
     Gemm,
-    Interval,
-    Job,
     Oom,
-    RunError,
+    Record,
     Step,
     Tile,
-    read_events,
-    read_fleet,
-    read_meta,
+    critical_breakdown,
 )
+
+from .records import Device, Job, Meta, RunError, read_events, read_fleet, read_meta
 
 # The steps of each job the trace, timeline.png and the critical-path segments show by
 # default: what one looks at, in files that stay small however long the run.
@@ -161,7 +159,7 @@ class Run:
     steps: tuple[StepFigures, ...]  # every step, by job and step
     devices: dict[int, DeviceFigures]  # by id, those that did something
     thermal: dict[int, list[Sample]]  # by device with a thermal model, in time order
-    nic_busy_s: Interval | None  # the shared bottleneck's (down, up), when every tile is logged
+    nic_busy_s: Span  # the shared bottleneck's (down, up) busy seconds, from the tiles logged
     tiles: tuple[Tile, ...]
     gemms: tuple[Gemm, ...]
     coords: tuple[Coord, ...]
@@ -189,33 +187,32 @@ def load_run(path: str | Path, detail: StepRange = DEFAULT_DETAIL) -> Run:
     if not meta_file.is_file():
         raise RunError(f"{root} is not a Morphling run directory: it has no {RUN_FILE}")
     meta = read_meta(meta_file)
-    if meta["event_log"] == "off":
+    if meta.level == "off":
         raise RunError(
             f"{root} was run with --events off: it has no event log to report on (run it "
             "with --events auto, full or steps for a report)"
         )
-    events_file = root / meta["event_file"]
+    events_file = root / meta.event_file
     if not events_file.is_file():
         raise RunError(f"{root} is not a complete run directory: it has no {events_file.name}")
     fleet, jobs = read_fleet(meta_file, meta)
-    reader = _Reader(fleet, jobs, meta["event_log"], logged_steps(meta), detail)
-    for _, record in read_events(events_file, meta):
+    reader = _Reader(fleet, jobs, meta, detail)
+    for line, record in read_events(events_file, meta):
         try:
-            reader.add(record)
+            reader.add(line, record)
         except ValueError as exc:
             raise RunError(f"{events_file} {exc}") from exc
     try:
-        return reader.run(root, meta)
+        return reader.run(root)
     except ValueError as exc:
         raise RunError(f"{events_file} {exc}") from exc
 
 
-def logged_steps(meta: dict[str, Any]) -> StepRange | None:
+def logged_steps(meta: Meta) -> StepRange | None:
     """The steps of each job whose tiles a log at run.json's level has (None: none)."""
-    level = meta["event_log"]
-    if level == "auto":
-        return StepRange(None, meta["event_detail_steps"])
-    return StepRange() if level == "full" else None
+    if meta.level == "auto":
+        return StepRange(None, meta.detail_steps)
+    return StepRange() if meta.level == "full" else None
 
 
 # -- reducing the records as they come -------------------------------------------------------
@@ -228,6 +225,7 @@ class _StepSums:
     """One step of one job, as its records come (in any order)."""
 
     record: Step | None = None
+    line: int = 0  # its record's
     coord_s: float = 0.0
     gemm_s: float = 0.0
     gemms: int = 0
@@ -285,21 +283,31 @@ class _DeviceSums:
             self.lateness = [math.fsum(self.lateness)]
 
     def figures(self) -> DeviceFigures:
+        mean = math.fsum(self.lateness) / self.late_gemms if self.late_gemms else None
         return DeviceFigures(
-            self.tiles, self.busy_s, self.down_s, self.up_s, self.bytes_down, self.bytes_up,
-            self.top, self.last_in, self.gemms, self.expected_last,
-            math.fsum(self.lateness) / self.late_gemms if self.late_gemms else None,
-            self.last_in_detail,
-        )  # fmt: skip
+            tiles=self.tiles,
+            busy_s=self.busy_s,
+            down_s=self.down_s,
+            up_s=self.up_s,
+            bytes_down=self.bytes_down,
+            bytes_up=self.bytes_up,
+            top_freq_mhz=self.top,
+            last_in=self.last_in,
+            gemms=self.gemms,
+            expected_last=self.expected_last,
+            lateness=mean,
+            last_in_detail=self.last_in_detail,
+        )
 
 
 @dataclass(slots=True)
 class _GemmTiles:
-    """A GEMM's record and its tiles, kept until all have come (the engine logs the tiles
-    first): its critical tile and every device's finish need them all."""
+    """A GEMM's record and its tiles, with their lines, kept until all have come (the
+    engine logs the tiles first): its critical tile and every device's finish need them."""
 
     record: Gemm | None = None
-    tiles: dict[int, Tile] = field(default_factory=dict)
+    line: int = 0  # its record's
+    tiles: dict[int, tuple[Tile, int]] = field(default_factory=dict)  # number → (tile, line)
 
 
 class _Reader:
@@ -312,39 +320,51 @@ class _Reader:
     steps of a job apart); GEMMs and coordinator spans are checked for overlaps among the
     records kept (the steps shown)."""
 
-    def __init__(self, fleet: tuple[Device, ...], jobs: tuple[Job, ...], level: str,
-                 logged: StepRange | None, window: StepRange) -> None:  # fmt: skip
-        self.fleet, self.jobs = fleet, jobs
+    def __init__(
+        self, fleet: tuple[Device, ...], jobs: tuple[Job, ...], meta: Meta, window: StepRange
+    ) -> None:
+        self.fleet, self.jobs, self.meta = fleet, jobs, meta
         self.device_ids, self.job_ids = {d.id for d in fleet}, {j.id for j in jobs}
-        self.level, self.logged, self.window = level, logged, window
+        self.logged, self.window = logged_steps(meta), window
         self.steps: dict[tuple[int, int], _StepSums] = {}
         self.devices: dict[int, _DeviceSums] = defaultdict(_DeviceSums)
         self.gemm_tiles: dict[tuple[int, int], _GemmTiles] = {}
         self.samples: dict[int, list[Sample]] = defaultdict(list)
-        self.nic: tuple[list[Interval], list[Interval]] = ([], [])
+        self.nic: tuple[list[Span], list[Span]] = ([], [])
         self.tiles: list[Tile] = []
-        self.gemms: list[Gemm] = []
-        self.coords: list[Coord] = []
+        self.gemms: list[tuple[Gemm, int]] = []  # with their lines
+        self.coords: list[tuple[Coord, int]] = []
         self.ooms: list[Oom] = []
         self.span_s = 0.0
-        self._add: dict[type, Callable[[Any], None]] = {
-            Tile: self._tile, Gemm: self._gemm, Coord: self._coord, Step: self._step,
-            DeviceStep: self._device_step, Oom: self._oom, Freq: self._freq,
-        }  # fmt: skip
 
-    def add(self, record: Any) -> None:
-        self._add[type(record)](record)
+    def add(self, line: int, record: Record) -> None:
+        """Reduce the record on this line."""
+        match record:
+            case Tile():
+                self._tile(record, line)
+            case Gemm():
+                self._gemm(record, line)
+            case Coord():
+                self._coord(record, line)
+            case Step():
+                self._step(record, line)
+            case DeviceStep():
+                self._device_step(record, line)
+            case Oom():
+                self._oom(record, line)
+            case Freq():
+                self._freq(record, line)
 
     # -- records ------------------------------------------------------------------------
 
-    def _tile(self, t: Tile) -> None:
-        self._known(t.line, job=t.job, device=t.device)
+    def _tile(self, t: Tile, line: int) -> None:
+        self._known(line, job=t.job, device=t.device)
         if t.compute[0] < t.down[1] or t.up[0] < t.compute[1]:
             raise ValueError(
-                f"line {t.line}: tile {t.tile} of gemm {t.gemm} is out of order: down {t.down}, "
+                f"line {line}: tile {t.tile} of gemm {t.gemm} is out of order: down {t.down}, "
                 f"compute {t.compute}, up {t.up}"
             )
-        shown = self._detailed(t.line, "tile", t.job, t.step)
+        shown = self._detailed(line, "tile", t.job, t.step)
         step = self._sums(t.job, t.step)
         step.tiles += 1
         step.bytes_down += t.bytes_down
@@ -371,71 +391,74 @@ class _Reader:
                 nic.append(span)
         mine = self.gemm_tiles.setdefault((t.job, t.gemm), _GemmTiles())
         if t.tile in mine.tiles:
-            raise ValueError(f"line {t.line}: repeats the tile of line {mine.tiles[t.tile].line}")
-        mine.tiles[t.tile] = t
+            raise ValueError(f"line {line}: repeats the tile of line {mine.tiles[t.tile][1]}")
+        mine.tiles[t.tile] = (t, line)
         if shown:
             self.tiles.append(t)
         self.span_s = max(self.span_s, t.up[1])
         self._gemm_done(t.job, t.gemm, mine)
 
-    def _gemm(self, g: Gemm) -> None:
-        self._known(g.line, job=g.job)
+    def _gemm(self, g: Gemm, line: int) -> None:
+        self._known(line, job=g.job)
         if g.end < g.issue:
-            raise ValueError(f"line {g.line}: gemm {g.gemm} ends at {g.end}, before its issue")
-        shown = self._detailed(g.line, "gemm", g.job, g.step)
+            raise ValueError(f"line {line}: gemm {g.gemm} ends at {g.end}, before its issue")
+        shown = self._detailed(line, "gemm", g.job, g.step)
         step = self._sums(g.job, g.step)
         step.gemm_s += g.end - g.issue
         if g.tiles:  # an empty GEMM (no output) is not on the fleet
             step.gemms += 1
-        step.segment(g.issue, g.end, g.line)
+        step.segment(g.issue, g.end, line)
         mine = self.gemm_tiles.setdefault((g.job, g.gemm), _GemmTiles())
         if mine.record is not None:
-            raise ValueError(f"line {g.line}: repeats the gemm of line {mine.record.line}")
-        mine.record = g
+            raise ValueError(f"line {line}: repeats the gemm of line {mine.line}")
+        mine.record, mine.line = g, line
         if shown:
-            self.gemms.append(g)
+            self.gemms.append((g, line))
         self.span_s = max(self.span_s, g.end)
         self._gemm_done(g.job, g.gemm, mine)
 
-    def _coord(self, c: Coord) -> None:
-        self._known(c.line, job=c.job)
+    def _coord(self, c: Coord, line: int) -> None:
+        self._known(line, job=c.job)
         if c.t1 < c.t0:
-            raise ValueError(f"line {c.line}: coord ends at {c.t1}, before it starts")
-        shown = self._detailed(c.line, "coord", c.job, c.step)
+            raise ValueError(f"line {line}: coord ends at {c.t1}, before it starts")
+        shown = self._detailed(line, "coord", c.job, c.step)
         step = self._sums(c.job, c.step)
         step.coord_s += c.t1 - c.t0
-        step.segment(c.t0, c.t1, c.line)
+        step.segment(c.t0, c.t1, line)
         if shown:
-            self.coords.append(c)
+            self.coords.append((c, line))
         self.span_s = max(self.span_s, c.t1)
 
-    def _step(self, s: Step) -> None:
-        self._known(s.line, job=s.job)
+    def _step(self, s: Step, line: int) -> None:
+        self._known(line, job=s.job)
         if s.t1 < s.t0:
-            raise ValueError(f"line {s.line}: step {s.step} ends at {s.t1}, before it starts")
+            raise ValueError(f"line {line}: step {s.step} ends at {s.t1}, before it starts")
         step = self._sums(s.job, s.step)
         if step.record is not None:
-            raise ValueError(f"line {s.line}: repeats the step of line {step.record.line}")
+            raise ValueError(f"line {line}: repeats the step of line {step.line}")
         if not self._logs_tiles(s.step):
             missing = [name for name in STEP_TOTALS if getattr(s, name) is None]
             if missing:
-                raise ValueError(f"line {s.line}: step event: a step whose tiles the log does "
-                                 f"not keep needs its totals: missing {missing}")  # fmt: skip
-        step.record = s
+                raise ValueError(
+                    f"line {line}: step event: a step whose tiles the log does not keep needs "
+                    f"its totals: missing {missing}"
+                )
+        step.record, step.line = s, line
         self.span_s = max(self.span_s, s.t1)
 
-    def _device_step(self, d: DeviceStep) -> None:
-        self._known(d.line, job=d.job, device=d.device)
+    def _device_step(self, d: DeviceStep, line: int) -> None:
+        self._known(line, job=d.job, device=d.device)
         if self._logs_tiles(d.step):
-            raise ValueError(f"line {d.line}: device_step of job {d.job} step {d.step}, whose "
-                             "tiles the log keeps")  # fmt: skip
+            raise ValueError(
+                f"line {line}: device_step of job {d.job} step {d.step}, whose tiles the log keeps"
+            )
         step = self._sums(d.job, d.step)
         step.devices = step.devices or {}
         if d.device in step.devices:
             raise ValueError(
-                f"line {d.line}: repeats the device_step of line {step.devices[d.device]}"
+                f"line {line}: repeats the device_step of line {step.devices[d.device]}"
             )
-        step.devices[d.device] = d.line
+        step.devices[d.device] = line
         step.last_in[d.device] += d.last_in
         device = self.devices[d.device]
         device.tiles += d.tiles
@@ -449,16 +472,16 @@ class _Reader:
         if d.freq_mhz is not None or d.temp_c is not None:  # its last tile's state
             self.samples[d.device].append((d.t, d.freq_mhz, d.temp_c))
 
-    def _oom(self, o: Oom) -> None:
-        self._known(o.line, job=o.job, device=o.device)
+    def _oom(self, o: Oom, line: int) -> None:
+        self._known(line, job=o.job, device=o.device)
         step = self._sums(o.job, o.step)
         step.oom += 1
         step.spans(o.t, o.t)
         self.ooms.append(o)
         self.span_s = max(self.span_s, o.t)
 
-    def _freq(self, f: Freq) -> None:
-        self._known(f.line, device=f.device)
+    def _freq(self, f: Freq, line: int) -> None:
+        self._known(line, device=f.device)
         self.devices[f.device].frequency(f.freq_mhz)
         self.samples[f.device].append((f.t, f.freq_mhz, f.temp_c))
         self.span_s = max(self.span_s, f.t)
@@ -479,8 +502,9 @@ class _Reader:
         only the step's totals."""
         if not self._logs_tiles(step):
             raise ValueError(
-                f"line {line}: {kind} of job {job} step {step}, but a log at level {self.level} "
-                f"keeps tiles, GEMMs and coordinator spans for {steps_text(self.logged)}"
+                f"line {line}: {kind} of job {job} step {step}, but a log at level "
+                f"{self.meta.level} keeps tiles, GEMMs and coordinator spans for "
+                f"{steps_text(self.logged)}"
             )
         return step in self.window
 
@@ -497,80 +521,95 @@ class _Reader:
 
     def _settle(self, mine: _GemmTiles) -> None:
         """A GEMM whose record and tiles are in: its critical tile, its devices' finishes."""
-        g = mine.record
+        g, line = mine.record, mine.line
         assert g is not None
         if g.last_tile is None:  # empty: nothing ran
             return
-        last = mine.tiles.get(g.last_tile)
-        if last is None:
-            raise ValueError(
-                f"line {g.line}: gemm {g.gemm}'s last_tile {g.last_tile} is not logged"
-            )
+        if g.last_tile not in mine.tiles:
+            raise ValueError(f"line {line}: gemm {g.gemm}'s last_tile {g.last_tile} is not logged")
+        last, last_line = mine.tiles[g.last_tile]
         if last.device != g.last_device or last.up[1] != g.end or last.down[0] < g.issue:
             raise ValueError(
-                f"line {g.line}: gemm {g.gemm} (issue {g.issue}, end {g.end}, last_device "
-                f"{g.last_device}) disagrees with its last tile on line {last.line}"
+                f"line {line}: gemm {g.gemm} (issue {g.issue}, end {g.end}, last_device "
+                f"{g.last_device}) disagrees with its last tile on line {last_line}"
             )
         step = self.steps[g.job, g.step]
         step.critical = step.critical or [0.0] * len(COMPONENTS)
-        for i, seconds in enumerate(critical_breakdown(g.issue, last.down, last.compute,
-                                                       last.up).values()):  # fmt: skip
+        breakdown = critical_breakdown(g.issue, last.down, last.compute, last.up)
+        for i, seconds in enumerate(breakdown.values()):
             step.critical[i] += seconds
         step.last_in[last.device] += 1
         self.devices[last.device].last_in += 1
         self.devices[last.device].last_in_detail += 1
         finish: dict[int, float] = {}  # each device's last tile back
-        for t in mine.tiles.values():
+        for t, _ in mine.tiles.values():
             finish[t.device] = max(finish.get(t.device, 0.0), t.up[1])
         for device in finish:
             self.devices[device].gemms += 1
             self.devices[device].expected_last += 1 / len(finish)
         if len(finish) >= 2 and g.end > g.issue:
             median = statistics.median(finish.values())
-            for device, t in finish.items():
-                self.devices[device].late((t - median) / (g.end - g.issue))
+            for device, t_back in finish.items():
+                self.devices[device].late((t_back - median) / (g.end - g.issue))
 
     # -- the end ------------------------------------------------------------------------
 
-    def run(self, root: Path, meta: dict[str, Any]) -> Run:
+    def run(self, root: Path) -> Run:
         """The run, once every record is in: the checks that need them all, the figures."""
         for mine in self.gemm_tiles.values():
             if mine.record is not None:  # fewer tiles than it says; those of a GEMM that
                 self._settle(mine)  # never ended (the run stopped) have no record
-        by_job: dict[int, list[Step]] = defaultdict(list)
+        steps: dict[int, list[tuple[Span, int]]] = defaultdict(list)  # by job, with lines
         for (job, number), step in self.steps.items():
             if step.record is None:
                 if step.devices:
-                    raise ValueError(f"line {min(step.devices.values())}: device_step of job "
-                                     f"{job} step {number}, which is not logged")  # fmt: skip
+                    raise ValueError(
+                        f"line {min(step.devices.values())}: device_step of job {job} step "
+                        f"{number}, which is not logged"
+                    )
                 continue
-            by_job[job].append(step.record)
-        kept: dict[int, list[Gemm | Coord]] = defaultdict(list)
-        for e in (*self.gemms, *self.coords):
-            kept[e.job].append(e)
+            steps[job].append(((step.record.t0, step.record.t1), step.line))
+        kept: dict[int, list[tuple[Span, int]]] = defaultdict(list)
+        segments: list[tuple[Gemm | Coord, int]] = [*self.gemms, *self.coords]
+        for e, line in segments:
+            kept[e.job].append((segment_span(e), line))
         for job in self.job_ids:
-            _no_overlap(by_job[job], lambda s: (s.t0, s.t1), "step")
-            _no_overlap(kept[job], segment_span, "gemm or coord")
+            _no_overlap(steps[job], "step")
+            _no_overlap(kept[job], "gemm or coord")
         for (_, number), step in self.steps.items():
             s = step.record
             for span in (step.first, step.last):
                 if s is not None and span is not None and not s.t0 <= span[0] <= span[1] <= s.t1:
-                    raise ValueError(f"line {span[2]}: {span[:2]} lies outside step {number} "
-                                     f"{s.t0, s.t1} (line {s.line})")  # fmt: skip
+                    raise ValueError(
+                        f"line {span[2]}: {span[:2]} lies outside step {number} "
+                        f"{s.t0, s.t1} (line {step.line})"
+                    )
             for device, sample in (step.samples or {}).items():
                 self.samples[device].append(sample)
+        meta = self.meta
         return Run(
-            path=root, policy=meta["policy"], block=meta["block"],
-            coordinator_time=meta["coordinator_time"], level=self.level, logged=self.logged,
-            window=self.window, bottleneck=meta["bottleneck"], command=tuple(meta["command"]),
-            fleet=self.fleet, jobs=self.jobs,
+            path=root,
+            policy=meta.policy,
+            block=meta.block,
+            coordinator_time=meta.coordinator_time,
+            level=meta.level,
+            logged=self.logged,
+            window=self.window,
+            bottleneck=meta.bottleneck,
+            command=meta.command,
+            fleet=self.fleet,
+            jobs=self.jobs,
             steps=tuple(self._figures(key, self.steps[key]) for key in sorted(self.steps)),
             devices={d: sums.figures() for d, sums in sorted(self.devices.items())},
             thermal={d: sorted(s, key=lambda x: x[0]) for d, s in sorted(self.samples.items())},
             nic_busy_s=(union_s(self.nic[0]), union_s(self.nic[1])),
-            tiles=tuple(self.tiles), gemms=tuple(self.gemms), coords=tuple(self.coords),
-            ooms=tuple(self.ooms), span_s=self.span_s, incomplete=meta.get("incomplete"),
-        )  # fmt: skip
+            tiles=tuple(self.tiles),
+            gemms=tuple(g for g, _ in self.gemms),
+            coords=tuple(c for c, _ in self.coords),
+            ooms=tuple(self.ooms),
+            span_s=self.span_s,
+            incomplete=meta.incomplete,
+        )
 
     def _figures(self, key: tuple[int, int], sums: _StepSums) -> StepFigures:
         """A step's figures: from its records where the log has them (and for a step never
@@ -580,29 +619,62 @@ class _Reader:
         last_in = tuple((d, n) for d, n in sums.last_in.most_common() if n)
         t0, t1, local = (sums.t0, sums.t1, 0) if s is None else (s.t0, s.t1, s.local_gemms)
         if s is None or detail:
-            critical = tuple(sums.critical or [0.0] * len(COMPONENTS))
-            return StepFigures(job, number, s is not None, t0, t1, sums.coord_s, sums.gemm_s,
-                               sums.gemms, local, sums.tiles, sums.bytes_down, sums.bytes_up,
-                               sums.oom, critical, last_in, detail)  # fmt: skip
+            return StepFigures(
+                job,
+                number,
+                s is not None,
+                t0,
+                t1,
+                sums.coord_s,
+                sums.gemm_s,
+                sums.gemms,
+                local,
+                sums.tiles,
+                sums.bytes_down,
+                sums.bytes_up,
+                sums.oom,
+                tuple(sums.critical or [0.0] * len(COMPONENTS)),
+                last_in,
+                detail,
+            )
+        # a step without its tiles has its totals (``_step``)
         assert s.coord_s is not None and s.gemm_s is not None and s.tiles is not None
-        assert s.bytes_down is not None and s.bytes_up is not None  # checked: ``_step``
-        return StepFigures(job, number, True, t0, t1, s.coord_s, s.gemm_s, s.gemms, local,
-                           s.tiles, s.bytes_down, s.bytes_up, sums.oom,
-                           tuple(getattr(s, c) for c in COMPONENTS), last_in, False)  # fmt: skip
+        assert s.bytes_down is not None and s.bytes_up is not None
+        critical = tuple(getattr(s, c) for c in COMPONENTS)
+        return StepFigures(
+            job,
+            number,
+            True,
+            t0,
+            t1,
+            s.coord_s,
+            s.gemm_s,
+            s.gemms,
+            local,
+            s.tiles,
+            s.bytes_down,
+            s.bytes_up,
+            sums.oom,
+            critical,
+            last_in,
+            False,
+        )
 
 
-def segment_span(e: Gemm | Coord) -> Interval:
+def segment_span(e: Gemm | Coord) -> Span:
+    """A GEMM's or a coordinator span's (start, end)."""
     return (e.issue, e.end) if isinstance(e, Gemm) else (e.t0, e.t1)
 
 
-def _no_overlap(events: list[Any], span: Callable[[Any], Interval], what: str) -> None:
-    """One job does one thing at a time: its steps, and its GEMMs and coordinator spans."""
-    ordered = sorted(events, key=span)
-    for before, after in itertools.pairwise(ordered):
-        if span(after)[0] < span(before)[1]:
+def _no_overlap(spans: list[tuple[Span, int]], what: str) -> None:
+    """One job does one thing at a time: its steps, and its GEMMs and coordinator spans
+    (each with its line)."""
+    ordered = sorted(spans, key=lambda s: s[0])
+    for (before, line_before), (after, line) in itertools.pairwise(ordered):
+        if after[0] < before[1]:
             raise ValueError(
-                f"line {after.line}: {what} {span(after)} overlaps line {before.line}'s "
-                f"{span(before)} of the same job"
+                f"line {line}: {what} {after} overlaps line {line_before}'s {before} of the "
+                "same job"
             )
 
 
@@ -620,7 +692,7 @@ def steps_text(steps: StepRange | None) -> str:
     return f"steps from {first}" if last is None else f"steps {first}-{last}"
 
 
-def union_s(intervals: Iterable[Interval]) -> float:
+def union_s(intervals: Iterable[Span]) -> float:
     """Seconds covered by at least one interval: a FIFO's busy time."""
     total, end = 0.0, -math.inf
     for t0, t1 in sorted(intervals):

@@ -2,38 +2,47 @@
 
 A report built on a garbled record would be quietly wrong, so every field is checked
 against its type as it is read (``docs/REPORTS.md`` has the format), and an error names
-the file and the line. The log is streamed: ``read_events`` yields its records one at a
-time, and checks its line count and digest against run.json's once it is read.
+the file and the line. The log's records are the engine's own (``vtime.eventlog``: one
+class per kind), built here from each line by their fields' types. The log is streamed:
+``read_events`` yields its records one at a time, and checks its line count and digest
+against run.json's once it is read.
 """
 
 from __future__ import annotations
 
 import gzip
 import hashlib
+import io
 import json
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import MISSING, dataclass, fields
+from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, NewType, TypeVar, cast, get_type_hints
 
+from morphling.proxy.vtime.engine import Span
 from morphling.proxy.vtime.eventlog import (
     COMPRESSED_EVENTS_FILE,
     EVENT_LEVELS,
     EVENTS_FILE,
+    KINDS,
     RUN_FORMAT,
+    Record,
 )
 
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
 FORMAT_VERSION = 1
-Interval = tuple[float, float]
-Rate = float  # bytes/s: the ``ideal`` link preset's is infinite
+Rate = NewType("Rate", float)  # bytes/s: the ``ideal`` link preset's is infinite
 
 
 class RunError(ValueError):
     """A directory that is not a run, or a run whose files are garbled or inconsistent."""
 
 
-# -- the log's records -----------------------------------------------------------------------
+# -- run.json --------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,118 +68,28 @@ class Job:
 
 
 @dataclass(frozen=True, slots=True)
-class Tile:
-    line: int
-    job: int
-    gemm: int
-    step: int
-    tile: int
-    device: int
-    bytes_down: int
-    bytes_up: int
-    down: Interval
-    compute: Interval
-    up: Interval
-    freq_mhz: float | None
-    temp_c: float | None
-    nic_down: Interval | None = None
-    nic_up: Interval | None = None
+class Meta:
+    """run.json, checked: the run's settings and what it says of its log. Its fleet and
+    jobs are checked apart (``read_fleet``), once the run is known to have a log."""
 
-
-@dataclass(frozen=True, slots=True)
-class Gemm:
-    line: int
-    job: int
-    gemm: int
-    step: int
-    issue: float
-    end: float
-    tiles: int
-    last_tile: int | None  # None: an empty GEMM (no output, no tiles)
-    last_device: int | None
-    m: int
-    n: int
-    k: int
-    batch: int
-
-
-@dataclass(frozen=True, slots=True)
-class Coord:
-    line: int
-    job: int
-    step: int
-    t0: float
-    t1: float
-
-
-@dataclass(frozen=True, slots=True)
-class Step:
-    line: int
-    job: int
-    step: int
-    t0: float
-    t1: float
-    gemms: int
-    local_gemms: int
-    # The step's totals: what a ``steps`` log has instead of its tiles, GEMMs and
-    # coordinator spans (older engines did not write them).
-    tiles: int | None = None
-    coord_s: float | None = None
-    gemm_s: float | None = None
-    bytes_down: int | None = None
-    bytes_up: int | None = None
-    link_queue_s: float | None = None
-    download_s: float | None = None
-    compute_queue_s: float | None = None
-    compute_s: float | None = None
-    upload_queue_s: float | None = None
-    upload_s: float | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class DeviceStep:
-    """A device's tiles of one step, summed (a ``steps`` log), and its state at the compute
-    start ``t`` of the last of them."""
-
-    line: int
-    job: int
-    step: int
-    device: int
-    tiles: int
-    bytes_down: int
-    bytes_up: int
-    down_s: float
-    compute_s: float
-    up_s: float
-    last_in: int
-    t: float
-    freq_mhz: float | None
-    temp_c: float | None
-
-
-@dataclass(frozen=True, slots=True)
-class Oom:
-    line: int
-    job: int
-    gemm: int
-    step: int
-    tile: int
-    device: int
-    t: float
-    need_bytes: int
-    capacity_bytes: int
-
-
-@dataclass(frozen=True, slots=True)
-class Freq:
-    line: int
-    device: int
-    t: float
-    freq_mhz: float | None
-    temp_c: float | None
+    policy: str
+    block: int
+    coordinator_time: str
+    level: str  # what the log keeps: ``EVENT_LEVELS``
+    detail_steps: int | None  # ``auto``: the steps of each job whose tiles the log has
+    event_file: str
+    command: tuple[str, ...]
+    incomplete: str | None  # why the run ended early
+    bottleneck: dict[str, float] | None  # its parameters
+    lines: int | None  # the log's line count and sha256, when the engine wrote them
+    digest: str | None
+    fleet: object  # as read, for ``read_fleet``
+    jobs: object
 
 
 # -- field checks: one per field type, shared by every record ------------------------------
+
+Check = Callable[[object, str], object]
 
 
 def _finite(value: object, name: str) -> float:
@@ -204,7 +123,7 @@ def _text(value: object, name: str) -> str:
     return value
 
 
-def _interval(value: object, name: str) -> Interval:
+def _interval(value: object, name: str) -> Span:
     if not isinstance(value, list) or len(value) != 2:
         raise ValueError(f"field {name!r} must be [start, end], got {value!r}")
     t0, t1 = (_nonnegative(v, name) for v in value)
@@ -213,61 +132,123 @@ def _interval(value: object, name: str) -> Interval:
     return t0, t1
 
 
-def _nullable(check: Callable[[object, str], Any]) -> Callable[[object, str], Any]:
+def _nullable(check: Check) -> Check:
     return lambda value, name: None if value is None else check(value, name)
 
 
-# By the field's annotation (a string, under ``from __future__ import annotations``).
-_CHECKS: dict[str, Callable[[object, str], Any]] = {
-    "int": _count,
-    "str": _text,
-    "float": _nonnegative,
-    "Rate": _rate,
-    "Interval": _interval,
-    "Interval | None": _nullable(_interval),
-    "float | None": _nullable(_finite),
-    "int | None": _nullable(_count),
+# By the field's type. A time, a byte count or a duration is never negative.
+_CHECKS: dict[object, Check] = {
+    int: _count,
+    str: _text,
+    float: _nonnegative,
+    Rate: _rate,
+    Span: _interval,
+    Span | None: _nullable(_interval),
+    float | None: _nullable(_finite),
+    int | None: _nullable(_count),
 }
+D = TypeVar("D", bound="DataclassInstance")
 
 
-def _record(cls: type, obj: object, line: int | None = None) -> Any:
-    """``cls`` from a JSON object: each field checked; fields with a default may be absent."""
+@cache
+def _fields(cls: type[DataclassInstance]) -> list[tuple[str, Check, bool]]:
+    """Each field of a record class: its name, its check and whether it is required."""
+    hints = get_type_hints(cls)
+    return [(f.name, _CHECKS[hints[f.name]], f.default is MISSING) for f in fields(cls)]
+
+
+def parse(cls: type[D], obj: object) -> D:
+    """A ``cls`` from a JSON object: each field checked; fields with a default may be
+    absent, fields it does not know are ignored."""
     if not isinstance(obj, dict):
         raise ValueError(f"expected a JSON object, got {obj!r}")
-    values: dict[str, Any] = {} if line is None else {"line": line}
-    for f in fields(cls):
-        if f.name == "line":
-            continue
-        if f.name in obj:
-            values[f.name] = _CHECKS[str(f.type)](obj[f.name], f.name)
-        elif f.default is MISSING:
-            raise ValueError(f"missing field {f.name!r}")
-    return cls(**values)
+    values: dict[str, object] = {}
+    for name, check, required in _fields(cls):
+        if name in obj:
+            values[name] = check(obj[name], name)
+        elif required:
+            raise ValueError(f"missing field {name!r}")
+    return cast(Callable[..., D], cls)(**values)
 
 
-_KINDS: dict[str, type] = {
-    "tile": Tile,
-    "gemm": Gemm,
-    "coord": Coord,
-    "step": Step,
-    "oom": Oom,
-    "freq": Freq,
-    "device_step": DeviceStep,
-}
+# -- reading ---------------------------------------------------------------------------------
 
 
-def _list(meta: dict[str, Any], key: str) -> list[Any]:
-    value = meta.get(key)
-    if not isinstance(value, list) or not value:
-        raise ValueError(f"field {key!r} must be a non-empty list, got {value!r}")
-    return value
+def read_meta(meta_file: Path) -> Meta:
+    """run.json, checked but for its fleet and jobs."""
+    try:
+        meta = json.loads(meta_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise RunError(f"{meta_file}: cannot read it as JSON: {exc}") from exc
+    try:
+        return _meta(meta)
+    except ValueError as exc:
+        raise RunError(f"{meta_file}: {exc}") from exc
 
 
-def read_fleet(meta_file: Path, meta: dict[str, Any]) -> tuple[tuple[Device, ...], tuple[Job, ...]]:
+def _meta(meta: object) -> Meta:
+    if not isinstance(meta, dict):
+        raise ValueError(f"expected a JSON object, got {type(meta).__name__}")
+    if meta.get("format", RUN_FORMAT) != RUN_FORMAT:
+        raise ValueError(f"field 'format' is {meta['format']!r}, not {RUN_FORMAT!r}")
+    if meta.get("version") != FORMAT_VERSION:
+        raise ValueError(
+            f"field 'version' is {meta.get('version')!r}; this reader knows {FORMAT_VERSION}"
+        )
+    for key in ("policy", "coordinator_time", "block"):
+        if key not in meta:
+            raise ValueError(f"missing field {key!r}")
+    level = meta.get("event_log", "full")  # older engines logged everything
+    if level not in EVENT_LEVELS:
+        raise ValueError(f"field 'event_log' must be one of {EVENT_LEVELS}, got {level!r}")
+    detail_steps = None
+    if level == "auto":
+        detail_steps = _count(meta.get("event_detail_steps"), "event_detail_steps")
+        if detail_steps < 1:
+            raise ValueError("field 'event_detail_steps' must be >= 1")
+    # older engines wrote it uncompressed; a name, not a path: the log is in the run
+    name = meta.get("event_file", EVENTS_FILE)
+    if level != "off" and name not in (EVENTS_FILE, COMPRESSED_EVENTS_FILE):
+        raise ValueError(
+            f"field 'event_file' must be {EVENTS_FILE!r} or {COMPRESSED_EVENTS_FILE!r}, "
+            f"got {name!r}"
+        )
+    command = meta.get("command", [])  # descriptive only: may be left out
+    if not isinstance(command, list) or not all(isinstance(a, str) for a in command):
+        raise ValueError(f"field 'command' must be a list of strings, got {command!r}")
+    incomplete = meta.get("incomplete")
+    if incomplete is not None and not isinstance(incomplete, str):
+        raise ValueError(f"field 'incomplete' must be null or a string, got {incomplete!r}")
+    if "bottleneck" not in meta:
+        raise ValueError("missing field 'bottleneck' (null when there is none)")
+    bottleneck = meta["bottleneck"]
+    if bottleneck is not None:  # its parameters, shown as they are: numbers
+        if not isinstance(bottleneck, dict):
+            raise ValueError(f"field 'bottleneck' must be null or an object, got {bottleneck!r}")
+        bottleneck = {k: _rate(v, f"bottleneck.{k}") for k, v in bottleneck.items()}
+    lines, digest = meta.get("events"), meta.get("digest")
+    return Meta(
+        policy=_text(meta["policy"], "policy"),
+        block=_count(meta["block"], "block"),
+        coordinator_time=_text(meta["coordinator_time"], "coordinator_time"),
+        level=level,
+        detail_steps=detail_steps,
+        event_file=_text(name, "event_file"),
+        command=tuple(command),
+        incomplete=incomplete,
+        bottleneck=bottleneck,
+        lines=None if lines is None else _count(lines, "events"),
+        digest=None if digest is None else _text(digest, "digest"),
+        fleet=meta.get("fleet"),
+        jobs=meta.get("jobs"),
+    )
+
+
+def read_fleet(meta_file: Path, meta: Meta) -> tuple[tuple[Device, ...], tuple[Job, ...]]:
     """run.json's devices and jobs, each checked, their ids unique."""
     try:
-        fleet = tuple(_record(Device, d) for d in _list(meta, "fleet"))
-        jobs = tuple(_record(Job, j) for j in _list(meta, "jobs"))
+        fleet = tuple(parse(Device, d) for d in _listed(meta.fleet, "fleet"))
+        jobs = tuple(parse(Job, j) for j in _listed(meta.jobs, "jobs"))
         for what, ids in (("fleet", [d.id for d in fleet]), ("jobs", [j.id for j in jobs])):
             if len(set(ids)) != len(ids):
                 raise ValueError(f"field {what!r} repeats an id: {ids}")
@@ -276,83 +257,45 @@ def read_fleet(meta_file: Path, meta: dict[str, Any]) -> tuple[tuple[Device, ...
     return fleet, jobs
 
 
-def read_meta(meta_file: Path) -> dict[str, Any]:
-    try:
-        meta = json.loads(meta_file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise RunError(f"{meta_file}: cannot read it as JSON: {exc}") from exc
-    try:
-        if not isinstance(meta, dict):
-            raise ValueError(f"expected a JSON object, got {type(meta).__name__}")
-        if meta.get("format", RUN_FORMAT) != RUN_FORMAT:
-            raise ValueError(f"field 'format' is {meta['format']!r}, not {RUN_FORMAT!r}")
-        if meta.get("version") != FORMAT_VERSION:
-            raise ValueError(
-                f"field 'version' is {meta.get('version')!r}; this reader knows {FORMAT_VERSION}"
-            )
-        for key, check in (("policy", _text), ("coordinator_time", _text), ("block", _count)):
-            if key not in meta:
-                raise ValueError(f"missing field {key!r}")
-            check(meta[key], key)
-        level = meta.setdefault("event_log", "full")  # older engines logged everything
-        if level not in EVENT_LEVELS:
-            raise ValueError(f"field 'event_log' must be one of {EVENT_LEVELS}, got {level!r}")
-        if level == "auto" and _count(meta.get("event_detail_steps"), "event_detail_steps") < 1:
-            raise ValueError("field 'event_detail_steps' must be >= 1")
-        # older engines wrote it uncompressed; a name, not a path: the log is in the run
-        name = meta.setdefault("event_file", EVENTS_FILE)
-        if level != "off" and name not in (EVENTS_FILE, COMPRESSED_EVENTS_FILE):
-            raise ValueError(
-                f"field 'event_file' must be {EVENTS_FILE!r} or {COMPRESSED_EVENTS_FILE!r}, "
-                f"got {name!r}"
-            )
-        command = meta.setdefault("command", [])  # descriptive only: may be left out
-        if not isinstance(command, list) or not all(isinstance(a, str) for a in command):
-            raise ValueError(f"field 'command' must be a list of strings, got {command!r}")
-        incomplete = meta.get("incomplete")
-        if incomplete is not None and not isinstance(incomplete, str):
-            raise ValueError(f"field 'incomplete' must be null or a string, got {incomplete!r}")
-        if "bottleneck" not in meta:
-            raise ValueError("missing field 'bottleneck' (null when there is none)")
-        bottleneck = meta["bottleneck"]
-        if bottleneck is not None:  # its parameters, shown as they are: numbers
-            if not isinstance(bottleneck, dict):
-                raise ValueError(
-                    f"field 'bottleneck' must be null or an object, got {bottleneck!r}"
-                )
-            meta["bottleneck"] = {k: _rate(v, f"bottleneck.{k}") for k, v in bottleneck.items()}
-    except ValueError as exc:
-        raise RunError(f"{meta_file}: {exc}") from exc
-    return meta
+def _listed(value: object, key: str) -> list[object]:
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"field {key!r} must be a non-empty list, got {value!r}")
+    return value
 
 
-def read_events(events_file: Path, meta: dict[str, Any]) -> Iterator[tuple[int, Any]]:
-    """Every known event with its line number, in log order; unknown kinds are skipped
+def read_events(events_file: Path, meta: Meta) -> Iterator[tuple[int, Record]]:
+    """Every known record with its line number, in log order; unknown kinds are skipped
     (newer engines). When run.json has the log's line count (``events``) and sha256
     (``digest``, of the lines uncompressed), they must match: a log cut short by a crash or
     edited afterwards is not silently reported on. A compressed log is read as a stream, as
     it was written."""
     digest, line = hashlib.sha256(), 0
-    opener = gzip.open if events_file.name.endswith(".gz") else open
     try:
-        with opener(events_file, "rb") as f:
+        with _open(events_file) as f:
             for line, raw in enumerate(f, 1):
                 digest.update(raw)
-                record = _read_event(raw, f"{events_file} line {line}", line)
+                record = _read_event(raw, f"{events_file} line {line}")
                 if record is not None:
                     yield line, record
     except (OSError, EOFError, gzip.BadGzipFile) as exc:  # EOFError: a stream cut short
         raise RunError(f"{events_file}: cannot read it: {exc}") from exc
-    if meta.get("events", line) != line:
+    if meta.lines is not None and meta.lines != line:
         raise RunError(
-            f"{events_file} has {line} lines but run.json says {meta['events']}: "
+            f"{events_file} has {line} lines but run.json says {meta.lines}: "
             "the log is incomplete or was appended to"
         )
-    if meta.get("digest", digest.hexdigest()) != digest.hexdigest():
+    if meta.digest is not None and meta.digest != digest.hexdigest():
         raise RunError(f"{events_file} does not match run.json's digest: it changed after the run")
 
 
-def _read_event(raw: bytes, where: str, line: int) -> Any:
+def _open(events_file: Path) -> gzip.GzipFile | io.BufferedReader:
+    """The log's lines, uncompressed (older engines wrote them so)."""
+    if events_file.name.endswith(".gz"):
+        return gzip.open(events_file, "rb")
+    return events_file.open("rb")
+
+
+def _read_event(raw: bytes, where: str) -> Record | None:
     """The record on this line, checked field by field; None for a blank line or a kind
     this reader does not know."""
     if not raw.strip():
@@ -365,10 +308,10 @@ def _read_event(raw: bytes, where: str, line: int) -> Any:
         raise RunError(f"{where}: not UTF-8 ({exc.reason} at byte {exc.start})") from exc
     if not isinstance(obj, dict) or not isinstance(obj.get("ev"), str):
         raise RunError(f"{where}: not an event (a JSON object with an 'ev' string)")
-    cls = _KINDS.get(obj["ev"])
-    if cls is None:
+    kind = KINDS.get(obj["ev"])
+    if kind is None:
         return None
     try:
-        return _record(cls, obj, line)
+        return parse(kind, obj)
     except ValueError as exc:
         raise RunError(f"{where}: {obj['ev']} event: {exc}") from exc
