@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 from .analysis import summarize
 from .load import DEFAULT_DETAIL, Run, StepRange, load_run
 from .plots import PLOT_FILES, write_plots
+from .summary import Summary
 from .trace import write_trace
 
 SUMMARY_FILE, TRACE_FILE = "summary.json", "trace.json"
@@ -25,7 +25,7 @@ def write_reports(
     return write_report_files(run, summarize(run), plots=plots)
 
 
-def write_report_files(run: Run, summary: dict[str, Any], *, plots: bool = True) -> list[Path]:
+def write_report_files(run: Run, summary: Summary, *, plots: bool = True) -> list[Path]:
     """``summary.json``, ``trace.json`` and (with ``plots``) the PNGs, in the run directory."""
     summary_path, trace_path = run.path / SUMMARY_FILE, run.path / TRACE_FILE
     with summary_path.open("w") as f:  # written as it is encoded: a long run has many steps

@@ -3,12 +3,11 @@ slowest step's critical path, OOMs (what ``morphling report`` and ``morphling ru
 
 from __future__ import annotations
 
-from typing import Any
-
 from morphling.text import elide, elided_line, format_bytes
 
 from .analysis import OTHER_STEPS, STRAGGLER_LATENESS
 from .load import StepRange, steps_text
+from .summary import DeviceRow, StepRow, Summary
 
 STEPS_LOG_LACKS = (
     "per-GEMM critical path segments, stragglers and lateness, and the per-tile trace and "
@@ -27,7 +26,7 @@ def _percent(x: float | None) -> str:
 TOP_DEVICES = 10
 
 
-def format_summary(summary: dict[str, Any]) -> str:
+def format_summary(summary: Summary) -> str:
     """The summary as text: steps, busiest devices, stragglers, the slowest step's critical
     path, OOMs."""
     run, totals = summary["run"], summary["totals"]
@@ -44,10 +43,10 @@ def format_summary(summary: dict[str, Any]) -> str:
     else:
         out += _detail_text(summary)
     if run["incomplete"] is not None:
-        out.append(f"incomplete: the run ended early ({run['incomplete']}); this is what it "
-                   "logged until then")  # fmt: skip
-    if run["bottleneck"]:
-        b = run["bottleneck"]
+        why = run["incomplete"]
+        out.append(f"incomplete: the run ended early ({why}); this is what it logged until then")
+    b = run["bottleneck"]
+    if b is not None:
         parameters = ", ".join(f"{k} {v:.4g}" for k, v in b["parameters"].items())
         out.append(
             f"shared bottleneck ({parameters}): downlink {_percent(b['downlink_utilisation'])}%, "
@@ -71,7 +70,7 @@ def format_summary(summary: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-def _steps_table(summary: dict[str, Any]) -> list[str]:
+def _steps_table(summary: Summary) -> list[str]:
     head = (
         f"{'job':>4} {'step':>5} {'emulated s':>11} {'coord s':>9} {'GEMM s':>9} "
         f"{'GEMMs':>6} {'local':>6} {'tiles':>7} {'down':>10} {'up':>10} {'OOM':>4}"
@@ -92,7 +91,7 @@ def _steps_table(summary: dict[str, Any]) -> list[str]:
     return rows
 
 
-def _step_row(s: dict[str, Any]) -> str:
+def _step_row(s: StepRow) -> str:
     mark = "" if s["complete"] else "  (incomplete)"
     return (
         f"{s['job']:>4} {s['step']:>5} {s['emulated_s']:>11.4f} "
@@ -102,7 +101,7 @@ def _step_row(s: dict[str, Any]) -> str:
     )
 
 
-def _devices_table(summary: dict[str, Any]) -> list[str]:
+def _devices_table(summary: Summary) -> list[str]:
     devices = sorted(summary["devices"], key=lambda d: (-d["utilisation"], d["id"]))
     shown = devices[:TOP_DEVICES]
     every = summary["run"]["detail"]["every_step_logged"]
@@ -123,7 +122,7 @@ def _devices_table(summary: dict[str, Any]) -> list[str]:
     return rows
 
 
-def _last_in(device: dict[str, Any], every: bool) -> str:
+def _last_in(device: DeviceRow, every: bool) -> str:
     """Critical tiles of GEMMs taken part in; their count alone where the log lacks the
     tiles of some steps (``every`` False), which the GEMMs taken part in need."""
     if not every:
@@ -131,18 +130,21 @@ def _last_in(device: dict[str, Any], every: bool) -> str:
     return f"{device['last_in']}/{device['gemms']}"
 
 
-def _detail_text(summary: dict[str, Any]) -> list[str]:
+def _detail_text(summary: Summary) -> list[str]:
     """Which steps the trace, timeline.png and the critical-path segments show, when that
     is not every step, and how to see others."""
     detail, steps = summary["run"]["detail"], summary["totals"]["steps"]
     shown = sum(s["steps"] for s in detail["shown"])
     if shown == steps:
         return []
-    which = "; ".join(
-        f"job {s['job']} steps {s['first']}-{s['last']}" if s["first"] != s["last"]
-        else f"job {s['job']} step {s['first']}"
+    shown_text = [
+        f"job {s['job']} step {s['first']}"
+        if s["first"] == s["last"]
+        else f"job {s['job']} steps {s['first']}-{s['last']}"
         for s in detail["shown"]
-    ) or "no step"  # fmt: skip
+    ]
+    which = "; ".join(shown_text) or "no step"
+    assert detail["logged"] is not None  # a log with tiles (not a steps log) says which
     logged = StepRange.parse(detail["logged"])
     return [
         f"detail: trace.json, timeline.png and the critical-path segments show {which} of "
@@ -153,7 +155,7 @@ def _detail_text(summary: dict[str, Any]) -> list[str]:
     ]
 
 
-def _stragglers_text(summary: dict[str, Any]) -> list[str]:
+def _stragglers_text(summary: Summary) -> list[str]:
     stragglers = summary["stragglers"]["devices"]
     head = f"stragglers (lateness >= {STRAGGLER_LATENESS} of a GEMM's duration):"
     if stragglers is None:
@@ -169,7 +171,7 @@ def _stragglers_text(summary: dict[str, Any]) -> list[str]:
     ]
 
 
-def _critical_text(step: dict[str, Any]) -> list[str]:
+def _critical_text(step: StepRow) -> list[str]:
     total = step["emulated_s"]
     path = step["critical_path"]
     rows = [
