@@ -24,7 +24,10 @@ from pathlib import Path
 import torch
 from morphling.proxy.checkpoint.hf_models import build_model, load_config
 from morphling.proxy.emulator.settings import EmulatorConfig
-from morphling.proxy.report.analysis import format_summary, load_run, summarize, write_report_files
+from morphling.proxy.report.analysis import summarize
+from morphling.proxy.report.files import write_report_files
+from morphling.proxy.report.load import load_run
+from morphling.proxy.report.text import format_summary
 
 import morphling
 

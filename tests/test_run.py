@@ -28,7 +28,7 @@ import torch
 from morphling.proxy.checkpoint.format import write_checkpoint
 from morphling.proxy.checkpoint.hf_models import load_config
 from morphling.proxy.job.embedded import EmbeddedFleet
-from morphling.proxy.report.analysis import load_run
+from morphling.proxy.report.load import load_run
 from processes import child_env
 
 MORPHLING_RUN = [sys.executable, "-m", "morphling", "--log-level", "warning", "run"]

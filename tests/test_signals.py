@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from morphling.proxy.report.analysis import load_run
+from morphling.proxy.report.load import load_run
 from morphling.proxy.shm.files import shm_dir
 from processes import MORPHLING, Procs, child_env
 

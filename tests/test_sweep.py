@@ -3,7 +3,7 @@
 The end-to-end tests start ``morphling run --embedded --link ... --cooling ... --run-dir``
 children exactly as a user's sweep would; the comparison figures are checked against
 the run directories they leave. The table's arithmetic is checked on the hand-computed
-run of ``test_report``.
+run of ``hand_run``.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from morphling.proxy.report.analysis import load_run, summarize
-from test_report import run_events, write_run
+from hand_run import run_events, write_run
+from morphling.proxy.report.analysis import summarize
+from morphling.proxy.report.load import load_run
 
 from morphling.cli import command_parser, run_command
 from morphling.commands import sweep as sweep_cli
@@ -189,7 +190,7 @@ def test_unwritable_out_is_refused_before_any_run(
 
 @pytest.fixture
 def summary(tmp_path: Path) -> dict[str, Any]:
-    """test_report's run: step 0 lasts 6 s, step 1 3 s; 9 s in all; 1 OOM."""
+    """hand_run's run: step 0 lasts 6 s, step 1 3 s; 9 s in all; 1 OOM."""
     return summarize(load_run(write_run(tmp_path / "run", run_events())))
 
 
@@ -223,7 +224,7 @@ def test_format_comparison(summary: dict[str, Any], tmp_path: Path) -> None:
         (3.0, 9.0, 1.0),
         (6.0, 18.0, 0.5),
     ]
-    # 2.5 + 3.5 × 4096 B moved (test_report's schedule); mean utilisation (2 + 5.25 + 1) / 27
+    # 2.5 + 3.5 × 4096 B moved (hand_run's schedule); mean utilisation (2 + 5.25 + 1) / 27
     assert rows[0]["bytes_moved"] == 6.0 * 4096 and rows[0]["oom"] == 1
     table = format_comparison(rows).splitlines()
     assert table[0].split() == ["fleet", "link", "cooling", "devices", "step", "s", "total", "s",

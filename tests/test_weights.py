@@ -28,7 +28,6 @@ from morphling.proxy.emulator.server import Emulator
 from morphling.proxy.emulator.settings import EmulatorConfig
 from morphling.proxy.job.client import Client, EmulatorError
 from morphling.proxy.job.session import Session
-from morphling.proxy.vtime.memory import DeviceMemory
 
 M, N, K, BLOCK = 40, 96, 64, 32
 X_BYTES = 3 * M * K * 4  # op(A) rows go to each of the 3 column blocks of C
@@ -262,18 +261,6 @@ async def test_job_refuses_a_different_checkpoint(setup, tmp_path):
     assert session.bind(model) == 1
     np.testing.assert_array_equal(model.w.detach().numpy(), s.ckpt_tensor().numpy())
     await asyncio.to_thread(client.close)
-
-
-def test_device_memory_keeps_recent_blocks_and_forgets_stale_ones():
-    mem = DeviceMemory(1000)
-    a, b, c = (0, 1, 100, 100), (400, 1, 100, 100), (800, 1, 100, 100)
-    assert mem.admit([(a, 0, 400), (b, 0, 400)], 100).held == set()
-    assert mem.admit([(a, 0, 400)], 100).held == {a}
-    third = mem.admit([(c, 0, 400)], 100)  # a is newer than b: b goes
-    assert third.evicted == [[*b, 0]] and set(mem.resident) == {a, c}
-    newer = mem.admit([(a, 1, 400)], 100)  # a changed: the old copy is useless
-    assert newer.held == set() and [*a, 0] in newer.evicted
-    assert not mem.admit([(a, 1, 400)], 700).fits and mem.oom_events == 1
 
 
 def test_working_copies_of_dead_emulators_are_removed(tmp_path):

@@ -12,16 +12,10 @@ import json
 import sys
 from pathlib import Path
 
-from morphling.proxy.report.analysis import (
-    DEFAULT_DETAIL,
-    StepFigures,
-    StepRange,
-    format_summary,
-    load_run,
-    steps_text,
-    summarize,
-    write_report_files,
-)
+from morphling.proxy.report.analysis import summarize
+from morphling.proxy.report.files import write_report_files
+from morphling.proxy.report.load import DEFAULT_DETAIL, StepFigures, StepRange, load_run, steps_text
+from morphling.proxy.report.text import format_summary
 
 
 def _step_range(text: str) -> StepRange:

@@ -307,12 +307,10 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
 
 def _report(run_dir: Path) -> None:
     """Summarise the run directory on stderr and write its reports beside it."""
-    from morphling.proxy.report.analysis import (
-        format_summary,
-        load_run,
-        summarize,
-        write_report_files,
-    )
+    from morphling.proxy.report.analysis import summarize
+    from morphling.proxy.report.files import write_report_files
+    from morphling.proxy.report.load import load_run
+    from morphling.proxy.report.text import format_summary
 
     try:
         run = load_run(run_dir)

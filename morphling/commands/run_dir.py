@@ -15,13 +15,8 @@ import time
 from pathlib import Path
 
 from morphling import outputs
-from morphling.proxy.report.analysis import (
-    COMPRESSED_EVENTS_FILE,
-    EVENTS_FILE,
-    REPORT_FILES,
-    RUN_FILE,
-    RUN_FORMAT,
-)
+from morphling.proxy.report.files import REPORT_FILES
+from morphling.proxy.vtime.eventlog import COMPRESSED_EVENTS_FILE, EVENTS_FILE, RUN_FILE, RUN_FORMAT
 
 DEFAULT_PARENT = Path("morphling-runs")
 # Everything the engine and the reports write to a run directory.

@@ -28,7 +28,9 @@ from morphling.devices.models.capacity import MAX_DEVICES_HELP
 from morphling.devices.models.profiles import expand_fleet
 from morphling.interrupt import Signals
 from morphling.outputs import check_dir_writable
-from morphling.proxy.report.analysis import load_run, summarize
+from morphling.proxy.report.analysis import summarize
+from morphling.proxy.report.load import load_run
+from morphling.proxy.report.summary import Summary
 from morphling.proxy.vtime.eventlog import EVENT_LEVELS
 from morphling.text import format_bytes
 
@@ -131,7 +133,7 @@ def child_command(
     return [sys.executable, "-m", "morphling", "run", *flags, "--", *command]
 
 
-def mean_step_s(summary: dict[str, Any], steps_from: int) -> float | None:
+def mean_step_s(summary: Summary, steps_from: int) -> float | None:
     """Mean emulated time of the complete steps, each job's first ``steps_from`` left out
     when the job has more than that (warm-up: caches are cold, devices cool)."""
     times = []
@@ -141,7 +143,7 @@ def mean_step_s(summary: dict[str, Any], steps_from: int) -> float | None:
     return statistics.fmean(times) if times else None
 
 
-def comparison_row(combo: Combination, summary: dict[str, Any], steps_from: int) -> dict:
+def comparison_row(combo: Combination, summary: Summary, steps_from: int) -> dict:
     """One line of the comparison, from a run's summary."""
     totals = summary["totals"]
     return {
@@ -260,7 +262,7 @@ def run(args: argparse.Namespace) -> int:
 def _run_one(
     combo: Combination, out: Path, command: list[str], passed: list[str], signals: Signals,
     running: list[subprocess.Popen],
-) -> tuple[int, dict | str]:  # fmt: skip
+) -> tuple[int, Summary | str]:  # fmt: skip
     """Run one combination: (exit code, its run's summary, or what went wrong)."""
     run_dir, log = out / combo.label, out / f"{combo.label}.log"
     with log.open("w") as f:

@@ -628,7 +628,7 @@ class Emulator:
             up = config.bottleneck_ul_bw or config.bottleneck_dl_bw
             bottleneck = Bottleneck(config.bottleneck_dl_bw, up)
         log = EventLog(self._events, level=config.events, detail_steps=config.events_detail_steps)
-        self.timeline = Timeline(config.policy, log=log, bottleneck=bottleneck)
+        self.timeline: Timeline[TileTask] = Timeline(config.policy, log=log, bottleneck=bottleneck)
         self.run_info: dict = {}  # extra keys for run.json (the command, the job's settings)
         self.allocate = pool_allocator(self.pool)
         self.peers: set[PeerConnection] = set()

@@ -8,9 +8,20 @@ no global figure state, safe to call from anywhere.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
-from .analysis import PLOT_FILES, Run
+from .load import Run
+from .summary import DeviceRow, StepRow, Summary
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+PLOT_FILES = {
+    "timeline": "timeline.png",
+    "utilisation": "utilisation.png",
+    "thermal": "thermal.png",
+    "steps": "steps.png",
+}
 
 # More rows than this make a timeline unreadable; the rest are named in the title.
 MAX_TIMELINE_DEVICES = 32
@@ -21,9 +32,11 @@ MAX_STEP_LINES = 50
 MAX_STEP_BARS = 500
 DPI = 120
 COLOURS = {"compute": "tab:blue", "downlink": "tab:green", "uplink": "tab:orange"}
+# Where each stage's bars lie in a device's row of the timeline: (offset, height).
+BAR_ROWS = {"downlink": (-0.45, 0.12), "compute": (-0.25, 0.5), "uplink": (0.33, 0.12)}
 
 
-def _figure(width: float, height: float) -> Any:
+def _figure(width: float, height: float) -> Figure:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -32,19 +45,19 @@ def _figure(width: float, height: float) -> Any:
     return fig
 
 
-def _busiest(summary: dict[str, Any], limit: int) -> tuple[list[dict[str, Any]], str]:
+def _busiest(devices: list[DeviceRow], limit: int) -> tuple[list[DeviceRow], str]:
     """The ``limit`` busiest devices, and a note for the title when some are left out."""
-    devices = sorted(summary["devices"], key=lambda d: (-d["busy_s"], d["id"]))
+    devices = sorted(devices, key=lambda d: (-d["busy_s"], d["id"]))
     if len(devices) <= limit:
         return devices, ""
     return devices[:limit], f" (busiest {limit} of {len(devices)} devices shown)"
 
 
-def _steps(summary: dict[str, Any]) -> list[dict[str, Any]]:
+def _steps(summary: Summary) -> list[StepRow]:
     return [s for job in summary["jobs"] for s in job["steps"]]
 
 
-def plot_timeline(run: Run, summary: dict[str, Any], path: Path) -> Path | None:
+def plot_timeline(run: Run, summary: Summary, path: Path) -> Path | None:
     """One row per device over the steps shown tile by tile (``Run.shows``): compute bars,
     thin downlink bars above, uplink bars below; None (and no file) when there are none,
     as from a ``steps`` log."""
@@ -53,7 +66,7 @@ def plot_timeline(run: Run, summary: dict[str, Any], path: Path) -> Path | None:
     steps = [s for s in run.steps if run.shows(s.step)]
     if not run.tiles or not steps:
         return None
-    shown, note = _busiest(summary, MAX_TIMELINE_DEVICES)
+    shown, note = _busiest(summary["devices"], MAX_TIMELINE_DEVICES)
     row = {d["id"]: i for i, d in enumerate(shown)}
     bars: dict[int, dict[str, list[tuple[float, float]]]] = {
         d: {kind: [] for kind in COLOURS} for d in row
@@ -65,12 +78,12 @@ def plot_timeline(run: Run, summary: dict[str, Any], path: Path) -> Path | None:
     fig = _figure(11, 1.6 + 0.35 * len(shown))
     ax = fig.subplots()
     # No antialiasing: back-to-back tiles would show hairline seams between them.
-    style = {"linewidth": 0, "antialiased": False}
     for device, y in row.items():  # y grows downwards (inverted axis): downlink on top
-        for kind, (offset, height) in (
-            ("downlink", (-0.45, 0.12)), ("compute", (-0.25, 0.5)), ("uplink", (0.33, 0.12))
-        ):  # fmt: skip
-            ax.broken_barh(bars[device][kind], (y + offset, height), color=COLOURS[kind], **style)
+        for kind, (offset, height) in BAR_ROWS.items():
+            span = (y + offset, height)
+            ax.broken_barh(
+                bars[device][kind], span, color=COLOURS[kind], linewidth=0, antialiased=False
+            )
     if len(steps) <= MAX_STEP_LINES:
         for s in steps:
             ax.axvline(s.t1, color="black", linewidth=0.8, linestyle=":", zorder=3)
@@ -93,7 +106,7 @@ def plot_timeline(run: Run, summary: dict[str, Any], path: Path) -> Path | None:
     return path
 
 
-def plot_utilisation(summary: dict[str, Any], path: Path) -> Path:
+def plot_utilisation(summary: Summary, path: Path) -> Path:
     """Compute, downlink and uplink utilisation per device, busiest compute first."""
     import numpy as np
 
@@ -102,11 +115,13 @@ def plot_utilisation(summary: dict[str, Any], path: Path) -> Path:
     fig = _figure(max(6.0, min(16.0, 0.3 * len(devices) + 3)), 4.5)
     ax = fig.subplots()
     width = 0.27
-    for i, (kind, key) in enumerate(
-        (("compute", "utilisation"), ("downlink", "downlink_utilisation"),
-         ("uplink", "uplink_utilisation"))
-    ):  # fmt: skip
-        values = [100 * d[key] for d in devices]
+    shares = (
+        [d["utilisation"] for d in devices],
+        [d["downlink_utilisation"] for d in devices],
+        [d["uplink_utilisation"] for d in devices],
+    )
+    for i, (kind, share) in enumerate(zip(("compute", "downlink", "uplink"), shares, strict=True)):
+        values = [100 * x for x in share]
         ax.bar(x + (i - 1) * width, values, width, color=COLOURS[kind], label=kind)
     if len(devices) <= MAX_NAMED_TICKS:
         ax.set_xticks(x, [d["name"] for d in devices], rotation=90, fontsize="small")
@@ -124,15 +139,14 @@ def plot_utilisation(summary: dict[str, Any], path: Path) -> Path:
     return path
 
 
-def plot_thermal(run: Run, summary: dict[str, Any], path: Path) -> Path | None:
+def plot_thermal(run: Run, summary: Summary, path: Path) -> Path | None:
     """Temperature and frequency over time of the devices with a thermal model; None (and
     no file) when no device has one."""
     samples = run.thermal
     if not samples:
         return None
-    shown, note = _busiest(
-        {"devices": [d for d in summary["devices"] if d["id"] in samples]}, MAX_THERMAL_DEVICES
-    )
+    modelled = [d for d in summary["devices"] if d["id"] in samples]
+    shown, note = _busiest(modelled, MAX_THERMAL_DEVICES)
     fig = _figure(11, 6)
     temp_ax, freq_ax = fig.subplots(2, 1, sharex=True)
     for d in shown:
@@ -152,7 +166,7 @@ def plot_thermal(run: Run, summary: dict[str, Any], path: Path) -> Path | None:
     return path
 
 
-def plot_steps(summary: dict[str, Any], path: Path) -> Path:
+def plot_steps(summary: Summary, path: Path) -> Path:
     """Emulated time per step, stacked: coordinator, GEMMs, and any time neither covers.
     Bars up to ``MAX_STEP_BARS`` steps, stacked areas beyond (as many bars take minutes)."""
     steps = _steps(summary)
@@ -176,8 +190,9 @@ def plot_steps(summary: dict[str, Any], path: Path) -> Path:
             ax.bar(x, values, bottom=bottom, color=colour, label=label)
             bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     else:
-        ax.stackplot(x, *(values for values, _, _ in parts), colors=[c for _, c, _ in parts],
-                     labels=[label for _, _, label in parts], step="mid")  # fmt: skip
+        colours, labels = [c for _, c, _ in parts], [label for _, _, label in parts]
+        areas = (values for values, _, _ in parts)
+        ax.stackplot(x, *areas, colors=colours, labels=labels, step="mid")
     if len(steps) <= MAX_NAMED_TICKS:
         ax.set_xticks(x, labels)
     ax.set_xlabel("step" if jobs == 1 else "job:step")
@@ -188,7 +203,7 @@ def plot_steps(summary: dict[str, Any], path: Path) -> Path:
     return path
 
 
-def write_plots(run: Run, summary: dict[str, Any], out_dir: Path) -> list[Path]:
+def write_plots(run: Run, summary: Summary, out_dir: Path) -> list[Path]:
     """Every plot that applies to this run, as PNGs in ``out_dir``; their paths."""
     paths = [
         plot_timeline(run, summary, out_dir / PLOT_FILES["timeline"]),

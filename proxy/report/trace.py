@@ -13,11 +13,12 @@ From a ``steps`` log there are no tiles, GEMMs or coordinator spans: the header 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
 
-from .analysis import Run, StepFigures, steps_text
+from morphling.proxy.vtime.engine import Span
+
+from .load import Run, StepFigures, steps_text
 
 US_PER_S = 1e6
 DOWNLINK, COMPUTE, UPLINK = 1, 2, 3
@@ -25,14 +26,27 @@ STEPS, GEMMS, COORDINATOR = 1, 2, 3
 JOB_THREADS = {STEPS: "steps", GEMMS: "GEMMs", COORDINATOR: "coordinator"}
 DEVICE_THREADS = {DOWNLINK: "downlink", COMPUTE: "compute", UPLINK: "uplink"}
 NIC_THREADS = {DOWNLINK: "downlink", UPLINK: "uplink"}
+Event = dict[str, object]  # a trace event, as JSON
 
 
-def _x(name: str, cat: str, pid: int, tid: int, t0: float, t1: float, **args: Any) -> dict:
-    return {"name": name, "cat": cat, "ph": "X", "pid": pid, "tid": tid,
-            "ts": t0 * US_PER_S, "dur": (t1 - t0) * US_PER_S, "args": args}  # fmt: skip
+def _x(
+    name: str, cat: str, thread: tuple[int, int], span: Span, args: Mapping[str, object]
+) -> Event:
+    """A complete event on ``thread`` (pid, tid) over ``span``."""
+    (pid, tid), (t0, t1) = thread, span
+    return {
+        "name": name,
+        "cat": cat,
+        "ph": "X",
+        "pid": pid,
+        "tid": tid,
+        "ts": t0 * US_PER_S,
+        "dur": (t1 - t0) * US_PER_S,
+        "args": args,
+    }
 
 
-def _process(pid: int, name: str, order: int, threads: dict[int, str]) -> Iterator[dict]:
+def _process(pid: int, name: str, order: int, threads: dict[int, str]) -> Iterator[Event]:
     """Metadata naming a process and its threads, and its place in the list."""
     yield {"name": "process_name", "ph": "M", "pid": pid, "args": {"name": name}}
     yield {"name": "process_sort_index", "ph": "M", "pid": pid, "args": {"sort_index": order}}
@@ -47,7 +61,7 @@ def _pids(run: Run) -> tuple[dict[int, int], dict[int, int], int]:
     return jobs, devices, len(jobs) + len(devices) + 1
 
 
-def trace_events(run: Run) -> Iterator[dict[str, Any]]:
+def trace_events(run: Run) -> Iterator[Event]:
     """Every trace event of the run, metadata first."""
     job_pid, device_pid, nic_pid = _pids(run)
     for job in run.jobs:
@@ -61,30 +75,31 @@ def trace_events(run: Run) -> Iterator[dict[str, Any]]:
 
     steps = _steps(run)
     for s in steps:
-        yield _x(f"step {s.step}", "step", job_pid[s.job], STEPS, s.t0, s.t1,
-                 gemms=s.gemms, local_gemms=s.local_gemms)  # fmt: skip
+        counts = {"gemms": s.gemms, "local_gemms": s.local_gemms}
+        yield _x(f"step {s.step}", "step", (job_pid[s.job], STEPS), (s.t0, s.t1), counts)
     for g in run.gemms:
-        yield _x(f"gemm {g.gemm} ({g.m}×{g.n}×{g.k}, batch {g.batch})", "gemm",
-                 job_pid[g.job], GEMMS, g.issue, g.end, step=g.step, tiles=g.tiles,
-                 last_tile=g.last_tile, last_device=g.last_device)  # fmt: skip
+        name = f"gemm {g.gemm} ({g.m}×{g.n}×{g.k}, batch {g.batch})"
+        last = {"last_tile": g.last_tile, "last_device": g.last_device}
+        about = {"step": g.step, "tiles": g.tiles} | last
+        yield _x(name, "gemm", (job_pid[g.job], GEMMS), (g.issue, g.end), about)
     for c in run.coords:
-        yield _x("coordinator", "coordinator", job_pid[c.job], COORDINATOR, c.t0, c.t1,
-                 step=c.step)  # fmt: skip
+        thread = (job_pid[c.job], COORDINATOR)
+        yield _x("coordinator", "coordinator", thread, (c.t0, c.t1), {"step": c.step})
 
     for t in run.tiles:
         pid, name = device_pid[t.device], f"gemm {t.gemm} tile {t.tile}"
         ids = {"job": t.job, "step": t.step, "gemm": t.gemm, "tile": t.tile}
-        stages = (
+        stages: list[tuple[str, int, int, Span | None, dict[str, object]]] = [
             ("download", pid, DOWNLINK, t.down, {"bytes": t.bytes_down}),
             ("compute", pid, COMPUTE, t.compute, {"freq_mhz": t.freq_mhz, "temp_c": t.temp_c}),
             ("upload", pid, UPLINK, t.up, {"bytes": t.bytes_up}),
             ("download", nic_pid, DOWNLINK, t.nic_down, {"device": t.device}),
             ("upload", nic_pid, UPLINK, t.nic_up, {"device": t.device}),
-        )
-        for cat, where, tid, span, args in stages:
+        ]
+        for cat, process, tid, span, args in stages:
             # A download of [t, t] moved nothing (the operands were resident): no event.
             if span is not None and (cat != "download" or span[1] > span[0]):
-                yield _x(name, cat, where, tid, *span, **args, **ids)
+                yield _x(name, cat, (process, tid), span, args | ids)
 
     if not steps:
         return
@@ -92,20 +107,25 @@ def trace_events(run: Run) -> Iterator[dict[str, Any]]:
     for o in run.ooms:
         if not start <= o.t <= end:
             continue
-        args = {"job": o.job, "step": o.step, "gemm": o.gemm, "tile": o.tile,
-                "need_bytes": o.need_bytes, "capacity_bytes": o.capacity_bytes}  # fmt: skip
-        yield {"name": "OOM", "cat": "oom", "ph": "i", "s": "t", "pid": device_pid[o.device],
-               "tid": COMPUTE, "ts": o.t * US_PER_S, "args": args}  # fmt: skip
+        which = {"job": o.job, "step": o.step, "gemm": o.gemm, "tile": o.tile}
+        need = {"need_bytes": o.need_bytes, "capacity_bytes": o.capacity_bytes}
+        pid = device_pid[o.device]
+        oom = {"name": "OOM", "cat": "oom", "ph": "i", "s": "t", "pid": pid, "tid": COMPUTE}
+        yield oom | {"ts": o.t * US_PER_S, "args": which | need}
     for device, samples in run.thermal.items():
-        for t, mhz, temp in samples:
-            if not start <= t <= end:
+        pid = device_pid[device]
+        for when, mhz, temp in samples:
+            if not start <= when <= end:
                 continue
+            ts = when * US_PER_S
             if temp is not None:
-                yield {"name": "temperature (°C)", "ph": "C", "pid": device_pid[device],
-                       "ts": t * US_PER_S, "args": {"temp_c": temp}}  # fmt: skip
+                yield _counter("temperature (°C)", pid, ts, {"temp_c": temp})
             if mhz is not None:
-                yield {"name": "frequency (MHz)", "ph": "C", "pid": device_pid[device],
-                       "ts": t * US_PER_S, "args": {"freq_mhz": mhz}}  # fmt: skip
+                yield _counter("frequency (MHz)", pid, ts, {"freq_mhz": mhz})
+
+
+def _counter(name: str, pid: int, ts: float, args: dict[str, float]) -> Event:
+    return {"name": name, "ph": "C", "pid": pid, "ts": ts, "args": args}
 
 
 def _steps(run: Run) -> list[StepFigures]:
@@ -113,7 +133,7 @@ def _steps(run: Run) -> list[StepFigures]:
     return [s for s in run.steps if s.step in run.window]
 
 
-def _header(run: Run) -> dict[str, Any]:
+def _header(run: Run) -> dict[str, object]:
     return {
         "displayTimeUnit": "ms",
         "otherData": {
@@ -131,7 +151,7 @@ def _header(run: Run) -> dict[str, Any]:
     }
 
 
-def chrome_trace(run: Run) -> dict[str, Any]:
+def chrome_trace(run: Run) -> dict[str, object]:
     """The whole trace as one object (small runs, tests); ``write_trace`` streams it."""
     return {**_header(run), "traceEvents": list(trace_events(run))}
 

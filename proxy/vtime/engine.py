@@ -15,10 +15,14 @@ import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
+from typing import TypeVar
 
 NO_DEVICE = -1  # the tie-break key of events that belong to no device (a job's)
 Span = tuple[float, float]  # (start, end) in virtual seconds
+A = TypeVar("A")
+# An event: (time, device, job, tile, sequence) orders it, then what it does.
+_Event = tuple[float, int, int, int, int, Callable[[], None]]
 
 
 class Clock:
@@ -26,15 +30,24 @@ class Clock:
 
     def __init__(self) -> None:
         self.now = 0.0
-        self._queue: list[tuple[float, int, int, int, int, Callable[[Any], None], Any]] = []
+        self._queue: list[_Event] = []
         self._seq = itertools.count()
 
-    def at(self, time: float, action: Callable[[Any], None], arg: Any = None, *,
-           device: int = NO_DEVICE, job: int = 0, tile: int = 0) -> None:  # fmt: skip
+    def at(
+        self,
+        time: float,
+        action: Callable[[A], None],
+        arg: A,
+        *,
+        device: int = NO_DEVICE,
+        job: int = 0,
+        tile: int = 0,
+    ) -> None:
         """Run ``action(arg)`` at virtual ``time`` (never before now: the past is settled)."""
         if math.isnan(time):
             raise ValueError("event time is NaN")
-        entry = (max(time, self.now), device, job, tile, next(self._seq), action, arg)
+        event = partial(action, arg)
+        entry: _Event = (max(time, self.now), device, job, tile, next(self._seq), event)
         heapq.heappush(self._queue, entry)
 
     def next_time(self) -> float:
@@ -50,9 +63,9 @@ class Clock:
         count = 0
         queue = self._queue
         while queue and queue[0][0] < before():
-            time, _, _, _, _, action, arg = heapq.heappop(queue)
+            time, _, _, _, _, action = heapq.heappop(queue)
             self.now = time
-            action(arg)
+            action()
             count += 1
         return count
 

@@ -1,9 +1,11 @@
 """The event log's format and its writer: what the engine records of a run, and how.
 
-The engine (``timeline``) writes it and ``report`` reads it, so the names both must agree
-on live here, with the engine: the files, the levels, the critical-path components of a
-GEMM (which the engine sums per step and the report derives from a GEMM's last tile), and
-``EventLog``, which formats and hashes the lines. ``docs/REPORTS.md`` has the format.
+The engine (``timeline``) writes it and ``report`` reads it, so what both must agree on
+lives here, with the engine: the files, the levels, the critical-path components of a
+GEMM (which the engine sums per step and the report derives from a GEMM's last tile), the
+records themselves (one dataclass per kind: its fields and their types, which the writer
+writes and the report's reader checks and builds), and ``EventLog``, which formats and
+hashes the lines. ``docs/REPORTS.md`` has the format.
 """
 
 from __future__ import annotations
@@ -12,11 +14,13 @@ import gzip
 import hashlib
 import io
 import json
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING
 
-if TYPE_CHECKING:  # the report imports this module: it need not load the engine
-    from .engine import Span
+from .engine import Span
+
+if TYPE_CHECKING:  # the report imports this module: it need not load the device models
     from .vdevice import Work
 
 RUN_FILE, EVENTS_FILE = "run.json", "events.jsonl"
@@ -45,6 +49,9 @@ STEP_TOTALS = ("tiles", "coord_s", "gemm_s", "bytes_down", "bytes_up", *COMPONEN
 COMPRESS_LEVEL = 1
 WRITE_BUFFER = 1 << 16  # bytes gathered before each compression call
 
+Stages = tuple[Span, Span, Span]  # a tile's down, compute and up
+NicSpans = tuple[Span | None, Span | None]  # its down and up on the shared bottleneck
+
 
 def critical_breakdown(issue: float, down: Span, compute: Span, up: Span) -> dict[str, float]:
     """Where a GEMM's time went, following its last tile (its stages ``down``, ``compute``,
@@ -60,6 +67,160 @@ def critical_breakdown(issue: float, down: Span, compute: Span, up: Span) -> dic
     }
 
 
+# -- the records, one class per kind (``KINDS``) ------------------------------------------
+# A field with a default may be absent from a line (older engines, or nothing to say): the
+# writer leaves it out when it has that value.
+
+
+@dataclass(frozen=True, slots=True)
+class Tile:
+    """One tile's passage: its occupancy (start, end) of its device's downlink FIFO
+    (latency included; ``[t, t]`` when every operand was resident), compute queue and
+    uplink FIFO, and of the shared bottleneck's (``nic_*``) when the run has one; the
+    device's clock and temperature for it (None without a thermal model)."""
+
+    job: int
+    gemm: int
+    step: int
+    tile: int
+    device: int
+    bytes_down: int
+    bytes_up: int
+    down: Span
+    compute: Span
+    up: Span
+    freq_mhz: float | None
+    temp_c: float | None
+    nic_down: Span | None = None  # None: no bottleneck, or nothing crossed it
+    nic_up: Span | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Gemm:
+    """One GEMM: issued at ``issue``, over when its tile ``last_tile`` (its critical tile,
+    on ``last_device``) is back. None for both: an empty GEMM, with no tiles."""
+
+    job: int
+    gemm: int
+    step: int
+    issue: float
+    end: float
+    tiles: int
+    last_tile: int | None
+    last_device: int | None
+    m: int
+    n: int
+    k: int
+    batch: int
+
+
+@dataclass(frozen=True, slots=True)
+class Coord:
+    """Time the script spent on the host between GEMMs (coordinator time)."""
+
+    job: int
+    step: int
+    t0: float
+    t1: float
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """A closed training step and its totals (``STEP_TOTALS``): what stands for its tiles,
+    GEMMs and coordinator spans where the log does not keep them (older engines did not
+    write them)."""
+
+    job: int
+    step: int
+    t0: float
+    t1: float
+    gemms: int
+    local_gemms: int
+    tiles: int | None = None
+    coord_s: float | None = None
+    oom: int | None = None
+    gemm_s: float | None = None
+    bytes_down: int | None = None
+    bytes_up: int | None = None
+    link_queue_s: float | None = None
+    download_s: float | None = None
+    compute_queue_s: float | None = None
+    compute_s: float | None = None
+    upload_queue_s: float | None = None
+    upload_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceStep:
+    """A device's tiles of one step, summed (for a step whose tiles the log does not keep),
+    and its state at the compute start ``t`` of the last of them."""
+
+    job: int
+    step: int
+    device: int
+    tiles: int
+    bytes_down: int
+    bytes_up: int
+    down_s: float
+    compute_s: float
+    up_s: float
+    last_in: int  # the step's GEMMs whose critical tile it ran
+    t: float
+    freq_mhz: float | None
+    temp_c: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class Oom:
+    """A tile that did not fit its device's declared memory: an emulated OOM."""
+
+    job: int
+    gemm: int
+    step: int
+    tile: int
+    device: int
+    t: float
+    need_bytes: int
+    capacity_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Freq:
+    """A device's thermal frequency change."""
+
+    device: int
+    t: float
+    freq_mhz: float | None
+    temp_c: float | None
+
+
+Record = Tile | Gemm | Coord | Step | DeviceStep | Oom | Freq
+# Each kind by its ``ev``, the name a line carries.
+KINDS: dict[str, type[Record]] = {
+    "tile": Tile,
+    "gemm": Gemm,
+    "coord": Coord,
+    "step": Step,
+    "device_step": DeviceStep,
+    "oom": Oom,
+    "freq": Freq,
+}
+_EV = {kind: ev for ev, kind in KINDS.items()}
+# Each kind's fields, in order, with their default (``MISSING``: required).
+_FIELDS = {kind: [(f.name, f.default) for f in fields(kind)] for kind in KINDS.values()}
+
+
+def to_json(record: Record) -> dict[str, object]:
+    """The line's object for ``record``: its ``ev``, then its fields in order, less those
+    at their default."""
+    obj: dict[str, object] = {"ev": _EV[type(record)]}
+    for name, default in _FIELDS[type(record)]:
+        value = getattr(record, name)
+        if default is MISSING or value != default:
+            obj[name] = value
+    return obj
+
+
 class EventLog:
     """The timeline's records, one JSON object per line, hashed as written.
 
@@ -72,8 +233,13 @@ class EventLog:
     binary file: the server's is compressed) is what ``morphling report`` reads.
     """
 
-    def __init__(self, sink: IO[bytes] | None = None, *, level: str = "full",
-                 detail_steps: int = DETAIL_STEPS) -> None:  # fmt: skip
+    def __init__(
+        self,
+        sink: IO[bytes] | None = None,
+        *,
+        level: str = "full",
+        detail_steps: int = DETAIL_STEPS,
+    ) -> None:
         if level not in EVENT_LEVELS:
             raise ValueError(f"event log level {level!r}: one of {', '.join(EVENT_LEVELS)}")
         if detail_steps < 1:
@@ -95,11 +261,11 @@ class EventLog:
         (else the step's and its devices' totals stand for them, as at ``steps``)."""
         return self.level == "full" or (self.level == "auto" and step <= self.detail_steps)
 
-    def write(self, record: dict[str, Any]) -> None:
-        """A record kept at the ``steps`` level and above."""
+    def write(self, record: Record) -> None:
+        """A record kept at the ``steps`` level and above, as ``to_json`` has it."""
         self.records += 1
         if self.steps:
-            self._line(json.dumps(record, separators=(",", ":")))
+            self._line(json.dumps(to_json(record), separators=(",", ":")))
 
     def tile_head(self, job: int, gemm: int, step: int) -> str | None:
         """The start of the records of a GEMM's tiles, for ``tile``: the fields they share;
@@ -108,10 +274,20 @@ class EventLog:
             return None
         return f'{{"ev":"tile","job":{job},"gemm":{gemm},"step":{step},'
 
-    def tile(self, head: str | None, seq: int, device: int, work: Work, down: Span, compute: Span,
-             up: Span, freq: float | None, temp: float | None) -> None:  # fmt: skip
-        """A tile record, formatted by hand: there is one per tile, and ``json.dumps``
-        would be a third of the engine's time. The same JSON ``write`` would give.
+    def tile(
+        self,
+        head: str | None,
+        seq: int,
+        device: int,
+        work: Work,
+        stages: Stages,
+        state: tuple[float | None, float | None],
+        nic: NicSpans = (None, None),
+    ) -> None:
+        """A ``Tile`` record (its stages down, compute and up; its device's MHz and °C; its
+        spans on the shared bottleneck, ``nic``), formatted by hand: there is one per tile,
+        and ``json.dumps`` would be a third of the engine's time. The same JSON ``write``
+        would give.
 
         ``repr`` of the times is most of what is left, so a time written already is not
         formatted again. A stage that starts when the one before it ends starts at that
@@ -122,7 +298,8 @@ class EventLog:
         self.records += 1
         if head is None:
             return
-        (down0, down1), (compute0, compute1), (up0, up1) = down, compute, up
+        (down0, down1), (compute0, compute1), (up0, up1) = stages
+        freq, temp = state
         end = self._ends.get(device)
         if end is not None and end[0] is down0:
             down_start = end[1]
@@ -138,22 +315,35 @@ class EventLog:
         mhz = self._levels.get(freq)
         if mhz is None:
             mhz = self._levels[freq] = repr(freq)
+        nic_down, nic_up = nic
+        shared = "" if nic_down is None else f',"nic_down":[{nic_down[0]!r},{nic_down[1]!r}]'
+        if nic_up is not None:
+            shared += f',"nic_up":[{nic_up[0]!r},{nic_up[1]!r}]'
         self._line(
             f'{head}"tile":{seq},"device":{device},"bytes_down":{work.bytes_down},'
             f'"bytes_up":{work.bytes_up},"down":[{down_start},{down_end}],'
             f'"compute":[{compute_start},{compute_end}],"up":[{up_start},{up1!r}],'
-            f'"freq_mhz":{mhz},"temp_c":{"null" if temp is None else repr(temp)}}}'
+            f'"freq_mhz":{mhz},"temp_c":{"null" if temp is None else repr(temp)}{shared}}}'
         )
 
     def coord(self, job: int, step: int, t0: float, t1: float) -> None:
-        """A coordinator-time record, formatted by hand as ``tile``'s (one per GEMM)."""
+        """A ``Coord`` record, formatted by hand as ``tile``'s (one per GEMM)."""
         self.records += 1
         if self.detail(step):
             self._line(f'{{"ev":"coord","job":{job},"step":{step},"t0":{t0!r},"t1":{t1!r}}}')
 
-    def gemm(self, job: int, gemm: int, step: int, issue: float, end: float, tiles: int,
-             last: tuple[int, int] | None, shape: tuple[int, int, int, int]) -> None:  # fmt: skip
-        """A GEMM's record, formatted by hand as ``tile``'s (one per GEMM): its issue and
+    def gemm(
+        self,
+        job: int,
+        gemm: int,
+        step: int,
+        issue: float,
+        end: float,
+        tiles: int,
+        last: tuple[int, int] | None,
+        shape: tuple[int, int, int, int],
+    ) -> None:
+        """A ``Gemm`` record, formatted by hand as ``tile``'s (one per GEMM): its issue and
         end, and the tile back last and its device (``last``; None for an empty GEMM)."""
         self.records += 1
         if not self.detail(step):

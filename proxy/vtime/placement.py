@@ -17,15 +17,27 @@ Ties go to the lowest device id.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol, TypeVar
 
 import numpy as np
+import numpy.typing as npt
 
 from .vdevice import VirtualDevice, Work
 
 POLICIES = ("round-robin", "greedy", "load-balanced")
+
+Floats = npt.NDArray[np.float64]
+# ``_finish`` computes on one device's floats or on the whole fleet's arrays
+F = TypeVar("F", float, Floats)
+F_co = TypeVar("F_co", covariant=True)
+
+
+class _Row(Protocol[F_co]):
+    """Four values by index: ``_free``'s, or a row of ``_links`` (floats, or arrays)."""
+
+    def __getitem__(self, index: int, /) -> F_co: ...
 
 
 class Placement:
@@ -78,8 +90,8 @@ class Placement:
         self._group = np.array(self._groups, dtype=np.intp)
         self._models = [devices[self._groups.index(g)] for g in range(len(kinds))]
         # latency and seconds per byte each way (0 on an ideal link), a row per device
-        self._links = [(p.dl_lat_s, 1.0 / p.dl_bw, p.ul_lat_s, 1.0 / p.ul_bw)
-                       for p in (d.profile for d in devices)]  # fmt: skip
+        profiles = [d.profile for d in devices]
+        self._links = [(p.dl_lat_s, 1.0 / p.dl_bw, p.ul_lat_s, 1.0 / p.ul_bw) for p in profiles]
         self._link_columns = np.array(self._links).reshape(-1, 4).T
         self._free = np.empty((len(devices), 4))  # ``_free`` of each device, a row each
         self._changed = set(range(len(devices)))  # rows to read again before they are used
@@ -119,8 +131,8 @@ class Placement:
             self._free[index] = _free(self.devices[index])
         self._changed.clear()
         nominal = [d.nominal_s(work.shape) for d in self._models]
-        finish = _finish(now, work, np.array(nominal)[self._group], self._free.T,
-                         self._link_columns, np.maximum)  # fmt: skip
+        nominals: Floats = np.array(nominal)[self._group]
+        finish = _finish(now, work, nominals, self._free.T, self._link_columns, np.maximum)
         self._kept = _Predicted(now, work, nominal, finish)
         return int(finish.argmin())
 
@@ -132,7 +144,7 @@ class _Predicted:
     now: float
     work: Work
     nominal: list[float]  # the shape's seconds at the top clock, per device group
-    finish: np.ndarray
+    finish: Floats
 
 
 def _free(device: VirtualDevice) -> tuple[float, float, float, float]:
@@ -140,8 +152,14 @@ def _free(device: VirtualDevice) -> tuple[float, float, float, float]:
     return device.down.free_at, device.compute.free_at, device.up.free_at, device.speed()
 
 
-def _finish(now: float, work: Work, nominal: Any, free: Sequence[Any], link: Sequence[Any],
-            maximum: Callable[[Any, Any], Any]) -> Any:  # fmt: skip
+def _finish(
+    now: float,
+    work: Work,
+    nominal: F,
+    free: _Row[F],
+    link: _Row[F],
+    maximum: Callable[[F, F | float], F],
+) -> F:
     """When ``work`` placed at ``now`` would be back: for the whole fleet on arrays
     (``maximum`` = ``np.maximum``), or for one device on floats (``max``). ``free`` is
     ``_free``'s four values, ``link`` a row of ``_links``. The same IEEE operations in

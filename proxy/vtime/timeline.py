@@ -31,22 +31,37 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Generic, NamedTuple, TypeVar
 
 from morphling.devices.models.compute import GemmShape
 from morphling.devices.models.profiles import DeviceProfile
-from morphling.proxy.emulator.partition import Block, GemmTask, TileTask
 
 from .engine import Clock, Fifo, Span
-from .eventlog import COMPONENTS, EventLog, critical_breakdown
+from .eventlog import (
+    COMPONENTS,
+    DeviceStep,
+    EventLog,
+    Freq,
+    Oom,
+    Stages,
+    Step,
+    critical_breakdown,
+)
 from .memory import Admission
 from .placement import Placement
 from .vdevice import VirtualDevice, Work
+from .work import GemmWork, Operand, TileWork
 
 log = logging.getLogger(__name__)
 
 ENDS_KEPT = 4096  # GEMM end times a job remembers for GEMMs issued "after" them
 WORKS_KEPT = 4096  # distinct tile ``Work``s kept for reuse (a run has few)
+
+T = TypeVar("T", bound=TileWork)  # the caller's tiles, handed back to it placed
+Placed = list[tuple[T, int, Admission]]  # tiles with their devices and admissions
+# What a tile's ``Work`` depends on (``Timeline._work``): its rows and columns, its operands'
+# leading dimensions as sent and their bytes, and its GEMM's k, transposes and dtype.
+_WorkKey = tuple[int, int, int, int, int, int, bool, bool, str]
 
 
 @dataclass(frozen=True)
@@ -80,8 +95,8 @@ class DeviceTotals:
     freq_mhz: float | None = None
     temp_c: float | None = None
 
-    def add(self, work: Work, down: Span, compute: Span, up: Span, freq: float | None,
-            temp: float | None) -> None:  # fmt: skip
+    def add(self, work: Work, stages: Stages, state: tuple[float | None, float | None]) -> None:
+        down, compute, up = stages
         self.tiles += 1
         self.bytes_down += work.bytes_down
         self.bytes_up += work.bytes_up
@@ -89,7 +104,7 @@ class DeviceTotals:
         self.compute_s += compute[1] - compute[0]
         self.up_s += up[1] - up[0]
         if compute[0] >= self.t:
-            self.t, self.freq_mhz, self.temp_c = compute[0], freq, temp
+            self.t, (self.freq_mhz, self.temp_c) = compute[0], state
 
 
 @dataclass
@@ -138,30 +153,31 @@ class _Job:
     started: bool = False
 
 
-class _Back(NamedTuple):
+class _Back(NamedTuple, Generic[T]):
     """The tile of a GEMM that comes back last, and when: the GEMM's end."""
 
-    gemm: _Gemm
+    gemm: _Gemm[T]
     time: float
     tile: int  # its number in this timeline: ids of its own, the same on every run
     device: int
-    stages: tuple[Span, Span, Span]  # its down, compute and up
+    stages: Stages
 
 
 @dataclass(eq=False)
-class _Gemm:
+class _Gemm(Generic[T]):
     job: _Job
-    task: GemmTask
-    tiles: list[TileTask]
+    task: GemmWork
+    tiles: list[T]
     issue: float
     step: int
-    place: Callable[[list[tuple[TileTask, int, Admission]]], None]
+    place: Callable[[Placed[T]], None]
     done: Callable[[float, float], None]
     seq: int  # its submission number in its job
 
 
-class Timeline:
-    """A fleet's virtual clock; see the module docstring."""
+class Timeline(Generic[T]):
+    """A fleet's virtual clock; see the module docstring. ``T``: the caller's tiles, which
+    ``submit`` hands back to it placed."""
 
     def __init__(
         self, policy: str, *, log: EventLog | None = None, bottleneck: Bottleneck | None = None
@@ -174,9 +190,9 @@ class Timeline:
         self.devices: dict[int, VirtualDevice] = {}
         self.jobs: dict[int, _Job] = {}  # open ones
         self._names: dict[int, str] = {}  # every job ever opened
-        self._stalled: list[_Gemm] = []  # issued while no device was there
+        self._stalled: list[_Gemm[T]] = []  # issued while no device was there
         self._tiles = 0  # tiles placed so far: their numbers in the log
-        self._works: dict[tuple[Any, ...], Work] = {}  # see ``_work``
+        self._works: dict[_WorkKey, Work] = {}  # see ``_work``
 
     # -- fleet and jobs ----------------------------------------------------------------
 
@@ -216,12 +232,12 @@ class Timeline:
     def submit(
         self,
         job_id: int,
-        task: GemmTask,
-        tiles: list[TileTask],
+        task: GemmWork,
+        tiles: list[T],
         *,
         after: int,
         host_s: float,
-        place: Callable[[list[tuple[TileTask, int, Admission]]], None],
+        place: Callable[[Placed[T]], None],
         done: Callable[[float, float], None],
     ) -> None:
         """Issue ``task`` ``host_s`` after GEMM ``after`` ended (0: after the job's last
@@ -247,8 +263,15 @@ class Timeline:
             issue(job.ends[after][1] if after in job.ends else job.clock)
         self._advance()
 
-    def mark_step(self, job_id: int, step: int, *, host_s: float, local_gemms: int = 0,
-                  done: Callable[[StepTimes], None]) -> None:  # fmt: skip
+    def mark_step(
+        self,
+        job_id: int,
+        step: int,
+        *,
+        host_s: float,
+        local_gemms: int = 0,
+        done: Callable[[StepTimes], None],
+    ) -> None:
         """The job's step ``step`` ended ``host_s`` after its GEMMs in flight all ended;
         ``done`` gets its times."""
         job = self._active(job_id)
@@ -275,18 +298,41 @@ class Timeline:
     def _log_step(self, job: _Job, times: StepTimes, local_gemms: int) -> None:
         """A closed step's record: its times and totals (all a ``steps`` log has of its
         GEMMs), and its devices' totals when the log keeps them instead of its tiles."""
-        self.log.write({"ev": "step", "job": job.id, "step": times.step, "t0": times.t0,
-                        "t1": times.t1, "gemms": times.gemms, "local_gemms": local_gemms,
-                        "tiles": times.tiles, "coord_s": times.coord_s, "oom": times.oom,
-                        "gemm_s": times.gemm_s, "bytes_down": times.link_down,
-                        "bytes_up": times.link_up, **times.critical})  # fmt: skip
-        for device, totals in sorted(times.devices.items()):
-            self.log.write({"ev": "device_step", "job": job.id, "step": times.step,
-                            "device": device, "tiles": totals.tiles,
-                            "bytes_down": totals.bytes_down, "bytes_up": totals.bytes_up,
-                            "down_s": totals.down_s, "compute_s": totals.compute_s,
-                            "up_s": totals.up_s, "last_in": totals.last_in, "t": totals.t,
-                            "freq_mhz": totals.freq_mhz, "temp_c": totals.temp_c})  # fmt: skip
+        self.log.write(
+            Step(
+                job.id,
+                times.step,
+                times.t0,
+                times.t1,
+                times.gemms,
+                local_gemms,
+                tiles=times.tiles,
+                coord_s=times.coord_s,
+                oom=times.oom,
+                gemm_s=times.gemm_s,
+                bytes_down=times.link_down,
+                bytes_up=times.link_up,
+                **times.critical,
+            )
+        )
+        for device, t in sorted(times.devices.items()):
+            self.log.write(
+                DeviceStep(
+                    job.id,
+                    times.step,
+                    device,
+                    t.tiles,
+                    t.bytes_down,
+                    t.bytes_up,
+                    t.down_s,
+                    t.compute_s,
+                    t.up_s,
+                    t.last_in,
+                    t.t,
+                    t.freq_mhz,
+                    t.temp_c,
+                )
+            )
 
     # -- the clock ---------------------------------------------------------------------
 
@@ -309,9 +355,13 @@ class Timeline:
         idle = [j for j in self.jobs.values() if not j.waiting and j.clock <= horizon]
         for job in idle:
             job.released = True
-            log.warning("job %d (%s) has issued nothing since virtual time %.6f s: virtual "
-                        "time goes on without it, and its next GEMM starts no earlier than "
-                        "the clock", job.id, job.name, job.clock)  # fmt: skip
+            log.warning(
+                "job %d (%s) has issued nothing since virtual time %.6f s: virtual time goes "
+                "on without it, and its next GEMM starts no earlier than the clock",
+                job.id,
+                job.name,
+                job.clock,
+            )
         self._advance()
         return [j.id for j in idle]
 
@@ -345,7 +395,7 @@ class Timeline:
             times.coord_s += at - start
             self.log.coord(job.id, times.step, start, at)
 
-    def _issue(self, gemm: _Gemm) -> None:
+    def _issue(self, gemm: _Gemm[T]) -> None:
         """Place every tile at the issue time and run it through its device's FIFOs.
 
         A device's compute queue is fed only by its own downlink, and its uplink only
@@ -366,10 +416,10 @@ class Timeline:
         times.gemms += 1
         placement, task = self.placement, gemm.task
         head = self.log.tile_head(gemm.job.id, task.id, gemm.step)
-        placed = []
+        placed: Placed[T] = []
         end: float | None = None  # of the tile back last (``_Back``)
         end_tile = end_device = 0
-        end_stages: tuple[Span, Span, Span] | None = None
+        end_stages: Stages | None = None
         link_down = link_up = 0
         for tile in gemm.tiles:
             a, b = tile.operands()
@@ -390,11 +440,11 @@ class Timeline:
         times.tiles += len(placed)
         times.link_down += link_down
         times.link_up += link_up
-        self.clock.at(end, self._returned, _Back(gemm, end, end_tile, end_device, end_stages),
-                      job=gemm.job.id, tile=end_tile)  # fmt: skip
+        last = _Back(gemm, end, end_tile, end_device, end_stages)
+        self.clock.at(end, self._returned, last, job=gemm.job.id, tile=end_tile)
         gemm.place(placed)  # last: should it raise, the GEMM still ends in virtual time
 
-    def _work(self, task: GemmTask, tile: TileTask, a: Block, b: Block) -> Work:
+    def _work(self, task: GemmWork, tile: TileWork, a: Operand, b: Operand) -> Work:
         """What ``tile`` asks of a device. Tiles that agree on everything it depends on
         share one, across GEMMs (``_works``): a run repeats few shapes, building a
         ``GemmShape`` checks every field, and a device's model keeps its last one."""
@@ -410,8 +460,15 @@ class Timeline:
             work = self._works[key] = Work(key[4], rows * cols * task.out.itemsize, shape)
         return work
 
-    def _admit(self, gemm: _Gemm, times: StepTimes, device: VirtualDevice, a: Block, b: Block,
-               work: Work) -> tuple[Admission, Work]:  # fmt: skip
+    def _admit(
+        self,
+        gemm: _Gemm[T],
+        times: StepTimes,
+        device: VirtualDevice,
+        a: Operand,
+        b: Operand,
+        work: Work,
+    ) -> tuple[Admission, Work]:
         """Charge the tile to the device's emulated memory: the admission, and the work
         without the weight blocks it already holds. One that cannot fit is an OOM."""
         memory = device.memory
@@ -428,73 +485,78 @@ class Timeline:
             job, task = gemm.job, gemm.task
             times.oom += 1
             task.oom += 1
-            log.warning("emulated OOM: device %d (%s, %d bytes) cannot hold tile %d of GEMM %d",
-                        device.id, device.name, memory.capacity, self._tiles,
-                        task.id)  # fmt: skip
-            self.log.write({"ev": "oom", "job": job.id, "gemm": task.id, "step": gemm.step,
-                            "tile": self._tiles, "device": device.id, "t": self.clock.now,
-                            "need_bytes": transient + sum(blk.nbytes for blk in weights),
-                            "capacity_bytes": memory.capacity})  # fmt: skip
+            log.warning(
+                "emulated OOM: device %d (%s, %d bytes) cannot hold tile %d of GEMM %d",
+                device.id,
+                device.name,
+                memory.capacity,
+                self._tiles,
+                task.id,
+            )
+            need = transient + sum(blk.nbytes for blk in weights)
+            self.log.write(
+                Oom(
+                    job.id,
+                    task.id,
+                    gemm.step,
+                    self._tiles,
+                    device.id,
+                    self.clock.now,
+                    need,
+                    memory.capacity,
+                )
+            )
         resident = sum(blk.nbytes for blk in weights if blk.key in admission.held)
         if resident:
             work = Work(work.bytes_down - resident, work.bytes_up, work.shape)
         return admission, work
 
-    def _run(self, now: float, device: VirtualDevice, head: str, work: Work,
-             times: StepTimes) -> tuple[Span, Span, Span]:  # fmt: skip
+    def _run(
+        self, now: float, device: VirtualDevice, head: str | None, work: Work, times: StepTimes
+    ) -> Stages:
         """The tile's passage, logged (``head``: ``EventLog.tile_head``; when the log keeps
         its step's totals, added to its device's in ``times``): down the link (and the shared
         FIFO), compute, up."""
-        bottleneck, thermal = self.bottleneck, device.thermal
+        bottleneck, thermal, profile = self.bottleneck, device.thermal, device.profile
+        nic_down = nic_up = None  # its spans on the shared FIFO, which the report reads
         if not work.bytes_down:
             down = (now, now)
         elif bottleneck is None:
-            down = device.down.serve(now, device.profile.download_s(work.bytes_down))
+            down = device.down.serve(now, profile.download_s(work.bytes_down))
         else:
-            down = self._shared(now, device.down, device.profile.download_s(work.bytes_down),
-                                self.nic_down, work.bytes_down, bottleneck.dl_bw,
-                                device.profile.dl_lat_s)  # fmt: skip
+            seconds = profile.download_s(work.bytes_down)
+            nic_down = self.nic_down.serve(now, work.bytes_down / bottleneck.dl_bw)
+            down = _behind(nic_down, device.down, seconds, profile.dl_lat_s)
         changes = len(thermal.changes) if thermal is not None else 0
         compute, freq, temp = device.compute_after(down[1], work.shape)
         if thermal is not None and len(thermal.changes) > changes:
             for t, mhz, temp_c in thermal.changes[changes:]:
-                self.log.write({"ev": "freq", "device": device.id, "t": t, "freq_mhz": mhz,
-                                "temp_c": temp_c})  # fmt: skip
+                self.log.write(Freq(device.id, t, mhz, temp_c))
         if bottleneck is None:
-            up = device.up.serve(compute[1], device.profile.upload_s(work.bytes_up))
+            up = device.up.serve(compute[1], profile.upload_s(work.bytes_up))
         else:
-            up = self._shared(compute[1], device.up, device.profile.upload_s(work.bytes_up),
-                              self.nic_up, work.bytes_up, bottleneck.ul_bw,
-                              device.profile.ul_lat_s)  # fmt: skip
+            nic_up = self.nic_up.serve(compute[1], work.bytes_up / bottleneck.ul_bw)
+            up = _behind(nic_up, device.up, profile.upload_s(work.bytes_up), profile.ul_lat_s)
         device.returns_at(up[1])
-        self.log.tile(head, self._tiles, device.id, work, down, compute, up, freq, temp)
+        stages = (down, compute, up)
+        self.log.tile(head, self._tiles, device.id, work, stages, (freq, temp), (nic_down, nic_up))
         if times.totals:
             totals = times.devices.get(device.id)
             if totals is None:
                 totals = times.devices[device.id] = DeviceTotals()
-            totals.add(work, down, compute, up, freq, temp)
-        return down, compute, up
+            totals.add(work, stages, (freq, temp))
+        return stages
 
-    @staticmethod
-    def _shared(arrival: float, link: Fifo, seconds: float, nic: Fifo, nbytes: int,
-                nic_bw: float, latency: float) -> Span:  # fmt: skip
-        """A transfer on ``link`` that also crosses the shared FIFO ``nic``: it cannot end
-        before the shared FIFO has passed its last byte."""
-        shared = nic.serve(arrival, nbytes / nic_bw)
-        start, end = link.serve(shared[0], seconds)
-        link.free_at = end = max(end, shared[1] + latency)
-        return start, end
-
-    def _returned(self, last: _Back) -> None:
+    def _returned(self, last: _Back[T]) -> None:
         self._finish(last.gemm, last)
 
-    def _finish(self, gemm: _Gemm, last: _Back | None) -> None:
+    def _finish(self, gemm: _Gemm[T], last: _Back[T] | None) -> None:
         """The GEMM's last tile is back (``last``; None for an empty GEMM)."""
         now, job, task = self.clock.now, gemm.job, gemm.task
         g = task.request
-        self.log.gemm(job.id, task.id, gemm.step, gemm.issue, now, len(gemm.tiles),
-                      None if last is None else (last.tile, last.device),
-                      (g.m, g.n, g.k, g.batch))  # fmt: skip
+        back = None if last is None else (last.tile, last.device)
+        shape = (g.m, g.n, g.k, g.batch)
+        self.log.gemm(job.id, task.id, gemm.step, gemm.issue, now, len(gemm.tiles), back, shape)
         times = job.step  # its step: a step closes only once its GEMMs have ended
         if times is not None:
             times.gemm_s += now - gemm.issue
@@ -518,3 +580,12 @@ class Timeline:
             barrier, job.barrier = job.barrier, []
             for action in barrier:
                 action(job.clock)
+
+
+def _behind(shared: Span, link: Fifo, seconds: float, latency: float) -> Span:
+    """A transfer of ``seconds`` on ``link`` that also crossed the shared FIFO over
+    ``shared``: it starts on the link once it starts there, and cannot end before the
+    shared FIFO has passed its last byte (plus the link's latency)."""
+    start, end = link.serve(shared[0], seconds)
+    link.free_at = end = max(end, shared[1] + latency)
+    return start, end

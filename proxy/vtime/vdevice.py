@@ -42,8 +42,8 @@ class VirtualDevice:
             if profile.compute
             else ComputeModel.analytic(profile.flops)
         )
-        self.thermal = ThermalState(ThermalParams.from_dict(profile.thermal)) if profile.thermal \
-            else None  # fmt: skip
+        thermal = profile.thermal
+        self.thermal = ThermalState(ThermalParams.from_dict(thermal)) if thermal else None
         self.down, self.compute, self.up = Fifo(), Fifo(), Fifo()
         self.memory = DeviceMemory(profile.memory_bytes)
         self._returns: deque[float] = deque()  # when its tiles come back, in order

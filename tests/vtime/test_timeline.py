@@ -7,84 +7,25 @@ shows up as a wrong number, not as a vague inequality.
 
 from __future__ import annotations
 
-import io
-import json
-
 import numpy as np
 import pytest
-from morphling.devices.models.compute import GemmShape
 from morphling.devices.models.links import LINKS
-from morphling.devices.models.profiles import BUILTIN, DeviceProfile
+from morphling.devices.models.profiles import BUILTIN
 from morphling.proxy.emulator.partition import GemmTask, make_task
 from morphling.proxy.vtime.engine import Clock, Fifo
-from morphling.proxy.vtime.eventlog import EventLog
 from morphling.proxy.vtime.placement import Placement
-from morphling.proxy.vtime.timeline import Bottleneck, Timeline
-from morphling.proxy.vtime.vdevice import Work
+from morphling.proxy.vtime.timeline import Bottleneck
 from morphling.proxy.wire.messages import Gemm
-
-MB = 1e6
-
-
-def profile(name: str = "t", *, flops: float = 1e9, bw: float = MB, lat: float = 0.001,
-            memory: int = 1 << 30, thermal: dict | None = None) -> DeviceProfile:  # fmt: skip
-    return DeviceProfile(
-        name=name, flops=flops, memory_bytes=memory, dl_bw=bw, ul_bw=bw, dl_lat_s=lat,
-        ul_lat_s=lat, kind="cpu", blas="test", source="test", thermal=thermal or {},
-    )  # fmt: skip
-
-
-def task(gemm: int, m: int, n: int, k: int, *, weight_b: tuple[int, int] | None = None
-         ) -> GemmTask:  # fmt: skip
-    a = np.ones((m, k), np.float32)
-    b = np.ones((k, n), np.float32)
-    request = Gemm(gemm=gemm, dtype="float32", ta=False, tb=False, m=m, n=n, k=k, lda=k, ldb=n,
-                   segments=(memoryview(a).cast("B"), memoryview(b).cast("B")))  # fmt: skip
-    t = make_task(request)
-    if weight_b is not None:  # as if B lay in the shared weights at this offset, version
-        t.weights["b"] = weight_b
-    return t
-
-
-def sustained(gemm: int, batch: int) -> GemmTask:
-    """``batch`` pivots of one 64×64×65536 GEMM (22.6 ms on a Pi 4): a load that heats."""
-    m = n = 64
-    k = 65536
-    a, b = np.ones((m, k), np.float32), np.ones((k, n), np.float32)
-    segments = (memoryview(a).cast("B"), memoryview(b).cast("B"))
-    return make_task(Gemm(gemm=gemm, dtype="float32", ta=False, tb=False, m=m, n=n, k=k, lda=k,
-                          ldb=n, batch=batch, segments=segments))  # fmt: skip
-
-
-class Recorder:
-    """Collects what the timeline hands out: placements and GEMM ends."""
-
-    def __init__(self) -> None:
-        self.placed: list[tuple[int, int]] = []  # (tile id, device id)
-        self.ended: dict[int, tuple[float, float]] = {}
-
-    def place(self, placed):
-        self.placed.extend((tile.id, device) for tile, device, _ in placed)
-
-    def done_for(self, gemm_id: int):
-        return lambda issue, end: self.ended.__setitem__(gemm_id, (issue, end))
-
-
-def submit(tl: Timeline, rec: Recorder, job: int, t: GemmTask, block: int, *, after: int = 0,
-           host_s: float = 0.0) -> None:  # fmt: skip
-    tl.submit(job, t, t.tiles(block), after=after, host_s=host_s, place=rec.place,
-              done=rec.done_for(t.id))  # fmt: skip
-
-
-def records(sink: io.BytesIO, kind: str) -> list[dict]:
-    return [r for r in map(json.loads, sink.getvalue().splitlines()) if r["ev"] == kind]
-
-
-def new_timeline(policy: str = "greedy", level: str = "full", detail_steps: int = 1000,
-                 **kw) -> tuple[Timeline, io.BytesIO]:  # fmt: skip
-    sink = io.BytesIO()
-    return Timeline(policy, log=EventLog(sink, level=level, detail_steps=detail_steps), **kw), sink
-
+from timeline_driver import (
+    MB,
+    Recorder,
+    new_timeline,
+    profile,
+    records,
+    submit,
+    sustained,
+    task,
+)
 
 # --- the core ------------------------------------------------------------------------------
 
@@ -276,7 +217,17 @@ def test_shared_bottleneck_serialises_transfers_of_different_devices():
         submit(tl, Recorder(), 1, task(1, 200, 100, 100), block=100)  # a tile each
     each = 2 * 100 * 100 * 4 / MB
     assert [t["down"][1] for t in records(sink_alone, "tile")] == pytest.approx([each, each])
-    assert [t["down"][1] for t in records(sink, "tile")] == pytest.approx([each, 2 * each])
+    tiles = records(sink, "tile")
+    assert [t["down"][1] for t in tiles] == pytest.approx([each, 2 * each])
+    # the shared FIFO's spans are logged: one transfer after the other, each way
+    nic_down = [t for tile in tiles for t in tile["nic_down"]]
+    assert nic_down == pytest.approx([0, each, each, 2 * each])
+    up = 100 * 100 * 4 / MB
+    assert tiles[1]["nic_up"][0] == pytest.approx(
+        max(tiles[0]["nic_up"][1], tiles[1]["compute"][1])
+    )
+    assert [t["nic_up"][1] - t["nic_up"][0] for t in tiles] == pytest.approx([up, up])
+    assert all("nic_down" not in t for t in records(sink_alone, "tile"))
 
 
 class EveryTileAfresh(Placement):
@@ -318,125 +269,6 @@ def test_greedy_places_as_it_would_predicting_every_device_afresh():
         logs.append(sink.getvalue())
         placed.append([device for _, device in rec.placed])
     assert placed[0] == placed[1] and logs[0] == logs[1]
-
-
-def test_tile_records_are_what_write_would_give():
-    """``EventLog.tile`` formats by hand and reuses the text of times it wrote before,
-    matched by identity; every line is still exactly ``write``'s JSON."""
-    t = [i / 7 + 1e-3 for i in range(12)]  # distinct floats
-    gemm, other = (1, 7, 2), (2, 1, 1)  # job, GEMM, step
-    work = Work(300, 40, GemmShape(10, 10, 10, False, False, 10, 10, "float32"))
-    calls = [  # gemm, device, down, compute, up, MHz, °C
-        (gemm, 0, (t[0], t[1]), (t[1], t[2]), (t[2], t[3]), 1500.0, 40.25),
-        (gemm, 0, (t[1], t[4]), (t[5], t[6]), (t[7], t[8]), 1500.0, 41.0),  # after its last
-        (gemm, 1, (t[0], t[9]), (t[9], t[10]), (t[10], t[11]), None, None),  # at the start
-        (gemm, 0, (t[2], t[5]), (t[5], t[6]), (t[6], t[7]), 1000.0, 80.5),  # neither
-        (other, 1, (float(repr(t[11])), t[3]), (t[3], t[4]), (t[4], t[5]), None, None),
-    ]  # fmt: skip
-    sink = io.BytesIO()
-    log = EventLog(sink)
-    expected = []
-    for seq, (g, device, down, compute, up, mhz, temp) in enumerate(calls, 1):
-        log.tile(log.tile_head(*g), seq, device, work, down, compute, up, mhz, temp)
-        record = {"ev": "tile", "job": g[0], "gemm": g[1], "step": g[2],
-                  "tile": seq, "device": device, "bytes_down": 300, "bytes_up": 40,
-                  "down": list(down), "compute": list(compute), "up": list(up),
-                  "freq_mhz": mhz, "temp_c": temp}  # fmt: skip
-        expected.append(json.dumps(record, separators=(",", ":")))
-    assert sink.getvalue().decode().splitlines() == expected
-    reference = EventLog()
-    for line in expected:
-        reference.write(json.loads(line))
-    assert log.digest() == reference.digest() and log.count == len(calls)
-
-
-def test_every_record_of_a_run_is_what_write_would_give():
-    """Tile, coordinator and GEMM records are formatted by hand; through steps, two jobs,
-    throttling and an OOM, every line is still exactly ``write``'s JSON of its record."""
-    tl, sink = new_timeline("round-robin")
-    tl.add_device(0, "rpi4-0", LINKS["ideal"].apply(BUILTIN["rpi4"]))
-    tl.add_device(1, "small", profile(memory=100_000))
-    for job in (1, 2):
-        tl.open_job(job, f"job-{job}")
-    rec, steps = Recorder(), []
-    submit(tl, rec, 1, sustained(1, 3000), block=64)  # heats the rpi4; the other is too small
-    submit(tl, rec, 2, task(1, 300, 500, 200), block=128, host_s=0.01)
-    tl.mark_step(1, 1, host_s=0.25, done=steps.append)
-    submit(tl, rec, 1, task(2, 100, 100, 100), block=256, host_s=1 / 3)
-    submit(tl, rec, 2, task(2, 300, 500, 200), block=128, after=1, host_s=0.02)
-    for job in (1, 2):
-        tl.close_job(job)
-    lines = sink.getvalue().decode().splitlines()
-    kinds = {json.loads(line)["ev"] for line in lines}
-    assert kinds == {"tile", "coord", "gemm", "step", "freq", "oom"}
-    for line in lines:
-        assert line == json.dumps(json.loads(line), separators=(",", ":"))
-
-
-def logged_run(level: str, **kw) -> tuple[EventLog, io.BytesIO]:
-    """Two steps of one job on two devices at ``level``: the log and what it wrote."""
-    tl, sink = new_timeline(level=level, **kw)
-    tl.add_device(0, "rpi4-0", LINKS["ideal"].apply(BUILTIN["rpi4"]))
-    tl.add_device(1, "d1", profile())
-    tl.open_job(1, "job")
-    rec, steps = Recorder(), []
-    submit(tl, rec, 1, sustained(1, 3000), block=64)  # heats the rpi4: it throttles
-    tl.mark_step(1, 1, host_s=0.25, done=steps.append)
-    submit(tl, rec, 1, task(2, 300, 500, 200), block=128, host_s=0.125)
-    submit(tl, rec, 1, task(3, 300, 500, 200), block=128, after=2, host_s=0.125)
-    tl.mark_step(1, 2, host_s=0.0, done=steps.append)
-    tl.close_job(1)
-    return tl.log, sink
-
-
-def test_levels_keep_what_they_say():
-    """The same run at each level. ``steps`` keeps the step records as ``full`` writes
-    them, and each device's totals per step: those of its tiles in the full log. ``off``
-    keeps nothing, but counts the records: they tell the emulator the clock moved on."""
-    (full, full_sink), (steps, steps_sink), (off, off_sink) = map(
-        logged_run, ("full", "steps", "off")
-    )
-    assert records(steps_sink, "freq") and records(steps_sink, "freq") == records(full_sink, "freq")
-    assert records(steps_sink, "step") == records(full_sink, "step")
-    kinds = {r["ev"] for r in map(json.loads, steps_sink.getvalue().splitlines())}
-    assert kinds == {"step", "device_step", "freq"}
-    tiles, gemms = records(full_sink, "tile"), records(full_sink, "gemm")
-    totals = records(steps_sink, "device_step")
-    assert {(d["step"], d["device"]) for d in totals} == {(t["step"], t["device"]) for t in tiles}
-    for d in totals:
-        mine = [t for t in tiles if (t["step"], t["device"]) == (d["step"], d["device"])]
-        assert d["tiles"] == len(mine)
-        assert d["bytes_down"] == sum(t["bytes_down"] for t in mine)
-        assert d["compute_s"] == pytest.approx(sum(t["compute"][1] - t["compute"][0] for t in mine))
-        assert d["last_in"] == sum(
-            1 for g in gemms if (g["step"], g["last_device"]) == (d["step"], d["device"])
-        )
-        last = max(mine, key=lambda t: t["compute"][0])
-        assert (d["t"], d["freq_mhz"], d["temp_c"]) == (
-            last["compute"][0], last["freq_mhz"], last["temp_c"])  # fmt: skip
-    assert steps.count < full.count / 4
-    assert off_sink.getvalue() == b"" and off.count == 0 and off.records == full.count
-
-
-def test_auto_keeps_each_jobs_first_steps_whole_then_their_totals():
-    """``auto`` keeps every record of a job's first ``detail_steps`` steps, as ``full``
-    writes them, and of the later steps what ``steps`` keeps, the same records."""
-    _, full = logged_run("full")
-    _, steps = logged_run("steps")
-    auto_log, auto = logged_run("auto", detail_steps=1)
-    assert auto_log.detail(1) and not auto_log.detail(2)
-
-    def lines(sink: io.BytesIO, keep) -> list[str]:
-        return [line for line in sink.getvalue().decode().splitlines() if keep(json.loads(line))]
-
-    # step 1 as full has it, step 2 as steps has it; the thermal steps of both
-    expected = lines(full, lambda r: r.get("step") == 1 or r["ev"] == "freq")
-    expected += lines(steps, lambda r: r.get("step") == 2)
-    assert sorted(lines(auto, lambda r: True)) == sorted(expected)
-    step_2 = {json.loads(line)["ev"] for line in lines(auto, lambda r: r.get("step") == 2)}
-    assert step_2 == {"step", "device_step"}
-    # every step in detail: auto is full
-    assert logged_run("auto", detail_steps=2)[1].getvalue() == full.getvalue()
 
 
 # --- jobs in virtual time --------------------------------------------------------------------

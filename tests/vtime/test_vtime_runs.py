@@ -208,6 +208,42 @@ def test_report_reads_an_uncompressed_log_and_refuses_a_cut_one(levels, tmp_path
     assert "events.jsonl.gz" in proc.stderr and "Traceback" not in proc.stderr
 
 
+# -- the shared bottleneck (--bottleneck-bw) ---------------------------------------------------
+
+BOTTLENECK_BW = 1e5  # bytes/s each way: far below the rpi4s' own links, so it sets the pace
+
+
+def test_a_bottleneck_bound_run_reports_its_bottleneck_busy(tmp_path):
+    """Four devices share a FIFO that every transfer crosses, so slow that the steps are
+    almost all downloads through it. The report's busy share of each direction is what
+    the job was told it moved (each step's bytes, from the emulator's STEP replies, not
+    from the log) over the bandwidth, over the run's span: the log holds the shared
+    FIFO's spans, and the trace draws them. (Before, the log had none: 0.0% busy.)"""
+    script = tmp_path / "mlp.py"
+    script.write_text(MLP)
+    run_dir = tmp_path / "run"
+    fleet = ("--embedded", "--devices", "rpi4:4", "--block-size", "16", "--min-flops", "0",
+             "--coordinator-time", "model", "--bottleneck-bw", str(BOTTLENECK_BW))  # fmt: skip
+    proc = succeeded(morphling_run(*fleet, "--run-dir", run_dir, "--json", tmp_path / "run.json",
+                                   "--", "python", script, 3))  # fmt: skip
+    steps = json.loads((tmp_path / "run.json").read_text())["steps"]
+    down_s = sum(s["bytes_down"] for s in steps) / BOTTLENECK_BW
+    up_s = sum(s["bytes_up"] for s in steps) / BOTTLENECK_BW
+    summary = json.loads((run_dir / "summary.json").read_text())
+    span_s = summary["totals"]["span_s"]
+    assert span_s >= sum(s["emulated_s"] for s in steps)
+    shared = summary["run"]["bottleneck"]
+    assert shared["downlink_utilisation"] == pytest.approx(down_s / span_s, rel=1e-6)
+    assert shared["uplink_utilisation"] == pytest.approx(up_s / span_s, rel=1e-6)
+    assert shared["downlink_utilisation"] > 0.9, "the downloads set the pace"
+    down, up = (f"{100 * shared[k]:.1f}%" for k in ("downlink_utilisation", "uplink_utilisation"))
+    assert f"downlink {down}, uplink {up} busy" in proc.stderr
+    trace = json.loads((run_dir / "trace.json").read_text())["traceEvents"]
+    (nic,) = (e["pid"] for e in trace if e["args"].get("name") == "shared bottleneck")
+    tiles = summary["totals"]["tiles"]
+    assert sum(e["pid"] == nic and e.get("cat") == "upload" for e in trace) == tiles
+
+
 # -- a longer run at the default level (auto) ---------------------------------------------------
 
 DETAIL_STEPS, SHORT, LONG = 10, 60, 240  # tiles for each job's first 10 steps, then totals

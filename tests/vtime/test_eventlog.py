@@ -1,0 +1,237 @@
+"""The event log: its lines are the records ``vtime.eventlog`` defines, written as
+``EventLog.write`` would (the hand-formatted ones too), the levels keep what they say, and
+the report reads back exactly what the timeline wrote."""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+
+import pytest
+from morphling.devices.models.compute import GemmShape
+from morphling.devices.models.links import LINKS
+from morphling.devices.models.profiles import BUILTIN
+from morphling.proxy.report.analysis import summarize
+from morphling.proxy.report.load import StepRange, load_run
+from morphling.proxy.report.records import parse
+from morphling.proxy.vtime.eventlog import (
+    COMPONENTS,
+    COMPRESSED_EVENTS_FILE,
+    KINDS,
+    RUN_FILE,
+    RUN_FORMAT,
+    EventLog,
+    Record,
+    Tile,
+    open_event_file,
+    to_json,
+)
+from morphling.proxy.vtime.timeline import Bottleneck, Timeline
+from morphling.proxy.vtime.vdevice import Work
+from timeline_driver import Recorder, new_timeline, profile, records, submit, sustained, task
+
+
+def test_tile_records_are_what_write_would_give():
+    """``EventLog.tile`` formats by hand and reuses the text of times it wrote before,
+    matched by identity; every line is still exactly ``write``'s JSON of its ``Tile``."""
+    t = [i / 7 + 1e-3 for i in range(12)]  # distinct floats
+    gemm, other = (1, 7, 2), (2, 1, 1)  # job, GEMM, step
+    work = Work(300, 40, GemmShape(10, 10, 10, False, False, 10, 10, "float32"))
+    calls = [  # gemm, device, down, compute, up, MHz, °C
+        (gemm, 0, (t[0], t[1]), (t[1], t[2]), (t[2], t[3]), 1500.0, 40.25),
+        (gemm, 0, (t[1], t[4]), (t[5], t[6]), (t[7], t[8]), 1500.0, 41.0),  # after its last
+        (gemm, 1, (t[0], t[9]), (t[9], t[10]), (t[10], t[11]), None, None),  # at the start
+        (gemm, 0, (t[2], t[5]), (t[5], t[6]), (t[6], t[7]), 1000.0, 80.5),  # neither
+        (other, 1, (float(repr(t[11])), t[3]), (t[3], t[4]), (t[4], t[5]), None, None),
+    ]  # fmt: skip
+    # spans on a shared bottleneck: none; both; none down (the operands were resident)
+    nics = [(None, None), (None, None), ((t[0], t[9]), (t[10], t[11])), (None, (t[6], t[7]))]
+    sink, reference = io.BytesIO(), io.BytesIO()
+    log, written = EventLog(sink), EventLog(reference)
+    for seq, (g, device, down, compute, up, mhz, temp) in enumerate(calls, 1):
+        nic = nics[seq - 1] if seq <= len(nics) else (None, None)
+        log.tile(log.tile_head(*g), seq, device, work, (down, compute, up), (mhz, temp), nic)
+        job, number, step = g
+        record = Tile(job, number, step, seq, device, 300, 40, down, compute, up, mhz, temp, *nic)
+        written.write(record)
+    assert sink.getvalue() == reference.getvalue()
+    assert log.digest() == written.digest() and log.count == len(calls)
+
+
+def test_every_record_of_a_run_is_what_write_would_give():
+    """Tile, coordinator and GEMM records are formatted by hand; through steps, two jobs,
+    throttling and an OOM, every line is still exactly ``write``'s JSON of its record."""
+    tl, sink = new_timeline("round-robin")
+    tl.add_device(0, "rpi4-0", LINKS["ideal"].apply(BUILTIN["rpi4"]))
+    tl.add_device(1, "small", profile(memory=100_000))
+    for job in (1, 2):
+        tl.open_job(job, f"job-{job}")
+    rec, steps = Recorder(), []
+    submit(tl, rec, 1, sustained(1, 3000), block=64)  # heats the rpi4; the other is too small
+    submit(tl, rec, 2, task(1, 300, 500, 200), block=128, host_s=0.01)
+    tl.mark_step(1, 1, host_s=0.25, done=steps.append)
+    submit(tl, rec, 1, task(2, 100, 100, 100), block=256, host_s=1 / 3)
+    submit(tl, rec, 2, task(2, 300, 500, 200), block=128, after=1, host_s=0.02)
+    for job in (1, 2):
+        tl.close_job(job)
+    lines = sink.getvalue().decode().splitlines()
+    kinds = {json.loads(line)["ev"] for line in lines}
+    assert kinds == {"tile", "coord", "gemm", "step", "freq", "oom"}
+    for line in lines:
+        assert line == json.dumps(json.loads(line), separators=(",", ":"))
+
+
+def logged_run(level: str, **kw) -> tuple[EventLog, io.BytesIO]:
+    """Two steps of one job on two devices at ``level``: the log and what it wrote."""
+    tl, sink = new_timeline(level=level, **kw)
+    tl.add_device(0, "rpi4-0", LINKS["ideal"].apply(BUILTIN["rpi4"]))
+    tl.add_device(1, "d1", profile())
+    tl.open_job(1, "job")
+    rec, steps = Recorder(), []
+    submit(tl, rec, 1, sustained(1, 3000), block=64)  # heats the rpi4: it throttles
+    tl.mark_step(1, 1, host_s=0.25, done=steps.append)
+    submit(tl, rec, 1, task(2, 300, 500, 200), block=128, host_s=0.125)
+    submit(tl, rec, 1, task(3, 300, 500, 200), block=128, after=2, host_s=0.125)
+    tl.mark_step(1, 2, host_s=0.0, done=steps.append)
+    tl.close_job(1)
+    return tl.log, sink
+
+
+def test_levels_keep_what_they_say():
+    """The same run at each level. ``steps`` keeps the step records as ``full`` writes
+    them, and each device's totals per step: those of its tiles in the full log. ``off``
+    keeps nothing, but counts the records: they tell the emulator the clock moved on."""
+    (full, full_sink), (steps, steps_sink), (off, off_sink) = map(
+        logged_run, ("full", "steps", "off")
+    )
+    assert records(steps_sink, "freq") and records(steps_sink, "freq") == records(full_sink, "freq")
+    assert records(steps_sink, "step") == records(full_sink, "step")
+    kinds = {r["ev"] for r in map(json.loads, steps_sink.getvalue().splitlines())}
+    assert kinds == {"step", "device_step", "freq"}
+    tiles, gemms = records(full_sink, "tile"), records(full_sink, "gemm")
+    totals = records(steps_sink, "device_step")
+    assert {(d["step"], d["device"]) for d in totals} == {(t["step"], t["device"]) for t in tiles}
+    for d in totals:
+        mine = [t for t in tiles if (t["step"], t["device"]) == (d["step"], d["device"])]
+        assert d["tiles"] == len(mine)
+        assert d["bytes_down"] == sum(t["bytes_down"] for t in mine)
+        assert d["compute_s"] == pytest.approx(sum(t["compute"][1] - t["compute"][0] for t in mine))
+        assert d["last_in"] == sum(
+            1 for g in gemms if (g["step"], g["last_device"]) == (d["step"], d["device"])
+        )
+        last = max(mine, key=lambda t: t["compute"][0])
+        assert (d["t"], d["freq_mhz"], d["temp_c"]) == (
+            last["compute"][0], last["freq_mhz"], last["temp_c"])  # fmt: skip
+    assert steps.count < full.count / 4
+    assert off_sink.getvalue() == b"" and off.count == 0 and off.records == full.count
+
+
+def test_auto_keeps_each_jobs_first_steps_whole_then_their_totals():
+    """``auto`` keeps every record of a job's first ``detail_steps`` steps, as ``full``
+    writes them, and of the later steps what ``steps`` keeps, the same records."""
+    _, full = logged_run("full")
+    _, steps = logged_run("steps")
+    auto_log, auto = logged_run("auto", detail_steps=1)
+    assert auto_log.detail(1) and not auto_log.detail(2)
+
+    def lines(sink: io.BytesIO, keep) -> list[str]:
+        return [line for line in sink.getvalue().decode().splitlines() if keep(json.loads(line))]
+
+    # step 1 as full has it, step 2 as steps has it; the thermal steps of both
+    expected = lines(full, lambda r: r.get("step") == 1 or r["ev"] == "freq")
+    expected += lines(steps, lambda r: r.get("step") == 2)
+    assert sorted(lines(auto, lambda r: True)) == sorted(expected)
+    step_2 = {json.loads(line)["ev"] for line in lines(auto, lambda r: r.get("step") == 2)}
+    assert step_2 == {"step", "device_step"}
+    # every step in detail: auto is full
+    assert logged_run("auto", detail_steps=2)[1].getvalue() == full.getvalue()
+
+
+# --- the log read back by the report ---------------------------------------------------------
+
+LINE_KINDS = ("tile", "gemm", "coord", "oom")  # the records a loaded run keeps
+
+
+def line(record: Record) -> str:
+    return json.dumps(to_json(record), separators=(",", ":"))
+
+
+def test_the_report_reads_back_what_the_timeline_wrote(tmp_path):
+    """A timeline writes a full log of two jobs on two devices behind a shared bottleneck
+    (one throttles, the other is too small for a tile: OOMs) through the engine's file
+    writer, and ``load_run`` reads it back through every check the report makes. Each line
+    parses to the record of its kind and writes back to the same line; the records the
+    report keeps are those lines; and what it computes from them is what the timeline said
+    as it ran: each GEMM's issue and end, each tile's device, each step's times and totals,
+    the busy time of each device's compute and of the shared FIFO."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    sink = open_event_file(run_dir / COMPRESSED_EVENTS_FILE)
+    tl = Timeline("round-robin", log=EventLog(sink), bottleneck=Bottleneck(1e12, 5e11))
+    fleet = [("rpi4-0", LINKS["ideal"].apply(BUILTIN["rpi4"])), ("small", profile(memory=100_000))]
+    for device, (name, p) in enumerate(fleet):
+        tl.add_device(device, name, p)
+    recorders, closed = {1: Recorder(), 2: Recorder()}, {}
+
+    def mark(job: int, step: int, host_s: float) -> None:
+        tl.mark_step(job, step, host_s=host_s, done=lambda t: closed.setdefault((job, t.step), t))
+
+    for job in recorders:
+        tl.open_job(job, f"job-{job}")
+    submit(tl, recorders[1], 1, sustained(1, 3000), block=64)  # heats the rpi4
+    submit(tl, recorders[2], 2, task(1, 300, 500, 200), block=128, host_s=0.01)
+    mark(1, 1, host_s=0.25)
+    submit(tl, recorders[1], 1, task(2, 100, 100, 100), block=256, host_s=1 / 3)
+    submit(tl, recorders[2], 2, task(2, 300, 500, 200), block=128, after=1, host_s=0.02)
+    mark(2, 1, host_s=0.0)
+    mark(1, 2, host_s=0.0)
+    for job in recorders:
+        tl.close_job(job)
+    sink.close()
+    devices = [
+        {"id": i, **p.to_wire(), "name": name, "profile": p.name}
+        for i, (name, p) in enumerate(fleet)
+    ]
+    meta = {"format": RUN_FORMAT, "version": 1, "policy": "round-robin", "block": 128,
+            "coordinator_time": "model", "bottleneck": {"dl_bw": 1e12, "ul_bw": 5e11},
+            "fleet": devices, "jobs": tl.job_names(), "event_log": "full",
+            "event_file": COMPRESSED_EVENTS_FILE, "events": tl.log.count,
+            "digest": tl.log.digest()}  # fmt: skip
+    (run_dir / RUN_FILE).write_text(json.dumps(meta))
+
+    lines = gzip.decompress((run_dir / COMPRESSED_EVENTS_FILE).read_bytes()).decode().splitlines()
+    objects = [json.loads(text) for text in lines]
+    assert {o["ev"] for o in objects} == set(KINDS) - {"device_step"}  # as a full log has
+    for text, obj in zip(lines, objects, strict=True):
+        assert line(parse(KINDS[obj["ev"]], obj)) == text
+    run = load_run(run_dir, StepRange())
+    kept = [*run.tiles, *run.gemms, *run.coords, *run.ooms]
+    assert sorted(map(line, kept)) == sorted(
+        t for t, o in zip(lines, objects, strict=True) if o["ev"] in LINE_KINDS
+    )
+
+    for job, rec in recorders.items():
+        gemms = {g.gemm: (g.issue, g.end) for g in run.gemms if g.job == job}
+        assert gemms == rec.ended
+        tiles = sorted((t for t in run.tiles if t.job == job), key=lambda t: t.tile)
+        assert [t.device for t in tiles] == [device for _, device in rec.placed]
+    figures = {(s.job, s.step): s for s in run.steps}
+    assert figures.keys() == closed.keys() == {(1, 1), (1, 2), (2, 1)}
+    for key, times in closed.items():
+        f = figures[key]
+        assert (f.t0, f.t1, f.coord_s, f.gemm_s, f.gemms, f.tiles, f.oom) == (
+            times.t0, times.t1, times.coord_s, times.gemm_s, times.gemms, times.tiles, times.oom
+        )  # fmt: skip
+        assert (f.bytes_down, f.bytes_up) == (times.link_down, times.link_up)
+        assert f.critical == tuple(times.critical[c] for c in COMPONENTS)
+    assert run.ooms and min(mhz for _, mhz, _ in run.thermal[0]) < 1500  # both happened
+
+    summary = summarize(run)
+    span = summary["totals"]["span_s"]
+    assert span == tl.clock.now
+    shared = summary["run"]["bottleneck"]
+    assert shared["downlink_utilisation"] == pytest.approx(tl.nic_down.busy_s / span, rel=1e-12)
+    assert shared["uplink_utilisation"] == pytest.approx(tl.nic_up.busy_s / span, rel=1e-12)
+    for d in summary["devices"]:  # the FIFO summed durations, the report ends - starts
+        assert d["busy_s"] == pytest.approx(tl.devices[d["id"]].compute.busy_s, rel=1e-9)
