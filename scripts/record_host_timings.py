@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Record one measurement of this host's GEMM timings for the compute model's tests.
 
-``tests/test_compute_model.py`` fits and scores the model on this recording instead of
+``tests/devices/test_compute_model.py`` fits and scores the model on this recording instead of
 timing the host in every test run: a fit is judged on real MKL timings, and a busy moment
 on a shared CI host cannot fail (or skip) the suite. The live figures, measured afresh
 each time, are ``bench_host.py``'s ``heldout`` group. Re-record when the shape sets, the

@@ -22,7 +22,7 @@ import pytest
 from morphling.devices.models.compute import ComputeModel, GemmShape, heldout_error
 from morphling.devices.profiler import dump_toml, grid_shapes, heldout_shapes
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 from record_host_timings import DEFAULT_OUTPUT, GRID, HELDOUT, STRIDE_PAIRS
 
 SMALL_PATH, PACKED_PATH = STRIDE_PAIRS["small"], STRIDE_PAIRS["packed"]
