@@ -38,15 +38,9 @@ from typing import Any
 
 from benchlib import run_meta, write_results
 from morphling.devices.models.compute import ComputeModel, heldout_error
-from morphling.devices.profiler import (
-    FULL,
-    HOST_KEY,
-    HOST_THREADS_ENV,
-    cached_host_profile,
-    grid_shapes,
-    heldout_shapes,
-    measure_grid_and_heldout,
-)
+from morphling.devices.profiler import FULL, HOST_KEY, HOST_THREADS_ENV, cached_host_profile
+from morphling.devices.profiler.shapes import grid_shapes, heldout_shapes
+from morphling.devices.profiler.timing import measure_grid_and_heldout
 
 SCRIPTS = Path(__file__).resolve().parent
 TARGET = 0.10  # the issue's: |emulated / native - 1| <= 10 %

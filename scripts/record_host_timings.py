@@ -21,12 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from morphling.devices.models.compute import GemmShape
-from morphling.devices.profiler import (
-    grid_shapes,
-    heldout_shapes,
-    host_key,
-    measure_grid_and_heldout,
-)
+from morphling.devices.profiler import host_key
+from morphling.devices.profiler.shapes import grid_shapes, heldout_shapes
+from morphling.devices.profiler.timing import measure_grid_and_heldout
 from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]

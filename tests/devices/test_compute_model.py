@@ -20,7 +20,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from morphling.devices.models.compute import ComputeModel, GemmShape, heldout_error
-from morphling.devices.profiler import dump_toml, grid_shapes, heldout_shapes
+from morphling.devices.profiler.shapes import grid_shapes, heldout_shapes
+from morphling.devices.profiler.toml_writer import dump_toml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 from record_host_timings import DEFAULT_OUTPUT, GRID, HELDOUT, STRIDE_PAIRS

@@ -19,28 +19,20 @@ import pytest
 from morphling.devices.models.compute import ComputeModel, GemmShape, heldout_error
 from morphling.devices.models.profiles import DeviceProfile, load_profile
 from morphling.devices.models.thermal import ThermalParams, ThermalState
-from morphling.devices.profiler import (
+from morphling.devices.profiler.host_cache import (
     HOST_KEY,
     HOST_THREADS_ENV,
-    K_LEVELS,
-    LARGE_GEMM,
-    MN_LEVELS,
-    QUICK,
-    Plan,
     cache_dir,
     cached_host_profile,
-    clock_levels,
-    dump_toml,
-    grid_shapes,
-    heldout_shapes,
     host_key,
     host_threads,
-    measure,
-    profile,
-    read_temperature_c,
-    sustained_trace,
-    top_clock_mhz,
 )
+from morphling.devices.profiler.profile_file import LARGE_GEMM, QUICK, Plan, profile
+from morphling.devices.profiler.sensors import read_temperature_c, top_clock_mhz
+from morphling.devices.profiler.shapes import K_LEVELS, MN_LEVELS, grid_shapes, heldout_shapes
+from morphling.devices.profiler.sustained_load import clock_levels, sustained_trace
+from morphling.devices.profiler.timing import measure
+from morphling.devices.profiler.toml_writer import dump_toml
 
 from morphling.commands.profile import add_parser
 

@@ -20,7 +20,7 @@ from morphling.devices.models.profiles import (
     load_profile,
     parse_fleet_spec,
 )
-from morphling.devices.profiler import HOST_THREADS_ENV, cached_host_profile
+from morphling.devices.profiler.host_cache import HOST_THREADS_ENV, cached_host_profile
 from test_profiler import SMALL
 
 VALID = {
