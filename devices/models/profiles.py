@@ -31,7 +31,11 @@ _FLOAT_FIELDS = ("flops", "dl_bw", "ul_bw", "dl_lat_s", "ul_lat_s")
 _LATENCY_FIELDS = ("dl_lat_s", "ul_lat_s")
 _BANDWIDTH_FIELDS = ("dl_bw", "ul_bw")  # may be infinite: an ideal link
 _STR_FIELDS = ("name", "kind", "blas", "source", "cooling")
-_MODEL_FIELDS = {"compute": ComputeModel, "thermal": ThermalParams}  # optional, {} = none
+# Optional fields holding a fitted model ({} = none), and what parses each.
+_MODEL_FIELDS: dict[str, Callable[[object], object]] = {
+    "compute": ComputeModel.from_dict,
+    "thermal": ThermalParams.from_dict,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,8 +60,8 @@ class DeviceProfile:
     blas: str
     source: str
     cooling: str = "none"
-    compute: dict = field(default_factory=dict)
-    thermal: dict = field(default_factory=dict)
+    compute: dict[str, Any] = field(default_factory=dict)
+    thermal: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for key in _STR_FIELDS:
@@ -92,15 +96,17 @@ class DeviceProfile:
             # TOML and msgpack may carry whole numbers as ints; store one type.
             object.__setattr__(self, key, value)
         if self.cooling not in COOLING:
-            raise ValueError(f"profile field 'cooling' must be one of {tuple(COOLING)}, "
-                             f"got {short(self.cooling)}")  # fmt: skip
-        for key, model in _MODEL_FIELDS.items():
+            choices = tuple(COOLING)
+            raise ValueError(
+                f"profile field 'cooling' must be one of {choices}, got {short(self.cooling)}"
+            )
+        for key, parse in _MODEL_FIELDS.items():
             value = getattr(self, key)
             if not isinstance(value, dict):
                 raise ValueError(f"profile field {key!r} must be a table, got {short(value)}")
             if value:
                 try:
-                    model.from_dict(value)
+                    parse(value)
                 except ValueError as exc:
                     raise ValueError(f"profile field {key!r}: {exc}") from None
 
