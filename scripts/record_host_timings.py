@@ -44,18 +44,27 @@ def records(samples: list[tuple[GemmShape, float]]) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT,
-                        help="gzipped JSON to write (default: %(default)s)")  # fmt: skip
-    parser.add_argument("--rounds", type=int, default=ROUNDS,
-                        help="interleaved timing rounds (default: %(default)s)")  # fmt: skip
+    parser.add_argument(
+        "--output",
+        type=Path,
+        default=DEFAULT_OUTPUT,
+        help="gzipped JSON to write (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=ROUNDS,
+        help="interleaved timing rounds (default: %(default)s)",
+    )
     args = parser.parse_args(argv)
     grid = grid_shapes(GRID, seed=0)
     held = heldout_shapes(HELDOUT, seed=1)
     pairs = [s for pair in STRIDE_PAIRS.values() for s in pair]
     total = (len(grid) + 2 * (len(held) + len(pairs))) * args.rounds
     with tqdm(total=total, unit="shape", desc="timing") as bar:
-        timed = measure_grid_and_heldout(grid, held + pairs, threads=1, rounds=args.rounds,
-                                         progress=bar.update)  # fmt: skip
+        timed = measure_grid_and_heldout(
+            grid, held + pairs, threads=1, rounds=args.rounds, progress=bar.update
+        )
     doc = {
         "meta": {
             **host_key(1),
@@ -72,8 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     args.output.parent.mkdir(parents=True, exist_ok=True)
     with gzip.open(args.output, "wt") as f:
         json.dump(doc, f, separators=(",", ":"))
-    print(f"wrote {args.output}: {len(grid)} grid and {len(held)} held-out shapes, "
-          f"repeat timings within {timed.repeat_p90:.1%} at p90")  # fmt: skip
+    print(
+        f"wrote {args.output}: {len(grid)} grid and {len(held)} held-out shapes, "
+        f"repeat timings within {timed.repeat_p90:.1%} at p90"
+    )
     return 0
 
 
