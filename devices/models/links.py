@@ -12,10 +12,20 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, ClassVar, Protocol, TypeVar
 
-if TYPE_CHECKING:
-    from .profiles import DeviceProfile
+
+class _OnALink(Protocol):
+    """What a link applies to: a ``DeviceProfile``, described rather than imported, since the
+    profiles import the links."""
+
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
+
+    @property
+    def source(self) -> str: ...
+
+
+_Profile = TypeVar("_Profile", bound=_OnALink)
 
 MBIT = 1e6 / 8  # bytes/s per Mbit/s
 
@@ -36,7 +46,7 @@ class Link:
     ul_lat_s: float
     source: str
 
-    def apply(self, profile: DeviceProfile) -> DeviceProfile:
+    def apply(self, profile: _Profile) -> _Profile:
         """``profile`` on this link instead of its own."""
         return dataclasses.replace(
             profile,
