@@ -36,7 +36,7 @@ from morphling.kernels import (
     plan_gemm,
 )
 from morphling.kernels import cuda as cuda_driver
-from morphling.kernels.green_context import round_sm_count
+from morphling.kernels.green_context.cuda_partitions import round_sm_count
 from tqdm import tqdm
 
 N = 4096

@@ -38,15 +38,9 @@ from typing import Any
 
 from benchlib import run_meta, write_results
 from morphling.devices.models.compute import ComputeModel, heldout_error
-from morphling.devices.profiler import (
-    FULL,
-    HOST_KEY,
-    HOST_THREADS_ENV,
-    cached_host_profile,
-    grid_shapes,
-    heldout_shapes,
-    measure_grid_and_heldout,
-)
+from morphling.devices.profiler import FULL, HOST_KEY, HOST_THREADS_ENV, cached_host_profile
+from morphling.devices.profiler.shapes import grid_shapes, heldout_shapes
+from morphling.devices.profiler.timing import measure_grid_and_heldout
 
 SCRIPTS = Path(__file__).resolve().parent
 TARGET = 0.10  # the issue's: |emulated / native - 1| <= 10 %
@@ -135,8 +129,8 @@ def _median(values: list[float]) -> float:
 
 def native(script: Path, steps: int, env: dict[str, str], *options: str) -> dict[str, float]:
     """Median seconds of a native step; with ``--time-gemms``, of its GEMMs and of the rest."""
-    out = json.loads(_run([sys.executable, str(script), str(steps), *options], env)
-                     .stdout.strip().splitlines()[-1])  # fmt: skip
+    proc = _run([sys.executable, str(script), str(steps), *options], env)
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
     result = {"step_s": _median(out["step_s"])}
     if "--time-gemms" in options:
         result["gemm_s"] = _median(out["gemm_s"])
@@ -150,23 +144,27 @@ def emulated(script: Path, steps: int, env: dict[str, str], run_dir: Path) -> di
     its fleet and coordinator parts, the host's wall seconds of a step and of one GEMM's
     round trip through Morphling, and ``morphling run``'s stderr."""
     report = run_dir.with_suffix(".json")
-    proc = _run([sys.executable, "-m", "morphling", "--log-level", "warning", "run",
-                 "--embedded", "--devices", "host:1", "--link", "ideal",
-                 "--coordinator-time", "measured", "--run-dir", str(run_dir), "--no-report",
-                 "--json", str(report), "--", "python", str(script), str(steps)],
-                env)  # fmt: skip
+    run = [sys.executable, "-m", "morphling", "--log-level", "warning", "run", "--embedded"]
+    fleet = ["--devices", "host:1", "--link", "ideal", "--coordinator-time", "measured"]
+    outputs = ["--run-dir", str(run_dir), "--no-report", "--json", str(report)]
+    proc = _run([*run, *fleet, *outputs, "--", "python", str(script), str(steps)], env)
     rows = json.loads(report.read_text())["steps"]
-    result = {key: _median([row[key] for row in rows])
-              for key in ("emulated_s", "fleet_s", "coord_s", "host_s")}  # fmt: skip
+    result = {
+        key: _median([row[key] for row in rows])
+        for key in ("emulated_s", "fleet_s", "coord_s", "host_s")
+    }
     result["round_trip_s"] = _median([(r["host_s"] - r["coord_s"]) / r["gemms"] for r in rows])
     return {**result, "stderr": proc.stderr}
 
 
 def heldout() -> dict[str, Any]:
     """The full profile plan's fit scored on its held-out shapes (one BLAS thread)."""
-    timed = measure_grid_and_heldout(grid_shapes(FULL.grid, seed=0),
-                                     heldout_shapes(FULL.heldout, seed=1),
-                                     threads=THREADS, rounds=FULL.rounds)  # fmt: skip
+    timed = measure_grid_and_heldout(
+        grid_shapes(FULL.grid, seed=0),
+        heldout_shapes(FULL.heldout, seed=1),
+        threads=THREADS,
+        rounds=FULL.rounds,
+    )
     error = heldout_error(ComputeModel.fit(timed.grid), timed.heldout)
     return {
         "grid_shapes": FULL.grid,

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Record one measurement of this host's GEMM timings for the compute model's tests.
 
-``tests/test_compute_model.py`` fits and scores the model on this recording instead of
+``tests/devices/test_compute_model.py`` fits and scores the model on this recording instead of
 timing the host in every test run: a fit is judged on real MKL timings, and a busy moment
 on a shared CI host cannot fail (or skip) the suite. The live figures, measured afresh
 each time, are ``bench_host.py``'s ``heldout`` group. Re-record when the shape sets, the
@@ -21,12 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from morphling.devices.models.compute import GemmShape
-from morphling.devices.profiler import (
-    grid_shapes,
-    heldout_shapes,
-    host_key,
-    measure_grid_and_heldout,
-)
+from morphling.devices.profiler import host_key
+from morphling.devices.profiler.shapes import grid_shapes, heldout_shapes
+from morphling.devices.profiler.timing import measure_grid_and_heldout
 from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,18 +44,27 @@ def records(samples: list[tuple[GemmShape, float]]) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT,
-                        help="gzipped JSON to write (default: %(default)s)")  # fmt: skip
-    parser.add_argument("--rounds", type=int, default=ROUNDS,
-                        help="interleaved timing rounds (default: %(default)s)")  # fmt: skip
+    parser.add_argument(
+        "--output",
+        type=Path,
+        default=DEFAULT_OUTPUT,
+        help="gzipped JSON to write (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=ROUNDS,
+        help="interleaved timing rounds (default: %(default)s)",
+    )
     args = parser.parse_args(argv)
     grid = grid_shapes(GRID, seed=0)
     held = heldout_shapes(HELDOUT, seed=1)
     pairs = [s for pair in STRIDE_PAIRS.values() for s in pair]
     total = (len(grid) + 2 * (len(held) + len(pairs))) * args.rounds
     with tqdm(total=total, unit="shape", desc="timing") as bar:
-        timed = measure_grid_and_heldout(grid, held + pairs, threads=1, rounds=args.rounds,
-                                         progress=bar.update)  # fmt: skip
+        timed = measure_grid_and_heldout(
+            grid, held + pairs, threads=1, rounds=args.rounds, progress=bar.update
+        )
     doc = {
         "meta": {
             **host_key(1),
@@ -75,8 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     args.output.parent.mkdir(parents=True, exist_ok=True)
     with gzip.open(args.output, "wt") as f:
         json.dump(doc, f, separators=(",", ":"))
-    print(f"wrote {args.output}: {len(grid)} grid and {len(held)} held-out shapes, "
-          f"repeat timings within {timed.repeat_p90:.1%} at p90")  # fmt: skip
+    print(
+        f"wrote {args.output}: {len(grid)} grid and {len(held)} held-out shapes, "
+        f"repeat timings within {timed.repeat_p90:.1%} at p90"
+    )
     return 0
 
 

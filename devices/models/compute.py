@@ -305,9 +305,15 @@ def _least_squares(
     # LSMR, not the default SVD: LAPACK's threads spin-wait when another process holds a
     # core, which made one fit 25x slower on the shared 2-core development host.
     result = least_squares(
-        residuals, theta0, jac=jacobian, method="trf", loss="soft_l1", f_scale=_LOSS_SCALE,
-        tr_solver="lsmr", max_nfev=max_nfev,
-    )  # fmt: skip
+        residuals,
+        theta0,
+        jac=jacobian,
+        method="trf",
+        loss="soft_l1",
+        f_scale=_LOSS_SCALE,
+        tr_solver="lsmr",
+        max_nfev=max_nfev,
+    )
     return result.x, float(result.cost)
 
 
@@ -367,7 +373,7 @@ class ComputeModel:
         exact: Mapping[GemmShape, float],
         *,
         form: _Form | None = None,
-        theta: Sequence[float] | None = None,
+        theta: Sequence[float] | np.ndarray | None = None,
         flops: float | None = None,
         fp64_ratio: float = 0.5,
     ) -> None:
@@ -395,10 +401,10 @@ class ComputeModel:
         on (a spread subset of) the samples; θ is then fitted on all of them.
         """
         exact: dict[GemmShape, float] = {}
-        for shape, seconds in samples:
+        for shape, measured_s in samples:
             if not isinstance(shape, GemmShape):
                 raise ValueError(f"sample shape must be a GemmShape, got {shape!r:.60}")
-            value = _positive("seconds", seconds)
+            value = _positive("seconds", measured_s)
             exact[shape] = min(value, exact.get(shape, math.inf))
         if len(exact) < sum(_TERMS.values()) // 4:
             raise ValueError(f"fit needs at least {sum(_TERMS.values()) // 4} distinct shapes")
@@ -453,7 +459,8 @@ class ComputeModel:
             rate = np.array(
                 [self.flops * (self.fp64_ratio if s.dtype == "float64" else 1.0) for s in shapes]
             )
-            return np.array([s.flops for s in shapes], dtype=np.float64) / rate
+            seconds: np.ndarray = np.array([s.flops for s in shapes], dtype=np.float64) / rate
+            return seconds
         assert self._theta is not None
         return _predict(self._form.terms(_Columns(shapes)), self._theta)
 
@@ -480,8 +487,8 @@ class ComputeModel:
         """A TOML- and msgpack-friendly map (the exact cache as a list of records)."""
         exact = [{**s.to_dict(), "seconds": t} for s, t in self.exact.items()]
         if self._form is None:
-            return {"kind": "analytic", "flops": self.flops, "fp64_ratio": self.fp64_ratio,
-                    "exact": exact}  # fmt: skip
+            analytic = {"kind": "analytic", "flops": self.flops, "fp64_ratio": self.fp64_ratio}
+            return {**analytic, "exact": exact}
         assert self._theta is not None
         out: dict[str, Any] = {
             "kind": "fitted",
@@ -505,8 +512,9 @@ class ComputeModel:
         kind = d.get("kind")
         if kind == "analytic":
             check_keys("compute model", d, _ANALYTIC_KEYS)
-            return cls(_exact_from(d["exact"]), flops=_positive("flops", d["flops"]),
-                       fp64_ratio=_positive("fp64_ratio", d["fp64_ratio"]))  # fmt: skip
+            flops = _positive("flops", d["flops"])
+            fp64_ratio = _positive("fp64_ratio", d["fp64_ratio"])
+            return cls(_exact_from(d["exact"]), flops=flops, fp64_ratio=fp64_ratio)
         if kind != "fitted":
             raise ValueError(
                 f"compute field 'kind' must be 'analytic' or 'fitted', got {kind!r:.60}"
@@ -548,7 +556,9 @@ def _descend(trial: Callable[[int, int, np.ndarray], _Trial], best: _Trial) -> _
         i = j
 
 
-def heldout_error(model: ComputeModel, samples: Sequence[tuple[GemmShape, float]]) -> dict:
+def heldout_error(
+    model: ComputeModel, samples: Sequence[tuple[GemmShape, float]]
+) -> dict[str, float]:
     """Absolute percentage errors of ``model`` on measured samples, as fractions (0.05 = 5 %).
 
     Samples should be shapes the model was not fitted to; measured shapes come from the

@@ -4,8 +4,9 @@ A profile is the plain analytic model the virtual clock falls back on: sustained
 FLOP/s, declared memory, and a link with latency and bandwidth per direction. Built-ins are
 derived from the published figures in ``REFERENCE.md`` and say so in ``source``; a profile
 measured on a board by ``morphling profile`` is a TOML file in the same shape. The built-in
-``host`` is such a file for this host, measured on first use and cached
-(``profiler.cached_host_profile``).
+``host`` is such a file for this host, measured on first use and cached: the models cannot
+measure (they are the layer below the kernels), so the device package registers it
+(``register_measured``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import dataclasses
 import math
 import re
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,7 +31,11 @@ _FLOAT_FIELDS = ("flops", "dl_bw", "ul_bw", "dl_lat_s", "ul_lat_s")
 _LATENCY_FIELDS = ("dl_lat_s", "ul_lat_s")
 _BANDWIDTH_FIELDS = ("dl_bw", "ul_bw")  # may be infinite: an ideal link
 _STR_FIELDS = ("name", "kind", "blas", "source", "cooling")
-_MODEL_FIELDS = {"compute": ComputeModel, "thermal": ThermalParams}  # optional, {} = none
+# Optional fields holding a fitted model ({} = none), and what parses each.
+_MODEL_FIELDS: dict[str, Callable[[object], object]] = {
+    "compute": ComputeModel.from_dict,
+    "thermal": ThermalParams.from_dict,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,8 +60,8 @@ class DeviceProfile:
     blas: str
     source: str
     cooling: str = "none"
-    compute: dict = field(default_factory=dict)
-    thermal: dict = field(default_factory=dict)
+    compute: dict[str, Any] = field(default_factory=dict)
+    thermal: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for key in _STR_FIELDS:
@@ -90,15 +96,17 @@ class DeviceProfile:
             # TOML and msgpack may carry whole numbers as ints; store one type.
             object.__setattr__(self, key, value)
         if self.cooling not in COOLING:
-            raise ValueError(f"profile field 'cooling' must be one of {tuple(COOLING)}, "
-                             f"got {short(self.cooling)}")  # fmt: skip
-        for key, model in _MODEL_FIELDS.items():
+            choices = tuple(COOLING)
+            raise ValueError(
+                f"profile field 'cooling' must be one of {choices}, got {short(self.cooling)}"
+            )
+        for key, parse in _MODEL_FIELDS.items():
             value = getattr(self, key)
             if not isinstance(value, dict):
                 raise ValueError(f"profile field {key!r} must be a table, got {short(value)}")
             if value:
                 try:
-                    model.from_dict(value)
+                    parse(value)
                 except ValueError as exc:
                     raise ValueError(f"profile field {key!r}: {exc}") from None
 
@@ -294,8 +302,19 @@ def _load_toml(path: Path) -> DeviceProfile:
         raise ValueError(f"profile file {str(path)!r}: {exc}") from exc
 
 
-# This host as a device, measured on first use: see ``profiler.cached_host_profile``.
+# This host as a device, measured on first use (``morphling.devices`` registers it).
 HOST = "host"
+
+# Built-in names whose profile file is made on first use by a layer above the models: name ->
+# a function that returns the file (measuring first where it must).
+_MEASURED: dict[str, Callable[[], Path]] = {}
+
+
+def register_measured(name: str, profile_file: Callable[[], Path]) -> None:
+    """Make ``name`` a built-in whose profile is the TOML file ``profile_file()`` returns,
+    called each time the name is loaded. How a profile is measured (the profiler, the real
+    kernels) is no business of the models, which the virtual clock imports alone."""
+    _MEASURED[name] = profile_file
 
 
 def load_profile(name_or_path: str) -> DeviceProfile:
@@ -303,18 +322,14 @@ def load_profile(name_or_path: str) -> DeviceProfile:
     (anything ending ``.toml`` or holding a ``/``)."""
     if name_or_path in BUILTIN:
         return BUILTIN[name_or_path]
-    if name_or_path == HOST:
-        from morphling.devices.profiler import (
-            cached_host_profile,  # loads the kernels: only when asked
-        )
-
-        return _load_toml(cached_host_profile())
+    if name_or_path in _MEASURED:
+        return _load_toml(_MEASURED[name_or_path]())
     path = Path(name_or_path)
     if path.suffix == ".toml" or "/" in name_or_path:
         return _load_toml(path)
     raise ValueError(
         f"unknown profile {name_or_path!r}; built-ins are "
-        f"{', '.join(sorted([*BUILTIN, HOST]))}, or give a path to a .toml file"
+        f"{', '.join(sorted([*BUILTIN, *_MEASURED]))}, or give a path to a .toml file"
     )
 
 

@@ -362,7 +362,8 @@ class ClockChanges(NamedTuple):
 
 def _level_index(trace: Trace, levels: tuple[float, ...]) -> np.ndarray:
     """Each sample's clock snapped to the nearest level (latency-derived clocks are noisy)."""
-    return np.abs(trace.freq_mhz[:, None] - np.array(levels)[None, :]).argmin(axis=1)
+    nearest: np.ndarray = np.abs(trace.freq_mhz[:, None] - np.array(levels)[None, :]).argmin(axis=1)
+    return nearest
 
 
 def clock_changes(trace: Trace, levels_mhz: tuple[float, ...] | list[float]) -> ClockChanges:
@@ -455,7 +456,8 @@ def fit(
         return x @ coef + known, coef, rank
 
     def residuals(x: np.ndarray) -> np.ndarray:
-        return (model(float(x[0]))[0] - temp)[seen]
+        misfit: np.ndarray = (model(float(x[0]))[0] - temp)[seen]
+        return misfit
 
     # τ is searched between half a sample and 20 trace lengths: a coarse grid picks the basin,
     # least_squares refines it. A best fit on either bound means the trace does not pin τ.

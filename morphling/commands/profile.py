@@ -96,10 +96,16 @@ def run(args: argparse.Namespace) -> int:
         total=plan_size(plan), desc="GEMM grid", unit="shape", disable=args.no_progress or None
     ) as bar:
         result = profile(
-            output, threads=args.threads, plan=plan, duration_s=args.duration,
-            cooldown_s=args.cooldown, ambient_c=args.ambient, name=args.name,
-            force=args.force, progress=bar.update,
-        )  # fmt: skip
+            output,
+            threads=args.threads,
+            plan=plan,
+            duration_s=args.duration,
+            cooldown_s=args.cooldown,
+            ambient_c=args.ambient,
+            name=args.name,
+            force=args.force,
+            progress=bar.update,
+        )
     error, trace, large = result.heldout, result.bursts, LARGE_GEMM
     sensor = "temperatures recorded" if trace.has_temperatures else "no temperature sensor"
     print(

@@ -19,28 +19,20 @@ import pytest
 from morphling.devices.models.compute import ComputeModel, GemmShape, heldout_error
 from morphling.devices.models.profiles import DeviceProfile, load_profile
 from morphling.devices.models.thermal import ThermalParams, ThermalState
-from morphling.devices.profiler import (
+from morphling.devices.profiler.host_cache import (
     HOST_KEY,
     HOST_THREADS_ENV,
-    K_LEVELS,
-    LARGE_GEMM,
-    MN_LEVELS,
-    QUICK,
-    Plan,
     cache_dir,
     cached_host_profile,
-    clock_levels,
-    dump_toml,
-    grid_shapes,
-    heldout_shapes,
     host_key,
     host_threads,
-    measure,
-    profile,
-    read_temperature_c,
-    sustained_trace,
-    top_clock_mhz,
 )
+from morphling.devices.profiler.profile_file import LARGE_GEMM, QUICK, Plan, profile
+from morphling.devices.profiler.sensors import read_temperature_c, top_clock_mhz
+from morphling.devices.profiler.shapes import K_LEVELS, MN_LEVELS, grid_shapes, heldout_shapes
+from morphling.devices.profiler.sustained_load import clock_levels, sustained_trace
+from morphling.devices.profiler.timing import measure
+from morphling.devices.profiler.toml_writer import dump_toml
 
 from morphling.commands.profile import add_parser
 
@@ -300,11 +292,23 @@ def test_clock_levels_merge_readings_a_few_percent_apart():
 
 def test_toml_writer_round_trips_through_tomllib():
     tables = {
-        "a": {"text": 'quote " backslash \\ newline \n unicode é', "n": -3, "x": 1e-300,
-              "big": 1.5e300, "inf": math.inf, "yes": True, "xs": [1.0, 2.5], "empty": []},
-        "b": {"records": [{"m": 1, "ta": False, "dtype": "float32"}, {"m": 2, "ta": True,
-                                                                      "dtype": "float64"}]},
-    }  # fmt: skip
+        "a": {
+            "text": 'quote " backslash \\ newline \n unicode é',
+            "n": -3,
+            "x": 1e-300,
+            "big": 1.5e300,
+            "inf": math.inf,
+            "yes": True,
+            "xs": [1.0, 2.5],
+            "empty": [],
+        },
+        "b": {
+            "records": [
+                {"m": 1, "ta": False, "dtype": "float32"},
+                {"m": 2, "ta": True, "dtype": "float64"},
+            ]
+        },
+    }
     assert tomllib.loads(dump_toml(tables)) == tables
     with pytest.raises(ValueError, match="NoneType"):
         dump_toml({"a": {"x": None}})
@@ -415,9 +419,15 @@ def test_profile_fits_the_thermal_model_of_a_board_it_reads_from_sysfs(tmp_path)
     assert trace["thermal_fit_rms_c"] == result.thermal.rms_c
     assert provenance["thermal"].startswith("fitted: ")
     assert fitted.source.startswith(doc["profile"]["source"])
-    for said in (f"{trace['samples']} samples", "residual", "ambient 25 C given",
-                 "clock levels 1500 MHz from cpufreq", "no clock drop up to",
-                 "hysteresis_c is 0", "dwell_s is 0"):  # fmt: skip
+    for said in (
+        f"{trace['samples']} samples",
+        "residual",
+        "ambient 25 C given",
+        "clock levels 1500 MHz from cpufreq",
+        "no clock drop up to",
+        "hysteresis_c is 0",
+        "dwell_s is 0",
+    ):
         assert said in fitted.source, said
     # A one-level model never throttles: throttle_c is only the hottest reading, a bound.
     assert fitted.throttle_c == np.nanmax(result.bursts.temp_c)

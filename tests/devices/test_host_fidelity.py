@@ -21,9 +21,10 @@ import json
 import sys
 from pathlib import Path
 
-from morphling.devices.profiler import Plan, cached_host_profile
+from morphling.devices.profiler.host_cache import cached_host_profile
+from morphling.devices.profiler.profile_file import Plan
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 from bench_host import THREADS, emulated, host_env, native, write_step_script
 
 # Two rounds: with one, a busy moment while measuring moved the fleet part by up to 30 %.

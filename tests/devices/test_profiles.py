@@ -20,7 +20,7 @@ from morphling.devices.models.profiles import (
     load_profile,
     parse_fleet_spec,
 )
-from morphling.devices.profiler import HOST_THREADS_ENV, cached_host_profile
+from morphling.devices.profiler.host_cache import HOST_THREADS_ENV, cached_host_profile
 from test_profiler import SMALL
 
 VALID = {
@@ -290,8 +290,10 @@ def test_toml_thermal_table_is_the_thermal_model_and_is_validated(tmp_path):
 
     path = tmp_path / "p.toml"
     params = BUILTIN_THERMAL["rpi4"]
-    lines = [f"{k} = {json.dumps(list(v) if isinstance(v, tuple) else v)}"
-             for k, v in params.to_dict().items()]  # fmt: skip
+    lines = [
+        f"{k} = {json.dumps(list(v) if isinstance(v, tuple) else v)}"
+        for k, v in params.to_dict().items()
+    ]
     path.write_text(PROFILE_TOML + "\n[thermal]\n" + "\n".join(lines) + "\n")
     assert load_profile(str(path)).thermal == params.to_dict()
     path.write_text(PROFILE_TOML + "\n[thermal]\nambient_c = 25.0\n")

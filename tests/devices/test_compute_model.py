@@ -20,23 +20,24 @@ from pathlib import Path
 import numpy as np
 import pytest
 from morphling.devices.models.compute import ComputeModel, GemmShape, heldout_error
-from morphling.devices.profiler import dump_toml, grid_shapes, heldout_shapes
+from morphling.devices.profiler.shapes import grid_shapes, heldout_shapes
+from morphling.devices.profiler.toml_writer import dump_toml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 from record_host_timings import DEFAULT_OUTPUT, GRID, HELDOUT, STRIDE_PAIRS
 
 SMALL_PATH, PACKED_PATH = STRIDE_PAIRS["small"], STRIDE_PAIRS["packed"]
 
 
 def shape(**changes: object) -> GemmShape:
-    base = {"m": 64, "n": 32, "k": 128, "ta": False, "tb": False, "lda": 128, "ldb": 32,
-            "dtype": "float32"}  # fmt: skip
+    base = dict(m=64, n=32, k=128, ta=False, tb=False, lda=128, ldb=32, dtype="float32")
     return GemmShape(**{**base, **changes})
 
 
 def _samples(records: list[dict]) -> list[tuple[GemmShape, float]]:
-    return [(GemmShape(**{k: v for k, v in r.items() if k != "seconds"}), r["seconds"])
-            for r in records]  # fmt: skip
+    return [
+        (GemmShape(**{k: v for k, v in r.items() if k != "seconds"}), r["seconds"]) for r in records
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -225,8 +226,7 @@ def test_heldout_error_reports_fractions():
     model = ComputeModel.analytic(1e10)
     samples = [(shape(k=k), shape(k=k).flops / 1e10 * f) for k, f in ((16, 2.0), (32, 0.5))]
     error = heldout_error(model, samples)
-    assert error == {"median_ape": 0.75, "p90_ape": pytest.approx(0.95), "max_ape": 1.0,
-                     "count": 2}  # fmt: skip
+    assert error == {"median_ape": 0.75, "p90_ape": pytest.approx(0.95), "max_ape": 1.0, "count": 2}
     with pytest.raises(ValueError, match="at least one"):
         heldout_error(model, [])
 

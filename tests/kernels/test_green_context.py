@@ -32,7 +32,7 @@ from morphling.kernels import (
     run_plan,
 )
 from morphling.kernels.cuda import ffi as cuda_ffi
-from morphling.kernels.green_context import OFF_ENV, round_sm_count, sm_granularity
+from morphling.kernels.green_context.cuda_partitions import OFF_ENV, round_sm_count, sm_granularity
 
 EXAMPLE = """\
 # greenctx_trace v2
@@ -666,13 +666,14 @@ class StandInCublas:
 @pytest.fixture
 def stand_in(monkeypatch):
     """Install the stand-in driver and cuBLAS where the real ones would be loaded."""
-    from morphling.kernels import cuda, green_context
+    from morphling.kernels import cuda
+    from morphling.kernels.green_context import cuda_partitions
 
     driver = StandInDriver()
     monkeypatch.setattr(cuda, "_driver", driver)
     monkeypatch.setattr(cuda, "_status", "available")
     monkeypatch.setattr(cuda, "_pinner", None)
-    monkeypatch.setattr(green_context, "_blas", StandInCublas(driver.log))
+    monkeypatch.setattr(cuda_partitions, "_blas", StandInCublas(driver.log))
     monkeypatch.delenv(OFF_ENV, raising=False)
     return driver
 

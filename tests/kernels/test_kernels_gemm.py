@@ -123,10 +123,9 @@ def test_explicit_contract_on_pool_buffers():
     ):
         la.array(np.float32, a.shape)[:] = a
         lb.array(np.float32, b.shape)[:] = b
-        plan = plan_explicit(
-            np.float32, True, False, m, n, k, la, m, lb, n + 2, lc, n,
-            batch=batch, stride_a=k * m, stride_b=0, stride_c=m * n,
-        )  # fmt: skip
+        operands = (la, m, lb, n + 2, lc, n)  # A, lda, B, ldb (rows padded), C, ldc
+        strides = {"stride_a": k * m, "stride_b": 0, "stride_c": m * n}
+        plan = plan_explicit(np.float32, True, False, m, n, k, *operands, batch=batch, **strides)
         run_plan(plan)
         got = lc.array(np.float32, (batch, m, n)).copy()
         del plan  # the plan points into the leases: they cannot be released before it goes
@@ -168,8 +167,11 @@ def test_out_overlap_readonly_and_unaligned():
     with pytest.raises(ValueError, match="not aligned"):
         gemm(unaligned, np.ones((4, 4), np.float32))
     with pytest.raises(ValueError, match="overlap"):
-        gemm(np.ones((3, 2, 2)), np.ones((2, 2)), np.lib.stride_tricks.as_strided(
-            np.zeros((2, 2)), (3, 2, 2), (0, 16, 8)))  # fmt: skip
+        gemm(
+            np.ones((3, 2, 2)),
+            np.ones((2, 2)),
+            np.lib.stride_tricks.as_strided(np.zeros((2, 2)), (3, 2, 2), (0, 16, 8)),
+        )
 
 
 def test_gpu_tensor_is_refused_with_its_device():
@@ -198,10 +200,9 @@ def test_explicit_contract_errors_name_the_field(kwargs, message):
         key: args.pop(key) for key in ("batch", "stride_a", "stride_b", "stride_c") if key in args
     }
     a, b, c = bytearray(64), bytearray(64), bytearray(64)
-    plan = plan_explicit(
-        np.float32, False, False, args["m"], args["n"], args["k"],
-        a, args["lda"], b, args["ldb"], c, args["ldc"], **extra,
-    )  # fmt: skip
+    sizes = (args["m"], args["n"], args["k"])
+    operands = (a, args["lda"], b, args["ldb"], c, args["ldc"])
+    plan = plan_explicit(np.float32, False, False, *sizes, *operands, **extra)
     with pytest.raises(ValueError, match=message):
         run_plan(plan)
 
@@ -229,10 +230,9 @@ def test_explicit_contract_never_reads_or_writes_out_of_bounds(dims, lds, stride
     a, b = bytearray(1024), bytearray(1024)
     guarded = bytearray(b"\xab" * 3072)
     c = memoryview(guarded)[1024:2048]
-    plan = plan_explicit(
-        dtype, ta, tb, *dims, a, lds[0], b, lds[1], c, lds[2],
-        batch=batch, stride_a=strides[0], stride_b=strides[1], stride_c=strides[2],
-    )  # fmt: skip
+    operands = (a, lds[0], b, lds[1], c, lds[2])
+    named = dict(zip(("stride_a", "stride_b", "stride_c"), strides, strict=True))
+    plan = plan_explicit(dtype, ta, tb, *dims, *operands, batch=batch, **named)
     with contextlib.suppress(ValueError):
         run_plan(plan)
     assert guarded[:1024] == b"\xab" * 1024
@@ -280,9 +280,12 @@ def test_mkl_runs_on_gnu_openmp_beside_torch():
 
 def _run_isolated(code: str, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
+        [sys.executable, "-c", code],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
         timeout=120,
-    )  # fmt: skip
+    )
 
 
 def test_openblas_fallback_computes_and_says_why():
