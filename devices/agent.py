@@ -42,6 +42,7 @@ from morphling.proxy.wire.messages import (
     TileResult,
     Welcome,
 )
+from morphling.proxy.wire.operands import Location, Place, tile_locations
 from morphling.proxy.wire.states import Party
 
 from .models.profiles import DeviceProfile
@@ -121,18 +122,21 @@ class DeviceConnection(PeerProtocol):
         dtype = np.dtype(msg.dtype)
         for ref in msg.drop:
             self.cache.pop(tuple(ref), None)
-        key = (self.emulator_token, agent.device_id, msg.tile)
-        handed = local.take_tile(key) if msg.local else None
+        handed = None
         try:
-            if handed is not None:
-                a, b, out, ldc = handed.a, handed.b, handed.c, msg.ldc
-            elif msg.local:
-                raise ValueError("local: nothing was handed over in this process")
+            at_a, at_b, at_c = tile_locations(msg)
+            if at_c.place is Place.LOCAL:
+                handed = local.take_tile((self.emulator_token, agent.device_id, msg.tile))
+                if handed is None:
+                    raise ValueError("local: nothing was handed over in this process")
+                a, b, out = handed.a, handed.b, handed.c
             else:
-                a, b = self._operand(msg, "a"), self._operand(msg, "b")
-                out, ldc = self._result_memory(msg, dtype)
-            plan = plan_explicit(dtype, msg.ta, msg.tb, msg.m, msg.n, msg.k, a, msg.lda,
-                                 b, msg.ldb, out, ldc)  # fmt: skip
+                a, b = self._operand(msg, "a", at_a), self._operand(msg, "b", at_b)
+                out = self._result_memory(msg, at_c, dtype)
+            ldc = msg.ldc if at_c.in_place else max(1, msg.n)
+            plan = plan_explicit(
+                dtype, msg.ta, msg.tb, msg.m, msg.n, msg.k, a, msg.lda, b, msg.ldb, out, ldc
+            )
         except (KeyError, ValueError, TypeError) as exc:
             self.fail("bad_tile", f"TILE {msg.tile}: {exc}")
             return
@@ -140,28 +144,25 @@ class DeviceConnection(PeerProtocol):
         if 2 * msg.m * msg.n * msg.k <= agent.inline_flops:
             start = time.perf_counter_ns()
             run_plan(plan)
-            self._result(msg, time.perf_counter_ns() - start, model_ns, out)
+            self._result(msg, at_c.in_place, time.perf_counter_ns() - start, model_ns, out)
             return
         future = agent.workers.submit_plan(plan, out, keep=(a, b))
         writers = handed.writers if handed is not None else None
         if writers is not None:  # the emulator answers the job only once this kernel is done
             writers.enter()
-        future.add_done_callback(lambda f: self._tile_done(msg, model_ns, f, writers))
+        in_place = at_c.in_place
+        future.add_done_callback(lambda f: self._tile_done(msg, in_place, model_ns, f, writers))
 
-    def _result_memory(self, msg: Tile, dtype: np.dtype) -> tuple[Any, int]:
-        """Where the tile's C goes, and its row stride: the GEMM's output in the operand
-        arena when the emulator says so (``arena_c``), else a buffer to send back."""
-        if msg.arena_c < 0:
-            nbytes = msg.m * msg.n * dtype.itemsize
-            return self.agent.output(nbytes, dtype, (msg.m, msg.n)), max(1, msg.n)
+    def _result_memory(self, msg: Tile, at: Location, dtype: np.dtype) -> Any:
+        """Where the tile's C goes: the GEMM's output in the operand arena when the
+        emulator says so (``at``), else a buffer to send back."""
+        if at.place is Place.FRAME:
+            return self.agent.output(msg.m * msg.n * dtype.itemsize, dtype, (msg.m, msg.n))
         if self.arena is None:
-            raise ValueError(f"arena_c={msg.arena_c}, but this device maps no operand arena")
-        if msg.ldc < max(1, msg.n):
-            raise ValueError(f"ldc={msg.ldc} is smaller than the tile's n={msg.n}")
-        return self.arena.block(msg.arena_c, msg.m, msg.n, msg.ldc, msg.dtype), msg.ldc
+            raise ValueError(f"arena_c={at.offset}, but this device maps no operand arena")
+        return self.arena.block(at.offset, msg.m, msg.n, msg.ldc, msg.dtype)
 
-    def _result(self, msg: Tile, compute_ns: int, model_ns: int, out: Any) -> None:
-        in_place = msg.in_place  # C is in the emulator's output already
+    def _result(self, msg: Tile, in_place: bool, compute_ns: int, model_ns: int, out: Any) -> None:
         c = NO_BYTES if in_place else out  # as received: what a paired end is handed too
         result = TileResult(
             tile=msg.tile,
@@ -172,41 +173,41 @@ class DeviceConnection(PeerProtocol):
         )
         self.send(result)
 
-    def _operand(self, msg: Tile, which: str) -> Any:
-        """Operand ``which`` ("a" or "b") of a tile: read from the operand arena, its
-        bytes (kept under its ref if it has one), or the weight block its ref names,
-        read from the shared weights or from what was kept."""
-        dtype = msg.dtype
-        if which == "a":
-            segment, ref, at, ld = msg.segments[0], msg.ref_a, msg.arena_a, msg.lda
-            rows, cols = (msg.k, msg.m) if msg.ta else (msg.m, msg.k)
-        else:
-            segment, ref, at, ld = msg.segments[1], msg.ref_b, msg.arena_b, msg.ldb
-            rows, cols = (msg.n, msg.k) if msg.tb else (msg.k, msg.n)
-        if at >= 0:
+    def _operand(self, msg: Tile, which: str, at: Location) -> Any:
+        """Operand ``which`` ("a" or "b") of a tile, where ``at`` says: its bytes (kept
+        under the ref they come with), the operand arena, or the weight block its ref
+        names, read from the shared weights or from what was kept."""
+        if at.place is Place.FRAME:
+            segment = msg.segments[0 if which == "a" else 1]
+            if at.ref:
+                self.cache[at.ref] = segment
+            return segment
+        if at.place is Place.ARENA:
             if self.arena is None:
-                raise ValueError(f"arena_{which}={at}, but this device maps no operand arena")
-            return self.arena.block(at, rows, cols, ld, dtype)
-        if not ref:
-            return segment
-        key = tuple(ref)
-        if len(key) != 5:
-            raise ValueError(f"weight ref {ref!r}: expected [offset, rows, cols, ld, version]")
-        if segment.nbytes:
-            self.cache[key] = segment
-            return segment
+                raise ValueError(
+                    f"arena_{which}={at.offset}, but this device maps no operand arena"
+                )
+            if which == "a":
+                rows, cols, ld = (msg.k, msg.m, msg.lda) if msg.ta else (msg.m, msg.k, msg.lda)
+            else:
+                rows, cols, ld = (msg.n, msg.k, msg.ldb) if msg.tb else (msg.k, msg.n, msg.ldb)
+            return self.arena.block(at.offset, rows, cols, ld, msg.dtype)
         if self.weights is not None:
-            offset, rows, cols, ld, _ = key
-            return self.weights.block(offset, rows, cols, ld, dtype)
+            offset, rows, cols, ld, _ = at.ref
+            return self.weights.block(offset, rows, cols, ld, msg.dtype)
         try:
-            return self.cache[key]
+            return self.cache[at.ref]
         except KeyError:
-            raise KeyError(f"weight reference {ref!r} is neither mapped nor held") from None
+            raise KeyError(f"weight reference {list(at.ref)} is neither mapped nor held") from None
 
     def _tile_done(
-        self, msg: Tile, model_ns: int, future: asyncio.Future[GemmResult],
+        self,
+        msg: Tile,
+        in_place: bool,
+        model_ns: int,
+        future: asyncio.Future[GemmResult],
         writers: local.Writers | None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         if writers is not None:
             writers.leave()
         if future.cancelled() or not self.open:
@@ -215,7 +216,7 @@ class DeviceConnection(PeerProtocol):
             self.fail("compute_failed", f"TILE {msg.tile}: {exc}")
             return
         res = future.result()
-        self._result(msg, res.compute_ns, model_ns, res.out)
+        self._result(msg, in_place, res.compute_ns, model_ns, res.out)
 
     def _challenge(self, msg: ProbeFlops) -> None:
         challenge.check_dim(msg.dim, "PROBE_FLOPS.dim")

@@ -17,6 +17,7 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -29,7 +30,7 @@ from morphling.proxy.emulator.server import Emulator
 from morphling.proxy.emulator.settings import EmulatorConfig
 from morphling.proxy.job.client import AsyncClient, Client, gemm_request, result_array
 from morphling.proxy.shm.arena import PAGE, OperandArena
-from morphling.proxy.wire.messages import Gemm, MsgType, Open, Slab, Step, TileResult
+from morphling.proxy.wire.messages import Gemm, Message, MsgType, Open, Slab, Step, TileResult
 
 # -- the allocator -----------------------------------------------------------------------------
 
@@ -185,14 +186,19 @@ async def test_only_bytes_on_the_wire_count_against_inflight_bytes(emulator, ope
     """With room for one byte of operands in flight, tiles whose blocks devices read in
     place still all go out together (nothing of them is buffered); as bytes, one at a time."""
     host, port, emu = await emulator(share, share, inflight_bytes=1, window=4)
-    most, send = 0, emu.scheduler._send
+    most = 0
 
-    def counting(device: Any, tile: Any, message: Any) -> None:
-        nonlocal most
-        send(device, tile, message)
-        most = max(most, sum(len(d.outstanding) for d in emu.registry.devices.values()))
+    def counting(send: Callable[[Message], None]) -> Callable[[Message], None]:
+        def counted(msg: Message) -> None:
+            nonlocal most
+            if msg.TYPE == MsgType.TILE:
+                most = max(most, sum(len(d.outstanding) for d in emu.registry.devices.values()))
+            send(msg)
 
-    emu.scheduler._send = counting
+        return counted
+
+    for device in emu.registry.devices.values():
+        device.conn.send = counting(device.conn.send)
     a, b = operands
     c, _ = await product(host, port, a, b)
     np.testing.assert_allclose(c, a @ b, rtol=1e-4, atol=1e-4)
@@ -350,7 +356,7 @@ SLAB_MISUSE = {
 @pytest.mark.parametrize("case", sorted(SLAB_MISUSE))
 async def test_slab_misuse_is_refused(emulator, case):
     """Each misuse gets an ERROR naming it, and what the job held goes back to the arena."""
-    from test_emulator import RawPeer  # the hand-driven connection of the emulator tests
+    from raw_peer import RawPeer  # the hand-driven connection of the emulator tests
 
     slab, fields, code, text = SLAB_MISUSE[case]
     host, port, emu = await emulator()  # no devices: a GEMM stays in flight
@@ -395,7 +401,7 @@ async def test_a_slab_a_lost_device_may_write_into_is_retired(emulator, operands
     slab might still write there: the job gets its C (the tile re-run elsewhere) and is told
     to stop using that slab (RESULT.slab_retired), which the emulator holds a while; the
     job's next GEMM gets a new slab."""
-    from test_emulator import RawPeer
+    from raw_peer import RawPeer
 
     host, port, emu = await emulator(True, policy="round-robin")
     raw = await RawPeer.connect(host, port)
@@ -414,7 +420,7 @@ async def test_a_slab_a_lost_device_may_write_into_is_retired(emulator, operands
             seen["after_first"] = client._slab
             second = client.matmul(a, b)
             seen["after_second"] = client._slab
-            seen["job_slab"] = [p.slab for p in emu.peers if p.job_id]
+            seen["job_slab"] = [p.job.slab for p in emu.peers if p.job is not None]
             return [first, second]
 
     running = asyncio.create_task(asyncio.to_thread(job))
@@ -436,7 +442,7 @@ async def test_after_a_timed_out_gemm_its_slab_waits_for_its_result(emulator, op
     """A GEMM that timed out may still be computed into the slab, so the job does not use it
     until that GEMM's RESULT has come, even when it comes while the job waits for something
     else (here the STEP reply); then the slab is back in use."""
-    from test_emulator import RawPeer, tile_operand
+    from raw_peer import RawPeer, tile_operand
 
     host, port, emu = await emulator()
     raw = await RawPeer.connect(host, port)
@@ -471,7 +477,9 @@ async def test_after_a_timed_out_gemm_its_slab_waits_for_its_result(emulator, op
             busy = client._slab_busy
             timed_out.set()
             deadline = time.monotonic() + 30
-            while any(p.gemms for p in list(emu.peers)) and time.monotonic() < deadline:
+            while (
+                any(p.job and p.job.gemms for p in list(emu.peers)) and time.monotonic() < deadline
+            ):
                 time.sleep(0.01)  # until the emulator has sent the late RESULT
             client.step(1)  # the late RESULT is read while waiting for the STEP reply
             free = client._slab_busy
@@ -522,7 +530,7 @@ async def test_a_gemm_whose_job_left_before_its_issue_is_dropped(emulator):
     """Job A's GEMM is due in virtual time after job B's clock; A leaves before then. When
     B moves on, A's GEMM is not issued (no devices: it would wait for one forever, holding
     A's slab), and the slab goes back to the arena."""
-    from test_emulator import RawPeer
+    from raw_peer import RawPeer
 
     host, port, emu = await emulator()
     b = await RawPeer.connect(host, port)
@@ -542,7 +550,7 @@ async def test_a_gemm_whose_job_left_before_its_issue_is_dropped(emulator):
     await asyncio.sleep(0.1)
     a.close()
     for _ in range(500):  # until the emulator has seen A go
-        if sum(1 for p in emu.peers if p.job_id) == 1:
+        if sum(1 for p in emu.peers if p.job is not None) == 1:
             break
         await asyncio.sleep(0.01)
     b.send(Step(step=2, host_ns=5 * 10**9))  # B's clock passes A's GEMM's issue

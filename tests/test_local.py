@@ -23,8 +23,8 @@ from morphling.proxy.net import pairing
 from morphling.proxy.shm import handover as local
 from morphling.proxy.wire import connection
 from morphling.proxy.wire.messages import Gemm, MsgType, Open
+from raw_peer import RawPeer
 from test_arena import CountingSocket, Served, serve, stop_served
-from test_emulator import RawPeer
 
 
 class GatedBackend(CpuBackend):

@@ -17,19 +17,38 @@ same block row or column needs the same one.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Protocol
 
 import numpy as np
-from morphling.proxy.shm.handover import Writers
+from morphling.proxy.shm.handover import JobOperands, Writers
 from morphling.proxy.shm.weights import SharedWeights
-from morphling.proxy.wire.messages import Gemm
+from morphling.proxy.wire.messages import GEMM_DTYPES, Gemm
+from morphling.proxy.wire.operands import (
+    IN_FRAME,
+    Location,
+    OperandError,
+    Place,
+    gemm_locations,
+)
 
 _ids = itertools.count(1)
 
 
 class GemmError(ValueError):
     """A GEMM request whose header does not describe its operands."""
+
+
+class GemmOwner(Protocol):
+    """Who asked for a GEMM (the emulator's side of its job): what its tiles' results
+    reach it through."""
+
+    def finish(self, task: GemmTask) -> None:
+        """Every tile is in: answer the job."""
+
+    def retire_slab(self, task: GemmTask) -> None:
+        """A device lost while writing ``task``'s C (in the job's slab) may still write."""
 
 
 @dataclass(eq=False)
@@ -45,7 +64,7 @@ class TileTask:
     c1: int
     attempts: int = 0
     wire_bytes: int = 0  # its operand bytes on the wire to the device it was last sent to
-    in_place: bool = False  # that device writes C into the output itself (``Tile.in_place``)
+    c_at: Location = IN_FRAME  # where that device writes its C, as its TILE said
     _operands: tuple[Block, Block] | None = field(default=None, repr=False)
 
     @property
@@ -56,7 +75,7 @@ class TileTask:
     def out_start(self) -> int:
         """The element of the GEMM's output ``[batch, m, n]`` where this tile starts."""
         _, m, n = self.gemm.out.shape
-        return (self.pivot * m + self.r0) * n + self.c0
+        return int((self.pivot * m + self.r0) * n + self.c0)
 
     def operands(self) -> tuple[Block, Block]:
         """Op(A)'s rows and op(B)'s columns that this tile needs (found once: the timeline
@@ -97,12 +116,14 @@ class Block:
         return self.rows * self.cols * self.span.itemsize
 
     @property
-    def key(self) -> tuple[int, int, int, int]:
+    def key(self) -> tuple[int | None, int, int, int]:
         return (self.offset, self.rows, self.cols, self.ld)
 
     @property
-    def ref(self) -> list[int]:
-        return [*self.key, self.version]
+    def ref(self) -> tuple[int, ...]:
+        """A weight block's ``TILE.ref_*`` (``operands.TILE_REF``)."""
+        assert self.offset is not None, "only a weight block has a reference"
+        return (self.offset, self.rows, self.cols, self.ld, self.version)
 
 
 @dataclass(eq=False)
@@ -113,7 +134,8 @@ class GemmTask:
     a: np.ndarray
     b: np.ndarray
     out: np.ndarray
-    owner: Any = None
+    c_at: Location = IN_FRAME  # where C goes: back in RESULT, or in place
+    owner: GemmOwner | None = None  # None: a task no job asked for (the timeline's tests)
     remaining: int = 0
     done: set[int] = field(default_factory=set)
     devices: set[int] = field(default_factory=set)
@@ -124,9 +146,10 @@ class GemmTask:
     virtual_ns: int = 0  # issue to end in virtual time, once the timeline settled it
     bytes_down: int = 0
     bytes_up: int = 0
+    in_slab: bool = False  # A, B or C is in the job's slab
     slab_retired: bool = False  # its C is in a slab a lost device may still write into
     writers: Writers | None = None  # kernels writing into C, a job's own array (``local``)
-    _packed: dict[int, tuple[np.ndarray, int]] = field(default_factory=dict)
+    _packed: dict[tuple[int, int, int, int], tuple[np.ndarray, int]] = field(default_factory=dict)
     # A row of tiles shares its A block and a column its B block: made once each.
     _blocks: dict[tuple[str, int, int, int], Block] = field(default_factory=dict)
 
@@ -137,7 +160,11 @@ class GemmTask:
     @property
     def in_place(self) -> bool:
         """C is where the job reads it (its slab, or its own array): RESULT carries none."""
-        return self.request.slab_c != -1 or self.request.local
+        return self.c_at.in_place
+
+    def settled(self, issue: float, end: float) -> None:
+        """The timeline's word that the GEMM ran from ``issue`` to ``end`` in virtual time."""
+        self.virtual_ns = round((end - issue) * 1e9)
 
     def block(self, which: str, pivot: int, lo: int, hi: int) -> Block:
         """Rows ``lo:hi`` of op(A) (``which="a"``) or columns of op(B), as stored."""
@@ -176,10 +203,10 @@ class GemmTask:
             return block.span, block.ld
         key = (block.span.ctypes.data, block.rows, block.cols, block.ld)
         if key not in self._packed:
+            item = block.span.itemsize
             view = np.lib.stride_tricks.as_strided(
-                block.span, shape=(block.rows, block.cols),
-                strides=(block.ld * block.span.itemsize, block.span.itemsize),
-            )  # fmt: skip
+                block.span, shape=(block.rows, block.cols), strides=(block.ld * item, item)
+            )
             self._packed[key] = (np.ascontiguousarray(view).reshape(-1), block.sent_ld)
         return self._packed[key]
 
@@ -226,44 +253,51 @@ def _extent(name: str, rows: int, cols: int, ld: int, stride: int, batch: int) -
 
 
 def make_task(
-    request: Gemm, out: np.ndarray | None = None, weights: SharedWeights | None = None,
+    request: Gemm,
+    *,
+    weights: SharedWeights | None = None,
     slab: np.ndarray | None = None,
-) -> GemmTask:  # fmt: skip
-    """Validate a GEMM request against its segments; the task and its output.
+    handed: JobOperands | None = None,
+    memory: Callable[[int], memoryview] | None = None,
+) -> GemmTask:
+    """Validate a GEMM request against its operands; the task and its output.
 
-    The output is not initialised: RESULT waits for every tile, and filling C first
-    (NaN, once, to show a tile that never came) cost the emulator's thread a pass
-    over every output: 39 ms of a 1.7 s training step, the whole of it serial.
-
-    ``out`` may be supplied (pool memory, ``[batch, m, n]`` of the dtype); an operand
-    sent by reference is found in ``weights``, one the job wrote into its slab (the
-    bytes of the arena it was given) in ``slab``, where C then goes too when asked.
+    Each operand and C are where the request places them (``operands``): its
+    segments; ``weights``, for an operand sent by reference; ``slab``, the bytes of
+    the arena the job was given; the arrays it ``handed`` over in this process. A C
+    that goes back in RESULT gets ``memory(nbytes)`` (new memory without it), not
+    initialised: RESULT waits for every tile, and filling C first (to show a tile
+    that never came) cost the emulator's thread a pass over every output.
     """
     g = request
-    if g.dtype not in ("float32", "float64"):
-        raise GemmError(f"dtype {g.dtype!r} is not supported (float32, float64)")
+    if g.dtype not in GEMM_DTYPES:
+        raise GemmError(f"dtype {g.dtype!r} is not supported ({', '.join(GEMM_DTYPES)})")
     for name in ("m", "n", "k"):
         if getattr(g, name) < 0:
             raise GemmError(f"{name}={getattr(g, name)} is negative")
     if g.batch < 1:
         raise GemmError(f"batch={g.batch} must be >= 1")
+    try:
+        a_at, b_at, c_at = gemm_locations(g)
+    except OperandError as exc:
+        raise GemmError(str(exc)) from None
     a_rows, a_cols = (g.k, g.m) if g.ta else (g.m, g.k)
     b_rows, b_cols = (g.n, g.k) if g.tb else (g.k, g.n)
     item = np.dtype(g.dtype).itemsize
     arrays, refs, in_slab = [], {}, []
-    for name, seg, rows, cols, ld, stride, ref, at in (
-        ("a", g.segments[0], a_rows, a_cols, g.lda, g.stride_a, g.ref_a, g.slab_a),
-        ("b", g.segments[1], b_rows, b_cols, g.ldb, g.stride_b, g.ref_b, g.slab_b),
+    for name, at, seg, rows, cols, ld, stride in (
+        ("a", a_at, g.segments[0], a_rows, a_cols, g.lda, g.stride_a),
+        ("b", b_at, g.segments[1], b_rows, b_cols, g.ldb, g.stride_b),
     ):
         need = _extent(name, rows, cols, ld, stride, g.batch)
-        if ref and at != -1:
-            raise GemmError(f"operand {name} is both a reference and in the slab")
-        if ref:
-            seg = _referenced(name, seg, ref, need, g.dtype, weights)
-            refs[name] = (ref[0], ref[1])
-        elif at != -1:
-            seg = _slab_range(f"slab_{name}", seg, at, need * item, item, slab)
-            in_slab.append((name, at, need * item))
+        if at.place is Place.WEIGHTS:
+            seg = _referenced(name, at, need, g.dtype, weights)
+            refs[name] = (at.offset, at.ref[1])
+        elif at.place is Place.SLAB:
+            seg = _slab_range(f"slab_{name}", at.offset, need * item, item, slab)
+            in_slab.append((name, at.offset, need * item))
+        elif at.place is Place.LOCAL:
+            seg = _handed(handed).a if name == "a" else _handed(handed).b
         if len(seg) % item or len(seg) // item < need:
             raise GemmError(
                 f"operand {name}: {len(seg)} bytes, but its layout (rows {rows}, cols {cols}, "
@@ -271,44 +305,62 @@ def make_task(
             )
         arrays.append(np.frombuffer(seg, dtype=g.dtype))
     shape = (g.batch, g.m, g.n)
-    if g.slab_c != -1:
+    writers = None
+    if c_at.place is Place.SLAB:
         nbytes = g.batch * g.m * g.n * item
-        out = np.frombuffer(_slab_range("slab_c", b"", g.slab_c, nbytes, item, slab), g.dtype)
-        out = out.reshape(shape)
-        for name, at, size in in_slab:  # devices write C while others still read A and B
-            if at < g.slab_c + nbytes and g.slab_c < at + size:
-                raise GemmError(f"slab_c [{g.slab_c}, {g.slab_c + nbytes}) overlaps operand "
-                                f"{name} at [{at}, {at + size}) in the slab")  # fmt: skip
-    elif out is None:
+        c = _slab_range("slab_c", c_at.offset, nbytes, item, slab)
+        out = np.frombuffer(c, g.dtype).reshape(shape)
+        for name, start, size in in_slab:  # devices write C while others still read A and B
+            if start < c_at.offset + nbytes and c_at.offset < start + size:
+                raise GemmError(
+                    f"slab_c [{c_at.offset}, {c_at.offset + nbytes}) overlaps "
+                    f"operand {name} at [{start}, {start + size}) in the slab"
+                )
+    elif c_at.place is Place.LOCAL:
+        out = _handed(handed).out
+        if out.shape != shape or out.dtype != np.dtype(g.dtype) or not out.flags.c_contiguous:
+            raise GemmError(
+                f"local: the output is {out.dtype} {out.shape}, expected a "
+                f"C-contiguous {g.dtype} {shape}"
+            )
+        writers = Writers()
+    elif memory is None:
         out = np.empty(shape, dtype=g.dtype)
-    return GemmTask(g, arrays[0], arrays[1], out, weights=refs)
+    else:
+        out = np.frombuffer(memory(g.batch * g.m * g.n * item), g.dtype).reshape(shape)
+    task = GemmTask(g, arrays[0], arrays[1], out, c_at, weights=refs, writers=writers)
+    task.in_slab = bool(in_slab) or c_at.place is Place.SLAB
+    return task
 
 
 def _slab_range(
-    field: str, seg: Any, offset: int, nbytes: int, item: int, slab: np.ndarray | None
-) -> memoryview:  # fmt: skip
+    field: str, offset: int, nbytes: int, item: int, slab: np.ndarray | None
+) -> memoryview:
     """``nbytes`` at ``offset`` of the job's slab, for the GEMM field that names them."""
     if slab is None:
         raise GemmError(f"{field}={offset}: this job has no slab (SLAB)")
-    if len(seg):
-        raise GemmError(f"{field}: an operand in the slab must have an empty segment")
-    if offset < 0 or offset % item or offset + nbytes > len(slab):
-        raise GemmError(f"{field}: [{offset}, {offset + nbytes}) is not an aligned range "
-                        f"inside the job's slab ({len(slab)} bytes)")  # fmt: skip
-    return memoryview(slab[offset : offset + nbytes])
+    if offset % item or offset + nbytes > len(slab):
+        raise GemmError(
+            f"{field}: [{offset}, {offset + nbytes}) is not an aligned range "
+            f"inside the job's slab ({len(slab)} bytes)"
+        )
+    return slab[offset : offset + nbytes].data
 
 
 def _referenced(
-    name: str, seg: Any, ref: list, need: int, dtype: str, weights: SharedWeights | None
+    name: str, at: Location, need: int, dtype: str, weights: SharedWeights | None
 ) -> memoryview:
     """The operand a GEMM sent by reference, as a view of the shared weights."""
     if weights is None:
         raise GemmError(f"ref_{name}: this emulator has no shared weights (--ckpt-path)")
-    if len(seg):
-        raise GemmError(f"ref_{name}: an operand sent by reference must have an empty segment")
-    if len(ref) != 2 or not all(type(v) is int for v in ref):
-        raise GemmError(f"ref_{name}={ref!r}: expected [byte offset, version]")
     try:
-        return memoryview(weights.region(ref[0], need, dtype)).cast("B")
+        return weights.region(at.offset, need, dtype).data.cast("B")
     except ValueError as exc:
         raise GemmError(f"ref_{name}: {exc}") from None
+
+
+def _handed(handed: JobOperands | None) -> JobOperands:
+    """The arrays a job in this process handed over for its ``local`` GEMM."""
+    if handed is None:
+        raise GemmError("local: no operands were handed over in this emulator's process")
+    return handed

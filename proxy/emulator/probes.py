@@ -16,13 +16,22 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Protocol, TypeVar
 
 import numpy as np
 from morphling.devices.models.profiles import DeviceProfile
 from morphling.kernels import gemm
 from morphling.proxy.wire import challenge
-from morphling.proxy.wire.messages import Message, ProbeEcho, ProbeFlops, ProbePull, ProbePush
+from morphling.proxy.wire.messages import (
+    Message,
+    ProbeAck,
+    ProbeEcho,
+    ProbeFlops,
+    ProbeFlopsResult,
+    ProbePull,
+    ProbePulled,
+    ProbePush,
+)
 
 from .settings import EmulatorConfig
 
@@ -32,8 +41,15 @@ _probe_ids = itertools.count(1)
 LATENCY_ROUNDS = 5
 
 
+Question = ProbeEcho | ProbePush | ProbePull | ProbeFlops  # what the emulator asks a peer
+R = TypeVar("R", bound=Message)
+
+
 class Asker(Protocol):
-    async def ask(self, msg: Message, timeout: float) -> Message: ...
+    """A peer asked: ``ask`` sends a probe and waits for its ``reply``, the message of that
+    type with the same probe id."""
+
+    async def ask(self, msg: Question, reply: type[R], timeout: float) -> R: ...
 
 
 @dataclass(frozen=True)
@@ -65,7 +81,7 @@ async def measure_latency(peer: Asker, nbytes: int, timeout: float) -> float:
     best = float("inf")
     for _ in range(LATENCY_ROUNDS):
         start = time.perf_counter()
-        await peer.ask(ProbeEcho(probe=next_probe_id(), segments=(payload,)), timeout)
+        await peer.ask(ProbeEcho(probe=next_probe_id(), segments=(payload,)), ProbeEcho, timeout)
         best = min(best, time.perf_counter() - start)
     return best / 2
 
@@ -74,14 +90,14 @@ async def measure_push(peer: Asker, nbytes: int, rtt: float, timeout: float) -> 
     """Bytes/s from us to the peer."""
     payload = np.zeros(nbytes, np.uint8)
     start = time.perf_counter()
-    await peer.ask(ProbePush(probe=next_probe_id(), segments=(payload,)), timeout)
+    await peer.ask(ProbePush(probe=next_probe_id(), segments=(payload,)), ProbeAck, timeout)
     return nbytes / max(time.perf_counter() - start - rtt, 1e-9)
 
 
 async def measure_pull(peer: Asker, nbytes: int, rtt: float, timeout: float) -> float:
     """Bytes/s from the peer to us."""
     start = time.perf_counter()
-    await peer.ask(ProbePull(probe=next_probe_id(), nbytes=nbytes), timeout)
+    await peer.ask(ProbePull(probe=next_probe_id(), nbytes=nbytes), ProbePulled, timeout)
     return nbytes / max(time.perf_counter() - start - rtt, 1e-9)
 
 
@@ -96,13 +112,18 @@ def check_result(seed: int, dim: int, got: memoryview, tolerance: float) -> str:
 
 
 async def flops_challenge(
-    peer: Asker, seed: int, dim: int, tolerance: float, timeout: float,
+    peer: Asker,
+    seed: int,
+    dim: int,
+    tolerance: float,
+    timeout: float,
     checking: asyncio.Semaphore,
-) -> tuple[float, str]:  # fmt: skip
+) -> tuple[float, str]:
     """(FLOP/s from the peer's own compute time, "" or why the result is wrong or late).
     ``checking`` bounds how many results are checked at once."""
     try:
-        reply = await peer.ask(ProbeFlops(probe=next_probe_id(), seed=seed, dim=dim), timeout)
+        question = ProbeFlops(probe=next_probe_id(), seed=seed, dim=dim)
+        reply = await peer.ask(question, ProbeFlopsResult, timeout)
     except TimeoutError:
         return 0.0, f"no result within {timeout:.3g} s"
     problem = await _checked(checking, seed, dim, reply.segments[0], tolerance)
@@ -110,12 +131,14 @@ async def flops_challenge(
     return (0.0, problem) if problem else (flops, "")
 
 
-async def _checked(checking: asyncio.Semaphore, *args: Any) -> str:
-    """``check_result(*args)`` in a thread, holding a ``checking`` slot until the thread
+async def _checked(
+    checking: asyncio.Semaphore, seed: int, dim: int, got: memoryview, tolerance: float
+) -> str:
+    """``check_result`` in a thread, holding a ``checking`` slot until the thread
     is done, even when the peer that asked goes meanwhile (its task is cancelled, the
     thread runs on): else a peer that leaves mid-check could start any number."""
     async with checking:
-        done = asyncio.ensure_future(asyncio.to_thread(check_result, *args))
+        done = asyncio.ensure_future(asyncio.to_thread(check_result, seed, dim, got, tolerance))
         try:
             return await asyncio.shield(done)
         except asyncio.CancelledError:
@@ -136,9 +159,12 @@ async def measure_link(peer: Asker, cfg: EmulatorConfig) -> Link | None:
 
 
 async def probe(
-    peer: Asker, cfg: EmulatorConfig, seed: int, declared: DeviceProfile,
+    peer: Asker,
+    cfg: EmulatorConfig,
+    seed: int,
+    declared: DeviceProfile,
     checking: asyncio.Semaphore,
-) -> Measurement:  # fmt: skip
+) -> Measurement:
     """The network probes, then the FLOPS challenge. The challenge runs even when the
     network probes ran out of time: otherwise a device could skip its check (and take
     tiles it computes wrongly) just by leaving a PROBE_PUSH unanswered. Then the bytes of

@@ -5,11 +5,26 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Protocol
 
 from morphling.devices.models.profiles import DeviceProfile
+from morphling.proxy.vtime.memory import Admission
+from morphling.proxy.wire.messages import Message
 
 from .partition import TileTask
+
+Placed = tuple[TileTask, Admission | None]  # None: moved off its device, send as bytes
+
+
+class TileLink(Protocol):
+    """A device's connection, as far as sending it tiles goes."""
+
+    writable: bool  # its send buffer is below the high-water mark
+
+    @property
+    def open(self) -> bool: ...
+
+    def send(self, msg: Message) -> None: ...
 
 
 @dataclass(eq=False)
@@ -20,12 +35,12 @@ class DeviceRecord:
     id: int
     name: str
     declared: DeviceProfile
-    conn: Any
+    conn: TileLink
     virtual: bool
     model: DeviceProfile
     ready: bool = False
     outstanding: dict[int, TileTask] = field(default_factory=dict)
-    queue: deque = field(default_factory=deque)
+    queue: deque[Placed] = field(default_factory=deque)
     completed: int = 0
     colocated: bool = False  # maps the emulator's shared weights (same host)
     arena: bool = False  # maps the emulator's operand arena (same host)
@@ -52,11 +67,27 @@ class Registry:
         self.devices: dict[int, DeviceRecord] = {}
 
     def add(
-        self, name: str, declared: DeviceProfile, conn: Any, *, virtual: bool, colocated: bool,
-        arena: bool = False, local: bool = False,
-    ) -> DeviceRecord:  # fmt: skip
-        record = DeviceRecord(next(self._ids), name, declared, conn, virtual, model=declared,
-                              colocated=colocated, arena=arena, local=local)  # fmt: skip
+        self,
+        name: str,
+        declared: DeviceProfile,
+        conn: TileLink,
+        *,
+        virtual: bool,
+        colocated: bool,
+        arena: bool = False,
+        local: bool = False,
+    ) -> DeviceRecord:
+        record = DeviceRecord(
+            next(self._ids),
+            name,
+            declared,
+            conn,
+            virtual,
+            declared,
+            colocated=colocated,
+            arena=arena,
+            local=local,
+        )
         self.devices[record.id] = record
         return record
 

@@ -24,29 +24,33 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable
+from typing import Protocol
 
 from morphling.proxy.vtime.memory import Admission
 from morphling.proxy.wire.messages import Tile
 
 from .partition import GemmTask, TileTask
-from .registry import DeviceRecord, Registry
+from .registry import DeviceRecord, Placed, Registry
 
 log = logging.getLogger(__name__)
 
-Placed = tuple[TileTask, Admission | None]  # None: moved off its device, send as bytes
+
+class TileMessages(Protocol):
+    """What makes a tile's TILE for the device it goes to (``tiles.TileMessages``)."""
+
+    def message(self, device: DeviceRecord, tile: TileTask, admission: Admission | None) -> Tile:
+        """The TILE; what the device reads from its mappings goes by reference."""
+        ...
 
 
 class Scheduler:
-    """Per-device queues. ``build(device, tile, admission)`` makes a tile's TILE message
-    for that device (what it reads from its mappings goes as references), and
-    ``send(device, tile, message)`` sends it."""
+    """Per-device queues; ``messages`` makes each tile's TILE for its device, which the
+    scheduler sends on the device's connection once the flow control lets it."""
 
     def __init__(
         self,
         registry: Registry,
-        build: Callable[[DeviceRecord, TileTask, Admission | None], Tile],
-        send: Callable[[DeviceRecord, TileTask, Tile], None],
+        messages: TileMessages,
         *,
         window: int = 4,
         inflight_bytes: int = 64 << 20,
@@ -54,11 +58,10 @@ class Scheduler:
         if window < 1:
             raise ValueError(f"window={window}: must be >= 1")
         self.registry = registry
+        self.messages = messages
         self.window = window
         self.max_inflight_bytes = inflight_bytes
         self.inflight_bytes = 0
-        self._build = build
-        self._send = send
         self.orphans: deque[Placed] = deque()  # moved tiles waiting for any device
         self._waiting: dict[int, DeviceRecord] = {}  # devices with queued tiles
 
@@ -81,7 +84,8 @@ class Scheduler:
 
     def requeue(self, device: DeviceRecord) -> list[TileTask]:
         """Move a lost device's tiles, outstanding first, to the other devices."""
-        held = [device.give_back(tile_id) for tile_id in list(device.outstanding)]
+        held = list(device.outstanding.values())
+        device.outstanding.clear()
         self.inflight_bytes -= sum(t.wire_bytes for t in held)
         moved = [t for t in held + [t for t, _ in device.queue] if not t.gemm.cancelled]
         device.queue.clear()
@@ -142,10 +146,10 @@ class Scheduler:
             if tile.gemm.cancelled:
                 queue.popleft()
                 continue
-            message = self._build(device, tile, admission)
+            message = self.messages.message(device, tile, admission)
             nbytes = sum(segment.nbytes for segment in message.segments)
-            if nbytes and self.inflight_bytes and \
-                    self.inflight_bytes + nbytes > self.max_inflight_bytes:  # fmt: skip
+            spent = self.inflight_bytes
+            if nbytes and spent and spent + nbytes > self.max_inflight_bytes:
                 return False  # (a tile built is sent: one handed over as arrays is offered)
             queue.popleft()
             self.inflight_bytes += nbytes
@@ -153,7 +157,8 @@ class Scheduler:
             tile.attempts += 1
             device.take(tile)
             tile.gemm.devices.add(device.id)
-            self._send(device, tile, message)
+            tile.gemm.bytes_down += nbytes
+            device.conn.send(message)
         if not queue:
             self._waiting.pop(device.id, None)
         return True

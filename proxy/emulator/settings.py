@@ -34,22 +34,36 @@ def check_heartbeats(heartbeat_s: float, heartbeat_timeout_s: float) -> None:
 class EmulatorConfig:
     """Every emulator setting; flags > MORPHLING_* environment > TOML [emulator] > these."""
 
-    listen_ip: str = _opt("0.0.0.0", "IP address to listen on (0.0.0.0: every IPv4 interface)",
-                          aliases=("--listen_ip",))  # fmt: skip
-    listen_port: int = _opt(39000, "TCP port to listen on (0: any free one)", min=0,
-                            max=65535, aliases=("--listen_port",))  # fmt: skip
-    token: str = _opt("", "shared secret peers must prove (HMAC); empty: no authentication",
-                      secret=True)  # fmt: skip
+    listen_ip: str = _opt(
+        "0.0.0.0",
+        "IP address to listen on (0.0.0.0: every IPv4 interface)",
+        aliases=("--listen_ip",),
+    )
+    listen_port: int = _opt(
+        39000,
+        "TCP port to listen on (0: any free one)",
+        min=0,
+        max=65535,
+        aliases=("--listen_port",),
+    )
+    token: str = _opt(
+        "", "shared secret peers must prove (HMAC); empty: no authentication", secret=True
+    )
     ckpt_path: str = _opt(
         "",
         "checkpoint (morphling save) whose weights jobs and devices "
         "on this host share; empty: none",
         aliases=("--ckpt_path",),
     )
-    block_size: int = _opt(256, "tile edge: output blocks of at most N×N", min=1,
-                           aliases=("--block_size",))  # fmt: skip
-    policy: str = _opt("greedy", "tile placement policy (decided in virtual time)",
-                       choices=POLICIES, aliases=("--sched_policy",))  # fmt: skip
+    block_size: int = _opt(
+        256, "tile edge: output blocks of at most N×N", min=1, aliases=("--block_size",)
+    )
+    policy: str = _opt(
+        "greedy",
+        "tile placement policy (decided in virtual time)",
+        choices=POLICIES,
+        aliases=("--sched_policy",),
+    )
     window: int = _opt(4, "tiles in flight per device", min=1, aliases=("--max_inflight",))
     inflight_bytes: int = _opt(
         64 << 20,
@@ -151,5 +165,6 @@ class EmulatorConfig:
         try:
             ipaddress.ip_address(self.listen_ip)
         except ValueError:
-            raise ConfigError(f"listen_ip {self.listen_ip!r} is not an IP address "
-                              "(e.g. 0.0.0.0, 127.0.0.1, ::)") from None  # fmt: skip
+            raise ConfigError(
+                f"listen_ip {self.listen_ip!r} is not an IP address (e.g. 0.0.0.0, 127.0.0.1, ::)"
+            ) from None

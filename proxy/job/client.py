@@ -33,6 +33,7 @@ from morphling.proxy.shm.attach import attach
 from morphling.proxy.wire import handshake
 from morphling.proxy.wire.connection import Connection
 from morphling.proxy.wire.messages import (
+    GEMM_DTYPES,
     Close,
     Gemm,
     Greeting,
@@ -47,43 +48,68 @@ from morphling.proxy.wire.messages import (
     Step,
     Welcome,
 )
+from morphling.proxy.wire.operands import (
+    HANDED,
+    IN_FRAME,
+    Location,
+    Place,
+    gemm_fields,
+    gemm_locations,
+    in_slab,
+    in_weights,
+)
 from morphling.proxy.wire.states import Party
 
 log = logging.getLogger("morphling.job")
-DTYPES = ("float32", "float64")
-_DTYPE_NAMES = {np.dtype(name): name for name in DTYPES}
+_DTYPE_NAMES = {np.dtype(name): name for name in GEMM_DTYPES}
 
 
 def gemm_request(
-    gemm: int, a: Any, b: Any, shared: tuple[int, int] | None = None, *, after: int = 0,
-    host_ns: int = 0, epoch: int = 0,
-) -> tuple[Gemm, tuple[int, ...]]:  # fmt: skip
+    gemm: int,
+    a: Any,
+    b: Any,
+    shared: tuple[int, int] | None = None,
+    *,
+    after: int = 0,
+    host_ns: int = 0,
+    epoch: int = 0,
+) -> tuple[Gemm, tuple[int, ...]]:
     """The GEMM message for ``a @ b`` and the shape of its result.
 
     An operand inside ``shared`` (the address and size of this process's mapping of
     the emulator's shared weights) goes by reference, with a version made of its
-    tensor's and ``epoch`` (see ``_weight_ref``). ``after`` and ``host_ns`` place it
+    tensor's and ``epoch`` (see ``_location``). ``after`` and ``host_ns`` place it
     in virtual time (see ``Gemm``).
     """
     oa, ob = blas_operand(a, "a"), blas_operand(b, "b")
     dtype = _dtype_name(oa.span.dtype)
-    if dtype not in DTYPES or _dtype_name(ob.span.dtype) != dtype:
-        raise ValueError(f"dtypes {dtype} and {ob.span.dtype.name}: need one of {DTYPES}")
+    if dtype not in GEMM_DTYPES or _dtype_name(ob.span.dtype) != dtype:
+        raise ValueError(f"dtypes {dtype} and {ob.span.dtype.name}: need one of {GEMM_DTYPES}")
     if oa.cols != ob.rows:
-        raise ValueError(f"inner dimensions differ: a is {oa.rows}×{oa.cols}, "
-                         f"b is {ob.rows}×{ob.cols}")  # fmt: skip
+        shapes = f"a is {oa.rows}×{oa.cols}, b is {ob.rows}×{ob.cols}"
+        raise ValueError(f"inner dimensions differ: {shapes}")
     if oa.batch >= 0 and ob.batch >= 0 and oa.batch != ob.batch:
         raise ValueError(f"batch sizes differ: {oa.batch} and {ob.batch}")
     batch = max(oa.batch, ob.batch)
-    ref_a, ref_b = (_weight_ref(x, o.span, shared, epoch) for x, o in ((a, oa), (b, ob)))
+    at_a, at_b = (_location(x, o.span, shared, epoch) for x, o in ((a, oa), (b, ob)))
     request = Gemm(
-        gemm=gemm, dtype=dtype, ta=bool(oa.trans), tb=bool(ob.trans),
-        m=oa.rows, n=ob.cols, k=oa.cols, lda=oa.ld, ldb=ob.ld, batch=max(batch, 1),
+        gemm=gemm,
+        dtype=dtype,
+        ta=bool(oa.trans),
+        tb=bool(ob.trans),
+        m=oa.rows,
+        n=ob.cols,
+        k=oa.cols,
+        lda=oa.ld,
+        ldb=ob.ld,
+        batch=max(batch, 1),
         stride_a=oa.stride if oa.batch >= 0 else 0,
         stride_b=ob.stride if ob.batch >= 0 else 0,
-        ref_a=ref_a, ref_b=ref_b, after=after, host_ns=host_ns,
-        segments=(oa.span[:0] if ref_a else oa.span, ob.span[:0] if ref_b else ob.span),
-    )  # fmt: skip
+        after=after,
+        host_ns=host_ns,
+        **gemm_fields(at_a, at_b),
+        segments=(_segment(at_a, oa.span), _segment(at_b, ob.span)),
+    )
     shape = (oa.rows, ob.cols) if batch < 0 else (batch, oa.rows, ob.cols)
     return request, shape
 
@@ -99,14 +125,26 @@ def slab_bytes(request: Gemm) -> int:
 def into_slab(request: Gemm, slab: np.ndarray) -> Gemm:
     """``request`` with its operand segments copied into ``slab`` (the job's bytes of the
     operand arena, at least ``slab_bytes`` long) and C to be put there after them."""
-    fields, segments, at = {}, [], 0
-    for name, seg in zip("ab", request.segments, strict=True):
-        if seg.nbytes:
+    a, b, _ = gemm_locations(request)
+    where, segments, at = [], [], 0
+    for was, seg in zip((a, b), request.segments, strict=True):
+        if seg.nbytes:  # (a weight's segment is empty: it stays a reference)
             slab[at : at + seg.nbytes] = seg.view(np.uint8)
-            fields[f"slab_{name}"] = at
+            was = in_slab(at)
             at += pages(seg.nbytes)
+        where.append(was)
         segments.append(seg[:0])
-    return dataclasses.replace(request, **fields, slab_c=at, segments=tuple(segments))
+    fields = gemm_fields(where[0], where[1], in_slab(at))
+    return dataclasses.replace(request, **fields, segments=tuple(segments))
+
+
+def handed_over(request: Gemm) -> Gemm:
+    """``request`` as sent when its operands (all but weights) and C are handed over to
+    the emulator in this process (``local``) instead of crossing the socket."""
+    a, b, _ = gemm_locations(request)
+    a, b = (HANDED if at.place is Place.FRAME else at for at in (a, b))
+    segments = tuple(seg.view(np.uint8)[:0] for seg in request.segments)
+    return dataclasses.replace(request, **gemm_fields(a, b, HANDED), segments=segments)
 
 
 def _dtype_name(dtype: np.dtype) -> str:
@@ -114,34 +152,44 @@ def _dtype_name(dtype: np.dtype) -> str:
     return _DTYPE_NAMES.get(dtype) or dtype.name
 
 
-def _weight_ref(
-    x: Any, span: np.ndarray, shared: tuple[int, int] | None, epoch: int
-) -> list[int]:  # fmt: skip
-    """[byte offset, version] when ``span`` lies in the shared weights, else [].
+def _location(x: Any, span: np.ndarray, shared: tuple[int, int] | None, epoch: int) -> Location:
+    """Where the operand ``x`` (whose memory is ``span``) goes: by reference, as [byte
+    offset, version], when it lies in the shared weights; else in the frame.
 
     Torch bumps a tensor's ``_version`` on in-place updates, but not those through
     ``.data`` nor those of fused optimizers (``AdamW(fused=True)``): ``epoch``, the
     steps marked so far, is in the version too, so no block a step may have changed
     is taken for the one a device holds."""
     if shared is None or span.size == 0:
-        return []
+        return IN_FRAME
     start = span.ctypes.data - shared[0]
     if start < 0 or start + span.nbytes > shared[1]:
-        return []
-    return [start, (epoch << 32) + getattr(x, "_version", 0)]
+        return IN_FRAME
+    return in_weights([start, (epoch << 32) + getattr(x, "_version", 0)])
+
+
+def _segment(at: Location, span: np.ndarray) -> np.ndarray:
+    """What the frame carries of an operand: its span, or none when it goes elsewhere."""
+    return span if at.place is Place.FRAME else span[:0]
 
 
 def result_array(
-    request: Gemm, result: Result, shape: tuple[int, ...], out: Any,
+    request: Gemm,
+    result: Result,
+    shape: tuple[int, ...],
+    out: Any,
     slab: np.ndarray | None = None,
-) -> Any:  # fmt: skip
+) -> Any:
     """C from a RESULT: a view of its segment, or of the job's ``slab`` copied (it is
     reused) where the request had it put there; copied into ``out`` when given."""
-    if request.slab_c == -1:
+    _, _, at = gemm_locations(request)
+    if at.place is not Place.SLAB:
         c = np.frombuffer(result.segments[0], dtype=request.dtype).reshape(shape)
+    elif slab is None:
+        raise ValueError(f"GEMM {request.gemm}: C is in the job's slab, but no slab was given")
     else:
         nbytes = np.dtype(request.dtype).itemsize * math.prod(shape)
-        c = slab[request.slab_c : request.slab_c + nbytes].view(request.dtype).reshape(shape)
+        c = slab[at.offset : at.offset + nbytes].view(request.dtype).reshape(shape)
         if out is None:
             return c.copy()
     if out is None:
@@ -389,8 +437,7 @@ class Client:
         key = (self._local, self.job_id, request.gemm)
         local.offer_gemm(key, local.JobOperands(*spans, c))
         try:
-            self._call(dataclasses.replace(request, local=True, segments=(
-                spans[0][:0], spans[1][:0])), timeout)  # fmt: skip
+            self._call(handed_over(request), timeout)
         except TimeoutError:  # sent: the emulator takes them when it reads the GEMM
             raise
         except BaseException:  # perhaps never sent, or the emulator is gone

@@ -43,13 +43,14 @@ from typing import Any
 
 import torch
 from morphling.kernels import LayoutError, blas_operand
+from morphling.proxy.wire.messages import GEMM_DTYPES
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .coordinator import HostWork
 
 aten = torch.ops.aten
 
-REMOTE_DTYPES = (torch.float32, torch.float64)
+REMOTE_DTYPES = tuple(getattr(torch, name) for name in GEMM_DTYPES)  # what the fleet computes
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # other subclasses may mean anything: run locally
 _forked = False  # this is a child forked from the script (a DataLoader worker): all local
 

@@ -51,7 +51,8 @@ class MsgType(IntEnum):
 ROLES = ("device", "job", "probe")
 # ERROR codes that retrying the same connection cannot fix.
 REFUSALS = frozenset({"auth", "bad_hello", "bad_version"})
-DTYPES = ("float32", "float64", "uint8")
+GEMM_DTYPES = ("float32", "float64")  # what a GEMM (and so each of its tiles) computes in
+DTYPES = (*GEMM_DTYPES, "uint8")  # a payload segment's: an operand's, or plain bytes
 
 
 @dataclass(slots=True)
@@ -258,18 +259,12 @@ class Tile(Message):
     # TILE_RESULT ``in_place``.
     local: bool = False
 
-    @property
-    def in_place(self) -> bool:
-        """C goes where the emulator reads it (``arena_c`` or ``local``): the TILE_RESULT
-        carries none."""
-        return self.arena_c >= 0 or self.local
-
 
 @dataclass(slots=True)
 class TileResult(Message):
     """Device → server: the tile, [m, n] row-major; measured and modelled compute time.
-    ``in_place``: the segment is empty, C was written where the TILE said (its ``in_place``:
-    ``arena_c``, or the span handed over with a ``local`` tile)."""
+    ``in_place``: the segment is empty, C was written where the TILE said (``arena_c``, or
+    the span handed over with a ``local`` tile; ``operands`` has the rule)."""
 
     TYPE = MsgType.TILE_RESULT
     SEGMENTS = 1

@@ -1,0 +1,458 @@
+"""A job as the emulator serves it: OPEN, its GEMMs from intake to RESULT, STEP, CLOSE.
+
+A GEMM arrives (``Job.gemm``), is checked and becomes a task over operands found
+where the job placed them (``partition.make_task``), and is cut into tiles; the
+virtual timeline places them on devices (``Timeline.submit``), the scheduler sends
+them, and each TILE_RESULT goes into the output (``tiles.take_result``) until the
+last one has the task's owner, this job, answer with RESULT (``Job.finish``).
+
+The emulator reads a job's requests only while it reads the replies and its GEMMs
+in flight stay within ``max_job_tiles`` and ``max_job_bytes`` (``regulate``). A job
+whose tiles wait for want of a ready device is told so (NOTICE) and, past its
+``device_wait_s``, failed. The job may have a slab of the operand arena (SLAB)
+and may map the shared weights, which it may ask to have restored first.
+A probe peer (``morphling-bench``) is served as a job that never opens: its id, its
+flow control, nothing else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, TypedDict
+
+import numpy as np
+from morphling.proxy.checkpoint.format import CheckpointError
+from morphling.proxy.shm import handover as local
+from morphling.proxy.vtime.timeline import StepTimes
+from morphling.proxy.wire.errors import RemoteProtocolError
+from morphling.proxy.wire.messages import Close, Gemm, Notice, Open, Result, Slab, Step
+
+from .partition import GemmError, GemmTask, make_task
+from .trainers import Trained
+
+if TYPE_CHECKING:
+    from .peer import PeerConnection
+    from .server import Emulator
+
+log = logging.getLogger(__name__)
+
+
+class Totals(TypedDict):
+    """A job's totals so far, as CLOSE gives them."""
+
+    gemms: int
+    tiles: int
+    model_ns: int
+    bytes_down: int
+    bytes_up: int
+    oom: int
+
+
+class Job:
+    """The emulator's side of one job (or probe peer); see the module docstring."""
+
+    def __init__(self, conn: PeerConnection, job_id: int, *, maps_arena: bool, local: bool) -> None:
+        emulator = conn.emulator
+        self.conn = conn
+        self.emulator: Emulator = emulator
+        self.id = job_id  # its peer id (WELCOME), and its id in the timeline
+        self.name = ""  # OPEN's
+        self.block = emulator.config.block_size
+        self.device_wait_s = 0.0  # its limit on waiting for a device (OPEN; 0: none)
+        self.waiting_since: float | None = None  # its tiles wait, no device being ready
+        self._noticed = 0.0  # when it was last told so
+        self.maps_weights = False  # it maps the shared weights (and may train them)
+        self.steps = 0  # step marks
+        self.trained: Trained | None = None  # its entry among the trainers, once it is one
+        self.gemms: dict[int, GemmTask] = {}
+        self.tiles_in_flight = 0  # of the GEMMs in ``gemms`` (see ``regulate``)
+        self.bytes_in_flight = 0  # the memory they hold: operands received, outputs
+        self.maps_arena = maps_arena  # it may ask for a slab
+        self.local = local  # it runs in this process and may hand over arrays (``local``)
+        self.slab: np.ndarray | None = None  # its bytes of the arena (SLAB)
+        self.slab_gemm = 0  # the GEMM in flight that uses the slab (one at a time)
+        self.totals = Totals(gemms=0, tiles=0, model_ns=0, bytes_down=0, bytes_up=0, oom=0)
+        self._wire_at_step = (0, 0)  # totals' bytes at the last STEP
+
+    # -- OPEN, and the shared weights -------------------------------------------------
+
+    def open(self, msg: Open) -> None:
+        if msg.block < 0:
+            raise RemoteProtocolError(f"OPEN.block={msg.block} is negative", "bad_open")
+        if not msg.device_wait_s >= 0:  # NaN too
+            raise RemoteProtocolError(
+                f"OPEN.device_wait_s={msg.device_wait_s} is not >= 0", "bad_open"
+            )
+        emulator = self.emulator
+        self.block = msg.block or emulator.config.block_size
+        self.device_wait_s = msg.device_wait_s
+        self.name = msg.name or f"job-{self.id}"
+        trainers = emulator.trainers
+        if msg.fresh_weights:
+            self._restore_weights()
+        elif self.maps_weights and trainers.restoring is not None:
+            raise RemoteProtocolError(
+                "the shared weights are being restored from the checkpoint for another job: "
+                "try again when it has started",
+                "weights_busy",
+            )
+        elif self.maps_weights and trainers.latest:
+            who = ", ".join(f"{t['job']!r} ({t['steps']} steps)" for t in trainers.latest)
+            log.info(
+                "job %d (%s) continues from the shared weights as trained by %s",
+                self.id,
+                self.name,
+                who,
+            )
+        emulator.timeline.open_job(self.id, self.name)
+
+    def map_weights(self) -> None:
+        """The job maps the shared weights. Its weights' versions start again from 0, so a
+        block a device kept for another job may carry the same version and other bytes:
+        no kept block is trusted any more."""
+        self.maps_weights = True
+        self._count_as_trainer()
+        self.emulator.trainers.distrust_kept()
+
+    def _count_as_trainer(self) -> None:
+        """Count the job among those that trained the weights, once it maps them and has
+        marked a step."""
+        if self.maps_weights and self.steps and self.trained is None:
+            self.trained = self.emulator.trainers.add(self.name, self.steps)
+
+    def _restore_weights(self) -> None:
+        """OPEN.fresh_weights: copy the checkpoint over the working copy before the job
+        starts; refused while another job maps it, since that would change its weights
+        under it. The job may send nothing else until OPEN answers."""
+        emulator = self.emulator
+        weights = emulator.weights
+        if weights is None:
+            raise RemoteProtocolError(
+                "OPEN.fresh_weights: this emulator shares no weights (--ckpt-path)", "bad_open"
+            )
+        users = [
+            p.job
+            for p in emulator.peers
+            if p.job is not None and p.job is not self and p.job.maps_weights and p.open
+        ]
+        if users or emulator.trainers.restoring is not None:
+            who = (
+                f"job {users[0].id} ({users[0].name or 'opening'}) maps them"
+                if users
+                else "another job is restoring them"
+            )
+            raise RemoteProtocolError(
+                f"OPEN.fresh_weights: the shared weights are in use ({who}); "
+                "restoring them now would change them under it",
+                "weights_busy",
+            )
+        self.map_weights()
+        self.conn.spawn(self._restored(emulator.trainers.restore(weights)))
+
+    async def _restored(self, restoring: asyncio.Future[None]) -> None:
+        try:
+            await asyncio.shield(restoring)
+        except (CheckpointError, OSError) as exc:
+            self.conn.fail("bad_open", f"OPEN.fresh_weights: cannot restore the weights: {exc}")
+            return
+        except Exception:
+            log.exception("job %d: restoring the shared weights failed", self.id)
+            self.conn.fail(
+                "internal", "restoring the shared weights failed (see the emulator's log)"
+            )
+            return
+        log.info("job %d (%s) starts from the checkpoint's weights, restored", self.id, self.name)
+        self.conn.send(
+            Open(
+                name=self.name,
+                block=self.block,
+                device_wait_s=self.device_wait_s,
+                fresh_weights=True,
+            )
+        )
+
+    # -- a GEMM, from intake to RESULT ---------------------------------------------------
+
+    def gemm(self, msg: Gemm) -> None:
+        """Take a GEMM: its task, whose tiles the timeline places (``submit``), whence the
+        scheduler sends them; ``finish`` answers once every tile is back."""
+        if msg.gemm in self.gemms:
+            raise RemoteProtocolError(f"GEMM id {msg.gemm} is already in flight", "bad_gemm")
+        emulator = self.emulator
+        handed = local.take_gemm((emulator.token, self.id, msg.gemm)) if self.local else None
+        try:
+            task = make_task(
+                msg,
+                weights=emulator.weights,
+                slab=self.slab,
+                handed=handed,
+                memory=self._output_memory,
+            )
+        except GemmError as exc:
+            raise RemoteProtocolError(f"GEMM {msg.gemm}: {exc}", "bad_gemm") from None
+        if task.in_slab and self.slab_gemm:
+            raise RemoteProtocolError(
+                f"GEMM {msg.gemm} uses the slab while GEMM {self.slab_gemm}, "
+                "which uses it too, is in flight",
+                "bad_gemm",
+            )
+        task.owner = self
+        if task.weights and not self.maps_weights:
+            self.map_weights()
+        count, limit = task.tile_count(self.block), emulator.config.max_job_tiles
+        if count > limit:
+            raise RemoteProtocolError(
+                f"GEMM {msg.gemm}: {count} tiles of {self.block}² exceed "
+                f"max_job_tiles={limit}; use a larger block",
+                "bad_gemm",
+            )
+        tiles = task.tiles(self.block)
+        self.tiles_in_flight += len(tiles)
+        self.bytes_in_flight += _held_bytes(task)
+        self.totals["gemms"] += 1
+        self.totals["tiles"] += len(tiles)
+        if tiles:
+            self.gemms[task.id] = task
+            if task.in_slab:
+                self.slab_gemm = task.id
+        emulator.timeline.submit(  # an empty one too: its host_ns is coordinator time
+            self.id,
+            task,
+            tiles,
+            after=msg.after,
+            host_s=msg.host_ns / 1e9,
+            place=emulator.scheduler.submit,
+            done=task.settled,
+        )
+        if not tiles:
+            self.finish(task)  # (which regulates)
+            return
+        self.regulate()
+
+    def _output_memory(self, nbytes: int) -> memoryview:
+        """Memory for a C that goes back in RESULT: in the operand arena (where devices on
+        this host write their tiles) when it fits there."""
+        if nbytes > self.emulator.config.max_payload_bytes:
+            raise GemmError(f"output of {nbytes} bytes exceeds max_payload_bytes")
+        return self.emulator.shared_memory(nbytes)
+
+    def finish(self, task: GemmTask) -> None:
+        """All tiles are in: send C to the job, once no kernel writes into it any more (a
+        lost device's, into a job's own array, see ``local``)."""
+        if task.writers is not None and task.writers.count:
+            task.writers.then(lambda: self.finish(task))
+            return
+        self.gemms.pop(task.id, None)
+        self.tiles_in_flight -= len(task.done)  # all its tiles, now in
+        self.bytes_in_flight -= _held_bytes(task)
+        if task.id == self.slab_gemm:
+            self.slab_gemm = 0
+        totals = self.totals
+        totals["model_ns"] += task.virtual_ns
+        totals["bytes_down"] += task.bytes_down
+        totals["bytes_up"] += task.bytes_up
+        totals["oom"] += task.oom
+        if self.conn.open:
+            self.conn.send(
+                Result(
+                    gemm=task.id,
+                    tiles=len(task.done),
+                    devices=sorted(task.devices),
+                    requeued=task.requeued,
+                    model_ns=task.virtual_ns,
+                    bytes_down=task.bytes_down,
+                    bytes_up=task.bytes_up,
+                    oom=task.oom,
+                    slab_retired=task.slab_retired,
+                    segments=(task.out.reshape(-1)[:0] if task.in_place else task.out,),
+                )
+            )
+        self.regulate()
+
+    def regulate(self) -> None:
+        """Read the job's requests only while it reads the replies and its GEMMs in flight
+        stay below ``max_job_tiles`` and ``max_job_bytes``: otherwise one that sends
+        without reading would grow the emulator's memory without bound."""
+        cfg, conn = self.emulator.config, self.conn
+        if (
+            conn.writable
+            and self.tiles_in_flight < cfg.max_job_tiles
+            and self.bytes_in_flight < cfg.max_job_bytes
+        ):
+            conn.resume_reading()
+        else:
+            conn.pause_reading()
+
+    # -- STEP, CLOSE, and the end --------------------------------------------------------
+
+    def step(self, msg: Step) -> None:
+        self.steps += 1
+        if self.trained is not None:
+            self.trained["steps"] = self.steps
+        else:
+            self._count_as_trainer()
+        self.emulator.timeline.mark_step(
+            self.id,
+            msg.step,
+            host_s=msg.host_ns / 1e9,
+            local_gemms=msg.local_gemms,
+            done=self._step_done,
+        )
+
+    def _step_done(self, times: StepTimes) -> None:
+        """The step is settled in virtual time: answer the job's STEP."""
+        wire = (self.totals["bytes_down"], self.totals["bytes_up"])
+        (down0, up0), self._wire_at_step = self._wire_at_step, wire
+        if self.conn.open:
+            self.conn.send(
+                Step(
+                    step=times.step,
+                    emulated_ns=round(times.emulated_s * 1e9),
+                    coord_ns=round(times.coord_s * 1e9),
+                    gemms=times.gemms,
+                    tiles=times.tiles,
+                    link_down=times.link_down,
+                    link_up=times.link_up,
+                    bytes_down=wire[0] - down0,
+                    bytes_up=wire[1] - up0,
+                    oom=times.oom,
+                )
+            )
+
+    def close(self) -> None:
+        """CLOSE: the job's totals, and goodbye."""
+        self.conn.send(Close(**self.totals))
+        self.conn.close()
+
+    def left(self) -> None:
+        """The connection is gone: its GEMMs are dropped, its slab goes back (once no tile
+        still out uses it), and it no longer counts as training the weights."""
+        emulator = self.emulator
+        emulator.waiting.discard(self)
+        if self.trained is not None:
+            self.trained["running"] = False
+        emulator.timeline.close_job(self.id)
+        self.slab = None
+        for task in self.gemms.values():
+            emulator.scheduler.cancel(task)
+        self.gemms.clear()
+
+    # -- the slab --------------------------------------------------------------------------
+
+    def slab_asked(self, msg: Slab) -> None:
+        """Give the job the slab of the arena it asks for, when there is room (at most half
+        the arena, and one slab at a time: no job can take it all); answer with the slab it
+        has now."""
+        arena = self.emulator.arena
+        if not self.maps_arena or arena is None:
+            raise RemoteProtocolError(
+                "SLAB from a job that does not map the operand arena (HELLO caps.arena)", "bad_slab"
+            )
+        if msg.nbytes < 0:
+            raise RemoteProtocolError(f"SLAB.nbytes={msg.nbytes} is negative", "bad_slab")
+        if self.slab_gemm:  # it holds on to the slab it uses: a new one would be a second
+            raise RemoteProtocolError(
+                f"SLAB while GEMM {self.slab_gemm}, which uses the slab, is in flight", "bad_slab"
+            )
+        # The old slab goes first, so the new one may reuse its pages; the job has none
+        # until this is answered.
+        self.slab = None
+        view = arena.allocate(msg.nbytes) if 0 < msg.nbytes <= arena.nbytes // 2 else None
+        if view is None:
+            if msg.nbytes:
+                log.info("job %d: no room for a slab of %d bytes in the arena", self.id, msg.nbytes)
+            self.conn.send(Slab(nbytes=0, offset=-1))
+            return
+        slab = self.slab = np.frombuffer(view, np.uint8)
+        offset = arena.offset_of(slab)
+        assert offset is not None  # (the arena gave it)
+        self.conn.send(Slab(nbytes=len(slab), offset=offset))
+
+    def retire_slab(self, task: GemmTask) -> None:
+        """A device lost while writing ``task``'s C may still write: if that is in the job's
+        slab, the job gets no more use of it (RESULT.slab_retired says so)."""
+        if self.slab is not None and np.shares_memory(self.slab, task.out):
+            self.slab = None  # held by ``task`` until it is done, and then for late writes
+            task.slab_retired = True
+
+    # -- waiting for devices -------------------------------------------------------------
+
+    def watch_wait(self, now: float, ready: int, connected: int) -> None:
+        """Tell the job when its tiles start waiting for want of a ready device, every
+        ``device_wait_notice_s`` while they do, and when one is back; fail it once they
+        have waited its ``device_wait_s``. Without this a job whose fleet vanished waited
+        for ever, in silence."""
+        count = sum(task.remaining for task in self.gemms.values())
+        tiles = f"{count} tile{'s' if count != 1 else ''}"
+        limit, since = self.device_wait_s, self.waiting_since
+        if since is None:
+            if ready or not count:
+                return
+            self.waiting_since = self._noticed = now
+            self.emulator.waiting.add(self)
+            end = f"fails after {limit:g} s" if limit else "waits for ever"
+            self._notice(
+                "no_devices",
+                f"no device is ready ({connected} connected): the job "
+                f"waits with {tiles} queued; it {end} (device_wait_s)",
+                connected,
+                count,
+                0.0,
+                logging.WARNING,
+            )
+            return
+        waited = now - since
+        if ready or not count:
+            self.waiting_since = None
+            self.emulator.waiting.discard(self)
+            if ready:
+                self._notice(
+                    "devices",
+                    f"devices are back: {ready} ready after {waited:.3g} s; "
+                    f"sending the job's {tiles} queued",
+                    connected,
+                    count,
+                    waited,
+                )
+        elif limit and waited >= limit:
+            self.conn.fail(
+                "no_devices",
+                f"no device was ready for {limit:g} s (device_wait_s); the job had {tiles} queued",
+            )
+        elif now - self._noticed >= self.emulator.config.device_wait_notice_s:
+            self._noticed = now
+            text = (
+                f"waiting for devices: {connected} connected, {tiles} queued, waited "
+                f"{waited:.3g} s" + (f" of {limit:g}" if limit else "")
+            )
+            self._notice("no_devices", text, connected, count, waited)
+
+    def _notice(
+        self,
+        code: str,
+        text: str,
+        devices: int,
+        tiles: int,
+        waited_s: float,
+        level: int = logging.INFO,
+    ) -> None:
+        """Say ``text`` to the job (NOTICE ``code``) and in the log."""
+        log.log(level, "job %d (%s): %s", self.id, self.name, text)
+        self.conn.send(
+            Notice(
+                code=code,
+                text=text,
+                devices=devices,
+                tiles=tiles,
+                waited_s=waited_s,
+                limit_s=self.device_wait_s,
+            )
+        )
+
+
+def _held_bytes(task: GemmTask) -> int:
+    """The emulator's memory ``task`` holds: the operand bytes it arrived with, and its C
+    unless C is the job's own (in place)."""
+    received = sum(memoryview(s).nbytes for s in task.request.segments)
+    return received + (0 if task.in_place else task.out.nbytes)

@@ -1,0 +1,157 @@
+"""A placed tile becomes a TILE for its device; its TILE_RESULT goes back into its GEMM.
+
+Each operand block goes to the device the cheapest way it can take it (its
+``Location``): a device that maps the operand arena reads blocks that lie there,
+and writes C there when the GEMM's output does; one that maps the shared weights
+reads weight blocks from its mapping; one whose emulated memory holds a weight
+block at its current version gets only its reference; a device in the emulator's
+own process is handed the arrays (``local``). Anything else goes as bytes, with
+the weight's reference when the device is to keep them. The TILE_RESULT must then
+carry C as its TILE asked (``operands.check_tile_result``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, NamedTuple
+
+import numpy as np
+from morphling.proxy.shm import handover as local
+from morphling.proxy.shm.arena import OperandArena
+from morphling.proxy.vtime.memory import Admission
+from morphling.proxy.wire.errors import RemoteProtocolError
+from morphling.proxy.wire.messages import Tile, TileResult
+from morphling.proxy.wire.operands import (
+    HANDED,
+    IN_FRAME,
+    Location,
+    OperandError,
+    check_tile_result,
+    in_arena,
+    in_frame,
+    in_weights,
+    tile_fields,
+)
+
+from .partition import Block, GemmTask, TileTask
+from .registry import DeviceRecord
+
+if TYPE_CHECKING:
+    from .scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+class Sent(NamedTuple):
+    """How one operand block goes: the bytes in the TILE (none when not in the frame),
+    their leading dimension, and where the device finds the block."""
+
+    bytes: np.ndarray
+    ld: int
+    at: Location
+
+
+class TileMessages:
+    """Builds each tile's TILE for the device it goes to; see the module docstring."""
+
+    def __init__(self, token: str) -> None:
+        self.token = token  # the emulator's, for arrays handed over (``local``)
+        self.arena: OperandArena | None = None  # the emulator's, once it made it
+
+    def message(self, device: DeviceRecord, tile: TileTask, admission: Admission | None) -> Tile:
+        """``tile``'s TILE for ``device``; ``admission`` is the device's emulated memory's
+        say (from the timeline), None for a tile moved off a lost device: all bytes but
+        what the device maps. Notes on the tile where C goes (``TileTask.c_at``)."""
+        task = tile.gemm
+        drop = admission.evicted if admission is not None and not device.colocated else []
+        a, b = tile.operands()
+        if task.writers is not None and device.local:
+            self._hand_over(device, tile, task.writers)
+            sent_a, sent_b = Sent(a.span[:0], a.ld, HANDED), Sent(b.span[:0], b.ld, HANDED)
+            return self._tile(tile, sent_a, sent_b, HANDED, drop)
+        out = self._out_offset(device, task)
+        c_at = IN_FRAME if out is None else in_arena(out + tile.out_start * task.out.itemsize)
+        sent_a, sent_b = (self._block(device, task, x, admission) for x in (a, b))
+        return self._tile(tile, sent_a, sent_b, c_at, drop)
+
+    def _tile(
+        self, tile: TileTask, a: Sent, b: Sent, c_at: Location, drop: list[list[int]]
+    ) -> Tile:
+        task, g = tile.gemm, tile.gemm.request
+        rows, cols = tile.shape
+        tile.c_at = c_at
+        return Tile(
+            tile=tile.id,
+            dtype=g.dtype,
+            ta=g.ta,
+            tb=g.tb,
+            m=rows,
+            n=cols,
+            k=g.k,
+            lda=a.ld,
+            ldb=b.ld,
+            drop=drop,
+            ldc=task.out.shape[2] if c_at.in_place else 0,
+            **tile_fields(a.at, b.at, c_at),
+            segments=(a.bytes, b.bytes),
+        )
+
+    def _block(
+        self, device: DeviceRecord, task: GemmTask, block: Block, admission: Admission | None
+    ) -> Sent:
+        """How ``block`` goes to ``device``."""
+        at = self.arena.offset_of(block.span) if self.arena is not None and device.arena else None
+        if at is not None:  # it reads the span from its mapping of the arena
+            return Sent(block.span[:0], block.ld, in_arena(at))
+        if block.offset is None:
+            return Sent(*task.packed(block), IN_FRAME)
+        if device.colocated:  # it reads the span from its mapping of the weights
+            return Sent(block.span[:0], block.ld, in_weights(block.ref))
+        if admission is None:
+            return Sent(*task.packed(block), IN_FRAME)
+        if block.key in admission.held:  # it holds the bytes sent before
+            return Sent(block.span[:0], block.sent_ld, in_weights(block.ref))
+        # bytes, to be kept under the ref if they fit
+        return Sent(*task.packed(block), in_frame(block.ref) if admission.fits else IN_FRAME)
+
+    def _out_offset(self, device: DeviceRecord, task: GemmTask) -> int | None:
+        """Where in the operand arena ``device`` finds ``task``'s output, or None."""
+        if self.arena is None or not device.arena:
+            return None
+        return self.arena.offset_of(task.out)
+
+    def _hand_over(self, device: DeviceRecord, tile: TileTask, writers: local.Writers) -> None:
+        """Offer ``device``, in this process, the tile's blocks and its span of C."""
+        a, b = tile.operands()
+        rows, cols = tile.shape
+        out = tile.gemm.out
+        n, start = out.shape[2], tile.out_start
+        c = out.reshape(-1)[start : start + (rows - 1) * n + cols if rows and cols else start]
+        offered = local.TileOperands(a.span, b.span, c, writers)
+        local.offer_tile((self.token, device.id, tile.id), offered)
+
+
+def take_result(scheduler: Scheduler, device: DeviceRecord, msg: TileResult) -> None:
+    """A device's TILE_RESULT: its C into the GEMM's output (unless written in place), and
+    the job answered once every tile is in. A result that is not what its TILE asked for
+    is a protocol error: the device is dropped and the tile sent to another."""
+    tile = scheduler.finished(device, msg.tile)
+    if tile is None:
+        why = "not expected (late or duplicate); ignored"
+        log.debug("device %d: result for tile %d %s", device.id, msg.tile, why)
+    elif not tile.gemm.cancelled:
+        task = tile.gemm
+        rows, cols = tile.shape
+        try:
+            check_tile_result(msg, tile.c_at, rows, cols, task.out.itemsize)
+        except OperandError as exc:
+            scheduler.retry(tile)
+            raise RemoteProtocolError(
+                f"{exc} (the tile goes to another device)", "bad_result"
+            ) from None
+        segment = msg.segments[0]
+        task.bytes_up += segment.nbytes
+        values = None if tile.c_at.in_place else np.frombuffer(segment, dtype=task.out.dtype)
+        if task.put(tile, values) and task.remaining == 0 and task.owner is not None:
+            task.owner.finish(task)
+    scheduler.dispatch()
