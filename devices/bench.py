@@ -55,8 +55,8 @@ from morphling.proxy.wire.messages import (
 from morphling.proxy.wire.states import Party
 from tqdm import tqdm
 
-from morphling import __version__
 from morphling.text import format_size
+from morphling.version import __version__
 
 PROG = "morphling-bench"
 LATENCY_BYTES = 64

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from . import __version__
+from .version import __version__
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from morphling import __version__
+from morphling.version import __version__
 
 
 def run_meta(reps: int, **extra: Any) -> dict[str, Any]:

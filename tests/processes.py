@@ -18,6 +18,35 @@ from pathlib import Path
 import pytest
 
 MORPHLING = [sys.executable, "-m", "morphling"]
+MORPHLING_RUN = [*MORPHLING, "--log-level", "warning", "run"]
+SCRIPTS = Path(__file__).parent / "scripts"  # the training scripts the runs train
+TIMEOUT_S = 180
+
+
+def _child(
+    command: list[str], cwd: Path | None, env: dict[str, str] | None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(command, cwd=cwd, env=env or child_env(), capture_output=True,
+                          text=True, timeout=TIMEOUT_S, check=False)  # fmt: skip
+
+
+def morphling_run(
+    *args: str | Path, cwd: Path | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``morphling run ARGS`` as a child process; its exit code, stdout and stderr."""
+    return _child([*MORPHLING_RUN, *map(str, args)], cwd, env)
+
+
+def python(
+    *args: str | Path, cwd: Path | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """The same command run natively, as the reference."""
+    return _child([sys.executable, *map(str, args)], cwd, env)
+
+
+def succeeded(proc: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return proc
 
 
 def free_port() -> int:

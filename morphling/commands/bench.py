@@ -18,11 +18,11 @@ from typing import Any
 
 import uvloop
 
-from morphling import __version__
 from morphling.config import parse_int, read_secret
 from morphling.devices.bench import LATENCY_BYTES, PROG, BenchError, run_bench
 from morphling.proxy.wire.challenge import MAX_DIM
 from morphling.runtime import parse_server
+from morphling.version import __version__
 
 log = logging.getLogger(__name__)
 

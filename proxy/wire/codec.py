@@ -24,7 +24,6 @@ from typing import Any
 import msgpack  # type: ignore[import-untyped]  # no stubs
 import numpy as np
 
-from .errors import ProtocolError as ProtocolError  # re-exported until its importers move
 from .errors import RemoteProtocolError
 from .messages import DTYPES, MESSAGES, Message, from_wire
 

@@ -1,6 +1,6 @@
 """Train a small MLP until stopped, printing ``step N`` after each optimizer step.
 
-Used by tests/test_signals.py: a signal must arrive mid-training. It stops by itself
+Used by tests/commands/test_signals.py: a signal must arrive mid-training. It stops by itself
 after LIMIT_S (a safety net should a test not stop it).
 """
 

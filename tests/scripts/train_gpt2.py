@@ -1,6 +1,6 @@
 """Train a tiny GPT-2 (bundled config, seeded, no hub) for a few AdamW steps.
 
-Used by tests/test_run.py (see ``_training``).
+Used by tests/commands/test_run.py (see ``_training``).
 GPT-2 projects with Conv1D, i.e. addmm on a [in, out] weight.
 """
 

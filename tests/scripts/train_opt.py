@@ -1,6 +1,6 @@
 """Train a tiny OPT (bundled config, seeded, no hub) for a few AdamW steps.
 
-Used by tests/test_run.py (see ``_training``).
+Used by tests/commands/test_run.py (see ``_training``).
 OPT in transformers 5 uses scaled_dot_product_attention.
 
 The bundled opt-tiny config is used as is except for its activation: GELU instead of ReLU.

@@ -1,6 +1,6 @@
 """Train a small hand-written causal transformer that calls fused attention directly.
 
-Used by tests/test_run.py (see ``_training``).
+Used by tests/commands/test_run.py (see ``_training``).
 Per step the model does LINEARS ``nn.Linear`` calls and ATTENTION calls to
 ``F.scaled_dot_product_attention``; the test derives the expected GEMM count from them.
 """

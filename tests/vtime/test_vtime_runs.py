@@ -25,8 +25,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from processes import child_env
-from test_run import SCRIPTS, morphling_run, succeeded
+from processes import SCRIPTS, child_env, morphling_run, succeeded
 
 from morphling.text import FIRST_ROWS, LAST_ROWS
 

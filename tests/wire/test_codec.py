@@ -16,11 +16,11 @@ from morphling.proxy.wire.codec import (
     PREFIX,
     VERSION,
     Decoder,
-    ProtocolError,
     encode,
     encode_bytes,
     segment_array,
 )
+from morphling.proxy.wire.errors import ProtocolError
 from morphling.proxy.wire.messages import (
     MESSAGES,
     Bye,

@@ -1,6 +1,6 @@
 """SIGTERM and SIGINT to ``morphling run`` and ``morphling sweep`` mid-training.
 
-Real signals to real processes training ``scripts/train_forever.py``: each must end
+Real signals to real processes training ``tests/scripts/train_forever.py``: each must end
 every process it started, leave a run directory ``morphling report`` reads (marked
 incomplete, with the signal), leave none of its files in /dev/shm, and exit 143 or 130.
 """
@@ -18,7 +18,7 @@ from morphling.proxy.report.load import load_run
 from morphling.proxy.shm.files import shm_dir
 from processes import MORPHLING, Procs, child_env
 
-FOREVER = Path(__file__).parent / "scripts" / "train_forever.py"
+FOREVER = Path(__file__).parents[1] / "scripts" / "train_forever.py"
 SIGNALS = [pytest.param(signal.SIGTERM, 143, id="SIGTERM"),
            pytest.param(signal.SIGINT, 130, id="SIGINT")]  # fmt: skip
 TIMEOUT_S = 150

@@ -29,38 +29,9 @@ from morphling.proxy.checkpoint.format import write_checkpoint
 from morphling.proxy.checkpoint.hf_models import load_config
 from morphling.proxy.job.embedded import EmbeddedFleet
 from morphling.proxy.report.load import load_run
-from processes import child_env
+from processes import MORPHLING_RUN, SCRIPTS, TIMEOUT_S, child_env, morphling_run, python, succeeded
 
-MORPHLING_RUN = [sys.executable, "-m", "morphling", "--log-level", "warning", "run"]
-SCRIPTS = Path(__file__).parent / "scripts"
 STEPS = 20
-TIMEOUT_S = 180
-
-
-def _child(
-    command: list[str], cwd: Path | None, env: dict[str, str] | None
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(command, cwd=cwd, env=env or child_env(), capture_output=True,
-                          text=True, timeout=TIMEOUT_S, check=False)  # fmt: skip
-
-
-def morphling_run(
-    *args: str | Path, cwd: Path | None = None, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess[str]:
-    """``morphling run ARGS`` as a child process; its exit code, stdout and stderr."""
-    return _child([*MORPHLING_RUN, *map(str, args)], cwd, env)
-
-
-def python(
-    *args: str | Path, cwd: Path | None = None, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess[str]:
-    """The same command run natively, as the reference."""
-    return _child([sys.executable, *map(str, args)], cwd, env)
-
-
-def succeeded(proc: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
-    return proc
 
 
 # -- training runs ----------------------------------------------------------------------
