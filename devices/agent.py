@@ -50,7 +50,7 @@ from .models.profiles import DeviceProfile
 log = logging.getLogger(__name__)
 
 # Tiles this small are computed on the event loop: handing them to a worker thread
-# and back costs ~100 µs, twenty times their compute.
+# and back costs many times their compute.
 INLINE_FLOPS = 1 << 20
 NO_BYTES = memoryview(b"")
 

@@ -82,9 +82,9 @@ class EmulatorConfig:
     max_payload_bytes: int = _opt(1 << 30, "largest frame payload accepted", min=1)
     max_job_tiles: int = _opt(
         1 << 20,
-        "tiles of a job's GEMMs in flight past which its next requests wait (each costs "
-        "the emulator about 250 bytes and 1.5 µs of its event loop; the GEMM that "
-        "crosses the mark is taken); one GEMM with more is refused",
+        "tiles of a job's GEMMs in flight past which its next requests wait (each holds "
+        "emulator memory and event-loop time; the GEMM that crosses the mark is taken); "
+        "one GEMM with more is refused",
         min=1,
     )
     max_job_bytes: int = _opt(

@@ -12,8 +12,8 @@ It has two ways in. By default it replaces the CPU kernels of those four ops
 what stays local), so only GEMMs enter Python and every other op runs at
 native speed: the wall time the script spends between GEMMs, the measured
 coordinator time, is then the script's own. A ``TorchDispatchMode`` routes
-every aten op through Python instead (4 µs for a small op; 7 ms of the demo
-model's 34 ms step on the 2-core development host); that is the price of
+every aten op through Python instead (a few microseconds per op, a sizeable
+share of a small model's step); that is the price of
 counting every op, paid only when a ``HostWork`` is given (modelled
 coordinator time, which does not read the clock).
 
