@@ -171,8 +171,10 @@ def _jobs(run: Run) -> list[JobRow]:
     for s in run.steps:
         emulated_s = s.t1 - s.t0
         breakdown = {"coordinator_s": s.coord_s, **dict(zip(COMPONENTS, s.critical, strict=True))}
-        # step time no GEMM or coordinator span covers: 0 unless the step is incomplete
-        breakdown["unattributed_s"] = emulated_s - sum(breakdown.values())
+        # step time no GEMM or coordinator span covers: 0 unless the step is incomplete (a
+        # rounding residue of the sum is 0 too, not a "-0.0000 s" in the text)
+        unattributed = emulated_s - sum(breakdown.values())
+        breakdown["unattributed_s"] = 0.0 if abs(unattributed) < 1e-9 else unattributed
         path = CriticalPath(
             breakdown=breakdown,
             devices={names[d]: n for d, n in s.last_in},

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hand_run import BW, FLEET, JOB, run_events, write_run
+from hand_run import BW, FLEET, JOB, T, run_events, schedule_events, write_run
 from morphling.proxy.report.analysis import BREAKDOWN, summarize
 from morphling.proxy.report.files import write_reports
 from morphling.proxy.report.load import StepRange, load_run
@@ -112,6 +112,16 @@ def test_critical_path_sums_to_the_step(summary: dict[str, Any]) -> None:
         ("coordinator", None),
     ]  # fmt: skip
     assert path["devices"] == {"b-1": 2}
+
+
+def test_a_complete_steps_rounding_residue_is_not_unattributed_time(tmp_path: Path) -> None:
+    """0.3 s stages do not sum exactly in binary: the step's time less its parts is a
+    residue of -2e-16 s, which the text printed as "unattributed -0.0000 s -0.0%"."""
+    events = schedule_events([[0.3, [T(0, 0.3, 0.3, 0.3)], 0.3]])
+    summary = summarize(load_run(write_run(tmp_path, events)))
+    (step,) = summary["jobs"][0]["steps"]
+    assert step["critical_path"]["breakdown"]["unattributed_s"] == 0.0
+    assert "-0.0" not in format_summary(summary)
 
 
 def test_oom(summary: dict[str, Any]) -> None:
