@@ -48,8 +48,11 @@ class Fleet:
         log.info("fleet: making %d virtual devices", len(profiles))
         agents = []
         for i, p in enumerate(profiles):
-            agents.append(DeviceAgent(p, workers, pool, name=f"{p.name}-{i}", token=token,
-                                      virtual=True, tls=tls))  # fmt: skip
+            agents.append(
+                DeviceAgent(
+                    p, workers, pool, name=f"{p.name}-{i}", token=token, virtual=True, tls=tls
+                )
+            )
             if i % BATCH == BATCH - 1:
                 await asyncio.sleep(0)
         return cls(agents)

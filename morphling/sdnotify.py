@@ -54,8 +54,9 @@ class Notifier:
             self._socket.sendto(message.encode(), self.address)
         except BlockingIOError:
             if not self._dropping:
-                log.warning("systemd is not reading %r; dropping notifications until it "
-                            "does", self.address)  # fmt: skip
+                log.warning(
+                    "systemd is not reading %r; dropping notifications until it does", self.address
+                )
             self._dropping = True
             return False
         except OSError as exc:

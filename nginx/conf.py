@@ -50,18 +50,23 @@ class NginxConfig:
     tls_key: str = _opt("", "private key (PEM) of --tls-cert")
     heartbeat_s: float = _opt(5.0, "the emulator's --heartbeat-s", min=0.01)
     heartbeat_timeout_s: float = _opt(15.0, "the emulator's --heartbeat-timeout-s", min=0.01)
-    connect_timeout_s: float = _opt(5.0, "give up connecting to an emulator after this long",
-                                    min=0.001)  # fmt: skip
+    connect_timeout_s: float = _opt(
+        5.0, "give up connecting to an emulator after this long", min=0.001
+    )
     devices: int = _opt(4096, "devices to size worker_connections for", min=1)
     stream_module: str = _opt(
         "",
         "load_module this file first, where the stream module is dynamic "
         "(Debian: /usr/lib/nginx/modules/ngx_stream_module.so)",
     )
-    access_log: str = _opt("/var/log/nginx/morphling-stream.log",
-                           "one line per device session ('off': none)")  # fmt: skip
-    part: str = _opt("full", "a whole nginx.conf, or only its stream {} block to include",
-                     choices=("full", "stream"))  # fmt: skip
+    access_log: str = _opt(
+        "/var/log/nginx/morphling-stream.log", "one line per device session ('off': none)"
+    )
+    part: str = _opt(
+        "full",
+        "a whole nginx.conf, or only its stream {} block to include",
+        choices=("full", "stream"),
+    )
 
     def __post_init__(self) -> None:
         check_heartbeats(self.heartbeat_s, self.heartbeat_timeout_s)
@@ -121,8 +126,10 @@ def _refuse_itself(listen: str, emulator: str) -> None:
 
 def _path(text: str, what: str) -> str:
     if not _SAFE_PATH.fullmatch(text):
-        raise ValueError(f"{what} {text!r}: spaces, quotes, ';', '{{', '}}', '#', '$' and '\\' "
-                         "are not allowed in a path here")  # fmt: skip
+        raise ValueError(
+            f"{what} {text!r}: spaces, quotes, ';', '{{', '}}', '#', '$' and '\\' "
+            "are not allowed in a path here"
+        )
     return text
 
 

@@ -42,8 +42,9 @@ def find_nginx() -> NginxInstall:
         (p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx") if os.access(p, os.X_OK)), None
     )
     if binary is None:
-        raise NginxUnavailable("nginx is not installed (Debian: apt-get install nginx "
-                               "libnginx-mod-stream)")  # fmt: skip
+        raise NginxUnavailable(
+            "nginx is not installed (Debian: apt-get install nginx libnginx-mod-stream)"
+        )
     built = subprocess.run([binary, "-V"], capture_output=True, text=True, check=False).stderr
     version = built.splitlines()[0].rpartition("/")[2] if built else "?"
     if "--with-stream=dynamic" in built:
@@ -68,9 +69,11 @@ class Nginx:
         self.access_log = self.workdir / "access.log"
         self.error_log = self.workdir / "error.log"
         self.cfg = dataclasses.replace(
-            cfg, stream_module=self.install.stream_module, access_log=str(self.access_log),
+            cfg,
+            stream_module=self.install.stream_module,
+            access_log=str(self.access_log),
             part="full",
-        )  # fmt: skip
+        )
         self.conf = self.workdir / "nginx.conf"
         self._pid = self.workdir / "nginx.pid"
         self.process: subprocess.Popen[bytes] | None = None
@@ -81,10 +84,20 @@ class Nginx:
         self.conf.write_text(render(self.cfg))
         with open(self.error_log, "ab") as errors:
             self.process = subprocess.Popen(
-                [self.install.binary, "-e", "stderr", "-p", str(self.workdir), "-c", str(self.conf),
-                 "-g", f"daemon off; pid {self._pid}; error_log stderr info;"],
-                stdout=errors, stderr=errors,
-            )  # fmt: skip
+                [
+                    self.install.binary,
+                    "-e",
+                    "stderr",
+                    "-p",
+                    str(self.workdir),
+                    "-c",
+                    str(self.conf),
+                    "-g",
+                    f"daemon off; pid {self._pid}; error_log stderr info;",
+                ],
+                stdout=errors,
+                stderr=errors,
+            )
         deadline = time.monotonic() + timeout_s
         while not self._pid.exists():
             if self.process.poll() is not None or time.monotonic() > deadline:

@@ -124,35 +124,69 @@ def build_parser() -> argparse.ArgumentParser:
         "off; 2 a usage error, an unreachable server or a refused handshake.",
     )
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
-    parser.add_argument("--server", required=True, metavar="HOST:PORT",
-                        help="emulator address (HOST alone means port 39000; [v6]:PORT "
-                        "for IPv6)")  # fmt: skip
+    parser.add_argument(
+        "--server",
+        required=True,
+        metavar="HOST:PORT",
+        help="emulator address (HOST alone means port 39000; [v6]:PORT for IPv6)",
+    )
     token = parser.add_mutually_exclusive_group()
-    token.add_argument("--token", default="",
-                       help="shared secret, if the emulator requires one (ps shows it here: "
-                       "prefer --token-file)")  # fmt: skip
-    token.add_argument("--token-file", metavar="PATH",
-                       help="read the shared secret from this file, one line")  # fmt: skip
-    parser.add_argument("--sizes", type=_sizes_arg, default=parse_sizes(DEFAULT_SIZES),
-                        metavar="LIST",
-                        help="bandwidth payload sizes, comma-separated, with B/KiB/MiB/GiB "
-                        f"suffixes, e.g. 64KiB,1MiB,4MiB (default: {DEFAULT_SIZES})")  # fmt: skip
-    parser.add_argument("--repeats", type=_bounded_int(1), default=3, metavar="N",
-                        help="transfers per size and direction; the median is reported "
-                        "(default: 3)")  # fmt: skip
-    parser.add_argument("--latency-rounds", type=_bounded_int(1), default=20, metavar="N",
-                        help=f"{LATENCY_BYTES} B echoes for the latency (default: 20)")  # fmt: skip
-    parser.add_argument("--flops-dim", type=_bounded_int(1, MAX_DIM), default=256,
-                        metavar="N",
-                        help="FLOPS challenge matrix size, N×N float32 (default: 256)")  # fmt: skip
-    parser.add_argument("--timeout", type=_positive_float, default=30.0, metavar="SECONDS",
-                        help="limit for connecting and for each reply (default: 30)")  # fmt: skip
-    parser.add_argument("--json", action="store_true",
-                        help="print the report as JSON instead of a table")  # fmt: skip
-    parser.add_argument("--no-progress", dest="progress", action="store_false",
-                        help="no progress bar on stderr")  # fmt: skip
-    parser.add_argument("--log-level", choices=LOG_LEVELS, default="warning",
-                        help="logging level on stderr (default: warning)")  # fmt: skip
+    token.add_argument(
+        "--token",
+        default="",
+        help="shared secret, if the emulator requires one (ps shows it here: prefer --token-file)",
+    )
+    token.add_argument(
+        "--token-file", metavar="PATH", help="read the shared secret from this file, one line"
+    )
+    parser.add_argument(
+        "--sizes",
+        type=_sizes_arg,
+        default=parse_sizes(DEFAULT_SIZES),
+        metavar="LIST",
+        help="bandwidth payload sizes, comma-separated, with B/KiB/MiB/GiB "
+        f"suffixes, e.g. 64KiB,1MiB,4MiB (default: {DEFAULT_SIZES})",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=_bounded_int(1),
+        default=3,
+        metavar="N",
+        help="transfers per size and direction; the median is reported (default: 3)",
+    )
+    parser.add_argument(
+        "--latency-rounds",
+        type=_bounded_int(1),
+        default=20,
+        metavar="N",
+        help=f"{LATENCY_BYTES} B echoes for the latency (default: 20)",
+    )
+    parser.add_argument(
+        "--flops-dim",
+        type=_bounded_int(1, MAX_DIM),
+        default=256,
+        metavar="N",
+        help="FLOPS challenge matrix size, N×N float32 (default: 256)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=30.0,
+        metavar="SECONDS",
+        help="limit for connecting and for each reply (default: 30)",
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="print the report as JSON instead of a table"
+    )
+    parser.add_argument(
+        "--no-progress", dest="progress", action="store_false", help="no progress bar on stderr"
+    )
+    parser.add_argument(
+        "--log-level",
+        choices=LOG_LEVELS,
+        default="warning",
+        help="logging level on stderr (default: warning)",
+    )
     return parser
 
 
@@ -172,8 +206,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         stream=sys.stderr,
     )
     try:
-        settings = {k: getattr(args, k) for k in ("token", "sizes", "latency_rounds", "repeats",
-                                                   "flops_dim", "timeout", "progress")}  # fmt: skip
+        settings = {
+            k: getattr(args, k)
+            for k in (
+                "token",
+                "sizes",
+                "latency_rounds",
+                "repeats",
+                "flops_dim",
+                "timeout",
+                "progress",
+            )
+        }
         report = uvloop.run(run_bench(host, port, **settings))
     except BenchError as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)

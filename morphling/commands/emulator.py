@@ -20,10 +20,13 @@ log = logging.getLogger("morphling.emulator")
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     configuration.add_command(
-        sub, "emulator", EmulatorConfig, run,
+        sub,
+        "emulator",
+        EmulatorConfig,
+        run,
         help="run the emulator (devices and jobs connect to it)",
         description="Accept devices and jobs, tile GEMMs and schedule them on the devices.",
-    )  # fmt: skip
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -42,8 +45,9 @@ def run(args: argparse.Namespace) -> int:
         try:
             host, port = await emulator.start()
         except ValueError as exc:  # CheckpointError: missing or corrupt
-            print(f"morphling emulator: cannot share the checkpoint's weights: {exc}",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"morphling emulator: cannot share the checkpoint's weights: {exc}", file=sys.stderr
+            )
             return 2
         except OSError as exc:  # asyncio's message repeats the address: the errno's alone
             reason = os.strerror(exc.errno) if exc.errno else str(exc)

@@ -12,12 +12,16 @@ from morphling.nginx.conf import NginxConfig, render
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     parser = configuration.add_command(
-        sub, "nginx-config", NginxConfig, run,
+        sub,
+        "nginx-config",
+        NginxConfig,
+        run,
         help="write an nginx stream-proxy configuration for physical devices",
         description="Render an nginx.conf that forwards devices to one or more emulators.",
-    )  # fmt: skip
-    parser.add_argument("--output", "-o", default="-",
-                        help="file to write (default '-': standard output)")  # fmt: skip
+    )
+    parser.add_argument(
+        "--output", "-o", default="-", help="file to write (default '-': standard output)"
+    )
     parser.add_argument("--force", action="store_true", help="replace an existing --output")
 
 

@@ -42,11 +42,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print summary.json instead of the text")
     p.add_argument("--no-plots", action="store_true", help="write no PNG plots")
     p.add_argument(
-        "--detail-steps", type=_step_range, metavar="A:B|all",
+        "--detail-steps",
+        type=_step_range,
+        metavar="A:B|all",
         help="the steps of each job (A to B, both included; A:, :B, N or all) that trace.json, "
         "timeline.png and the critical-path segments show tile by tile, of those the log has "
         f"tiles for (default: {DEFAULT_DETAIL}, the first {DEFAULT_DETAIL.last})",
-    )  # fmt: skip
+    )
     p.set_defaults(func=run)
 
 

@@ -40,8 +40,9 @@ def claim(given: str, script: str, *, force: bool = False) -> tuple[Path, bool]:
             stamp = time.strftime("%Y%m%d-%H%M%S")
             path, created = _new(DEFAULT_PARENT / f"{Path(script).stem}-{stamp}"), True
     except OSError as exc:
-        raise ValueError(f"cannot create run directory {exc.filename or given}: "
-                         f"{exc.strerror or exc}") from exc  # fmt: skip
+        raise ValueError(
+            f"cannot create run directory {exc.filename or given}: {exc.strerror or exc}"
+        ) from exc
     try:
         earlier = [] if created else _earlier_run(path, force)
         outputs.check_dir_writable(path)  # before deleting anything, and before the script
@@ -82,10 +83,14 @@ def _earlier_run(path: Path, force: bool) -> list[Path]:
     if not any(path.iterdir()):
         return []
     if not force:
-        raise ValueError(f"run directory {path} already exists and is not empty "
-                         "(choose another --run-dir, or --force to replace it)")  # fmt: skip
+        raise ValueError(
+            f"run directory {path} already exists and is not empty "
+            "(choose another --run-dir, or --force to replace it)"
+        )
     try:
         return outputs.prove(path, RUN)
     except outputs.NotAnOutput as exc:
-        raise ValueError(f"run directory {path}: not a Morphling run directory ({exc}); "
-                         "refusing to replace it even with --force") from None  # fmt: skip
+        raise ValueError(
+            f"run directory {path}: not a Morphling run directory ({exc}); "
+            "refusing to replace it even with --force"
+        ) from None

@@ -70,35 +70,51 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         ),
     )
     p.add_argument(
-        "--fleet", action="append", required=True, metavar="SPEC",
+        "--fleet",
+        action="append",
+        required=True,
+        metavar="SPEC",
         help="a fleet SPEC as for morphling run --devices (repeat for more)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--link", action="append", metavar="PRESET",
+        "--link",
+        action="append",
+        metavar="PRESET",
         help="a link preset for every device (repeat for more; default: the profiles' own)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--cooling", action="append", choices=COOLINGS,
+        "--cooling",
+        action="append",
+        choices=COOLINGS,
         help="cooling of every device (repeat for more; default: the profiles' own)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--max-devices", type=int, default=0, metavar="N",
+        "--max-devices",
+        type=int,
+        default=0,
+        metavar="N",
         help=f"{MAX_DEVICES_HELP} (default: 0)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--out", type=Path, metavar="DIR",
+        "--out",
+        type=Path,
+        metavar="DIR",
         help="directory for the run directories and logs (default: sweep-DATE-TIME)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--steps-from", type=int, default=1, metavar="N",
+        "--steps-from",
+        type=int,
+        default=1,
+        metavar="N",
         help="mean step time skips each job's first N steps (warm-up) when it has more "
         "(default: 1)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--events", choices=[level for level in EVENT_LEVELS if level != "off"],
+        "--events",
+        choices=[level for level in EVENT_LEVELS if level != "off"],
         help="what each run's event log keeps, as morphling run --events (default: "
         "morphling run's); the comparison needs a log",
-    )  # fmt: skip
+    )
     p.add_argument("--json", action="store_true", help="print the comparison as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(
@@ -172,8 +188,10 @@ def with_speedups(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def format_comparison(rows: list[dict[str, Any]]) -> str:
     """The comparison as a fixed-width table."""
     fleet_w = max([len("fleet"), *(len(r["fleet"]) for r in rows)])
-    head = (f"{'fleet':<{fleet_w}} {'link':<8} {'cooling':<8} {'devices':>7} {'step s':>10} "
-            f"{'total s':>10} {'util %':>7} {'moved':>10} {'OOM':>5} {'speed-up':>8}")  # fmt: skip
+    head = (
+        f"{'fleet':<{fleet_w}} {'link':<8} {'cooling':<8} {'devices':>7} {'step s':>10} "
+        f"{'total s':>10} {'util %':>7} {'moved':>10} {'OOM':>5} {'speed-up':>8}"
+    )
     lines = [head, "-" * len(head)]
     for r in rows:
         step = "-" if r["mean_step_s"] is None else f"{r['mean_step_s']:.4f}"
@@ -231,8 +249,10 @@ def run(args: argparse.Namespace) -> int:
         for child in running:
             child.send_signal(signum)  # nothing once it has been reaped
 
-    with Signals(forward) as signals, tqdm(combos, desc="sweep", unit="run",
-                                           disable=args.no_progress) as bar:  # fmt: skip
+    with (
+        Signals(forward) as signals,
+        tqdm(combos, desc="sweep", unit="run", disable=args.no_progress) as bar,
+    ):
         for combo in bar:
             if signals.received is not None:
                 break
@@ -245,13 +265,19 @@ def run(args: argparse.Namespace) -> int:
             ended = "failed" if signals.received is None else "was interrupted"
             bar.write(f"morphling sweep: run {combo.label} {ended}: {result}", file=sys.stderr)
             if code == USAGE_ERROR:
-                bar.write("morphling sweep: a usage error; the remaining runs are skipped",
-                          file=sys.stderr)  # fmt: skip
+                bar.write(
+                    "morphling sweep: a usage error; the remaining runs are skipped",
+                    file=sys.stderr,
+                )
                 return USAGE_ERROR
     rows = with_speedups(rows)
     if args.json:
-        print(json.dumps({"out": str(out), "steps_from": args.steps_from, "runs": rows,
-                          "failed": failed}, indent=1))  # fmt: skip
+        print(
+            json.dumps(
+                {"out": str(out), "steps_from": args.steps_from, "runs": rows, "failed": failed},
+                indent=1,
+            )
+        )
     elif rows:
         print(format_comparison(rows))
     if signals.exit_code is not None:
@@ -260,9 +286,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_one(
-    combo: Combination, out: Path, command: list[str], passed: list[str], signals: Signals,
+    combo: Combination,
+    out: Path,
+    command: list[str],
+    passed: list[str],
+    signals: Signals,
     running: list[subprocess.Popen],
-) -> tuple[int, Summary | str]:  # fmt: skip
+) -> tuple[int, Summary | str]:
     """Run one combination: (exit code, its run's summary, or what went wrong)."""
     run_dir, log = out / combo.label, out / f"{combo.label}.log"
     with log.open("w") as f:

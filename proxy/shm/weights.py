@@ -71,8 +71,9 @@ def _copy_data(ckpt: str | os.PathLike[str], out: IO[bytes], digest: str = "") -
     with Checkpoint.open(ckpt, verify=True) as checkpoint:
         source, found = checkpoint.data_path, checkpoint.digest
     if digest and found != digest:
-        raise CheckpointError(f"{ckpt} is no longer the checkpoint the emulator loaded (its "
-                              "index.json changed)")  # fmt: skip
+        raise CheckpointError(
+            f"{ckpt} is no longer the checkpoint the emulator loaded (its index.json changed)"
+        )
     with open(source, "rb") as src:
         shutil.copyfileobj(src, out, 16 << 20)
     return found
