@@ -1,10 +1,18 @@
-"""Compute and memory kernels: CPU and GPU GEMM, buffer pools, green contexts, the worker pool.
+"""Compute and memory kernels: CPU and GPU GEMM, convolutions, buffer pools, green contexts,
+the worker pool.
 
 The C sources and their cffi builders live in ``_cffi_src/``; nothing here
 spells a C type outside the thin wrappers.
 """
 
 from .blas import BlasInfo, blas_info, gemm, run_plan, set_threads
+from .conv import (
+    ConvGeometry,
+    conv_flops,
+    conv_forward,
+    conv_grad_input,
+    conv_grad_weight,
+)
 from .cublasxt import CublasXt, cublasxt_status
 from .cuda import CudaError, CudaHostPinner, CudaUnavailable, cuda_status
 from .green_context import (
@@ -34,6 +42,7 @@ __all__ = [
     "POLICIES",
     "BlasInfo",
     "BufferPool",
+    "ConvGeometry",
     "CpuBackend",
     "CublasXt",
     "CudaError",
@@ -62,6 +71,10 @@ __all__ = [
     "blas_info",
     "blas_operand",
     "choose_worker",
+    "conv_flops",
+    "conv_forward",
+    "conv_grad_input",
+    "conv_grad_weight",
     "cublasxt_status",
     "cuda_status",
     "gemm",

@@ -1,0 +1,395 @@
+"""Convolutions on a device: one tile of a 2-D convolution, computed for real.
+
+A device receives the input region its tile needs, halo included, never the unfolded
+(im2col) matrix, so links carry activations. It unfolds the region locally and multiplies
+with this package's BLAS (``blas.gemm``): an implicit GEMM. Depthwise convolutions (each
+output channel reads one input channel) take a direct kernel instead, kh·kw vectorised
+multiply-adds, which never holds the kh·kw times larger unfolded copy. Bias is the
+caller's: it is added, and its gradient summed, where the whole output is.
+
+Layout
+------
+NCHW arrays, float32 or float64, one dtype per call: x [N, C, H, W], w [OC, C/groups,
+kh, kw], y and dy [N, OC, OH, OW]. A 1-D convolution is the 2-D one with H = 1, kh = 1.
+
+Geometry
+--------
+``ConvGeometry`` holds kernel (kh, kw), stride (sh, sw), dilation (dh, dw), groups and
+padding (top, bottom, left, right): the zero rows and columns around the array the call
+indexes — the region received for ``conv_forward``, the whole input for the gradients.
+Input row i is padded row i + top (columns alike, with left). In the padded array of
+Hp = top + H + bottom rows and Wp = left + W + right columns, output (oh, ow) reads the
+padded rows oh·sh + a·dh and columns ow·sw + b·dw, for the taps 0 <= a < kh, 0 <= b < kw:
+
+    OH = (Hp − dh·(kh−1) − 1) // sh + 1        OW = (Wp − dw·(kw−1) − 1) // sw + 1
+
+(torch's rule; torch's symmetric padding p is top = bottom = p). Padded rows past the
+last output's reach are never read.
+
+Groups: output channel oc is in group oc // (OC/groups) and reads the input channels
+[g·C/groups, (g+1)·C/groups). A tile's channels are whole groups (``groups`` = how
+many), or lie inside one group (``groups`` = 1).
+
+Tiles
+-----
+Forward, output rows [o0, o1) of a convolution over H input rows with padding
+(top, bottom, left, right): the tile reads input rows
+[o0·sh − top, (o1−1)·sh + dh·(kh−1) + 1 − top). Clipped to [0, H) these are the region's
+rows [r0, r1); what the clip cut off above is the region's top padding, below its bottom
+padding; left and right stay. ``ConvGeometry.forward_band`` computes them. A band that
+sees only padding gets r0 == r1 (an empty region) and all its padding on top.
+
+Grad input, input rows [i0, i1) (all columns): the grad-output rows that touch them are
+[lo, hi) with lo = max(0, ceil((i0 + top − dh·(kh−1)) / sh)) and
+hi = min(OH, (i1 − 1 + top) // sh + 1) (``ConvGeometry.grad_output_rows``; when none
+does, the empty (m, m) with m = min(lo, OH), and the band's gradient is zero). The tile
+receives dy rows [oh_lo, oh_lo + R) covering [lo, hi) and the whole convolution's
+geometry; extra rows are allowed and contribute nothing to the band.
+
+Grad weight, an output-channel block × an input-channel block (whole channels: all kh·kw
+taps of each): x is the block's input channels, all rows, with the whole convolution's
+padding; dy is the block's output channels, all rows. The reduction over batch and positions is
+complete, so tiles need no summing across devices.
+
+FLOPs (``conv_flops``): 2·N·OC·OH·OW·(C/groups)·kh·kw, the multiply-adds of the dense
+formulation, padding zeros included, for y (forward), the dy rows given (grad input: rows
+whose share falls outside the band are counted) or dy (grad weight). The scatter-adds of
+the grad input's fold (1/(OC/groups) of that) are not counted.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from .blas import gemm
+
+Array = npt.NDArray[Any]
+_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def _ints(name: str, value: Any, count: int, least: int) -> tuple[int, ...]:
+    """``value`` as a tuple of ``count`` ints >= ``least`` (lists too: msgpack decodes to lists)."""
+    if (
+        isinstance(value, str | bytes)
+        or not isinstance(value, Sequence)
+        or len(value) != count
+        or not all(isinstance(v, int | np.integer) and not isinstance(v, bool) for v in value)
+        or min(value) < least
+    ):
+        raise ValueError(f"ConvGeometry: {name}={value!r}: expected {count} integers >= {least}")
+    return tuple(int(v) for v in value)
+
+
+def _out_len(padded: int, kernel: int, stride: int, dilation: int) -> int:
+    return (padded - dilation * (kernel - 1) - 1) // stride + 1
+
+
+@dataclass(frozen=True)
+class ConvGeometry:
+    """How a convolution walks the array it is given (see the module docstring)."""
+
+    kernel: tuple[int, int]
+    stride: tuple[int, int] = (1, 1)
+    dilation: tuple[int, int] = (1, 1)
+    padding: tuple[int, int, int, int] = (0, 0, 0, 0)  # top, bottom, left, right
+    groups: int = 1
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__  # frozen: normalise once, here
+        set_(self, "kernel", _ints("kernel", self.kernel, 2, 1))
+        set_(self, "stride", _ints("stride", self.stride, 2, 1))
+        set_(self, "dilation", _ints("dilation", self.dilation, 2, 1))
+        set_(self, "padding", _ints("padding", self.padding, 4, 0))
+        groups = self.groups
+        if not isinstance(groups, int | np.integer) or isinstance(groups, bool) or groups < 1:
+            raise ValueError(f"ConvGeometry: groups={groups!r}: expected an integer >= 1")
+        set_(self, "groups", int(groups))
+
+    def output_size(self, height: int, width: int) -> tuple[int, int]:
+        """(OH, OW) over a height × width array; ValueError if the kernel does not fit."""
+        if height < 0 or width < 0:
+            raise ValueError(f"input size {height}x{width} is negative")
+        top, bottom, left, right = self.padding
+        hp, wp = height + top + bottom, width + left + right
+        oh = _out_len(hp, self.kernel[0], self.stride[0], self.dilation[0])
+        ow = _out_len(wp, self.kernel[1], self.stride[1], self.dilation[1])
+        if oh < 1 or ow < 1:
+            reach = [d * (k - 1) + 1 for d, k in zip(self.dilation, self.kernel, strict=True)]
+            raise ValueError(
+                f"padded input {hp}x{wp} is smaller than the dilated kernel {reach[0]}x{reach[1]}"
+            )
+        return oh, ow
+
+    def _out_rows(self, height: int) -> int:
+        return self.output_size(height, self.dilation[1] * (self.kernel[1] - 1) + 1)[0]
+
+    def forward_band(self, height: int, o0: int, o1: int) -> tuple[int, int, ConvGeometry]:
+        """Input rows [r0, r1) and the region's geometry for output rows [o0, o1).
+
+        ``self`` is the whole convolution's geometry over ``height`` input rows.
+        """
+        out_rows = self._out_rows(height)
+        if not 0 <= o0 < o1 <= out_rows:
+            raise ValueError(f"output rows [{o0}, {o1}) are not a band of [0, {out_rows})")
+        (kh, _), (sh, _), (dh, _) = self.kernel, self.stride, self.dilation
+        top, _, left, right = self.padding
+        start, stop = o0 * sh - top, (o1 - 1) * sh + dh * (kh - 1) + 1 - top
+        r0, r1 = max(start, 0), min(stop, height)
+        if r0 >= r1:  # the band reads only padding
+            r0 = r1 = min(r0, height)
+            return r0, r1, replace(self, padding=(stop - start, 0, left, right))
+        return r0, r1, replace(self, padding=(r0 - start, stop - r1, left, right))
+
+    def grad_output_rows(self, height: int, i0: int, i1: int) -> tuple[int, int]:
+        """The grad-output rows [lo, hi) whose gradient reaches input rows [i0, i1).
+
+        Every row that does lies in the range; with stride and dilation some inside
+        it may reach none of the band's rows.
+        """
+        out_rows = self._out_rows(height)
+        if not 0 <= i0 < i1 <= height:
+            raise ValueError(f"input rows [{i0}, {i1}) are not a band of [0, {height})")
+        (kh, _), (sh, _), (dh, _) = self.kernel, self.stride, self.dilation
+        top = self.padding[0]
+        lo = max(0, -(-(i0 + top - dh * (kh - 1)) // sh))
+        hi = min(out_rows, (i1 - 1 + top) // sh + 1)
+        return (lo, hi) if lo < hi else (min(lo, out_rows), min(lo, out_rows))
+
+
+def conv_flops(out_shape: Sequence[int], weight_shape: Sequence[int]) -> int:
+    """2 × the dense multiply-adds: y's shape (forward) or dy's (grad input, grad weight)."""
+    return 2 * math.prod(out_shape) * math.prod(weight_shape[1:])
+
+
+def conv_forward(x: Array, w: Array, geom: ConvGeometry, out: Array | None = None) -> Array:
+    """y [N, OC, OH, OW] of the region x [N, C, Hr, Wr] padded by ``geom.padding``."""
+    dtype = _dtype(x=x, w=w)
+    n, channels, height, width = x.shape
+    _check_weight(w, geom, channels, "x")
+    oh, ow = geom.output_size(height, width)
+    y = _output(out, (n, w.shape[0], oh, ow), dtype, x, w)
+    xp = _padded(x, geom)
+    if w.shape[1] == 1:
+        _forward_direct(xp, w, geom, y)
+    else:
+        cols = _unfold(xp, geom, oh, ow)  # [G, K, N·P]
+        yk = gemm(_grouped(w, geom.groups), cols)  # [G, OC/G, N·P]
+        y[...] = yk.reshape(w.shape[0], n, oh, ow).transpose(1, 0, 2, 3)
+    return y
+
+
+def conv_grad_input(
+    dy: Array,
+    w: Array,
+    geom: ConvGeometry,
+    *,
+    input_size: tuple[int, int],
+    oh_lo: int = 0,
+    rows: tuple[int, int] | None = None,
+    out: Array | None = None,
+) -> Array:
+    """dX [N, C, i1 − i0, W] for input rows ``rows`` = [i0, i1) (default: all).
+
+    ``dy`` holds grad-output rows [oh_lo, oh_lo + R), covering ``grad_output_rows``;
+    ``geom`` and ``input_size`` (H, W) are the whole convolution's.
+    """
+    dtype = _dtype(dy=dy, w=w)
+    height, width = input_size
+    i0, i1 = (0, height) if rows is None else rows
+    need = geom.grad_output_rows(height, i0, i1)
+    oh, ow = geom.output_size(height, width)
+    n, oc, r, _ = dy.shape
+    channels = geom.groups * w.shape[1]
+    _check_weight(w, geom, channels, "dx")
+    if oc != w.shape[0] or dy.shape[3] != ow:
+        raise ValueError(f"dy: shape {dy.shape}, expected [N, {w.shape[0]}, R, {ow}]")
+    if (
+        oh_lo < 0
+        or oh_lo + r > oh
+        or (need[0] < need[1] and not oh_lo <= need[0] < need[1] <= oh_lo + r)
+    ):
+        raise ValueError(
+            f"dy: grad-output rows [{oh_lo}, {oh_lo + r}) must lie in [0, {oh}) and cover "
+            f"[{need[0]}, {need[1]}), the rows reaching input rows [{i0}, {i1})"
+        )
+    dx = _output(out, (n, channels, i1 - i0, width), dtype, dy, w)
+    share = _shares_direct(dy, w, geom) if w.shape[1] == 1 else _shares_gemm(dy, w, geom)
+    (kh, _), (sh, _), (dh, _) = geom.kernel, geom.stride, geom.dilation
+    top, _, left, right = geom.padding
+    # The fold: padded rows from oh_lo·sh on, as far down as the taps of dy's last row reach.
+    reach = (r - 1) * sh + dh * (kh - 1) + 1 if r else 0
+    buf = np.zeros((n, channels, reach, left + width + right), dtype)
+    for a, b, window in _taps(geom, r, ow):
+        buf[(slice(None), slice(None), *window)] += share(a, b)
+    first = i0 + top - oh_lo * sh  # the band's first row in buf
+    lo, hi = max(first, 0), min(first + i1 - i0, reach)
+    dx[...] = 0
+    if lo < hi:
+        dx[:, :, lo - first : hi - first] = buf[:, :, lo:hi, left : left + width]
+    return dx
+
+
+def conv_grad_weight(x: Array, dy: Array, geom: ConvGeometry, out: Array | None = None) -> Array:
+    """dW [OC, C/groups, kh, kw] from x [N, C, H, W] and dy [N, OC, OH, OW], fully reduced."""
+    dtype = _dtype(x=x, dy=dy)
+    n, channels, height, width = x.shape
+    oh, ow = geom.output_size(height, width)
+    groups = geom.groups
+    for name, count in (("x", channels), ("dy", dy.shape[1])):
+        if count % groups:
+            raise ValueError(f"{name}: {count} channels do not split into {groups} groups")
+    if dy.shape != (n, dy.shape[1], oh, ow):
+        raise ValueError(f"dy: shape {dy.shape}, expected [{n}, OC, {oh}, {ow}]")
+    dw = _output(out, (dy.shape[1], channels // groups, *geom.kernel), dtype, x, dy)
+    xp = _padded(x, geom)
+    if channels == groups:
+        _grad_weight_direct(xp, np.ascontiguousarray(dy), geom, dw)
+    else:
+        cols = _unfold(xp, geom, oh, ow)  # [G, K, N·P]
+        gemm(
+            _channel_major(dy, groups),
+            cols.transpose(0, 2, 1),
+            dw.reshape(groups, -1, cols.shape[1]),
+        )
+    return dw
+
+
+# --- checks -------------------------------------------------------------------------------
+
+
+def _dtype(**arrays: Any) -> np.dtype[Any]:
+    """The call's one dtype, after checking each operand is a 4-D float32/float64 array."""
+    first = ""
+    dtype: np.dtype[Any] | None = None
+    for name, arr in arrays.items():
+        if not isinstance(arr, np.ndarray):
+            raise ValueError(f"{name}: expected a numpy array, got {type(arr).__name__}")
+        if arr.ndim != 4:
+            raise ValueError(f"{name}: expected 4 dimensions (NCHW / OIHW), got shape {arr.shape}")
+        if arr.dtype not in _DTYPES:
+            raise ValueError(f"{name}: dtype {arr.dtype} is not supported (float32, float64)")
+        if dtype is None:
+            first, dtype = name, arr.dtype
+        elif arr.dtype != dtype:
+            raise ValueError(f"{name}: dtype {arr.dtype} does not match {first}'s {dtype}")
+    assert dtype is not None
+    return dtype
+
+
+def _check_weight(w: Array, geom: ConvGeometry, channels: int, side: str) -> None:
+    """w [OC, C/groups, kh, kw] against the geometry and the input's C channels."""
+    oc, per_group, kh, kw = w.shape
+    if (kh, kw) != geom.kernel:
+        raise ValueError(f"w: kernel {kh}x{kw} does not match the geometry's {geom.kernel}")
+    if oc % geom.groups:
+        raise ValueError(f"w: {oc} output channels do not split into {geom.groups} groups")
+    if channels != geom.groups * per_group:
+        raise ValueError(
+            f"{side}: {channels} channels, but w's {per_group} per group × {geom.groups} "
+            f"groups read {geom.groups * per_group}"
+        )
+
+
+def _output(
+    out: Array | None, shape: tuple[int, ...], dtype: np.dtype[Any], *inputs: Array
+) -> Array:
+    """``out`` checked (C-contiguous, writable, apart from the inputs), or a new array."""
+    if out is None:
+        return np.empty(shape, dtype)
+    if not isinstance(out, np.ndarray) or out.shape != shape or out.dtype != dtype:
+        got = f"{getattr(out, 'shape', type(out).__name__)} {getattr(out, 'dtype', '')}"
+        raise ValueError(f"out: expected a {dtype} array of shape {shape}, got {got.strip()}")
+    if not (out.flags.c_contiguous and out.flags.writeable):
+        raise ValueError("out: must be C-contiguous and writable")
+    if any(np.may_share_memory(out, arr) for arr in inputs):
+        raise ValueError("out: overlaps an input")
+    return out
+
+
+# --- shared pieces ------------------------------------------------------------------------
+
+
+def _padded(x: Array, geom: ConvGeometry) -> Array:
+    """x with the geometry's zero rows and columns around it (x itself if there are none)."""
+    top, bottom, left, right = geom.padding
+    if not any(geom.padding):
+        return x
+    return np.pad(x, ((0, 0), (0, 0), (top, bottom), (left, right)))
+
+
+def _taps(geom: ConvGeometry, oh: int, ow: int) -> Iterator[tuple[int, int, tuple[slice, slice]]]:
+    """Each tap (a, b) and the padded rows and columns it meets, one per output position."""
+    (kh, kw), (sh, sw), (dh, dw) = geom.kernel, geom.stride, geom.dilation
+    for a in range(kh):
+        for b in range(kw):
+            rows = slice(a * dh, a * dh + (oh - 1) * sh + 1, sh) if oh else slice(0, 0)
+            cols = slice(b * dw, b * dw + (ow - 1) * sw + 1, sw)
+            yield a, b, (rows, cols)
+
+
+def _unfold(xp: Array, geom: ConvGeometry, oh: int, ow: int) -> Array:
+    """The unfolded input [G, (C/G)·kh·kw, N·OH·OW]: batch and positions in the columns,
+    so one GEMM per group (one batched call) covers both, or reduces over both (grad weight)."""
+    n, channels = xp.shape[:2]
+    kh, kw = geom.kernel
+    cols = np.empty((channels, kh, kw, n, oh, ow), xp.dtype)
+    by_channel = xp.transpose(1, 0, 2, 3)
+    for a, b, (rows, columns) in _taps(geom, oh, ow):
+        cols[:, a, b] = by_channel[:, :, rows, columns]
+    return cols.reshape(geom.groups, channels // geom.groups * kh * kw, n * oh * ow)
+
+
+def _grouped(w: Array, groups: int) -> Array:
+    """w as [G, OC/G, (C/G)·kh·kw]."""
+    return np.ascontiguousarray(w).reshape(groups, w.shape[0] // groups, -1)
+
+
+def _channel_major(dy: Array, groups: int) -> Array:
+    """dy as [G, OC/G, N·OH·OW], matching ``_unfold``'s columns (a copy unless N == 1)."""
+    return np.ascontiguousarray(dy.transpose(1, 0, 2, 3)).reshape(groups, dy.shape[1] // groups, -1)
+
+
+# --- GEMM path ----------------------------------------------------------------------------
+
+
+def _shares_gemm(dy: Array, w: Array, geom: ConvGeometry) -> Callable[[int, int], Array]:
+    """Tap (a, b)'s share of dX at its positions, [N, C, R, OW], from one Wᵀ·dy per group."""
+    n, _, r, ow = dy.shape
+    kh, kw = geom.kernel
+    dcols = gemm(_grouped(w, geom.groups).transpose(0, 2, 1), _channel_major(dy, geom.groups))
+    taps = dcols.reshape(geom.groups * w.shape[1], kh, kw, n, r, ow)
+    return lambda a, b: taps[:, a, b].transpose(1, 0, 2, 3)
+
+
+# --- depthwise path: each output channel reads one input channel --------------------------
+
+
+def _forward_direct(xp: Array, w: Array, geom: ConvGeometry, y: Array) -> None:
+    n, channels = xp.shape[:2]
+    wt = w.reshape(channels, -1, *geom.kernel)  # [C, multiplier, kh, kw]
+    yt = y.reshape(n, channels, wt.shape[1], *y.shape[2:])
+    yt[...] = 0
+    for a, b, (rows, cols) in _taps(geom, *y.shape[2:]):
+        yt += xp[:, :, None, rows, cols] * wt[:, :, a, b, None, None]
+
+
+def _shares_direct(dy: Array, w: Array, geom: ConvGeometry) -> Callable[[int, int], Array]:
+    n, _, r, ow = dy.shape
+    channels = geom.groups
+    wt = w.reshape(channels, -1, *geom.kernel)
+    dyt = np.ascontiguousarray(dy).reshape(n, channels, wt.shape[1], r, ow)
+    return lambda a, b: np.einsum("ncjhw,cj->nchw", dyt, wt[:, :, a, b])
+
+
+def _grad_weight_direct(xp: Array, dy: Array, geom: ConvGeometry, dw: Array) -> None:
+    n, channels = xp.shape[:2]
+    dwt = dw.reshape(channels, -1, *geom.kernel)
+    dyt = dy.reshape(n, channels, dwt.shape[1], *dy.shape[2:])
+    for a, b, (rows, cols) in _taps(geom, *dy.shape[2:]):
+        dwt[:, :, a, b] = np.einsum("ncjhw,nchw->cj", dyt, xp[:, :, rows, cols])
