@@ -20,6 +20,7 @@ from morphling.proxy.wire.errors import RemoteProtocolError
 from morphling.proxy.wire.messages import (
     Bye,
     Close,
+    Conv,
     Error,
     Gemm,
     Hello,
@@ -94,6 +95,10 @@ class PeerConnection(FrameConnection):
             self.prober.replied(msg)
         elif isinstance(msg, ProbeFlopsRequest):
             self.prober.challenge_requested(msg)
+        elif isinstance(msg, Conv):  # (until convolution tiles are served: issue 21)
+            raise RemoteProtocolError(
+                "CONV: this emulator does not serve convolutions yet", "bad_gemm"
+            )
         elif isinstance(msg, Open):
             self._job().open(msg)
         elif isinstance(msg, Slab):

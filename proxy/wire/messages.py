@@ -39,6 +39,7 @@ class MsgType(IntEnum):
     PROBE_FLOPS_REQUEST = 18
     TILE = 20
     TILE_RESULT = 21
+    CONV_TILE = 22
     OPEN = 30
     GEMM = 31
     RESULT = 32
@@ -46,12 +47,15 @@ class MsgType(IntEnum):
     CLOSE = 34
     SLAB = 35
     NOTICE = 36
+    CONV = 37
 
 
 ROLES = ("device", "job", "probe")
 # ERROR codes that retrying the same connection cannot fix.
 REFUSALS = frozenset({"auth", "bad_hello", "bad_version"})
-GEMM_DTYPES = ("float32", "float64")  # what a GEMM (and so each of its tiles) computes in
+GEMM_DTYPES = ("float32", "float64")  # what a GEMM or a convolution (and its tiles) computes in
+# A convolution's product: the output (forward), the input's gradient, the weight's gradient.
+CONV_KINDS = ("forward", "grad_input", "grad_weight")
 DTYPES = (*GEMM_DTYPES, "uint8")  # a payload segment's: an operand's, or plain bytes
 
 
@@ -261,6 +265,46 @@ class Tile(Message):
 
 
 @dataclass(slots=True)
+class ConvTile(Message):
+    """Server → device: one tile of a convolution (``kind``); segments are its two operands,
+    contiguous NCHW / OIHW arrays of ``a_shape`` and ``b_shape``. Sent only to devices whose
+    HELLO ``caps`` has ``conv``.
+
+    The geometry (``kernel``, ``stride``, ``dilation``, ``padding`` = [top, bottom, left,
+    right], ``groups``) is ``morphling.kernels.conv.ConvGeometry``'s, for this call:
+
+    - ``forward``: a = the input region [N, C, Hr, W] the tile's output rows read, ``padding``
+      the zeros around that region; b = the weight block [OC', C/groups, kh, kw]. C is the
+      output block [N, OC', OH', OW].
+    - ``grad_input``: a = the output gradient's rows [``oh_lo``, ``oh_lo`` + R) [N, OC', R,
+      OW]; b = the weight block; ``padding`` and ``input_size`` = [H, W] are the whole
+      convolution's. C is the input gradient's rows ``rows`` = [i0, i1) [N, C', i1 − i0, W].
+    - ``grad_weight``: a = the input [N, C', H, W] (all rows, whole padding); b = the output
+      gradient [N, OC', OH, OW]. C is the weight gradient block [OC', C'/groups, kh, kw],
+      summed over the batch and every position.
+
+    The device answers with TILE_RESULT, C contiguous, as for a TILE. ``local``: as TILE's.
+    """
+
+    TYPE = MsgType.CONV_TILE
+    SEGMENTS = 2
+    tile: int
+    kind: str
+    dtype: str
+    a_shape: list[int]
+    b_shape: list[int]
+    kernel: list[int]
+    stride: list[int]
+    dilation: list[int]
+    padding: list[int]
+    groups: int = 1
+    input_size: list[int] = field(default_factory=list)  # grad_input: [H, W]
+    oh_lo: int = 0  # grad_input: the first output-gradient row in a
+    rows: list[int] = field(default_factory=list)  # grad_input: [i0, i1]
+    local: bool = False
+
+
+@dataclass(slots=True)
 class TileResult(Message):
     """Device → server: the tile, [m, n] row-major; measured and modelled compute time.
     ``in_place``: the segment is empty, C was written where the TILE said (``arena_c``, or
@@ -333,6 +377,41 @@ class Gemm(Message):
     # A job in the emulator's process handed over its operands (those without a ref) and C
     # as arrays (``local``), under the emulator's token, this job's id and ``gemm``: segments
     # empty, RESULT's too.
+    local: bool = False
+
+
+@dataclass(slots=True)
+class Conv(Message):
+    """Job → server: a 2-D convolution's product (``kind``); RESULT answers it as a GEMM.
+
+    ``input`` = [N, C, H, W] and ``weight`` = [OC, C/groups, kh, kw] are the convolution's
+    shapes; ``stride`` = [sh, sw], ``dilation`` = [dh, dw], ``padding`` = [top, bottom,
+    left, right] and ``groups`` its geometry (``morphling.kernels.conv``); a 1-D
+    convolution has H = kh = 1. The segments, contiguous, are:
+
+    - ``forward``: the input and the weight; C is the output [N, OC, OH, OW];
+    - ``grad_input``: the output gradient [N, OC, OH, OW] and the weight; C is the input
+      gradient [N, C, H, W];
+    - ``grad_weight``: the input and the output gradient; C is the weight gradient [OC,
+      C/groups, kh, kw].
+
+    No bias: the job adds it (and sums its gradient). ``gemm`` is the request's id, from
+    the same ids as GEMMs; ``after``, ``host_ns`` and ``local`` are as in GEMM.
+    """
+
+    TYPE = MsgType.CONV
+    SEGMENTS = 2
+    gemm: int
+    kind: str
+    dtype: str
+    input: list[int]
+    weight: list[int]
+    stride: list[int]
+    dilation: list[int]
+    padding: list[int]
+    groups: int = 1
+    after: int = 0
+    host_ns: int = 0
     local: bool = False
 
 
