@@ -338,9 +338,9 @@ def _write_data(
                 tensor.device.type, tensor.data_ptr(), tensor.dtype,
                 tuple(tensor.shape), tensor.stride(),
             )  # fmt: skip
-            ref, first = seen.get(key, (None, None))
-            if tensor.numel() and first is not None and ref() is not None:
-                entry = replace(first, name=name, alias_of=first.name)
+            earlier = seen.get(key)  # (a reference to the tensor saved first, its entry)
+            if tensor.numel() and earlier is not None and earlier[0]() is not None:
+                entry = replace(earlier[1], name=name, alias_of=earlier[1].name)
             else:
                 entry = _write_tensor(f, name, tensor, dtype)
                 seen[key] = (weakref.ref(tensor), entry)
@@ -596,10 +596,13 @@ def _parse_entry(record: Any, fail: Callable[[str], CheckpointError], i: int) ->
     shape, strides = ints("shape"), ints("strides")
     if len(shape) != len(strides):
         raise fail(f"tensor {name!r}: shape and strides differ in length")
-    offset, nbytes = record.get("offset"), record.get("nbytes")
-    for key, value in (("offset", offset), ("nbytes", nbytes)):
+    def count(key: str) -> int:
+        value = record.get(key)
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise fail(f"tensor {name!r}: {key!r} must be a non-negative integer")
+        return value
+
+    offset, nbytes = count("offset"), count("nbytes")
     if offset % ALIGNMENT:
         raise fail(f"tensor {name!r}: offset {offset} is not aligned to {ALIGNMENT} bytes")
     needed = _span(shape, strides) * DTYPES[dtype].itemsize
