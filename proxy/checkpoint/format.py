@@ -590,18 +590,18 @@ def _parse_entry(record: Any, fail: Callable[[str], CheckpointError], i: int) ->
             raise fail(f"tensor {name!r}: {key!r} must be a list of non-negative integers")
         return tuple(value)
 
-    dtype = record.get("dtype")
-    if dtype not in DTYPES:
-        raise fail(f"tensor {name!r}: unknown dtype {dtype!r}")
-    shape, strides = ints("shape"), ints("strides")
-    if len(shape) != len(strides):
-        raise fail(f"tensor {name!r}: shape and strides differ in length")
     def count(key: str) -> int:
         value = record.get(key)
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise fail(f"tensor {name!r}: {key!r} must be a non-negative integer")
         return value
 
+    dtype = record.get("dtype")
+    if dtype not in DTYPES:
+        raise fail(f"tensor {name!r}: unknown dtype {dtype!r}")
+    shape, strides = ints("shape"), ints("strides")
+    if len(shape) != len(strides):
+        raise fail(f"tensor {name!r}: shape and strides differ in length")
     offset, nbytes = count("offset"), count("nbytes")
     if offset % ALIGNMENT:
         raise fail(f"tensor {name!r}: offset {offset} is not aligned to {ALIGNMENT} bytes")
