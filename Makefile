@@ -38,9 +38,18 @@ bench: setup
 	$(PY) scripts/bench_gpu.py
 	$(PY) scripts/bench_report.py
 
+# The import contracts and the type checker read the package as installed, laid out in
+# links by scripts/package_tree.py; they run from there, where no top-level folder of this
+# repository (kernels/, devices/, ...) can pass for a module of that name.
+TREE := build/package-tree
+BIN := $(abspath $(VENV))/bin
+
 lint: setup
-	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check .
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(PY) scripts/package_tree.py $(TREE) > /dev/null
+	cd $(TREE) && PYTHONPATH=. $(BIN)/lint-imports --no-logo $(CURDIR)/pyproject.toml
+	cd $(TREE) && $(BIN)/mypy --config-file $(CURDIR)/pyproject.toml
 
 # The systemd units and example settings (docs/DEPLOY.md); DESTDIR stages them elsewhere.
 install-service: setup

@@ -126,6 +126,7 @@ class DeviceConnection(PeerProtocol):
         try:
             at_a, at_b, at_c = tile_locations(msg)
             if at_c.place is Place.LOCAL:
+                assert agent.device_id is not None, "a TILE comes after WELCOME"
                 handed = local.take_tile((self.emulator_token, agent.device_id, msg.tile))
                 if handed is None:
                     raise ValueError("local: nothing was handed over in this process")

@@ -27,7 +27,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from morphling.kernels import BufferPool, gemm
@@ -62,6 +62,10 @@ PROG = "morphling-bench"
 LATENCY_BYTES = 64
 CHALLENGE_RUNS = 7
 CHALLENGE_BUDGET_NS = 200_000_000
+
+Probe = ProbeEcho | ProbePush | ProbePull  # what we ask
+Answer = ProbeEcho | ProbeAck | ProbePulled  # what answers them
+Reply = TypeVar("Reply", ProbeEcho, ProbeAck, ProbePulled)  # what answers one of them
 
 
 class BenchError(Exception):
@@ -102,7 +106,7 @@ class ProbeConnection(PeerProtocol):
         self.welcomed_as: asyncio.Future[int] = loop.create_future()
         self.verdict: asyncio.Future[Verdict] | None = None
         self.error: BenchError | None = None
-        self._waiters: dict[int, asyncio.Future[tuple[Message, float]]] = {}
+        self._waiters: dict[int, asyncio.Future[tuple[Answer, float]]] = {}
         self._answered = (0, 0, 0)  # (dim, compute_ns, runs) of the challenge we answered
 
     # -- receiving -----------------------------------------------------------------
@@ -124,7 +128,7 @@ class ProbeConnection(PeerProtocol):
         self._abort(BenchError(f"the emulator said goodbye: {reason or '-'}"))
 
     def received(self, msg: Message) -> None:
-        if isinstance(msg, ProbeAck | ProbePulled | ProbeEcho):  # an echo request is answered
+        if isinstance(msg, Answer):  # an echo request is answered
             waiter = self._waiters.pop(msg.probe, None)
             if waiter is not None and not waiter.done():
                 waiter.set_result((msg, time.perf_counter()))
@@ -136,7 +140,7 @@ class ProbeConnection(PeerProtocol):
 
     def disconnected(self, exc: Exception | None) -> None:
         error = self.error or BenchError(f"connection to the emulator lost ({exc or 'closed'})")
-        futures = [self.welcomed_as, *self._waiters.values()]
+        futures: list[asyncio.Future[Any]] = [self.welcomed_as, *self._waiters.values()]
         if self.verdict is not None:
             futures.append(self.verdict)
         for future in futures:
@@ -156,21 +160,24 @@ class ProbeConnection(PeerProtocol):
 
     # -- asking ----------------------------------------------------------------------
 
-    async def ask(self, msg: Message, timeout: float) -> tuple[Message, float]:
-        """Send ``msg``; its reply and the ``perf_counter`` when it was complete."""
+    async def ask(self, msg: Probe, kind: type[Reply], timeout: float) -> tuple[Reply, float]:
+        """Send ``msg``; its reply (of ``kind``) and the ``perf_counter`` when it was
+        complete."""
         if self.error is not None:
             raise self.error
-        future: asyncio.Future[tuple[Message, float]] = asyncio.get_running_loop().create_future()
-        self._waiters[msg.probe] = future
+        future = self._waiters[msg.probe] = asyncio.get_running_loop().create_future()
         try:
             self.send(msg)
-            return await asyncio.wait_for(future, timeout)
+            reply, done = await asyncio.wait_for(future, timeout)
         except TimeoutError:
             raise BenchError(f"no reply to {msg.TYPE.name} within {timeout:g} s") from None
         except ConnectionError as exc:
             raise self.error or BenchError(f"connection to the emulator lost ({exc})") from None
         finally:
             self._waiters.pop(msg.probe, None)
+        if not isinstance(reply, kind):
+            raise BenchError(f"the emulator answered {msg.TYPE.name} with {reply.TYPE.name}")
+        return reply, done
 
 
 def compute_challenge(seed: int, dim: int) -> tuple[np.ndarray, int, int]:
@@ -254,7 +261,7 @@ class ProbeClient:
         payload = self._payload(nbytes)
         start = time.perf_counter()
         _, done = await self.conn.ask(
-            ProbeEcho(probe=next(self._ids), segments=(payload,)), self.timeout
+            ProbeEcho(probe=next(self._ids), segments=(payload,)), ProbeEcho, self.timeout
         )
         return done - start
 
@@ -262,7 +269,7 @@ class ProbeClient:
         """Seconds from asking for ``nbytes`` to their last byte arriving (emulator → here)."""
         start = time.perf_counter()
         reply, done = await self.conn.ask(ProbePull(probe=next(self._ids), nbytes=nbytes),
-                                          self.timeout)  # fmt: skip
+                                          ProbePulled, self.timeout)  # fmt: skip
         got = reply.segments[0].nbytes
         if got != nbytes:
             raise BenchError(f"PROBE_PULLED carried {got} bytes, asked for {nbytes}")
@@ -273,7 +280,7 @@ class ProbeClient:
         payload = self._payload(nbytes)
         start = time.perf_counter()
         reply, done = await self.conn.ask(
-            ProbePush(probe=next(self._ids), segments=(payload,)), self.timeout
+            ProbePush(probe=next(self._ids), segments=(payload,)), ProbeAck, self.timeout
         )
         if reply.nbytes != nbytes:
             raise BenchError(f"PROBE_ACK counted {reply.nbytes} bytes, sent {nbytes}")

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from ._native import ffi, lib
+from .ctext import c_text
 from .layout import GemmPlan, check_failure, plan_gemm
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,7 @@ def _open(path: str, prefix: str, layer: int) -> str | None:
     err = ffi.new("char[]", _ERRLEN)
     if lib.mg_blas_open(path.encode(), prefix.encode(), layer, err, _ERRLEN) == 0:
         return None
-    return ffi.string(err).decode(errors="replace")
+    return c_text(ffi.string(err))
 
 
 def _settings() -> tuple[str, str, int | None]:
@@ -124,7 +125,7 @@ def _info(
 ) -> BlasInfo:
     buf = ffi.new("char[]", 512)
     lib.mg_blas_version(buf, 512)
-    version = ffi.string(buf).decode(errors="replace").strip()
+    version = c_text(ffi.string(buf)).strip()
     if threads is not None:
         lib.mg_blas_set_threads(threads, 0)
     log.debug("BLAS: %s %s (%s) threading=%s", name, version, path, threading_name)

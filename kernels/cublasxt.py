@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from ._native import ffi, lib
+from .ctext import c_text
 from .layout import GemmPlan, check_failure, plan_gemm
 
 _ERRLEN = 1024
@@ -52,7 +53,7 @@ def cublasxt_status() -> str:
                 if lib.mg_xt_open(b"libcuda.so.1", path.encode(), err, _ERRLEN) == 0:
                     _status = "available"
                     break
-                reason = ffi.string(err).decode(errors="replace")
+                reason = c_text(ffi.string(err))
                 if reason.startswith("CUDA driver") or reason == "no CUDA devices":
                     reasons = [reason]  # no GPU: which cuBLAS is irrelevant
                     break

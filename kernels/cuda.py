@@ -19,6 +19,7 @@ from typing import Any
 from cffi import FFI
 
 from ._cffi_src import cuda_driver as decls
+from .ctext import c_text
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ def _name_with(drv: Any, code: int) -> str:
     name = ffi.new("const char **")
     if drv.cuGetErrorName(code, name) != 0 or name[0] == ffi.NULL:
         return f"CUresult {code}"
-    return f"{ffi.string(name[0]).decode()} ({code})"
+    return f"{c_text(ffi.string(name[0]))} ({code})"
 
 
 def error_name(code: int) -> str:
@@ -139,7 +140,7 @@ def device_attribute(device: int, attribute: str) -> int:
 def device_name(device: int) -> str:
     name = ffi.new("char[256]")
     check(driver().cuDeviceGetName(name, 256, device_handle(device)), "cuDeviceGetName")
-    return ffi.string(name).decode(errors="replace")
+    return c_text(ffi.string(name))
 
 
 class PrimaryContext:

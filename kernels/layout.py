@@ -98,7 +98,7 @@ def _buffer(x: Any, name: str, writable: bool = False) -> tuple[Any, int]:
         ptr = x.pointer()
         return ptr, len(ptr)
     try:
-        ptr = ffi.from_buffer(x, require_writable=writable)
+        ptr = ffi.from_buffer(x, require_writable=True) if writable else ffi.from_buffer(x)
     except (BufferError, TypeError) as exc:
         need = "a writable contiguous buffer" if writable else "a contiguous buffer"
         raise ValueError(f"{name}: {type(x).__name__} is not {need} ({exc})") from None
@@ -168,11 +168,12 @@ def _pointer(arr: np.ndarray) -> tuple[Any, int]:
     a contiguous buffer; a Fortran-ordered array's transpose is C-ordered and
     starts at the same address. Strides are non-negative here (``_split``).
     """
+    # numpy's stubs give an array the buffer protocol only from Python 3.12 (PEP 688)
     if arr.flags.c_contiguous:
-        ptr = ffi.from_buffer(arr)
+        ptr = ffi.from_buffer(arr)  # type: ignore[call-overload]
         return ptr, len(ptr)
     if arr.flags.f_contiguous:
-        ptr = ffi.from_buffer(arr.T)
+        ptr = ffi.from_buffer(arr.T)  # type: ignore[call-overload]
         return ptr, len(ptr)
     span = arr.itemsize + sum((d - 1) * s for d, s in zip(arr.shape, arr.strides, strict=True))
     return ffi.cast("void *", arr.ctypes.data), span if arr.size else 0

@@ -22,12 +22,15 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from . import cuda
 from ._native import ffi, lib
+
+if TYPE_CHECKING:
+    from _cffi_backend import FFI
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +67,25 @@ class PoolStats:
 _C_STAT_FIELDS = tuple(name for name, _ in ffi.typeof("mg_pool_stats").fields)
 
 
+def _c_stats(pool: FFI.CData) -> dict[str, int]:
+    """The C pool's counters (``mg_pool_stats``), by field."""
+    st = ffi.new("mg_pool_stats *")
+    lib.mg_pool_get_stats(pool, st)
+    return {name: int(getattr(st, name)) for name in _C_STAT_FIELDS}
+
+
+class CBuffer(Protocol):
+    """A C ``mg_buffer *`` (or NULL, which is false): the fields read here, which cffi's
+    stubs cannot see."""
+
+    @property
+    def ptr(self) -> FFI.CData: ...
+    @property
+    def capacity(self) -> int: ...
+    @property
+    def locked(self) -> int: ...
+
+
 class HostPinner(Protocol):
     """Pins pool memory for a GPU: ``kernels.cuda.CudaHostPinner`` on a CUDA host."""
 
@@ -86,19 +108,19 @@ class Lease:
 
     __slots__ = ("_buf", "_export", "_pointer", "_pool", "nbytes")
 
-    def __init__(self, pool: BufferPool, buf: object, nbytes: int) -> None:
+    def __init__(self, pool: BufferPool, buf: CBuffer, nbytes: int) -> None:
         self._pool = pool
-        self._buf = buf
-        self._export: object = None
-        self._pointer: object = None
+        self._buf: CBuffer | None = buf
+        self._export: FFI.buffer | None = None
+        self._pointer: FFI.CData | None = None
         self.nbytes = nbytes
 
-    def _live(self):
+    def _live(self) -> CBuffer:
         if self._buf is None:
             raise LeaseError("lease already released")
         return self._buf
 
-    def export(self) -> object:
+    def export(self) -> FFI.buffer:
         """The buffer object over the lease's bytes that ``release()`` tracks.
 
         Every memoryview, slice, array or cffi pointer made from it keeps it
@@ -110,7 +132,7 @@ class Lease:
             exported = self._export = ffi.buffer(self._live().ptr, self.nbytes)
         return exported
 
-    def pointer(self) -> object:
+    def pointer(self) -> FFI.CData:
         """A cffi ``char[]`` over the lease's bytes, for GEMM plans (tracked like ``export``)."""
         pointer = self._pointer
         if pointer is None:
@@ -149,7 +171,8 @@ class Lease:
                 f"shape {shape} of {dtype} needs {count * dtype.itemsize} bytes, "
                 f"lease has {self.nbytes}"
             )
-        return np.frombuffer(self.export(), dtype=dtype, count=count).reshape(shape)
+        # numpy's stubs before Python 3.12 list the buffers frombuffer takes: a cffi one is not
+        return np.frombuffer(self.export(), dtype=dtype, count=count).reshape(shape)  # type: ignore[call-overload]
 
     def _referenced(self) -> bool:
         if self._export is None:
@@ -164,22 +187,22 @@ class Lease:
     def release(self) -> None:
         """Give the buffer back. Raises ``LeaseError`` while a view of it is alive."""
         with self._pool._release_lock:  # one release wins, even from two threads
-            self._live()
+            buf = self._live()
             if self._referenced():
                 raise LeaseError(
                     f"lease of {self.nbytes} bytes is still referenced (a memoryview, array, "
                     "plan or transport holds its memory); drop those references first"
                 )
-            buf, self._buf = self._buf, None
-            self._export = self._pointer = None
+            self._buf = self._export = self._pointer = None
             self._pool._give_back(buf)
 
     def __del__(self) -> None:
         # A lease dropped without release() gives its buffer back, unless memory
         # derived from it is still alive elsewhere (then it is leaked, not reused).
-        if getattr(self, "_buf", None) is not None and not self._referenced():
+        buf = getattr(self, "_buf", None)
+        if buf is not None and not self._referenced():
             with contextlib.suppress(Exception):  # interpreter shutdown
-                self._pool._give_back(self._buf)
+                self._pool._give_back(buf)
 
     def __enter__(self) -> Lease:
         return self
@@ -208,7 +231,7 @@ def _unshared_counts() -> tuple[int, int, int]:
 _UNSHARED_EXPORT, _UNSHARED_EXPORT_AND_POINTER, _UNSHARED_POINTER = _unshared_counts()
 
 
-def _address(buf: object) -> int:
+def _address(buf: CBuffer) -> int:
     return int(ffi.cast("uintptr_t", buf.ptr))
 
 
@@ -223,7 +246,7 @@ class _Pins:
     holds the lock (a view collected mid-acquire) waits until the lock is let go.
     """
 
-    def __init__(self, pool: object, pinner: HostPinner, max_free: int) -> None:
+    def __init__(self, pool: FFI.CData, pinner: HostPinner, max_free: int) -> None:
         self.pool = pool  # the raw pointer: the pool's gc'd owner holds a reference to us
         self.pinner = pinner
         self.max_free = max_free
@@ -234,7 +257,7 @@ class _Pins:
         self.last_error = ""
         self._lock = threading.Lock()
         self._owner: int | None = None
-        self._deferred: list[object] = []
+        self._deferred: list[CBuffer] = []
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
@@ -252,7 +275,7 @@ class _Pins:
             return f"pinned except {self.failures} buffers: {self.last_error}"
         return f"pinned: {self.pinner.description}"
 
-    def acquire(self, nbytes: int) -> tuple[object, int]:
+    def acquire(self, nbytes: int) -> tuple[CBuffer, int]:
         """(buffer or NULL, errno) from the C pool; a fresh buffer is registered."""
         with self._locked():
             buf = lib.mg_pool_acquire(self.pool, nbytes)
@@ -266,14 +289,14 @@ class _Pins:
                 self._register(address, buf.capacity)
         return buf, 0
 
-    def release(self, buf: object) -> int:
+    def release(self, buf: CBuffer) -> int:
         if self._owner == threading.get_ident():
             self._deferred.append(buf)
             return lib.MG_POOL_OK
         with self._locked():
             return self._release(buf)
 
-    def _release(self, buf: object) -> int:
+    def _release(self, buf: CBuffer) -> int:
         address = _address(buf)
         free = self.free.setdefault(buf.capacity, set())
         if address in free:
@@ -288,14 +311,12 @@ class _Pins:
 
     def close(self) -> int:
         with self._locked():
-            st = ffi.new("mg_pool_stats *")
-            lib.mg_pool_get_stats(self.pool, st)
-            if st.leased_count:
+            if _c_stats(self.pool)["leased_count"]:
                 return lib.MG_POOL_EBUSY
             self._drain()
             return lib.mg_pool_close(self.pool)
 
-    def free_pool(self, pool: object) -> None:
+    def free_pool(self, pool: FFI.CData) -> None:
         """The C pool's destructor: nothing else can reach the pool, so no lock."""
         self._drain()
         lib.mg_pool_free(pool)
@@ -404,7 +425,7 @@ class BufferPool:
         owner = ffi.gc(ffi.cast("char *", buf.ptr), lambda _: self._give_back(buf))
         return memoryview(ffi.buffer(owner, nbytes))
 
-    def _acquire(self, nbytes: int) -> object:
+    def _acquire(self, nbytes: int) -> CBuffer:
         if nbytes < 0:
             raise ValueError(f"nbytes={nbytes}: must be >= 0")
         if self._pins is None:
@@ -436,18 +457,16 @@ class BufferPool:
             return ValueError(f"nbytes={nbytes}: larger than the largest bucket")
         return MemoryError(f"cannot allocate {self.bucket_size(nbytes)} bytes")
 
-    def _give_back(self, buf: object) -> None:
+    def _give_back(self, buf: CBuffer) -> None:
         pins = self._pins
         rc = lib.mg_pool_release(self._pool, buf) if pins is None else pins.release(buf)
         if rc != lib.MG_POOL_OK:
             raise LeaseError("buffer is not leased")
 
     def stats(self) -> PoolStats:
-        st = ffi.new("mg_pool_stats *")
-        lib.mg_pool_get_stats(self._pool, st)
         pins = self._pins
         return PoolStats(
-            *(int(getattr(st, name)) for name in _C_STAT_FIELDS),
+            **_c_stats(self._pool),
             pinned_bytes=0 if pins is None else pins.pinned_bytes,
             pin_failures=0 if pins is None else pins.failures,
             pin_status=self._unpinned_reason if pins is None else pins.status(),

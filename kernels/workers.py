@@ -265,6 +265,7 @@ class _Worker:
 
     def _run(self, task: _Task) -> None:
         error: BaseException | None = None
+        assert task.plan is not None, "a task runs once"
         t0 = time.perf_counter_ns()
         try:
             self.backend.run(task.plan)
@@ -425,6 +426,7 @@ class WorkerPool:
             if exc is not None:
                 future.set_exception(exc)
             else:
+                assert res is not None, "a task ends in a result or an error"
                 future.set_result(res)
 
         self._enqueue(plan, result, (a, b, out), done)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar, overload
 
 from .version import __version__
 
@@ -62,18 +62,30 @@ def _subcommands() -> list[Callable[[argparse._SubParsersAction], None]]:
     ]  # fmt: skip
 
 
+N = TypeVar("N")
+
+
 class _SubcommandParser(argparse.ArgumentParser):
     """A subcommand's parser: an argument it does not know is its own error, shown with
     its own usage (argparse leaves unknown arguments to the top-level parser, whose usage
     lists only the subcommands)."""
 
+    @overload  # argparse's own three forms
     def parse_known_args(
-        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
-    ) -> tuple[argparse.Namespace, list[str]]:
-        namespace, extras = super().parse_known_args(args, namespace)
+        self, args: Iterable[str] | None = None, namespace: None = None
+    ) -> tuple[argparse.Namespace, list[str]]: ...
+    @overload
+    def parse_known_args(self, args: Iterable[str] | None, namespace: N) -> tuple[N, list[str]]: ...
+    @overload
+    def parse_known_args(self, *, namespace: N) -> tuple[N, list[str]]: ...
+
+    def parse_known_args(
+        self, args: Iterable[str] | None = None, namespace: N | None = None
+    ) -> tuple[N | argparse.Namespace, list[str]]:
+        parsed, extras = super().parse_known_args(args, namespace)
         if extras:
             self.error(f"unrecognized arguments: {' '.join(extras)}")
-        return namespace, extras
+        return parsed, extras
 
 
 def command_parser(prog: str, description: str) -> tuple[argparse.ArgumentParser, Any]:

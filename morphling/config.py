@@ -141,9 +141,11 @@ def _fields(schema: type) -> list[_Field]:
             )
         )
     names = {f.name for f in fields}
-    for f in fields:
-        if f.secret and f.file_key in names:
-            raise TypeError(f"{schema.__name__}.{f.file_key}: the name is taken by {f.name}'s file")
+    for field in fields:
+        if field.secret and field.file_key in names:
+            raise TypeError(
+                f"{schema.__name__}.{field.file_key}: the name is taken by {field.name}'s file"
+            )
     return fields
 
 

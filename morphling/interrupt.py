@@ -12,8 +12,12 @@ import signal
 import time
 from collections.abc import Callable
 from types import FrameType
+from typing import Any
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# What ``signal.signal`` takes and gives back: a function, SIG_DFL or SIG_IGN, or None (a
+# handler not installed from Python)
+Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 
 
 class Interrupted(KeyboardInterrupt):
@@ -40,7 +44,7 @@ class Signals:
         self.raising = False
         self.received: int | None = None
         self.since: float | None = None  # time.monotonic() of the first signal
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, Handler] = {}
 
     def __enter__(self) -> Signals:
         for sig in SIGNALS:

@@ -1,13 +1,15 @@
 """A hand-driven peer: frames built and read with the codec alone, to speak (or break)
 the protocol as no agent or client would; and a TILE's operands read straight from the
 wire format. The emulator tests' misbehaving peers, and those of the arena and in-process
-tests."""
+tests; and a hand-driven emulator, answering as no emulator would, for the clients' tests."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import time
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgpack
@@ -22,6 +24,8 @@ from morphling.proxy.wire.messages import (
     MsgType,
     Welcome,
 )
+
+Answer = Callable[[Message], Message | None]
 
 
 def prefix(
@@ -149,3 +153,41 @@ def tile_operand(seg: Any, dtype: str, trans: bool, rows: int, cols: int, ld: in
         flat, (srows, scols), (ld * flat.itemsize, flat.itemsize), writeable=False
     )
     return stored.T if trans else stored
+
+
+@contextlib.asynccontextmanager
+async def fake_emulator(answer: Answer) -> AsyncIterator[int]:
+    """An emulator on loopback that greets, welcomes any HELLO, then answers each message
+    with ``answer`` (None: not at all) until the peer hangs up; yields its port."""
+    served: set[asyncio.Task[None]] = set()
+    writers: set[asyncio.StreamWriter] = set()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        served.add(asyncio.current_task())
+        writers.add(writer)
+        decoder = codec.Decoder()
+
+        async def receive() -> Message | None:
+            while (msg := decoder.next_message()) is None:
+                data = await reader.read(1 << 16)
+                if not data:  # the peer hung up
+                    return None
+                decoder.receive_data(data)
+            return msg
+
+        writer.write(codec.encode_bytes(Greeting(version=codec.VERSION, nonce=b"n", auth=False)))
+        if isinstance(await receive(), Hello):
+            writer.write(codec.encode_bytes(Welcome(peer_id=7, heartbeat_s=60.0)))
+            while (msg := await receive()) is not None:
+                if (reply := answer(msg)) is not None:
+                    writer.write(codec.encode_bytes(reply))
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    try:
+        yield server.sockets[0].getsockname()[1]
+    finally:
+        server.close()
+        for writer in writers:
+            writer.close()
+        await asyncio.wait_for(asyncio.gather(*served), 10.0)

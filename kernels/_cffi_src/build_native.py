@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+from types import ModuleType
 
 from cffi import FFI
 
@@ -18,9 +19,10 @@ TOPICS = ("blas", "pool", "cublasxt")
 C_SOURCES = ("gemm_check", "blas", "pool", "cublasxt")
 
 
-def _load_topic(name: str):
+def _load_topic(name: str) -> ModuleType:
     # Loaded by path: setuptools runs this file outside any package.
     spec = importlib.util.spec_from_file_location(f"_mg_cffi_{name}", HERE / f"{name}.py")
+    assert spec is not None and spec.loader is not None, "a .py file has a source loader"
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

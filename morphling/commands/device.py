@@ -11,7 +11,7 @@ import ssl
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from morphling import config as configuration
 from morphling.config import option as _opt
@@ -92,7 +92,12 @@ def add_fleet_parser(sub: argparse._SubParsersAction) -> None:
     )  # fmt: skip
 
 
-def _load(schema: type, args: argparse.Namespace, section: str):
+Connecting = TypeVar("Connecting", bound=ConnectConfig)
+
+
+def _load(
+    schema: type[Connecting], args: argparse.Namespace, section: str
+) -> tuple[Connecting, str, int, Tls | None]:
     cfg, sources = configuration.load(schema, args, section=section)
     host, port = parse_server(cfg.server)
     log.info("effective configuration:\n%s", configuration.describe(cfg, sources))

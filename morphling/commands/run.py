@@ -290,8 +290,8 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
         print(f"morphling run: {exc}", file=sys.stderr)
         return 1
     finally:
-        if session is None and created:  # nothing ran: leave no empty run directory
-            shutil.rmtree(run_dir, ignore_errors=True)
+        if session is None and created and run_dir is not None:
+            shutil.rmtree(run_dir, ignore_errors=True)  # nothing ran: leave no empty run directory
     print(session.table(), file=sys.stderr)
     if json_path is not None:
         try:

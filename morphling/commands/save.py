@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from morphling.interrupt import Interrupted, Signals
 
@@ -93,6 +95,8 @@ def _save(args: argparse.Namespace, signals: Signals) -> int:
             file=sys.stderr,
         )
         return 1
+    config: dict[str, Any] | None
+    tensors: Iterable[tuple[str, torch.Tensor]]
     try:
         if args.random_init:
             seed = args.seed or 0

@@ -338,9 +338,9 @@ def _write_data(
                 tensor.device.type, tensor.data_ptr(), tensor.dtype,
                 tuple(tensor.shape), tensor.stride(),
             )  # fmt: skip
-            ref, first = seen.get(key, (None, None))
-            if tensor.numel() and first is not None and ref() is not None:
-                entry = replace(first, name=name, alias_of=first.name)
+            earlier = seen.get(key)  # (a reference to the tensor saved first, its entry)
+            if tensor.numel() and earlier is not None and earlier[0]() is not None:
+                entry = replace(earlier[1], name=name, alias_of=earlier[1].name)
             else:
                 entry = _write_tensor(f, name, tensor, dtype)
                 seen[key] = (weakref.ref(tensor), entry)
@@ -590,16 +590,19 @@ def _parse_entry(record: Any, fail: Callable[[str], CheckpointError], i: int) ->
             raise fail(f"tensor {name!r}: {key!r} must be a list of non-negative integers")
         return tuple(value)
 
+    def count(key: str) -> int:
+        value = record.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise fail(f"tensor {name!r}: {key!r} must be a non-negative integer")
+        return value
+
     dtype = record.get("dtype")
     if dtype not in DTYPES:
         raise fail(f"tensor {name!r}: unknown dtype {dtype!r}")
     shape, strides = ints("shape"), ints("strides")
     if len(shape) != len(strides):
         raise fail(f"tensor {name!r}: shape and strides differ in length")
-    offset, nbytes = record.get("offset"), record.get("nbytes")
-    for key, value in (("offset", offset), ("nbytes", nbytes)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise fail(f"tensor {name!r}: {key!r} must be a non-negative integer")
+    offset, nbytes = count("offset"), count("nbytes")
     if offset % ALIGNMENT:
         raise fail(f"tensor {name!r}: offset {offset} is not aligned to {ALIGNMENT} bytes")
     needed = _span(shape, strides) * DTYPES[dtype].itemsize

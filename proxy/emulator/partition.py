@@ -24,6 +24,7 @@ from typing import Protocol
 import numpy as np
 from morphling.proxy.shm.handover import JobOperands, Writers
 from morphling.proxy.shm.weights import SharedWeights
+from morphling.proxy.vtime.memory import Key
 from morphling.proxy.wire.messages import GEMM_DTYPES, Gemm
 from morphling.proxy.wire.operands import (
     IN_FRAME,
@@ -116,7 +117,9 @@ class Block:
         return self.rows * self.cols * self.span.itemsize
 
     @property
-    def key(self) -> tuple[int | None, int, int, int]:
+    def key(self) -> Key:
+        """What a device's emulated memory keeps a weight block under."""
+        assert self.offset is not None, "only a weight block is kept"
         return (self.offset, self.rows, self.cols, self.ld)
 
     @property

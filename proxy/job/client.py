@@ -20,7 +20,7 @@ import socket
 import threading
 import time
 from collections import deque
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from morphling.kernels import blas_operand
@@ -34,13 +34,14 @@ from morphling.proxy.wire import handshake
 from morphling.proxy.wire.connection import Connection
 from morphling.proxy.wire.messages import (
     GEMM_DTYPES,
+    Bye,
     Close,
+    Error,
     Gemm,
     Greeting,
     Heartbeat,
     Hello,
     Message,
-    MsgType,
     Notice,
     Open,
     Result,
@@ -61,6 +62,8 @@ from morphling.proxy.wire.operands import (
 from morphling.proxy.wire.states import Party
 
 log = logging.getLogger("morphling.job")
+M = TypeVar("M", bound=Message)
+Reply = TypeVar("Reply", Step, Close)  # what the emulator answers in kind, in order
 _DTYPE_NAMES = {np.dtype(name): name for name in GEMM_DTYPES}
 
 
@@ -224,7 +227,7 @@ class JobConnection(PeerProtocol):
         self.device_wait_s = device_wait_s
         self.welcomed_as: asyncio.Future[int] = loop.create_future()
         self.results: dict[int, asyncio.Future[Result]] = {}
-        self.replies: deque[asyncio.Future[Message]] = deque()  # STEP and CLOSE, in order
+        self.replies: deque[asyncio.Future[Step | Close]] = deque()  # STEP and CLOSE, in order
         self.error: EmulatorError | None = None
 
     def greeted(self, greeting: Greeting) -> Hello:
@@ -253,7 +256,12 @@ class JobConnection(PeerProtocol):
 
     def disconnected(self, exc: Exception | None) -> None:
         error = self.error or EmulatorError("disconnected", f"connection lost ({exc})")
-        for future in [self.welcomed_as, *self.results.values(), *self.replies]:
+        waiting: list[asyncio.Future[Any]] = [
+            self.welcomed_as,
+            *self.results.values(),
+            *self.replies,
+        ]
+        for future in waiting:
             if not future.done():
                 future.set_exception(error)
         self.results.clear()
@@ -308,11 +316,14 @@ class AsyncClient:
         finally:
             conn.results.pop(request.gemm, None)
 
-    async def _ask(self, msg: Message) -> Message:
-        future: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
+    async def _ask(self, msg: Reply) -> Reply:
+        future: asyncio.Future[Step | Close] = asyncio.get_running_loop().create_future()
         self._conn.replies.append(future)
         self._conn.send(msg)
-        return await future
+        reply = await future
+        if not isinstance(reply, type(msg)):
+            raise EmulatorError("bad_reply", f"{reply.TYPE.name} in reply to {msg.TYPE.name}")
+        return reply
 
     async def step(self, step: int) -> Step:
         """Mark the end of a training step; the emulator's account of it."""
@@ -381,7 +392,7 @@ class Client:
         self._slab_busy = 0  # a GEMM using the slab whose RESULT has not come (timed out)
         self._local = ""  # in the emulator's process, its token: operands go as arrays
         try:
-            greeting = self._expect(MsgType.GREETING, timeout)
+            greeting = self._expect(Greeting, timeout)
             self.weights: dict[str, Any] = greeting.weights  # what the emulator shares
             got = attach(greeting, arena=share_memory, in_process=share_memory and hand_over)
             self._arena, self._local = got.arena, got.process
@@ -389,7 +400,7 @@ class Client:
             if (map_weights or fresh_weights) and greeting.weights:  # the session maps them
                 caps["weights"] = greeting.weights["path"]
             self._send(handshake.hello(greeting, token, "job", name=name, caps=caps))
-            welcome = self._expect(MsgType.WELCOME, timeout)
+            welcome = self._expect(Welcome, timeout)
             self.job_id: int = welcome.peer_id
             self._channel.silence_s = handshake.silence_s(welcome)
             threading.Thread(target=self._beat, args=(welcome.heartbeat_s,), daemon=True,
@@ -397,7 +408,7 @@ class Client:
             self._send(Open(name=name, block=block, device_wait_s=device_wait_s,
                             fresh_weights=fresh_weights))  # fmt: skip
             if fresh_weights:  # restored once OPEN answers: however long that takes
-                self._expect(MsgType.OPEN, None)
+                self._expect(Open, None)
                 self.weights = {**self.weights, "trained": [], "trained_jobs": 0}
         except BaseException:
             self._stopped.set()
@@ -433,9 +444,9 @@ class Client:
         (``local``). C is always new: should the call time out, a device may still write
         into it later, so it must be nobody's yet."""
         c = np.empty((request.batch, request.m, request.n), request.dtype)
-        spans = [seg.view(np.uint8) for seg in request.segments]
+        a, b = (seg.view(np.uint8) for seg in request.segments)
         key = (self._local, self.job_id, request.gemm)
-        local.offer_gemm(key, local.JobOperands(*spans, c))
+        local.offer_gemm(key, local.JobOperands(a, b, c))
         try:
             self._call(handed_over(request), timeout)
         except TimeoutError:  # sent: the emulator takes them when it reads the GEMM
@@ -460,7 +471,7 @@ class Client:
         if request.slab_c != -1:
             self._slab_busy = request.gemm
         while True:  # a RESULT for an abandoned (timed-out) request is dropped
-            result = self._expect(MsgType.RESULT, timeout)
+            result = self._expect(Result, timeout)
             if result.gemm == request.gemm:
                 self._after, self._since_ns = result.gemm, time.perf_counter_ns()
                 return result
@@ -481,20 +492,21 @@ class Client:
         if need > most or need >= self._slab_refused:
             return None
         for ask in dict.fromkeys((min(max(need, 2 * have), most), need)):  # doubled, or just
-            if self._ask_slab(ask) >= need:
+            if self._ask_slab(arena, ask) >= need:
                 return self._slab
         self._slab_refused = need
         return None
 
-    def _ask_slab(self, nbytes: int) -> int:
-        """Ask for a slab of ``nbytes`` (the old one goes back); the size of the one given.
+    def _ask_slab(self, arena: OperandArena, nbytes: int) -> int:
+        """Ask for a slab of ``nbytes`` of ``arena`` (the old one goes back); the size of
+        the one given.
 
         Should the exchange be cut short (a timeout, Ctrl-C), this job stops using the
         arena: the reply, when it comes, would be read as nothing, and the emulator may
         already have reused the old slab."""
-        arena, self._arena, self._slab = self._arena, None, None
+        self._arena = self._slab = None
         self._send(Slab(nbytes=nbytes))
-        reply = self._expect(MsgType.SLAB, 30.0)
+        reply = self._expect(Slab, 30.0)
         if reply.nbytes:
             try:
                 self._slab = arena.region(reply.offset, reply.nbytes, "uint8")
@@ -509,7 +521,7 @@ class Client:
         with self._call_lock:
             host = self.elapsed_ns() if host_ns is None else host_ns
             self._send(Step(step=step, host_ns=host, local_gemms=local_gemms))
-            reply = self._expect(MsgType.STEP, None)
+            reply = self._expect(Step, None)
             self.steps += 1  # the optimizer may have changed any weight (``_weight_ref``)
             self._after, self._since_ns = 0, time.perf_counter_ns()
             self._slab_refused = 1 << 62  # the arena may have room again
@@ -522,7 +534,7 @@ class Client:
         try:
             with self._call_lock:
                 self._send(Close())
-                return self._expect(MsgType.CLOSE, 30.0)
+                return self._expect(Close, 30.0)
         except (EmulatorError, OSError):
             return None
         finally:
@@ -558,24 +570,25 @@ class Client:
             self._stopped.set()
         return self.error
 
-    def _expect(self, kind: MsgType, timeout: float | None) -> Any:
+    def _expect(self, kind: type[M], timeout: float | None) -> M:
         """The next message of type ``kind``; HEARTBEATs are skipped, NOTICEs logged, ERROR
         and BYE raise, and a RESULT says whether the slab is free again (whatever was
         expected)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             msg = self._receive(deadline)
-            if msg.TYPE == MsgType.RESULT and msg.gemm == self._slab_busy:
+            if isinstance(msg, Result) and msg.gemm == self._slab_busy:
                 self._slab_busy = 0
                 if msg.slab_retired:  # C is still there to read, but no more
                     self._slab = None
-            if kind == msg.TYPE:
+            if isinstance(msg, kind):
                 return msg
-            if msg.TYPE == MsgType.NOTICE:
+            if isinstance(msg, Notice):
                 tell(msg)
-            elif msg.TYPE in (MsgType.ERROR, MsgType.BYE):
-                code = msg.code if msg.TYPE == MsgType.ERROR else "bye"
-                self._fail(EmulatorError(code, msg.reason))
+            elif isinstance(msg, Error):
+                self._fail(EmulatorError(msg.code, msg.reason))
+            elif isinstance(msg, Bye):
+                self._fail(EmulatorError("bye", msg.reason))
 
     def _fail(self, error: EmulatorError) -> None:
         """The emulator refused (ERROR, BYE) or sent what cannot be used: the job ends."""

@@ -74,6 +74,7 @@ class EmbeddedFleet:
             if self._error is not None:
                 raise RuntimeError(f"embedded fleet failed to start: {self._error}")
             raise TimeoutError(f"embedded fleet: devices not ready within {timeout} s")
+        assert self.address is not None, "set before ready"
         return self.address
 
     async def _serve(self) -> None:

@@ -120,7 +120,7 @@ class GemmInterceptor:
             if self.host_work is None:
                 stack.callback(self._kernels()._destroy)  # torch's own scoped form does this
             else:
-                stack.enter_context(_CountingMode(self))
+                stack.enter_context(_CountingMode(self, self.host_work))
             self._active = stack.pop_all()
         return self
 
@@ -156,22 +156,18 @@ class GemmInterceptor:
 
         return kernel
 
-    def dispatch(self, func: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+    def dispatch(self, func: Any, args: tuple, kwargs: dict[str, Any], work: HostWork) -> Any:
         """One aten op under ``_CountingMode``: a GEMM to its handler, the rest run and
-        counted as host work."""
+        counted in ``work`` (the host's)."""
         handler = self._handlers.get(func)
         if handler is not None and not _forked:
             return handler(func, *args, **kwargs)
         out = func(*args, **kwargs)
-        self._count_local(out)
-        return out
-
-    def _count_local(self, out: Any) -> None:
-        work = self.host_work
         work.ops += 1
         for t in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(t, torch.Tensor):
                 work.bytes += t.numel() * t.element_size()
+        return out
 
     # -- handlers: ``func`` computes the op locally; torch ops in them do not come back
     # here (the mode is off inside them; a kernel's own ops are not GEMMs) ---------------
@@ -249,9 +245,10 @@ def _well_formed(rank: int, a: torch.Tensor, b: torch.Tensor) -> bool:
 class _CountingMode(TorchDispatchMode):
     """Every aten op through Python, for ``GemmInterceptor.dispatch`` to count."""
 
-    def __init__(self, interceptor: GemmInterceptor) -> None:
+    def __init__(self, interceptor: GemmInterceptor, work: HostWork) -> None:
         super().__init__()
         self.interceptor = interceptor
+        self.work = work
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
-        return self.interceptor.dispatch(func, args, kwargs or {})
+        return self.interceptor.dispatch(func, args, kwargs or {}, self.work)

@@ -278,6 +278,7 @@ def emulate(
             stack.callback(embedded.stop)
             host, port = embedded.start()
         else:
+            assert server is not None, "exactly one of server and devices (checked above)"
             host, port = parse_server(server)
         session = Session(Client(host, port, token=token, name=name, block=block,
                                  share_memory=share_memory, device_wait_s=device_wait_s,
@@ -288,7 +289,11 @@ def emulate(
         if ckpt is not None:
             session.share_weights(ckpt)
             stack.callback(_bind_first_module(session).remove)
-        hook = register_optimizer_step_post_hook(lambda *_: session.end_step())
+
+        def end_step(*_: object) -> None:  # a post hook returns nothing
+            session.end_step()
+
+        hook = register_optimizer_step_post_hook(end_step)
         stack.callback(hook.remove)
         stack.enter_context(sdpa_kernel([SDPBackend.MATH]))
         stack.enter_context(session.interceptor)

@@ -84,12 +84,13 @@ class OperandArena(SharedFile):
                 self._free[i] = (offset + size, free - size)
         view = self.array[offset : offset + nbytes]
         weakref.finalize(view, self._release, offset, size)
-        return memoryview(view)
+        return view.data
 
     def _reserve(self, end: int) -> bool:
         """Back the pages up to ``end``; False when the file system has no room."""
         if end <= self._reserved:
             return True
+        assert self._fd is not None, "only the arena's creator allocates"
         try:
             os.posix_fallocate(self._fd, self._reserved, end - self._reserved)
         except OSError as exc:

@@ -22,7 +22,7 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 SHM = Path("/dev/shm")
-_ATTACHED: dict[tuple[str, str, Any], Any] = {}  # one mapping per file per process
+_ATTACHED: dict[tuple[str, str, object], SharedFile | None] = {}  # one mapping per file per process
 
 
 def shm_dir() -> Path:
@@ -83,7 +83,8 @@ class SharedFile:
         key = (cls.KIND, str(announced.get("path", "")), announced.get("nbytes"))
         if key not in _ATTACHED:
             _ATTACHED[key] = cls.attach(announced, writable=cls.PEERS_WRITE)
-        return _ATTACHED[key]
+        shared = _ATTACHED[key]
+        return shared if isinstance(shared, cls) else None  # the key's KIND is cls's
 
     def announce(self) -> dict[str, Any]:
         """What GREETING tells peers."""

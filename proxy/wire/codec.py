@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-import msgpack  # type: ignore[import-untyped]  # no stubs
+import msgpack
 import numpy as np
 
 from .errors import RemoteProtocolError

@@ -14,8 +14,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from morphling.devices.bench import BenchError, ProbeClient
 from morphling.proxy.emulator.server import Emulator
 from morphling.proxy.emulator.settings import EmulatorConfig
+from morphling.proxy.wire.messages import Message, ProbeEcho, ProbePush
+from raw_peer import fake_emulator
 
 from morphling.commands.bench import parse_size, parse_sizes
 from morphling.text import format_size
@@ -179,6 +182,23 @@ def test_a_server_that_is_not_an_emulator_exits_2() -> None:
         proc = bench("--server", f"127.0.0.1:{port}", "--timeout", "1")
     assert proc.returncode == 2
     assert "did not welcome us" in proc.stderr
+
+
+async def test_a_reply_of_the_wrong_kind_is_a_bench_error() -> None:
+    """An emulator answering PROBE_PUSH with an echo: a one-line error, not a crash."""
+
+    def echo(msg: Message) -> Message | None:
+        if isinstance(msg, ProbePush):
+            return ProbeEcho(probe=msg.probe, reply=True, segments=msg.segments)
+        return None
+
+    async with fake_emulator(echo) as port:
+        client = await ProbeClient.connect("127.0.0.1", port, timeout=10.0)
+        try:
+            with pytest.raises(BenchError, match="answered PROBE_PUSH with PROBE_ECHO"):
+                await client.push(4096)
+        finally:
+            await client.close()
 
 
 def test_size_parsing() -> None:

@@ -510,8 +510,8 @@ async def test_a_slab_exchange_cut_short_stops_the_job_using_the_arena(emulator,
             client.matmul(a[:64, :96], b[:96, :96])  # a small slab first
             real = client._expect
 
-            def cut_short(kind: MsgType, timeout: float | None) -> Any:
-                if kind == MsgType.SLAB:
+            def cut_short(kind: type[Message], timeout: float | None) -> Any:
+                if kind is Slab:
                     client._expect = real
                     raise KeyboardInterrupt
                 return real(kind, timeout)
