@@ -268,8 +268,9 @@ class ProbeClient:
     async def pull(self, nbytes: int) -> float:
         """Seconds from asking for ``nbytes`` to their last byte arriving (emulator → here)."""
         start = time.perf_counter()
-        reply, done = await self.conn.ask(ProbePull(probe=next(self._ids), nbytes=nbytes),
-                                          ProbePulled, self.timeout)  # fmt: skip
+        reply, done = await self.conn.ask(
+            ProbePull(probe=next(self._ids), nbytes=nbytes), ProbePulled, self.timeout
+        )
         got = reply.segments[0].nbytes
         if got != nbytes:
             raise BenchError(f"PROBE_PULLED carried {got} bytes, asked for {nbytes}")
@@ -343,11 +344,17 @@ async def measure_bandwidth(
             up.append(nbytes / max(await client.push(nbytes) - rtt_s, 1e-9))
             bar.update()
         d, u = statistics.median(down), statistics.median(up)
-        rows.append({
-            "size": format_size(nbytes), "bytes": nbytes, "repeats": repeats,
-            "down_bytes_s": round(d), "up_bytes_s": round(u),
-            "down_gbit_s": round(d * 8e-9, 3), "up_gbit_s": round(u * 8e-9, 3),
-        })  # fmt: skip
+        rows.append(
+            {
+                "size": format_size(nbytes),
+                "bytes": nbytes,
+                "repeats": repeats,
+                "down_bytes_s": round(d),
+                "up_bytes_s": round(u),
+                "down_gbit_s": round(d * 8e-9, 3),
+                "up_gbit_s": round(u * 8e-9, 3),
+            }
+        )
     return rows
 
 
@@ -368,8 +375,14 @@ async def run_bench(
     try:
         latency = await measure_latency(client, latency_rounds)
         rtt = latency["rtt_min_us"] / 1e6
-        with tqdm(total=2 * repeats * len(sizes), desc="bandwidth", unit="transfer",
-                  file=sys.stderr, disable=not progress, leave=False) as bar:  # fmt: skip
+        with tqdm(
+            total=2 * repeats * len(sizes),
+            desc="bandwidth",
+            unit="transfer",
+            file=sys.stderr,
+            disable=not progress,
+            leave=False,
+        ) as bar:
             bandwidth = await measure_bandwidth(client, sizes, repeats, rtt, bar)
         verdict = await client.flops(flops_dim)
     finally:

@@ -57,9 +57,17 @@ def _subcommands() -> list[Callable[[argparse._SubParsersAction], None]]:
     from .commands.sweep import add_parser as add_sweep_parser
 
     return [
-        _add_version, add_emulator_parser, add_device_parser, add_fleet_parser, add_run_parser,
-        add_save_parser, add_profile_parser, add_report_parser, add_sweep_parser, add_nginx_parser,
-    ]  # fmt: skip
+        _add_version,
+        add_emulator_parser,
+        add_device_parser,
+        add_fleet_parser,
+        add_run_parser,
+        add_save_parser,
+        add_profile_parser,
+        add_report_parser,
+        add_sweep_parser,
+        add_nginx_parser,
+    ]
 
 
 N = TypeVar("N")

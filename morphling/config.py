@@ -199,10 +199,13 @@ def add_arguments(parser: argparse.ArgumentParser, schema: type) -> None:
         parser.add_argument(f.flag, *f.aliases, **kwargs)
         if f.secret:
             parser.add_argument(
-                _flag(f.file_key), dest=f.file_key, metavar="PATH", default=None,
+                _flag(f.file_key),
+                dest=f.file_key,
+                metavar="PATH",
+                default=None,
                 help=f"read {f.flag} from this file, one line (env: {_env(f.file_key)}; "
                 f"TOML: {f.file_key})",
-            )  # fmt: skip
+            )
     parser.add_argument(
         "--config",
         metavar="PATH",
@@ -318,8 +321,9 @@ def _read_toml(path: Path, section: str | None, names: list[str]) -> tuple[dict[
                 )
             if key not in SECTIONS and key != section:  # a misspelling would configure nothing
                 hint = _did_you_mean(key, SECTIONS, "[{}]")
-                raise ConfigError(f"{path}: unknown table [{key}] (known: "
-                                  f"{', '.join(SECTIONS)}){hint}")  # fmt: skip
+                raise ConfigError(
+                    f"{path}: unknown table [{key}] (known: {', '.join(SECTIONS)}){hint}"
+                )
         # Other tables are other roles' sections; a file without ours configures nothing here.
         data = data.get(section, {})
         where = f"{path} [{section}]"
@@ -379,10 +383,14 @@ def load(
         file_values, file_where = _read_toml(Path(toml_path), section, keys)
     given = (  # per source: what it gives, how errors name a key of it, whether it is text
         ("flag", flags, lambda key: f"flag {_flag(key)}", True),
-        ("env", {k: environ[_env(k)] for k in keys if _env(k) in environ},
-         lambda key: f"env {_env(key)}", True),
+        (
+            "env",
+            {k: environ[_env(k)] for k in keys if _env(k) in environ},
+            lambda key: f"env {_env(key)}",
+            True,
+        ),
         ("file", file_values, lambda key: f"{file_where} {key}", False),
-    )  # fmt: skip
+    )
 
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}

@@ -70,26 +70,34 @@ class FleetConfig(ConnectConfig):
     # loop holds (a two-thread MKL call then takes 20x longer).
     workers: int = _opt(os.cpu_count() or 1, "kernel workers (tiles computed at once)", min=1)
     threads: int = _opt(1, "BLAS threads per kernel worker", min=1)
-    link: str = _opt("", "link preset for every device (empty: the profiles' own)",
-                     choices=("", *LINKS))  # fmt: skip
-    cooling: str = _opt("", "cooling of every device (empty: the profiles' own)",
-                        choices=("", *COOLING))  # fmt: skip
+    link: str = _opt(
+        "", "link preset for every device (empty: the profiles' own)", choices=("", *LINKS)
+    )
+    cooling: str = _opt(
+        "", "cooling of every device (empty: the profiles' own)", choices=("", *COOLING)
+    )
 
 
 def add_device_parser(sub: argparse._SubParsersAction) -> None:
     configuration.add_command(
-        sub, "device", DeviceConfig, run_device,
+        sub,
+        "device",
+        DeviceConfig,
+        run_device,
         help="run a device agent (on a Jetson, a Pi, ...)",
         description="Register with the emulator and compute tiles on the local kernels.",
-    )  # fmt: skip
+    )
 
 
 def add_fleet_parser(sub: argparse._SubParsersAction) -> None:
     configuration.add_command(
-        sub, "fleet", FleetConfig, run_fleet,
+        sub,
+        "fleet",
+        FleetConfig,
+        run_fleet,
         help="run many virtual devices in one process",
         description="Virtual devices over real sockets, sharing one worker pool.",
-    )  # fmt: skip
+    )
 
 
 Connecting = TypeVar("Connecting", bound=ConnectConfig)
@@ -127,8 +135,15 @@ def run_device(args: argparse.Namespace) -> int:
 
     async def make(workers: WorkerPool) -> DeviceAgent:
         name = cfg.name or os.uname().nodename
-        return DeviceAgent(profile, workers, BufferPool(), name=name, token=cfg.token,
-                           share_memory=cfg.share_memory, tls=tls)  # fmt: skip
+        return DeviceAgent(
+            profile,
+            workers,
+            BufferPool(),
+            name=name,
+            token=cfg.token,
+            share_memory=cfg.share_memory,
+            tls=tls,
+        )
 
     return _run_until_stopped(
         cfg.workers, cfg.threads, make, lambda a: a.run(host, port, reconnect=cfg.reconnect)
@@ -139,9 +154,11 @@ def run_fleet(args: argparse.Namespace) -> int:
     try:
         cfg, host, port, tls = _load(FleetConfig, args, "fleet")
         profiles = expand_fleet(
-            cfg.devices, link_name=cfg.link or None, cooling=cfg.cooling or None,
+            cfg.devices,
+            link_name=cfg.link or None,
+            cooling=cfg.cooling or None,
             max_devices=cfg.max_devices,
-        )  # fmt: skip
+        )
     except ValueError as exc:
         print(f"morphling fleet: {exc}", file=sys.stderr)
         return 2

@@ -47,11 +47,15 @@ log = logging.getLogger("morphling.job")
 
 @dataclass(frozen=True)
 class RunConfig:
-    server: str = _opt("", "emulator address HOST:PORT (one of --server, --embedded)",
-                       aliases=("--proxy_host",))  # fmt: skip
+    server: str = _opt(
+        "", "emulator address HOST:PORT (one of --server, --embedded)", aliases=("--proxy_host",)
+    )
     embedded: bool = _opt(False, "start an emulator and a virtual fleet in this process")
-    devices: str = _opt("4", "fleet SPEC for --embedded: NAME:COUNT,... or a count (NAME 'host': "
-                        "this host, measured on first use and cached)")  # fmt: skip
+    devices: str = _opt(
+        "4",
+        "fleet SPEC for --embedded: NAME:COUNT,... or a count (NAME 'host': "
+        "this host, measured on first use and cached)",
+    )
     max_devices: int = _opt(0, f"--embedded: {MAX_DEVICES_HELP}", min=0)
     token: str = _opt("", "shared secret, if the emulator requires one", secret=True)
     ckpt: str = _opt(
@@ -67,10 +71,14 @@ class RunConfig:
     )
     block_size: int = _opt(0, "tile edge (0: the emulator's default)", min=0)
     policy: str = _opt("greedy", "tile placement policy (--embedded)", choices=POLICIES)
-    link: str = _opt("", "link preset for every device (--embedded; empty: the profiles' own)",
-                     choices=("", *LINKS))  # fmt: skip
-    cooling: str = _opt("", "cooling of every device (--embedded; empty: the profiles' own)",
-                        choices=("", *COOLING))  # fmt: skip
+    link: str = _opt(
+        "",
+        "link preset for every device (--embedded; empty: the profiles' own)",
+        choices=("", *LINKS),
+    )
+    cooling: str = _opt(
+        "", "cooling of every device (--embedded; empty: the profiles' own)", choices=("", *COOLING)
+    )
     bottleneck_bw: float = _opt(
         0.0,
         "bytes/s of a FIFO all transfers share, e.g. the access point (--embedded; 0: none)",
@@ -127,11 +135,14 @@ class RunConfig:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     parser = configuration.add_command(
-        sub, "run", RunConfig, run,
+        sub,
+        "run",
+        RunConfig,
+        run,
         help="run an unmodified PyTorch script with its GEMMs on an emulated fleet",
         description="Run SCRIPT with its GEMMs (forward and backward) computed by the "
         "fleet: morphling run --embedded --devices rpi4:4 -- python train.py ARGS.",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "command", nargs=argparse.REMAINDER, metavar="-- [python] SCRIPT.py|-m MODULE [ARGS]"
     )
@@ -266,13 +277,23 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
         if cfg.block_size:
             emulator = dataclasses.replace(emulator, block_size=cfg.block_size)
         with emulate(
-            cfg.server or None, devices=cfg.devices if cfg.embedded else None, config=emulator,
-            token=cfg.token, block=cfg.block_size, min_flops=cfg.min_flops, name=target[1],
-            ckpt=cfg.ckpt or None, coordinator=cfg.coordinator_time,
-            scale=cfg.coordinator_scale, link=cfg.link or None, cooling=cfg.cooling or None,
-            share_memory=cfg.share_memory, max_devices=cfg.max_devices,
-            device_wait_s=cfg.device_wait_s, fresh_weights=cfg.fresh_weights,
-        ) as session:  # fmt: skip
+            cfg.server or None,
+            devices=cfg.devices if cfg.embedded else None,
+            config=emulator,
+            token=cfg.token,
+            block=cfg.block_size,
+            min_flops=cfg.min_flops,
+            name=target[1],
+            ckpt=cfg.ckpt or None,
+            coordinator=cfg.coordinator_time,
+            scale=cfg.coordinator_scale,
+            link=cfg.link or None,
+            cooling=cfg.cooling or None,
+            share_memory=cfg.share_memory,
+            max_devices=cfg.max_devices,
+            device_wait_s=cfg.device_wait_s,
+            fresh_weights=cfg.fresh_weights,
+        ) as session:
             try:
                 code = _run_script(*target)
                 signals.check()
@@ -297,8 +318,7 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
         try:
             json_path.write_text(json.dumps(session.summary(), indent=1) + "\n")
         except OSError as exc:
-            print(f"morphling run: cannot write --json {cfg.json}: {exc.strerror}",
-                  file=sys.stderr)  # fmt: skip
+            print(f"morphling run: cannot write --json {cfg.json}: {exc.strerror}", file=sys.stderr)
             code = code or 1
     if run_dir and cfg.report and cfg.events != "off":
         _report(run_dir)

@@ -63,12 +63,22 @@ DATA_NAME = "tensors.bin"
 DTYPES: dict[str, torch.dtype] = {
     str(dtype).removeprefix("torch."): dtype
     for dtype in (
-        torch.float64, torch.float32, torch.float16, torch.bfloat16,
-        torch.float8_e4m3fn, torch.float8_e5m2,
-        torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-        torch.complex64, torch.complex128,
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.float8_e4m3fn,
+        torch.float8_e5m2,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+        torch.complex64,
+        torch.complex128,
     )
-}  # fmt: skip
+}
 
 
 class CheckpointError(ValueError):
@@ -335,9 +345,12 @@ def _write_data(
             if name in names:
                 raise CheckpointError(f"{name}: duplicate tensor name")
             key = (
-                tensor.device.type, tensor.data_ptr(), tensor.dtype,
-                tuple(tensor.shape), tensor.stride(),
-            )  # fmt: skip
+                tensor.device.type,
+                tensor.data_ptr(),
+                tensor.dtype,
+                tuple(tensor.shape),
+                tensor.stride(),
+            )
             earlier = seen.get(key)  # (a reference to the tensor saved first, its entry)
             if tensor.numel() and earlier is not None and earlier[0]() is not None:
                 entry = replace(earlier[1], name=name, alias_of=earlier[1].name)
@@ -469,9 +482,14 @@ class Checkpoint:
         if config is not None and not isinstance(config, dict):
             raise CheckpointError(f"{index_path}: 'config' must be an object")
         ckpt = cls(
-            path, data_path, entries, mapping, config=config, source=str(index.get("source", "")),
+            path,
+            data_path,
+            entries,
+            mapping,
+            config=config,
+            source=str(index.get("source", "")),
             digest=hashlib.sha256(text).hexdigest(),
-        )  # fmt: skip
+        )
         if verify:
             try:
                 ckpt.verify()

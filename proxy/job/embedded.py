@@ -32,14 +32,21 @@ class EmbeddedFleet:
     """``start()`` returns the emulator's (host, port) once every device is ready."""
 
     def __init__(
-        self, devices: str, config: EmulatorConfig | None = None, *, workers: int | None = None,
-        link: str | None = None, cooling: str | None = None, run_info: dict | None = None,
+        self,
+        devices: str,
+        config: EmulatorConfig | None = None,
+        *,
+        workers: int | None = None,
+        link: str | None = None,
+        cooling: str | None = None,
+        run_info: dict | None = None,
         max_devices: int = 0,
-    ) -> None:  # fmt: skip
+    ) -> None:
         # ValueError for a bad SPEC, link or cooling, or more devices than the host can
         # hold (``max_devices``: see ``expand_fleet``), before any thread starts
-        self.profiles = expand_fleet(devices, link_name=link, cooling=cooling,
-                                     max_devices=max_devices)  # fmt: skip
+        self.profiles = expand_fleet(
+            devices, link_name=link, cooling=cooling, max_devices=max_devices
+        )
         self.run_info = run_info or {}  # extra keys for the run directory's run.json
         self.config = dataclasses.replace(
             config or EmulatorConfig(), listen_ip="127.0.0.1", listen_port=0
@@ -95,8 +102,12 @@ class EmbeddedFleet:
                         if running.done() or self._stop.is_set():
                             raise RuntimeError("the fleet stopped before every device was ready")
                         await asyncio.sleep(0.01)
-                    log.info("embedded emulator on %s:%d with %d ready devices",
-                             host, port, len(self.profiles))  # fmt: skip
+                    log.info(
+                        "embedded emulator on %s:%d with %d ready devices",
+                        host,
+                        port,
+                        len(self.profiles),
+                    )
                     self.address = (host, port)
                     self._ready.set()
                     await self._stop.wait()

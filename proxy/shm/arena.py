@@ -96,9 +96,13 @@ class OperandArena(SharedFile):
         except OSError as exc:
             if exc.errno not in (errno.ENOSPC, errno.EFBIG, errno.EOPNOTSUPP):
                 raise
-            log.warning("operand arena: %s has no room for %d more bytes (%s); operands "
-                        "that do not fit go as bytes", self.path.parent, end - self._reserved,
-                        exc.strerror)  # fmt: skip
+            log.warning(
+                "operand arena: %s has no room for %d more bytes (%s); operands "
+                "that do not fit go as bytes",
+                self.path.parent,
+                end - self._reserved,
+                exc.strerror,
+            )
             return False
         self._reserved = end
         return True
