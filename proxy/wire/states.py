@@ -25,6 +25,10 @@ class Party(Enum):
     EMULATOR = "emulator"
     PEER = "peer"
 
+    # Members are singletons, so identity is their hash: Enum's own hashes the name in
+    # Python, and every message sent and received looks its parties and states up.
+    __hash__ = object.__hash__
+
     @property
     def other(self) -> Party:
         return Party.PEER if self is Party.EMULATOR else Party.EMULATOR
@@ -45,6 +49,8 @@ class State(Enum):
     JOB_RESTORING = "job_restoring"  # job: OPEN asked for fresh weights; waits for OPEN
     JOB = "job"
     CLOSED = "closed"
+
+    __hash__ = object.__hash__  # as Party's
 
 
 M = MsgType
@@ -109,6 +115,22 @@ ROLES: dict[str, tuple[State, State]] = {
 }
 
 
+# What each party may send in each state that moves nobody (most of a conversation: GEMM,
+# TILE, RESULT, HEARTBEAT, ...): checked with one lookup before the general rules.
+_SPECIAL = frozenset({M.HELLO, M.WELCOME, M.OPEN, M.ERROR, M.BYE})
+_STAYS: dict[Party, dict[State, frozenset[MsgType]]] = {
+    party: {
+        state: frozenset(
+            t
+            for t in types
+            if t not in _SPECIAL and (party, state, t) not in MOVES and (party, t) not in REACTIONS
+        )
+        for state, types in states.items()
+    }
+    for party, states in SENDS.items()
+}
+
+
 class IllegalMessage(Exception):
     """``sender`` may not send this message now; the text says why."""
 
@@ -124,8 +146,11 @@ class ConversationState:
         """Move both parties as ``msg``, sent by ``sender``, moves them; ``IllegalMessage``
         (nothing changes) if it is not legal now."""
         t = msg.TYPE
+        mine = self.states[sender]
+        if t in _STAYS[sender][mine]:
+            return
         receiver = sender.other
-        mine, theirs = self.states[sender], self.states[receiver]
+        theirs = self.states[receiver]
         if t not in SENDS[sender][mine]:
             who = f"the {sender.value}"
             raise IllegalMessage(f"{who} may not send {t.name} in state {mine.value!r}")
