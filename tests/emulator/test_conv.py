@@ -444,3 +444,71 @@ def test_any_small_convolution_in_the_emulators_process_matches_torch(embedded, 
     assert step.link_down >= sum(x.nbytes for x in (problem.x, problem.w, problem.dy))
     item = np.dtype(dtype).itemsize  # every tile's block of the product, back once
     assert step.link_up == sum(problem.want[k].size * item for k in KINDS)
+
+
+async def raw_conv_device(peer: Any) -> int:
+    """A device written from docs/PROTOCOL.md (*Convolution tiles*) alone, in torch: each
+    CONV_TILE's product by the formulas there, not by ``kernels.conv``. Returns the tiles
+    answered."""
+    answered = 0
+    while (msg := await peer.recv(timeout=30)) is not None:
+        if msg.TYPE != MsgType.CONV_TILE:
+            continue
+        a, b = (
+            torch.from_numpy(np.frombuffer(segment, msg.dtype).reshape(shape).copy())
+            for segment, shape in zip(msg.segments, (msg.a_shape, msg.b_shape), strict=True)
+        )
+        top, bottom, left, right = msg.padding
+        how = {"stride": msg.stride, "dilation": msg.dilation, "groups": msg.groups}
+        if msg.kind == "forward":
+            c = F.conv2d(F.pad(a, (left, right, top, bottom)), b, **how)
+        elif msg.kind == "grad_input":
+            (h, w), (i0, i1) = msg.input_size, msg.rows
+            channels = msg.groups * b.shape[1]
+            padded = (a.shape[0], channels, top + h + bottom, left + w + right)
+            oh = (padded[2] - msg.dilation[0] * (b.shape[2] - 1) - 1) // msg.stride[0] + 1
+            dy = torch.zeros((a.shape[0], a.shape[1], oh, a.shape[3]), dtype=a.dtype)
+            dy[:, :, msg.oh_lo : msg.oh_lo + a.shape[2]] = a  # the rows not sent are zero
+            dxp = torch.nn.grad.conv2d_input(padded, b, dy, **how)
+            c = dxp[:, :, top + i0 : top + i1, left : left + w]
+        else:
+            weight = (b.shape[1], a.shape[1] // msg.groups, *msg.kernel)
+            c = torch.nn.grad.conv2d_weight(F.pad(a, (left, right, top, bottom)), weight, b,
+                                            **how)  # fmt: skip
+        peer.send(TileResult(tile=msg.tile, compute_ns=1,
+                             segments=(np.ascontiguousarray(c.numpy()),)))  # fmt: skip
+        answered += 1
+    return answered
+
+
+@needs_torch
+@pytest.mark.parametrize(
+    "case",
+    [
+        "stride, dilation, asymmetric padding",
+        "depthwise, multiplier 2, stride 2, dilation 2",
+        "groups 2",
+        "1x1 stride 2 (rows and columns never read)",
+    ],
+)
+async def test_a_device_written_from_the_protocol_computes_conv_tiles(fleet, case):
+    """The emulator's tiles are what the protocol document says: a device that computes
+    them from its formulas (in torch, not ``kernels.conv``) gives every product right."""
+    problem = Problem(CASES[case], np.float64, seed=11)
+    f = await fleet(block_size=3)
+    peer = await f.raw_peer()
+    welcome = await peer.hello("device", name="from-the-doc",
+                               profile=BUILTIN["rpi4"].to_wire(), caps={"conv": 1})  # fmt: skip
+    await wait_for_condition(
+        lambda: (d := f.emu.registry.devices.get(welcome.peer_id)) is not None and d.ready,
+        5,
+        "the raw device to be ready",
+    )
+    computing = asyncio.create_task(raw_conv_device(peer))
+    client = await f.client()
+    for kind in KINDS:
+        got = await client.conv(kind, *problem.operands(kind), **problem.geo, timeout=TIMEOUT)
+        problem.check(kind, got)
+    record = f.emu.registry.devices[welcome.peer_id]
+    peer.close()
+    assert await computing == record.completed > 3 * 2
