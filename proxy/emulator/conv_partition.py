@@ -357,8 +357,9 @@ def make_conv_task(
             segment = mine.a if i == 0 else mine.b
         arrays.append(_operand(i, name, shapes[name], c.dtype, segment))
     product = PRODUCT[c.kind]
-    out, writers = output(shapes["grad_output" if product == "output" else product], c.dtype,
-                          mine, memory)  # fmt: skip
+    out, writers = output(
+        shapes["grad_output" if product == "output" else product], c.dtype, mine, memory
+    )
     return ConvTask(
         request=c,
         out=out,

@@ -416,9 +416,17 @@ class AsyncClient:
         arguments: ``conv_request``): a new array, the output, the input's gradient or the
         weight's gradient. Operands go as bytes."""
         request, shape = conv_request(
-            next(self._ids), kind, a, b, input_shape=input_shape, weight_shape=weight_shape,
-            stride=stride, padding=padding, dilation=dilation, groups=groups,
-        )  # fmt: skip
+            next(self._ids),
+            kind,
+            a,
+            b,
+            input_shape=input_shape,
+            weight_shape=weight_shape,
+            stride=stride,
+            padding=padding,
+            dilation=dilation,
+            groups=groups,
+        )
         return product_array(request, await self.submit(request, timeout=timeout), shape)
 
     async def submit(self, request: Gemm | Conv, *, timeout: float | None = None) -> Result:
@@ -583,10 +591,19 @@ class Client:
         make a convolution; EmulatorError when the emulator refuses it."""
         with self._call_lock:
             request, shape = conv_request(
-                next(self._ids), kind, a, b, input_shape=input_shape, weight_shape=weight_shape,
-                stride=stride, padding=padding, dilation=dilation, groups=groups,
-                after=self._after, host_ns=self.elapsed_ns() if host_ns is None else host_ns,
-            )  # fmt: skip
+                next(self._ids),
+                kind,
+                a,
+                b,
+                input_shape=input_shape,
+                weight_shape=weight_shape,
+                stride=stride,
+                padding=padding,
+                dilation=dilation,
+                groups=groups,
+                after=self._after,
+                host_ns=self.elapsed_ns() if host_ns is None else host_ns,
+            )
             if self._local:
                 c = np.empty(shape, request.dtype)
                 self._hand_over(request, c, timeout)

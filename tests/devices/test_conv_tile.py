@@ -50,8 +50,13 @@ def torch_products(x: np.ndarray, w: np.ndarray, dy: np.ndarray) -> tuple[np.nda
     top, bottom, left, right = GEOM.padding
     xt = torch.tensor(x, requires_grad=True)
     wt = torch.tensor(w, requires_grad=True)
-    y = F.conv2d(F.pad(xt, (left, right, top, bottom)), wt, stride=GEOM.stride,
-                 dilation=GEOM.dilation, groups=GEOM.groups)  # fmt: skip
+    y = F.conv2d(
+        F.pad(xt, (left, right, top, bottom)),
+        wt,
+        stride=GEOM.stride,
+        dilation=GEOM.dilation,
+        groups=GEOM.groups,
+    )
     y.backward(torch.tensor(dy))
     return y.detach().numpy(), xt.grad.numpy(), wt.grad.numpy()
 
@@ -65,9 +70,15 @@ def tile(tile_id: int, kind: str, a: np.ndarray, b: np.ndarray, **fields: Any) -
         "padding": list(GEOM.padding),
         "groups": GEOM.groups,
     }
-    return ConvTile(tile=tile_id, kind=kind, dtype=a.dtype.name, a_shape=list(a.shape),
-                    b_shape=list(b.shape), **{**geometry, **fields},
-                    segments=(a.reshape(-1), b.reshape(-1)))  # fmt: skip
+    return ConvTile(
+        tile=tile_id,
+        kind=kind,
+        dtype=a.dtype.name,
+        a_shape=list(a.shape),
+        b_shape=list(b.shape),
+        **{**geometry, **fields},
+        segments=(a.reshape(-1), b.reshape(-1)),
+    )
 
 
 async def serve_agent(tiles: list[ConvTile]) -> tuple[Hello, list[Message]]:
@@ -87,8 +98,9 @@ async def serve_agent(tiles: list[ConvTile]) -> tuple[Hello, list[Message]]:
                 decoder.receive_data(data)
             return msg
 
-        writer.write(codec.encode_bytes(Greeting(version=codec.VERSION, nonce=b"n" * 16,
-                                                 auth=False)))  # fmt: skip
+        writer.write(
+            codec.encode_bytes(Greeting(version=codec.VERSION, nonce=b"n" * 16, auth=False))
+        )
         msg = await receive()
         assert isinstance(msg, Hello), msg
         hello.append(msg)
@@ -107,8 +119,14 @@ async def serve_agent(tiles: list[ConvTile]) -> tuple[Hello, list[Message]]:
     server = await asyncio.start_server(serve, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     with WorkerPool([CpuBackend(1)]) as workers:
-        agent = DeviceAgent(BUILTIN["rpi4"], workers, BufferPool(pin=False), name="agent",
-                            share_memory=False, inline_flops=0)  # fmt: skip
+        agent = DeviceAgent(
+            BUILTIN["rpi4"],
+            workers,
+            BufferPool(pin=False),
+            name="agent",
+            share_memory=False,
+            inline_flops=0,
+        )
         await asyncio.wait_for(agent.run("127.0.0.1", port, reconnect=False), 30)
     server.close()
     return hello[0], answers
@@ -124,8 +142,16 @@ async def test_agent_computes_every_kind_of_conv_tile():
     # rows that reach them of the output channels reading them, [3, 6); the whole
     # convolution's padding; one group, so groups 1
     lo, hi = GEOM.grad_output_rows(H, 2, 6)
-    grad_input = tile(2, "grad_input", dy[:, 3:6, lo:hi], w[3:6], groups=1, input_size=[H, W],
-                      oh_lo=lo, rows=[2, 6])  # fmt: skip
+    grad_input = tile(
+        2,
+        "grad_input",
+        dy[:, 3:6, lo:hi],
+        w[3:6],
+        groups=1,
+        input_size=[H, W],
+        oh_lo=lo,
+        rows=[2, 6],
+    )
     # grad_weight: output channels [0, 2) of group 0, its input channel 1: the weight
     # gradient's block [0:2, 1:2], summed over the batch and every position
     grad_weight = tile(3, "grad_weight", x[:, 1:2], dy[:, 0:2], groups=1)

@@ -102,8 +102,9 @@ class Problem:
     def __init__(self, case: tuple, dtype: Any, seed: int) -> None:
         rng = np.random.default_rng(seed)
         self.geo = geo = geometry(case)
-        ref = ConvGeometry(geo["weight_shape"][2:], geo["stride"], geo["dilation"],
-                           geo["padding"], geo["groups"])  # fmt: skip
+        ref = ConvGeometry(
+            geo["weight_shape"][2:], geo["stride"], geo["dilation"], geo["padding"], geo["groups"]
+        )
         n, _, h, w = geo["input_shape"]
         out = (n, geo["weight_shape"][0], *ref.output_size(h, w))
         self.x = rng.standard_normal(geo["input_shape"]).astype(dtype)
@@ -186,8 +187,9 @@ async def test_bad_conv_is_refused_naming_the_problem(fleet, change, named):
     if "cut" in change:
         fields["segments"] = (request.segments[0][: -change["cut"]], request.segments[1])
     with pytest.raises(EmulatorError) as info:
-        await client.submit(Conv(**{**request.header(), "segments": request.segments, **fields}),
-                            timeout=TIMEOUT)  # fmt: skip
+        await client.submit(
+            Conv(**{**request.header(), "segments": request.segments, **fields}), timeout=TIMEOUT
+        )
     assert info.value.code == "bad_gemm"
     assert info.value.reason.startswith("CONV 7: "), info.value.reason
     assert named in info.value.reason, info.value.reason
@@ -199,8 +201,14 @@ async def test_bad_conv_is_refused_naming_the_problem(fleet, change, named):
 def test_client_refuses_what_makes_no_convolution():
     """``conv_request`` says what is wrong before anything is sent."""
     x, w = np.ones((1, 4, 5, 5), np.float32), np.ones((2, 2, 3, 3), np.float32)
-    geo = {"input_shape": x.shape, "weight_shape": w.shape, "stride": (1, 1),
-           "padding": (0, 0, 0, 0), "dilation": (1, 1), "groups": 2}  # fmt: skip
+    geo = {
+        "input_shape": x.shape,
+        "weight_shape": w.shape,
+        "stride": (1, 1),
+        "padding": (0, 0, 0, 0),
+        "dilation": (1, 1),
+        "groups": 2,
+    }
     conv_request(1, "forward", x, w, **geo)  # (good)
     cases = [
         (("backward", x, w), {}, "convolution kind 'backward'"),
@@ -265,8 +273,11 @@ async def raw_old_device(peer: Any, seen: list[int]) -> None:
             a2 = sa(a, (rows_a, cols_a), (msg.lda * item, item))
             b2 = sa(b, (rows_b, cols_b), (msg.ldb * item, item))
             c = (a2.T if msg.ta else a2) @ (b2.T if msg.tb else b2)
-            peer.send(TileResult(tile=msg.tile, compute_ns=1,
-                                 segments=(np.ascontiguousarray(c, msg.dtype),)))  # fmt: skip
+            peer.send(
+                TileResult(
+                    tile=msg.tile, compute_ns=1, segments=(np.ascontiguousarray(c, msg.dtype),)
+                )
+            )
 
 
 async def test_no_convolution_tile_goes_to_a_device_without_caps_conv(fleet, caplog):
@@ -301,8 +312,9 @@ async def test_no_convolution_tile_goes_to_a_device_without_caps_conv(fleet, cap
     y = await waiting
     assert f.record(agent).completed > 0
     assert MsgType.TILE in seen and MsgType.CONV_TILE not in seen, seen
-    ref = ConvGeometry(geo["weight_shape"][2:], geo["stride"], geo["dilation"],
-                       geo["padding"], geo["groups"])  # fmt: skip
+    ref = ConvGeometry(
+        geo["weight_shape"][2:], geo["stride"], geo["dilation"], geo["padding"], geo["groups"]
+    )
     assert y.shape == (2, 5, *ref.output_size(9, 8))
     back = "devices are back"
     await wait_for_condition(
@@ -427,8 +439,7 @@ def convolutions(draw: Any) -> tuple[tuple, Any, int]:
 @needs_torch
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(convolution=convolutions(), seed=st.integers(0, 2**16))
-def test_any_small_convolution_in_the_emulators_process_matches_torch(embedded, convolution,
-                                                                      seed):  # fmt: skip
+def test_any_small_convolution_in_the_emulators_process_matches_torch(embedded, convolution, seed):
     """Every kind, whatever the geometry and block, computed by an in-process fleet that
     is handed the job's arrays (nothing crosses a socket) — while virtual time still
     charges the emulated links the bytes of every tile's operands."""
@@ -436,8 +447,9 @@ def test_any_small_convolution_in_the_emulators_process_matches_torch(embedded, 
     problem = Problem(case, dtype, seed)
     client = embedded(block)
     for kind in KINDS:
-        problem.check(kind, client.conv(kind, *problem.operands(kind), **problem.geo,
-                                        timeout=TIMEOUT))  # fmt: skip
+        problem.check(
+            kind, client.conv(kind, *problem.operands(kind), **problem.geo, timeout=TIMEOUT)
+        )
     step = client.step(client.steps + 1)
     assert step.bytes_down == step.bytes_up == 0  # handed over, not sent
     # grad_weight's tiles alone carry all of x and dy, forward's all of w
@@ -473,10 +485,10 @@ async def raw_conv_device(peer: Any) -> int:
             c = dxp[:, :, top + i0 : top + i1, left : left + w]
         else:
             weight = (b.shape[1], a.shape[1] // msg.groups, *msg.kernel)
-            c = torch.nn.grad.conv2d_weight(F.pad(a, (left, right, top, bottom)), weight, b,
-                                            **how)  # fmt: skip
-        peer.send(TileResult(tile=msg.tile, compute_ns=1,
-                             segments=(np.ascontiguousarray(c.numpy()),)))  # fmt: skip
+            c = torch.nn.grad.conv2d_weight(F.pad(a, (left, right, top, bottom)), weight, b, **how)
+        peer.send(
+            TileResult(tile=msg.tile, compute_ns=1, segments=(np.ascontiguousarray(c.numpy()),))
+        )
         answered += 1
     return answered
 
@@ -497,8 +509,9 @@ async def test_a_device_written_from_the_protocol_computes_conv_tiles(fleet, cas
     problem = Problem(CASES[case], np.float64, seed=11)
     f = await fleet(block_size=3)
     peer = await f.raw_peer()
-    welcome = await peer.hello("device", name="from-the-doc",
-                               profile=BUILTIN["rpi4"].to_wire(), caps={"conv": 1})  # fmt: skip
+    welcome = await peer.hello(
+        "device", name="from-the-doc", profile=BUILTIN["rpi4"].to_wire(), caps={"conv": 1}
+    )
     await wait_for_condition(
         lambda: (d := f.emu.registry.devices.get(welcome.peer_id)) is not None and d.ready,
         5,

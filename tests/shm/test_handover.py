@@ -215,8 +215,14 @@ async def test_paired_ends_hand_convolution_tiles_over_on_the_loop(emulator, wor
     x = rng.standard_normal((2, 6, 30, 20)).astype(np.float32)
     w = rng.standard_normal((6, 3, 3, 3)).astype(np.float32)
     geom = ConvGeometry((3, 3), (2, 1), (1, 1), (1, 1, 2, 0), groups=2)
-    shapes = {"input_shape": x.shape, "weight_shape": w.shape, "stride": geom.stride,
-              "padding": geom.padding, "dilation": geom.dilation, "groups": 2}  # fmt: skip
+    shapes = {
+        "input_shape": x.shape,
+        "weight_shape": w.shape,
+        "stride": geom.stride,
+        "padding": geom.padding,
+        "dilation": geom.dilation,
+        "groups": 2,
+    }
 
     def convolve() -> np.ndarray:
         with Client(host, port, block=8) as client:

@@ -214,8 +214,14 @@ def test_the_report_reads_back_what_the_timeline_wrote(tmp_path):
     mark(1, 1, host_s=0.25)
     submit(tl, recorders[1], 1, task(2, 100, 100, 100), block=256, host_s=1 / 3)
     submit(tl, recorders[2], 2, task(2, 300, 500, 200), block=128, after=1, host_s=0.02)
-    submit(tl, recorders[2], 2, conv_task(3, "forward", (2, 8, 12, 12), (8, 4, 3, 3),
-                                          groups=2), block=8, after=2)  # fmt: skip
+    submit(
+        tl,
+        recorders[2],
+        2,
+        conv_task(3, "forward", (2, 8, 12, 12), (8, 4, 3, 3), groups=2),
+        block=8,
+        after=2,
+    )
     mark(2, 1, host_s=0.0)
     mark(1, 2, host_s=0.0)
     for job in recorders:

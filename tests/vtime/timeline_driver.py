@@ -100,17 +100,29 @@ def conv_task(
     n, _, h, w = input_shape
     oh = (h + padding[0] + padding[1] - weight_shape[2]) // stride[0] + 1
     ow = (w + padding[2] + padding[3] - weight_shape[3]) // stride[1] + 1
-    shapes = {"input": input_shape, "weight": weight_shape,
-              "grad_output": (n, weight_shape[0], oh, ow)}  # fmt: skip
+    shapes = {
+        "input": input_shape,
+        "weight": weight_shape,
+        "grad_output": (n, weight_shape[0], oh, ow),
+    }
     first, second = {
         "forward": ("input", "weight"),
         "grad_input": ("grad_output", "weight"),
         "grad_weight": ("input", "grad_output"),
     }[kind]
     a, b = (np.ones(shapes[name], np.float32).reshape(-1) for name in (first, second))
-    request = Conv(gemm=gemm, kind=kind, dtype="float32", input=list(input_shape),
-                   weight=list(weight_shape), stride=list(stride), dilation=[1, 1],
-                   padding=list(padding), groups=groups, segments=(a, b))  # fmt: skip
+    request = Conv(
+        gemm=gemm,
+        kind=kind,
+        dtype="float32",
+        input=list(input_shape),
+        weight=list(weight_shape),
+        stride=list(stride),
+        dilation=[1, 1],
+        padding=list(padding),
+        groups=groups,
+        segments=(a, b),
+    )
     return make_conv_task(request)
 
 
