@@ -2,7 +2,8 @@
 
 A ``DeviceAgent`` is one device — a physical board (``morphling device``) or
 one of many virtual ones sharing a process, a worker pool and a buffer pool
-(``morphling fleet``). Tiles are computed for real on the worker pool, off the
+(``morphling fleet``). Tiles — a GEMM's, or a convolution's (``conv_tile``; it says
+so in HELLO, ``caps.conv``) — are computed for real on the worker pool, off the
 event loop, and each result reports the measured compute time and, from the
 device's profile, the modelled one. ``run()`` keeps the device connected:
 lost connections are retried with exponential backoff and jitter, and only
@@ -32,6 +33,7 @@ from morphling.proxy.wire import challenge, handshake
 from morphling.proxy.wire.connection import Connection
 from morphling.proxy.wire.messages import (
     REFUSALS,
+    ConvTile,
     Greeting,
     Hello,
     Message,
@@ -45,6 +47,7 @@ from morphling.proxy.wire.messages import (
 from morphling.proxy.wire.operands import Location, Place, tile_locations
 from morphling.proxy.wire.states import Party
 
+from . import conv_tile
 from .models.profiles import DeviceProfile
 
 log = logging.getLogger(__name__)
@@ -53,6 +56,9 @@ log = logging.getLogger(__name__)
 # and back costs many times their compute.
 INLINE_FLOPS = 1 << 20
 NO_BYTES = memoryview(b"")
+# What the agent announces in HELLO ``caps``: the convolution tiles it computes (version 1,
+# docs/PROTOCOL.md).
+CONV_CAPABILITY = 1
 
 
 @dataclass(frozen=True)
@@ -86,7 +92,7 @@ class DeviceConnection(PeerProtocol):
         share = agent.share_memory
         got = attach(greeting, weights=share, arena=share, in_process=share)
         self.weights, self.arena, self.emulator_token = got.weights, got.arena, got.process
-        caps = {"virtual": agent.virtual, **got.caps}
+        caps = {"virtual": agent.virtual, "conv": CONV_CAPABILITY, **got.caps}
         profile = agent.profile.to_wire()
         fields = {"name": agent.name, "uuid": agent.uuid, "profile": profile, "caps": caps}
         return handshake.hello(greeting, agent.token, "device", **fields)
@@ -110,6 +116,8 @@ class DeviceConnection(PeerProtocol):
     def received(self, msg: Message) -> None:
         if isinstance(msg, Tile):
             self._tile(msg)
+        elif isinstance(msg, ConvTile):
+            self._conv_tile(msg)
         elif isinstance(msg, ProbeFlops):
             self._challenge(msg)
         elif isinstance(msg, ProbeVerdict):
@@ -126,10 +134,7 @@ class DeviceConnection(PeerProtocol):
         try:
             at_a, at_b, at_c = tile_locations(msg)
             if at_c.place is Place.LOCAL:
-                assert agent.device_id is not None, "a TILE comes after WELCOME"
-                handed = local.take_tile((self.emulator_token, agent.device_id, msg.tile))
-                if handed is None:
-                    raise ValueError("local: nothing was handed over in this process")
+                handed = self._taken(msg.tile)
                 a, b, out = handed.a, handed.b, handed.c
             else:
                 a, b = self._operand(msg, "a", at_a), self._operand(msg, "b", at_b)
@@ -148,11 +153,67 @@ class DeviceConnection(PeerProtocol):
             self._result(msg, at_c.in_place, time.perf_counter_ns() - start, model_ns, out)
             return
         future = agent.workers.submit_plan(plan, out, keep=(a, b))
+        self._when_done(msg, future, at_c.in_place, model_ns, handed)
+
+    def _when_done(
+        self,
+        msg: Tile | ConvTile,
+        future: asyncio.Future[GemmResult],
+        in_place: bool,
+        model_ns: int,
+        handed: local.TileOperands | None,
+    ) -> None:
+        """Answer once the tile's kernel on the worker pool is done."""
         writers = handed.writers if handed is not None else None
         if writers is not None:  # the emulator answers the job only once this kernel is done
             writers.enter()
-        in_place = at_c.in_place
         future.add_done_callback(lambda f: self._tile_done(msg, in_place, model_ns, f, writers))
+
+    def _conv_tile(self, msg: ConvTile) -> None:
+        """A convolution's tile: its operands from the segments, or handed over in this
+        process with the view of the output it writes (``local``); the ``kernels.conv``
+        call on the worker pool (inline when small), answered as a TILE's. A tile whose
+        fields or operands describe no convolution is ``bad_tile``."""
+        agent = self.agent
+        handed = None
+        try:
+            if msg.local:
+                handed = self._taken(msg.tile)
+                a, b = handed.a, handed.b
+            else:
+                a, b = conv_tile.operand(msg, 0), conv_tile.operand(msg, 1)
+            product, flops = conv_tile.prepare(msg, a, b)
+        except ValueError as exc:
+            self.fail("bad_tile", f"CONV_TILE {msg.tile}: {exc}")
+            return
+        out = None if handed is None else handed.c
+
+        def compute() -> np.ndarray:
+            c = product()
+            if out is None:
+                return c
+            out[...] = c  # the job's own output: nothing goes back
+            return c[:0]
+
+        model_ns = int(flops / agent.profile.flops * 1e9)
+        if flops <= agent.inline_flops:
+            start = time.perf_counter_ns()
+            try:
+                c = compute()
+            except ValueError as exc:
+                self.fail("bad_tile", f"CONV_TILE {msg.tile}: {exc}")
+                return
+            self._result(msg, msg.local, time.perf_counter_ns() - start, model_ns, c)
+            return
+        self._when_done(msg, agent.workers.submit_call(compute), msg.local, model_ns, handed)
+
+    def _taken(self, tile: int) -> local.TileOperands:
+        """The arrays the emulator in this process handed over for ``tile``."""
+        assert self.agent.device_id is not None, "a tile comes after WELCOME"
+        handed = local.take_tile((self.emulator_token, self.agent.device_id, tile))
+        if handed is None:
+            raise ValueError("local: nothing was handed over in this process")
+        return handed
 
     def _result_memory(self, msg: Tile, at: Location, dtype: np.dtype) -> Any:
         """Where the tile's C goes: the GEMM's output in the operand arena when the
@@ -163,7 +224,9 @@ class DeviceConnection(PeerProtocol):
             raise ValueError(f"arena_c={at.offset}, but this device maps no operand arena")
         return self.arena.block(at.offset, msg.m, msg.n, msg.ldc, msg.dtype)
 
-    def _result(self, msg: Tile, in_place: bool, compute_ns: int, model_ns: int, out: Any) -> None:
+    def _result(
+        self, msg: Tile | ConvTile, in_place: bool, compute_ns: int, model_ns: int, out: Any
+    ) -> None:
         c = NO_BYTES if in_place else out  # as received: what a paired end is handed too
         result = TileResult(
             tile=msg.tile,
@@ -203,7 +266,7 @@ class DeviceConnection(PeerProtocol):
 
     def _tile_done(
         self,
-        msg: Tile,
+        msg: Tile | ConvTile,
         in_place: bool,
         model_ns: int,
         future: asyncio.Future[GemmResult],
@@ -214,7 +277,11 @@ class DeviceConnection(PeerProtocol):
         if future.cancelled() or not self.open:
             return
         if (exc := future.exception()) is not None:
-            self.fail("compute_failed", f"TILE {msg.tile}: {exc}")
+            name = msg.TYPE.name
+            if isinstance(msg, ConvTile) and isinstance(exc, ValueError):  # the kernels' checks
+                self.fail("bad_tile", f"{name} {msg.tile}: {exc}")
+            else:
+                self.fail("compute_failed", f"{name} {msg.tile}: {exc}")
             return
         res = future.result()
         self._result(msg, in_place, res.compute_ns, model_ns, res.out)

@@ -1,5 +1,7 @@
 """A pool of GEMM worker threads that completes asyncio futures.
 
+They run host functions too (``submit_call``: a convolution tile's kernels), timed the same.
+
 Kernels release the GIL, so plain threads give real parallelism and keep the
 event loop free. Each worker owns one backend — a CPU BLAS with its own
 thread count, a cuBLASXt handle, or cuBLAS under green contexts that follow
@@ -49,7 +51,9 @@ POLICIES = ("round-robin", "greedy", "load-balanced")
 
 
 class Backend(Protocol):
-    """What a worker computes with. ``start``/``stop`` run on the worker's thread."""
+    """What a worker computes with. ``start``/``stop`` run on the worker's thread; ``call``
+    runs a host function there (a convolution's kernels: CPU BLAS and numpy, whatever the
+    backend)."""
 
     kind: str
     prior_s: float  # expected duration before any task has been measured
@@ -58,10 +62,19 @@ class Backend(Protocol):
 
     def run(self, plan: GemmPlan) -> None: ...
 
+    def call(self, fn: Callable[[], Any]) -> Any: ...
+
     def stop(self) -> None: ...
 
 
-class CpuBackend:
+class _HostCalls:
+    """``Backend.call``: the function, on the worker's thread."""
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        return fn()
+
+
+class CpuBackend(_HostCalls):
     """MKL/OpenBLAS with ``threads`` threads for this worker's calls."""
 
     kind = "cpu"
@@ -83,7 +96,7 @@ class CpuBackend:
         pass
 
 
-class GpuBackend:
+class GpuBackend(_HostCalls):
     """cuBLASXt over ``devices`` with tiles of ``block_dim``; raises where no GPU is usable."""
 
     kind = "gpu"
@@ -110,7 +123,7 @@ class GpuBackend:
             self._xt = None
 
 
-class GreenGpuBackend:
+class GreenGpuBackend(_HostCalls):
     """A GPU throttled to the SM counts of a trace (``green_context``); raises where no GPU is.
 
     The controller, and with it the green contexts, is made on the worker's thread,
@@ -195,7 +208,7 @@ def _twins(a: _Worker, b: _Worker) -> bool:
 
 @dataclass(slots=True)
 class _Task:
-    plan: GemmPlan | None
+    plan: GemmPlan | Callable[[], Any] | None  # a GEMM, or a host function (``submit_call``)
     out: Any
     keep: tuple[Any, ...] | None  # operands kept alive until the kernel has run
     done: Done
@@ -265,16 +278,20 @@ class _Worker:
 
     def _run(self, task: _Task) -> None:
         error: BaseException | None = None
-        assert task.plan is not None, "a task runs once"
+        plan, out = task.plan, task.out
+        assert plan is not None, "a task runs once"
         t0 = time.perf_counter_ns()
         try:
-            self.backend.run(task.plan)
+            if isinstance(plan, GemmPlan):
+                self.backend.run(plan)
+            else:
+                out = self.backend.call(plan)
         except Exception as exc:
             error = exc
         elapsed = time.perf_counter_ns() - t0
-        task.plan = task.keep = None  # unpin leases before anyone is told we are done
+        task.plan = task.keep = plan = None  # unpin leases before anyone is told we are done
         self.on_finished(self, None if error else elapsed)
-        result = None if error else GemmResult(task.out, elapsed, self.index, self.backend.kind)
+        result = None if error else GemmResult(out, elapsed, self.index, self.backend.kind)
         try:
             task.done(result, error)
         except Exception:  # a broken callback must not take the worker down with it
@@ -375,7 +392,9 @@ class WorkerPool:
             thief.outstanding += 1
             return task
 
-    def _enqueue(self, plan: GemmPlan, out: Any, keep: tuple[Any, ...], done: Done) -> None:
+    def _enqueue(
+        self, plan: GemmPlan | Callable[[], Any], out: Any, keep: tuple[Any, ...], done: Done
+    ) -> None:
         task = _Task(plan, out, keep, done)
         with self._lock:  # put under the lock, so close()'s sentinel always comes last
             if self._closed:
@@ -394,6 +413,16 @@ class WorkerPool:
         ``out`` is handed back in the result; ``keep`` holds whatever the
         plan's pointers borrow (arrays, leases) until the kernel has run.
         """
+        return self._submit(plan, out, keep)
+
+    def submit_call(self, fn: Callable[[], Any]) -> asyncio.Future[GemmResult]:
+        """Queue a host function (``Backend.call``): its return value is the result's
+        ``out``, its run time the result's ``compute_ns``; what it raises, the future's."""
+        return self._submit(fn, None, ())
+
+    def _submit(
+        self, plan: GemmPlan | Callable[[], Any], out: Any, keep: tuple[Any, ...]
+    ) -> asyncio.Future[GemmResult]:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[GemmResult] = loop.create_future()
 

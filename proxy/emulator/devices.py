@@ -82,7 +82,7 @@ def ready(emulator: Emulator, device: DeviceRecord, measured: probes.Measurement
     device.model, why = probes.choose_profile(device.declared, measured, source, device.virtual)
     device.ready = True
     log.info("device %d (%s) ready; scheduling with the %s profile", device.id, device.name, why)
-    emulator.timeline.add_device(device.id, device.name, device.model)
+    emulator.timeline.add_device(device.id, device.name, device.model, convolutions=device.conv)
     if emulator.waiting:  # told before their tiles' results come
         emulator.watch_waits(time.monotonic())
     emulator.scheduler.dispatch()

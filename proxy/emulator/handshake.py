@@ -28,6 +28,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def _version(cap: object) -> int:
+    """A capability's version in HELLO ``caps`` (an integer; 0: absent or not one)."""
+    return cap if isinstance(cap, int) and not isinstance(cap, bool) else 0
+
+
 def greeting(emulator: Emulator, nonce: bytes) -> Greeting:
     weights, arena = emulator.weights, emulator.arena
     return Greeting(
@@ -63,6 +68,7 @@ def hello(conn: PeerConnection, msg: Hello) -> None:
             colocated=maps_weights,
             arena=maps_arena,
             local=local,
+            conv=_version(caps.get("conv")) >= 1,
         )
         peer_id = device.id
         if local:  # TILE and TILE_RESULT without bytes may skip the socket

@@ -1,7 +1,9 @@
-"""A job as the emulator serves it: OPEN, its GEMMs from intake to RESULT, STEP, CLOSE.
+"""A job as the emulator serves it: OPEN, its GEMMs and convolutions from intake to RESULT,
+STEP, CLOSE.
 
 A GEMM arrives (``Job.gemm``), is checked and becomes a task over operands found
-where the job placed them (``partition.make_task``), and is cut into tiles; the
+where the job placed them (``partition.make_task``), and is cut into tiles (a CONV,
+``Job.conv``, likewise: ``conv_partition.make_conv_task``); the
 virtual timeline places them on devices (``Timeline.submit``), the scheduler sends
 them, and each TILE_RESULT goes into the output (``tiles.take_result``) until the
 last one has the task's owner, this job, answer with RESULT (``Job.finish``).
@@ -19,16 +21,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, TypedDict
 
 import numpy as np
 from morphling.proxy.checkpoint.format import CheckpointError
 from morphling.proxy.shm import handover as local
+from morphling.proxy.vtime.eventlog import GEMM_OP
 from morphling.proxy.vtime.timeline import StepTimes
 from morphling.proxy.wire.errors import RemoteProtocolError
-from morphling.proxy.wire.messages import Close, Gemm, Notice, Open, Result, Slab, Step
+from morphling.proxy.wire.messages import Close, Conv, Gemm, Notice, Open, Result, Slab, Step
 
-from .partition import GemmError, GemmTask, make_task
+from .conv_partition import AnyTask, AnyTile, make_conv_task
+from .partition import make_task
+from .task import GemmError, Task
 from .trainers import Trained
 
 if TYPE_CHECKING:
@@ -65,7 +71,7 @@ class Job:
         self.maps_weights = False  # it maps the shared weights (and may train them)
         self.steps = 0  # step marks
         self.trained: Trained | None = None  # its entry among the trainers, once it is one
-        self.gemms: dict[int, GemmTask] = {}
+        self.gemms: dict[int, AnyTask] = {}  # GEMMs and convolutions in flight, by id
         self.tiles_in_flight = 0  # of the GEMMs in ``gemms`` (see ``regulate``)
         self.bytes_in_flight = 0  # the memory they hold: operands received, outputs
         self.maps_arena = maps_arena  # it may ask for a slab
@@ -177,10 +183,8 @@ class Job:
     def gemm(self, msg: Gemm) -> None:
         """Take a GEMM: its task, whose tiles the timeline places (``submit``), whence the
         scheduler sends them; ``finish`` answers once every tile is back."""
-        if msg.gemm in self.gemms:
-            raise RemoteProtocolError(f"GEMM id {msg.gemm} is already in flight", "bad_gemm")
         emulator = self.emulator
-        handed = local.take_gemm((emulator.token, self.id, msg.gemm)) if self.local else None
+        handed = self._handed(msg)
         try:
             task = make_task(
                 msg,
@@ -207,7 +211,30 @@ class Job:
                 f"max_job_tiles={limit}; use a larger block",
                 "bad_gemm",
             )
-        tiles = task.tiles(self.block)
+        self._start(task, task.tiles(self.block), msg.after, msg.host_ns)
+
+    def conv(self, msg: Conv) -> None:
+        """Take a CONV, as ``gemm`` takes a GEMM: its tiles hold about ``block``² outputs,
+        and are no more than ``max_job_tiles``."""
+        handed = self._handed(msg)
+        try:
+            task = make_conv_task(msg, handed=handed, memory=self._output_memory)
+        except GemmError as exc:
+            raise RemoteProtocolError(f"CONV {msg.gemm}: {exc}", "bad_gemm") from None
+        task.owner = self
+        tiles = task.tiles(self.block, self.emulator.config.max_job_tiles)
+        self._start(task, tiles, msg.after, msg.host_ns)
+
+    def _handed(self, msg: Gemm | Conv) -> local.JobOperands | None:
+        """A new request's id checked, and the arrays it handed over in this process."""
+        if msg.gemm in self.gemms:
+            name = msg.TYPE.name
+            raise RemoteProtocolError(f"{name} id {msg.gemm} is already in flight", "bad_gemm")
+        return local.take_gemm((self.emulator.token, self.id, msg.gemm)) if self.local else None
+
+    def _start(self, task: AnyTask, tiles: Sequence[AnyTile], after: int, host_ns: int) -> None:
+        """Count the task in flight and have the timeline issue it."""
+        emulator = self.emulator
         self.tiles_in_flight += len(tiles)
         self.bytes_in_flight += _held_bytes(task)
         self.totals["gemms"] += 1
@@ -220,8 +247,8 @@ class Job:
             self.id,
             task,
             tiles,
-            after=msg.after,
-            host_s=msg.host_ns / 1e9,
+            after=after,
+            host_s=host_ns / 1e9,
             place=emulator.scheduler.submit,
             done=task.settled,
         )
@@ -237,7 +264,7 @@ class Job:
             raise GemmError(f"output of {nbytes} bytes exceeds max_payload_bytes")
         return self.emulator.shared_memory(nbytes)
 
-    def finish(self, task: GemmTask) -> None:
+    def finish(self, task: Task) -> None:
         """All tiles are in: send C to the job, once no kernel writes into it any more (a
         lost device's, into a job's own array, see ``local``)."""
         if task.writers is not None and task.writers.count:
@@ -369,7 +396,7 @@ class Job:
         assert offset is not None  # (the arena gave it)
         self.conn.send(Slab(nbytes=len(slab), offset=offset))
 
-    def retire_slab(self, task: GemmTask) -> None:
+    def retire_slab(self, task: Task) -> None:
         """A device lost while writing ``task``'s C may still write: if that is in the job's
         slab, the job gets no more use of it (RESULT.slab_retired says so)."""
         if self.slab is not None and np.shares_memory(self.slab, task.out):
@@ -378,23 +405,29 @@ class Job:
 
     # -- waiting for devices -------------------------------------------------------------
 
-    def watch_wait(self, now: float, ready: int, connected: int) -> None:
-        """Tell the job when its tiles start waiting for want of a ready device, every
+    def watch_wait(self, now: float, ready: int, ready_conv: int, connected: int) -> None:
+        """Tell the job when its tiles start waiting for want of a ready device (one that
+        computes convolutions, for a convolution's: ``ready_conv``), every
         ``device_wait_notice_s`` while they do, and when one is back; fail it once they
         have waited its ``device_wait_s``. Without this a job whose fleet vanished waited
         for ever, in silence."""
-        count = sum(task.remaining for task in self.gemms.values())
+        counts = [0, 0]  # tiles not done: of GEMMs, of convolutions
+        for task in self.gemms.values():
+            counts[task.op != GEMM_OP] += task.remaining
+        count = sum(counts)
+        stuck = (0 if ready else counts[0]) + (0 if ready_conv else counts[1])
         tiles = f"{count} tile{'s' if count != 1 else ''}"
         limit, since = self.device_wait_s, self.waiting_since
         if since is None:
-            if ready or not count:
+            if not stuck:
                 return
             self.waiting_since = self._noticed = now
             self.emulator.waiting.add(self)
             end = f"fails after {limit:g} s" if limit else "waits for ever"
+            what = "device" if not ready else "device that computes convolutions (HELLO caps.conv)"
             self._notice(
                 "no_devices",
-                f"no device is ready ({connected} connected): the job "
+                f"no {what} is ready ({connected} connected): the job "
                 f"waits with {tiles} queued; it {end} (device_wait_s)",
                 connected,
                 count,
@@ -403,7 +436,7 @@ class Job:
             )
             return
         waited = now - since
-        if ready or not count:
+        if not stuck:
             self.waiting_since = None
             self.emulator.waiting.discard(self)
             if ready:
@@ -451,7 +484,7 @@ class Job:
         )
 
 
-def _held_bytes(task: GemmTask) -> int:
+def _held_bytes(task: Task) -> int:
     """The emulator's memory ``task`` holds: the operand bytes it arrived with, and its C
     unless C is the job's own (in place)."""
     received = sum(memoryview(s).nbytes for s in task.request.segments)

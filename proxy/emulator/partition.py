@@ -16,61 +16,50 @@ same block row or column needs the same one.
 
 from __future__ import annotations
 
-import itertools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import numpy as np
 from morphling.proxy.shm.handover import JobOperands, Writers
 from morphling.proxy.shm.weights import SharedWeights
+from morphling.proxy.vtime.eventlog import GEMM_OP
 from morphling.proxy.vtime.memory import Key
 from morphling.proxy.wire.messages import GEMM_DTYPES, Gemm
 from morphling.proxy.wire.operands import (
-    IN_FRAME,
     Location,
     OperandError,
     Place,
     gemm_locations,
 )
 
-_ids = itertools.count(1)
-
-
-class GemmError(ValueError):
-    """A GEMM request whose header does not describe its operands."""
-
-
-class GemmOwner(Protocol):
-    """Who asked for a GEMM (the emulator's side of its job): what its tiles' results
-    reach it through."""
-
-    def finish(self, task: GemmTask) -> None:
-        """Every tile is in: answer the job."""
-
-    def retire_slab(self, task: GemmTask) -> None:
-        """A device lost while writing ``task``'s C (in the job's slab) may still write."""
+from .task import GemmError, Task, TaskTile, tile_ids
 
 
 @dataclass(eq=False)
-class TileTask:
+class TileTask(TaskTile):
     """One output block of one pivot."""
 
-    id: int
     gemm: GemmTask
     pivot: int
     r0: int
     r1: int
     c0: int
     c1: int
-    attempts: int = 0
-    wire_bytes: int = 0  # its operand bytes on the wire to the device it was last sent to
-    c_at: Location = IN_FRAME  # where that device writes its C, as its TILE said
     _operands: tuple[Block, Block] | None = field(default=None, repr=False)
+    conv = None  # (what the clock reads of a convolution's tile: this is none)
+
+    @property
+    def index(self) -> tuple[int | slice, ...]:
+        return self.pivot, slice(self.r0, self.r1), slice(self.c0, self.c1)
 
     @property
     def shape(self) -> tuple[int, int]:
         return self.r1 - self.r0, self.c1 - self.c0
+
+    @property
+    def out_bytes(self) -> int:
+        return (self.r1 - self.r0) * (self.c1 - self.c0) * self.gemm.out.itemsize
 
     @property
     def out_start(self) -> int:
@@ -129,45 +118,23 @@ class Block:
         return (self.offset, self.rows, self.cols, self.ld, self.version)
 
 
-@dataclass(eq=False)
-class GemmTask:
-    """A validated GEMM, its output and its bookkeeping."""
+@dataclass(eq=False, kw_only=True)
+class GemmTask(Task):
+    """A validated GEMM, its operands' spans and its output."""
 
     request: Gemm
     a: np.ndarray
     b: np.ndarray
-    out: np.ndarray
-    c_at: Location = IN_FRAME  # where C goes: back in RESULT, or in place
-    owner: GemmOwner | None = None  # None: a task no job asked for (the timeline's tests)
-    remaining: int = 0
-    done: set[int] = field(default_factory=set)
-    devices: set[int] = field(default_factory=set)
-    requeued: int = 0
-    cancelled: bool = False
     weights: dict[str, tuple[int, int]] = field(default_factory=dict)  # operand → (offset, ver.)
-    oom: int = 0
-    virtual_ns: int = 0  # issue to end in virtual time, once the timeline settled it
-    bytes_down: int = 0
-    bytes_up: int = 0
-    in_slab: bool = False  # A, B or C is in the job's slab
-    slab_retired: bool = False  # its C is in a slab a lost device may still write into
-    writers: Writers | None = None  # kernels writing into C, a job's own array (``local``)
     _packed: dict[tuple[int, int, int, int], tuple[np.ndarray, int]] = field(default_factory=dict)
     # A row of tiles shares its A block and a column its B block: made once each.
     _blocks: dict[tuple[str, int, int, int], Block] = field(default_factory=dict)
+    op = GEMM_OP
 
     @property
-    def id(self) -> int:
-        return self.request.gemm
-
-    @property
-    def in_place(self) -> bool:
-        """C is where the job reads it (its slab, or its own array): RESULT carries none."""
-        return self.c_at.in_place
-
-    def settled(self, issue: float, end: float) -> None:
-        """The timeline's word that the GEMM ran from ``issue`` to ``end`` in virtual time."""
-        self.virtual_ns = round((end - issue) * 1e9)
+    def header(self) -> Gemm:
+        """What the clock reads of the GEMM."""
+        return self.request
 
     def block(self, which: str, pivot: int, lo: int, hi: int) -> Block:
         """Rows ``lo:hi`` of op(A) (``which="a"``) or columns of op(B), as stored."""
@@ -224,24 +191,13 @@ class GemmTask:
             self.remaining = 0
             return []
         tiles = [
-            TileTask(next(_ids), self, p, r, min(r + block, g.m), c, min(c + block, g.n))
+            TileTask(next(tile_ids), self, p, r, min(r + block, g.m), c, min(c + block, g.n))
             for p in range(g.batch)
             for r in range(0, g.m, block)
             for c in range(0, g.n, block)
         ]
         self.remaining = len(tiles)
         return tiles
-
-    def put(self, tile: TileTask, values: np.ndarray | None) -> bool:
-        """Store a tile's result (its elements, or None when the device wrote them into
-        ``out`` itself); False when it was already stored (a duplicate)."""
-        if tile.id in self.done:
-            return False
-        if values is not None:
-            self.out[tile.pivot, tile.r0 : tile.r1, tile.c0 : tile.c1] = values.reshape(tile.shape)
-        self.done.add(tile.id)
-        self.remaining -= 1
-        return True
 
 
 def _extent(name: str, rows: int, cols: int, ld: int, stride: int, batch: int) -> int:
@@ -300,7 +256,7 @@ def make_task(
             seg = _slab_range(f"slab_{name}", at.offset, need * item, item, slab)
             in_slab.append((name, at.offset, need * item))
         elif at.place is Place.LOCAL:
-            seg = _handed(handed).a if name == "a" else _handed(handed).b
+            seg = taken(handed).a if name == "a" else taken(handed).b
         if len(seg) % item or len(seg) // item < need:
             raise GemmError(
                 f"operand {name}: {len(seg)} bytes, but its layout (rows {rows}, cols {cols}, "
@@ -308,30 +264,22 @@ def make_task(
             )
         arrays.append(np.frombuffer(seg, dtype=g.dtype))
     shape = (g.batch, g.m, g.n)
-    writers = None
     if c_at.place is Place.SLAB:
         nbytes = g.batch * g.m * g.n * item
         c = _slab_range("slab_c", c_at.offset, nbytes, item, slab)
-        out = np.frombuffer(c, g.dtype).reshape(shape)
+        out, writers = np.frombuffer(c, g.dtype).reshape(shape), None
         for name, start, size in in_slab:  # devices write C while others still read A and B
             if start < c_at.offset + nbytes and c_at.offset < start + size:
                 raise GemmError(
                     f"slab_c [{c_at.offset}, {c_at.offset + nbytes}) overlaps "
                     f"operand {name} at [{start}, {start + size}) in the slab"
                 )
-    elif c_at.place is Place.LOCAL:
-        out = _handed(handed).out
-        if out.shape != shape or out.dtype != np.dtype(g.dtype) or not out.flags.c_contiguous:
-            raise GemmError(
-                f"local: the output is {out.dtype} {out.shape}, expected a "
-                f"C-contiguous {g.dtype} {shape}"
-            )
-        writers = Writers()
-    elif memory is None:
-        out = np.empty(shape, dtype=g.dtype)
     else:
-        out = np.frombuffer(memory(g.batch * g.m * g.n * item), g.dtype).reshape(shape)
-    task = GemmTask(g, arrays[0], arrays[1], out, c_at, weights=refs, writers=writers)
+        mine = taken(handed) if c_at.place is Place.LOCAL else None
+        out, writers = output(shape, g.dtype, mine, memory)
+    task = GemmTask(
+        request=g, out=out, c_at=c_at, a=arrays[0], b=arrays[1], weights=refs, writers=writers
+    )
     task.in_slab = bool(in_slab) or c_at.place is Place.SLAB
     return task
 
@@ -362,8 +310,31 @@ def _referenced(
         raise GemmError(f"ref_{name}: {exc}") from None
 
 
-def _handed(handed: JobOperands | None) -> JobOperands:
-    """The arrays a job in this process handed over for its ``local`` GEMM."""
+def output(
+    shape: tuple[int, ...],
+    dtype: str,
+    handed: JobOperands | None,
+    memory: Callable[[int], memoryview] | None,
+) -> tuple[np.ndarray, Writers | None]:
+    """A request's C, of ``shape``, and who writes into it: the job's own array where it
+    ``handed`` one over (counting the kernels that write there), else ``memory(nbytes)``
+    (new memory without it)."""
+    if handed is not None:
+        out = handed.out
+        if out.shape != shape or out.dtype != np.dtype(dtype) or not out.flags.c_contiguous:
+            raise GemmError(
+                f"local: the output is {out.dtype} {out.shape}, expected a "
+                f"C-contiguous {dtype} {shape}"
+            )
+        return out, Writers()
+    if memory is None:
+        return np.empty(shape, dtype), None
+    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+    return np.frombuffer(memory(nbytes), dtype).reshape(shape), None
+
+
+def taken(handed: JobOperands | None) -> JobOperands:
+    """The arrays a job in this process handed over for its ``local`` GEMM or CONV."""
     if handed is None:
         raise GemmError("local: no operands were handed over in this emulator's process")
     return handed

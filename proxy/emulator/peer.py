@@ -95,10 +95,8 @@ class PeerConnection(FrameConnection):
             self.prober.replied(msg)
         elif isinstance(msg, ProbeFlopsRequest):
             self.prober.challenge_requested(msg)
-        elif isinstance(msg, Conv):  # (until convolution tiles are served: issue 21)
-            raise RemoteProtocolError(
-                "CONV: this emulator does not serve convolutions yet", "bad_gemm"
-            )
+        elif isinstance(msg, Conv):
+            self._job().conv(msg)
         elif isinstance(msg, Open):
             self._job().open(msg)
         elif isinstance(msg, Slab):

@@ -11,9 +11,9 @@ from morphling.devices.models.profiles import DeviceProfile
 from morphling.proxy.vtime.memory import Admission
 from morphling.proxy.wire.messages import Message
 
-from .partition import TileTask
+from .conv_partition import AnyTile
 
-Placed = tuple[TileTask, Admission | None]  # None: moved off its device, send as bytes
+Placed = tuple[AnyTile, Admission | None]  # None: moved off its device, send as bytes
 
 
 class TileLink(Protocol):
@@ -39,17 +39,18 @@ class DeviceRecord:
     virtual: bool
     model: DeviceProfile
     ready: bool = False
-    outstanding: dict[int, TileTask] = field(default_factory=dict)
+    outstanding: dict[int, AnyTile] = field(default_factory=dict)
     queue: deque[Placed] = field(default_factory=deque)
     completed: int = 0
     colocated: bool = False  # maps the emulator's shared weights (same host)
     arena: bool = False  # maps the emulator's operand arena (same host)
     local: bool = False  # runs in the emulator's process: takes tiles as arrays (``local``)
+    conv: bool = False  # computes convolution tiles (HELLO ``caps.conv``)
 
-    def take(self, tile: TileTask) -> None:
+    def take(self, tile: AnyTile) -> None:
         self.outstanding[tile.id] = tile
 
-    def give_back(self, tile_id: int) -> TileTask | None:
+    def give_back(self, tile_id: int) -> AnyTile | None:
         """The tile it no longer holds, or None when it did not hold ``tile_id``."""
         return self.outstanding.pop(tile_id, None)
 
@@ -76,6 +77,7 @@ class Registry:
         colocated: bool,
         arena: bool = False,
         local: bool = False,
+        conv: bool = False,
     ) -> DeviceRecord:
         record = DeviceRecord(
             next(self._ids),
@@ -87,6 +89,7 @@ class Registry:
             colocated=colocated,
             arena=arena,
             local=local,
+            conv=conv,
         )
         self.devices[record.id] = record
         return record
@@ -94,6 +97,8 @@ class Registry:
     def remove(self, device_id: int) -> DeviceRecord | None:
         return self.devices.pop(device_id, None)
 
-    def ready(self) -> list[DeviceRecord]:
-        """Devices that may be given tiles (one being closed may not: its tiles go back)."""
-        return [d for d in self.devices.values() if d.ready and d.conn.open]
+    def ready(self, conv: bool = False) -> list[DeviceRecord]:
+        """Devices that may be given tiles (one being closed may not: its tiles go back);
+        ``conv``: convolution tiles."""
+        devices = self.devices.values()
+        return [d for d in devices if d.ready and d.conn.open and (d.conv or not conv)]

@@ -17,7 +17,9 @@ whole fleet to one tile at a time.
 
 A device that leaves has its queued and outstanding tiles sent to the
 device with the least work waiting (ties: lowest id), as bytes: the virtual
-timeline keeps them where they were placed, and the log says they moved.
+timeline keeps them where they were placed, and the log says they moved. A
+convolution's tile goes only to a device that computes them (``DeviceRecord.conv``),
+and waits while none is ready.
 """
 
 from __future__ import annotations
@@ -27,10 +29,11 @@ from collections import deque
 from typing import Protocol
 
 from morphling.proxy.vtime.memory import Admission
-from morphling.proxy.wire.messages import Tile
+from morphling.proxy.wire.messages import ConvTile, Tile
 
-from .partition import GemmTask, TileTask
+from .conv_partition import AnyTile
 from .registry import DeviceRecord, Placed, Registry
+from .task import Task
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +41,10 @@ log = logging.getLogger(__name__)
 class TileMessages(Protocol):
     """What makes a tile's TILE for the device it goes to (``tiles.TileMessages``)."""
 
-    def message(self, device: DeviceRecord, tile: TileTask, admission: Admission | None) -> Tile:
-        """The TILE; what the device reads from its mappings goes by reference."""
+    def message(
+        self, device: DeviceRecord, tile: AnyTile, admission: Admission | None
+    ) -> Tile | ConvTile:
+        """The TILE (a CONV_TILE); what the device reads from its mappings goes by reference."""
         ...
 
 
@@ -70,7 +75,7 @@ class Scheduler:
         """Tiles placed and not yet sent."""
         return len(self.orphans) + sum(len(d.queue) for d in self._waiting.values())
 
-    def submit(self, placed: list[tuple[TileTask, int, Admission]]) -> None:
+    def submit(self, placed: list[tuple[AnyTile, int, Admission]]) -> None:
         """Queue tiles on the devices they were placed on."""
         devices = self.registry.devices
         for tile, device_id, admission in placed:
@@ -82,7 +87,7 @@ class Scheduler:
                 self._waiting[device.id] = device
         self.dispatch()
 
-    def requeue(self, device: DeviceRecord) -> list[TileTask]:
+    def requeue(self, device: DeviceRecord) -> list[AnyTile]:
         """Move a lost device's tiles, outstanding first, to the other devices."""
         held = list(device.outstanding.values())
         device.outstanding.clear()
@@ -95,13 +100,13 @@ class Scheduler:
         self.orphans.extend((t, None) for t in moved)
         return moved
 
-    def retry(self, tile: TileTask) -> None:
+    def retry(self, tile: AnyTile) -> None:
         """Send ``tile`` again, before anything else, to any device: the result its device
         sent was unusable (and that device is being dropped)."""
         tile.gemm.requeued += 1
         self.orphans.appendleft((tile, None))
 
-    def cancel(self, gemm: GemmTask) -> None:
+    def cancel(self, gemm: Task) -> None:
         """Drop the tiles of a GEMM whose job is gone (those out come back ignored)."""
         gemm.cancelled = True
         self.orphans = deque(p for p in self.orphans if p[0].gemm is not gemm)
@@ -110,7 +115,7 @@ class Scheduler:
             if not device.queue:
                 del self._waiting[device.id]
 
-    def finished(self, device: DeviceRecord, tile_id: int) -> TileTask | None:
+    def finished(self, device: DeviceRecord, tile_id: int) -> AnyTile | None:
         """The device returned ``tile_id``: the task, or None when it was not expected."""
         tile = device.give_back(tile_id)
         if tile is not None:
@@ -130,12 +135,19 @@ class Scheduler:
         ready = self.registry.ready()
         if not ready:
             return
+        able = [d for d in ready if d.conv]  # for a convolution's tiles
+        left: deque[Placed] = deque()  # those no device ready can take
         while self.orphans:
-            device = min(ready, key=lambda d: (len(d.queue) + len(d.outstanding), d.id))
             tile, _ = self.orphans.popleft()
-            log.debug("tile %d of GEMM %d moves to device %d", tile.id, tile.gemm.id, device.id)
+            devices = ready if tile.conv is None else able
+            if not devices:
+                left.append((tile, None))
+                continue
+            device = min(devices, key=lambda d: (len(d.queue) + len(d.outstanding), d.id))
+            log.debug("tile %d of request %d moves to device %d", tile.id, tile.gemm.id, device.id)
             device.queue.append((tile, None))
             self._waiting[device.id] = device
+        self.orphans = left
 
     def _drain(self, device: DeviceRecord) -> bool:
         """Send from ``device``'s queue while it may take more; False when the global

@@ -38,8 +38,8 @@ from morphling.proxy.vtime.vdevice import VirtualDevice
 from morphling.proxy.wire.messages import Bye, Heartbeat
 from morphling.proxy.wire.states import State
 
+from .conv_partition import AnyTile
 from .jobs import Job
-from .partition import TileTask
 from .peer import PeerConnection
 from .registry import Registry
 from .scheduler import Scheduler
@@ -78,7 +78,7 @@ class Emulator:
         events = EventLog(
             self._events, level=config.events, detail_steps=config.events_detail_steps
         )
-        self.timeline: Timeline[TileTask] = Timeline(
+        self.timeline: Timeline[AnyTile] = Timeline(
             config.policy, log=events, bottleneck=bottleneck
         )
         self.run_info: dict[str, Any] = {}  # extra keys for run.json (the command, settings)
@@ -240,10 +240,11 @@ class Emulator:
 
     def watch_waits(self, now: float) -> None:
         """Each job's wait for a ready device (``Job.watch_wait``)."""
-        ready, connected = len(self.registry.ready()), len(self.registry.devices)
+        registry = self.registry
+        ready, ready_conv = len(registry.ready()), len(registry.ready(conv=True))
         for peer in list(self.peers):
             if peer.job is not None and peer.open:
-                peer.job.watch_wait(now, ready, connected)
+                peer.job.watch_wait(now, ready, ready_conv, len(registry.devices))
 
     async def _keep_house(self) -> None:
         """Heartbeats and timeouts (a HELLO that does not come, a peer silent, or one that

@@ -8,6 +8,10 @@ block at its current version gets only its reference; a device in the emulator's
 own process is handed the arrays (``local``). Anything else goes as bytes, with
 the weight's reference when the device is to keep them. The TILE_RESULT must then
 carry C as its TILE asked (``operands.check_tile_result``).
+
+A convolution's tile becomes a CONV_TILE: its operands go contiguous as bytes, or are
+handed over as views in the emulator's process with the view of the output it writes
+(``local``); C comes back in TILE_RESULT, or is written there.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from morphling.proxy.shm import handover as local
 from morphling.proxy.shm.arena import OperandArena
 from morphling.proxy.vtime.memory import Admission
 from morphling.proxy.wire.errors import RemoteProtocolError
-from morphling.proxy.wire.messages import Tile, TileResult
+from morphling.proxy.wire.messages import ConvTile, Tile, TileResult
 from morphling.proxy.wire.operands import (
     HANDED,
     IN_FRAME,
@@ -33,6 +37,7 @@ from morphling.proxy.wire.operands import (
     tile_fields,
 )
 
+from .conv_partition import AnyTile, ConvTileTask
 from .partition import Block, GemmTask, TileTask
 from .registry import DeviceRecord
 
@@ -58,10 +63,15 @@ class TileMessages:
         self.token = token  # the emulator's, for arrays handed over (``local``)
         self.arena: OperandArena | None = None  # the emulator's, once it made it
 
-    def message(self, device: DeviceRecord, tile: TileTask, admission: Admission | None) -> Tile:
-        """``tile``'s TILE for ``device``; ``admission`` is the device's emulated memory's
-        say (from the timeline), None for a tile moved off a lost device: all bytes but
-        what the device maps. Notes on the tile where C goes (``TileTask.c_at``)."""
+    def message(
+        self, device: DeviceRecord, tile: AnyTile, admission: Admission | None
+    ) -> Tile | ConvTile:
+        """``tile``'s TILE (a convolution's: CONV_TILE) for ``device``; ``admission`` is the
+        device's emulated memory's say (from the timeline), None for a tile moved off a lost
+        device: all bytes but what the device maps. Notes on the tile where C goes
+        (``TileTask.c_at``)."""
+        if isinstance(tile, ConvTileTask):
+            return self._conv_tile(device, tile)
         task = tile.gemm
         drop = admission.evicted if admission is not None and not device.colocated else []
         a, b = tile.operands()
@@ -130,20 +140,50 @@ class TileMessages:
         offered = local.TileOperands(a.span, b.span, c, writers)
         local.offer_tile((self.token, device.id, tile.id), offered)
 
+    def _conv_tile(self, device: DeviceRecord, tile: ConvTileTask) -> ConvTile:
+        """A convolution tile's CONV_TILE: its operands handed over with the view of C it
+        writes (the job's own output, to a device in this process), or as bytes."""
+        task, c = tile.gemm, tile.gemm.request
+        writers = task.writers
+        if writers is not None and device.local:
+            offered = local.TileOperands(tile.a, tile.b, task.out[tile.out_index], writers)
+            local.offer_tile((self.token, device.id, tile.id), offered)
+            tile.c_at, segments = HANDED, (tile.a[:0], tile.b[:0])
+        else:
+            packed = np.ascontiguousarray(tile.a), np.ascontiguousarray(tile.b)
+            tile.c_at, segments = IN_FRAME, packed
+        geom = task.geometry
+        return ConvTile(
+            tile=tile.id,
+            kind=c.kind,
+            dtype=c.dtype,
+            a_shape=list(tile.a.shape),
+            b_shape=list(tile.b.shape),
+            kernel=list(geom.kernel),
+            stride=list(geom.stride),
+            dilation=list(geom.dilation),
+            padding=list(tile.padding),
+            groups=tile.groups,
+            input_size=list(task.input_shape[2:]) if c.kind == "grad_input" else [],
+            oh_lo=tile.oh_lo,
+            rows=list(tile.rows) if c.kind == "grad_input" else [],
+            local=tile.c_at is HANDED,
+            segments=segments,
+        )
+
 
 def take_result(scheduler: Scheduler, device: DeviceRecord, msg: TileResult) -> None:
-    """A device's TILE_RESULT: its C into the GEMM's output (unless written in place), and
-    the job answered once every tile is in. A result that is not what its TILE asked for
-    is a protocol error: the device is dropped and the tile sent to another."""
+    """A device's TILE_RESULT: its C into the request's output (unless written in place),
+    and the job answered once every tile is in. A result that is not what its TILE asked
+    for is a protocol error: the device is dropped and the tile sent to another."""
     tile = scheduler.finished(device, msg.tile)
     if tile is None:
         why = "not expected (late or duplicate); ignored"
         log.debug("device %d: result for tile %d %s", device.id, msg.tile, why)
     elif not tile.gemm.cancelled:
         task = tile.gemm
-        rows, cols = tile.shape
         try:
-            check_tile_result(msg, tile.c_at, rows, cols, task.out.itemsize)
+            check_tile_result(msg, tile.c_at, tile.shape, task.out.itemsize)
         except OperandError as exc:
             scheduler.retry(tile)
             raise RemoteProtocolError(

@@ -17,7 +17,7 @@ from typing import Any, TypedDict
 from morphling.proxy.shm.weights import SharedWeights
 from morphling.proxy.vtime.timeline import Timeline
 
-from .partition import TileTask
+from .conv_partition import AnyTile
 
 ANNOUNCED = 8  # GREETING.weights.trained: the latest jobs that trained the weights
 
@@ -34,7 +34,7 @@ class Trainers:
     """The jobs that mapped the shared weights and marked steps since they were loaded or
     restored (they may have trained them), and a restore under way."""
 
-    def __init__(self, timeline: Timeline[TileTask]) -> None:
+    def __init__(self, timeline: Timeline[AnyTile]) -> None:
         self.timeline = timeline  # whose devices' kept weight blocks go stale
         self.latest: deque[Trained] = deque(maxlen=ANNOUNCED)
         self.count = 0  # all of them, not only the latest

@@ -1,4 +1,5 @@
-"""The job API: submit ``C = op(A)·op(B)`` to an emulator and get C back.
+"""The job API: submit ``C = op(A)·op(B)``, or a convolution's product, to an emulator
+and get C back.
 
 ``AsyncClient`` is the asyncio form. ``Client`` is the blocking form for
 ordinary code (a training script): the calling thread does its own socket
@@ -7,6 +8,9 @@ thread and back; a small daemon thread only sends HEARTBEATs. Operands are
 numpy arrays or CPU torch tensors of any BLAS-readable layout — transposed,
 padded, batched, a 2-D operand broadcast over a batch — and go on the wire as
 the memory they span, with their layout, never made contiguous first.
+
+A convolution (``conv``: forward, grad_input or grad_weight, ``kernels.conv``'s
+geometry) takes C-contiguous float32/float64 numpy arrays, which go as they are.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from collections import deque
 from typing import Any, TypeVar
 
 import numpy as np
-from morphling.kernels import blas_operand
+from morphling.kernels import ConvGeometry, blas_operand
 from morphling.proxy.net.blocking import BlockingChannel, ChannelError
 from morphling.proxy.net.peer import PeerProtocol
 from morphling.proxy.net.protocol import SMALL_PAYLOAD
@@ -33,9 +37,11 @@ from morphling.proxy.shm.attach import attach
 from morphling.proxy.wire import handshake
 from morphling.proxy.wire.connection import Connection
 from morphling.proxy.wire.messages import (
+    CONV_KINDS,
     GEMM_DTYPES,
     Bye,
     Close,
+    Conv,
     Error,
     Gemm,
     Greeting,
@@ -117,6 +123,88 @@ def gemm_request(
     return request, shape
 
 
+Pair = tuple[int, int]
+Padding = tuple[int, int, int, int]  # top, bottom, left, right
+
+
+def conv_request(
+    conv: int,
+    kind: str,
+    a: np.ndarray,
+    b: np.ndarray,
+    *,
+    input_shape: tuple[int, ...],
+    weight_shape: tuple[int, ...],
+    stride: Pair,
+    padding: Padding,
+    dilation: Pair,
+    groups: int,
+    after: int = 0,
+    host_ns: int = 0,
+) -> tuple[Conv, tuple[int, ...]]:
+    """The CONV message for a convolution's product ``kind`` (``CONV_KINDS``) of ``a`` and
+    ``b``, and the product's shape; ValueError naming what does not fit.
+
+    The convolution has the input ``input_shape`` [N, C, H, W] and the weight
+    ``weight_shape`` [OC, C/groups, kh, kw] (a 1-D one: H = kh = 1), ``stride`` (sh, sw),
+    ``padding`` (top, bottom, left, right), ``dilation`` (dh, dw) and ``groups``. ``a`` and
+    ``b`` are C-contiguous numpy arrays of one dtype, float32 or float64: forward, the
+    input and the weight, product the output [N, OC, OH, OW]; grad_input, the output's
+    gradient [N, OC, OH, OW] and the weight, product the input's gradient [N, C, H, W];
+    grad_weight, the input and the output's gradient, product the weight's gradient
+    [OC, C/groups, kh, kw]. No bias: its addition and gradient are the caller's.
+    """
+    if kind not in CONV_KINDS:
+        raise ValueError(f"convolution kind {kind!r}: one of {', '.join(CONV_KINDS)}")
+    for name, shape in (("input_shape", input_shape), ("weight_shape", weight_shape)):
+        if len(shape) != 4 or min(shape) < 1:
+            raise ValueError(f"{name}={tuple(shape)}: expected 4 dimensions, each >= 1")
+    geom = ConvGeometry((weight_shape[2], weight_shape[3]), stride, dilation, padding, groups)
+    n, channels, height, width = input_shape
+    out_channels, per_group = weight_shape[:2]
+    if channels % groups or out_channels % groups or per_group * groups != channels:
+        raise ValueError(
+            f"groups={groups}: the input's {channels} channels and the weight "
+            f"{tuple(weight_shape)} do not make {groups} groups"
+        )
+    output = (n, out_channels, *geom.output_size(height, width))
+    shapes = {"input": tuple(input_shape), "weight": tuple(weight_shape), "output": output}
+    (first, second), product = {
+        "forward": (("input", "weight"), "output"),
+        "grad_input": (("output", "weight"), "input"),
+        "grad_weight": (("input", "output"), "weight"),
+    }[kind]
+    dtype = ""
+    for name, role, x in (("a", first, a), ("b", second, b)):
+        if not isinstance(x, np.ndarray) or not x.flags.c_contiguous:
+            raise ValueError(f"{kind}: {name} must be a C-contiguous numpy array")
+        if _dtype_name(x.dtype) not in GEMM_DTYPES or dtype not in ("", x.dtype.name):
+            raise ValueError(f"{kind}: {name} is {x.dtype}; a and b are one of {GEMM_DTYPES}")
+        if x.shape != shapes[role]:
+            raise ValueError(f"{kind}: {name} has shape {x.shape}, the {role} is {shapes[role]}")
+        dtype = x.dtype.name
+    request = Conv(
+        gemm=conv,
+        kind=kind,
+        dtype=dtype,
+        input=list(input_shape),
+        weight=list(weight_shape),
+        stride=list(geom.stride),
+        dilation=list(geom.dilation),
+        padding=list(geom.padding),
+        groups=geom.groups,
+        after=after,
+        host_ns=host_ns,
+        segments=(a.reshape(-1), b.reshape(-1)),
+    )
+    return request, shapes[product]
+
+
+def product_array(request: Conv, result: Result, shape: tuple[int, ...]) -> np.ndarray:
+    """A convolution's product from its RESULT: a view of the segment."""
+    return np.frombuffer(result.segments[0], dtype=request.dtype).reshape(shape)
+
+
 def slab_bytes(request: Gemm) -> int:
     """The slab ``into_slab`` needs for ``request``: its operand segments and C, each
     starting on a page."""
@@ -141,12 +229,14 @@ def into_slab(request: Gemm, slab: np.ndarray) -> Gemm:
     return dataclasses.replace(request, **fields, segments=tuple(segments))
 
 
-def handed_over(request: Gemm) -> Gemm:
+def handed_over(request: Gemm | Conv) -> Gemm | Conv:
     """``request`` as sent when its operands (all but weights) and C are handed over to
     the emulator in this process (``local``) instead of crossing the socket."""
+    segments = tuple(seg.view(np.uint8)[:0] for seg in request.segments)
+    if isinstance(request, Conv):
+        return dataclasses.replace(request, local=True, segments=segments)
     a, b, _ = gemm_locations(request)
     a, b = (HANDED if at.place is Place.FRAME else at for at in (a, b))
-    segments = tuple(seg.view(np.uint8)[:0] for seg in request.segments)
     return dataclasses.replace(request, **gemm_fields(a, b, HANDED), segments=segments)
 
 
@@ -195,6 +285,11 @@ def result_array(
         c = slab[at.offset : at.offset + nbytes].view(request.dtype).reshape(shape)
         if out is None:
             return c.copy()
+    return _into(c, out)
+
+
+def _into(c: np.ndarray, out: Any) -> Any:
+    """``c``, or ``out`` (an array or a tensor) with ``c`` copied in when given."""
     if out is None:
         return c
     np.copyto(out if isinstance(out, np.ndarray) else out.numpy(), c)
@@ -303,8 +398,40 @@ class AsyncClient:
         request, shape = gemm_request(next(self._ids), a, b)
         return result_array(request, await self.submit(request, timeout=timeout), shape, out)
 
-    async def submit(self, request: Gemm, *, timeout: float | None = None) -> Result:
-        """Send an explicit GEMM request (the wire contract) and wait for its RESULT."""
+    async def conv(
+        self,
+        kind: str,
+        a: np.ndarray,
+        b: np.ndarray,
+        *,
+        input_shape: tuple[int, ...],
+        weight_shape: tuple[int, ...],
+        stride: Pair,
+        padding: Padding,
+        dilation: Pair,
+        groups: int,
+        timeout: float | None = None,
+    ) -> np.ndarray:
+        """A convolution's product ``kind`` of ``a`` and ``b``, computed by the fleet (the
+        arguments: ``conv_request``): a new array, the output, the input's gradient or the
+        weight's gradient. Operands go as bytes."""
+        request, shape = conv_request(
+            next(self._ids),
+            kind,
+            a,
+            b,
+            input_shape=input_shape,
+            weight_shape=weight_shape,
+            stride=stride,
+            padding=padding,
+            dilation=dilation,
+            groups=groups,
+        )
+        return product_array(request, await self.submit(request, timeout=timeout), shape)
+
+    async def submit(self, request: Gemm | Conv, *, timeout: float | None = None) -> Result:
+        """Send an explicit GEMM or CONV request (the wire contract) and wait for its
+        RESULT."""
         conn = self._conn
         if conn.error is not None:
             raise conn.error
@@ -431,44 +558,82 @@ class Client:
                 host_ns=self.elapsed_ns() if host_ns is None else host_ns,
             )  # fmt: skip
             if self._local:
-                return self._hand_over(request, shape, out, timeout)
+                c = np.empty((request.batch, request.m, request.n), request.dtype)
+                self._hand_over(request, c, timeout)
+                return _into(c.reshape(shape), out)
             slab = self._slab_for(request)
             if slab is not None:
                 request = into_slab(request, slab)
             return result_array(request, self._call(request, timeout), shape, out, slab)
 
-    def _hand_over(
-        self, request: Gemm, shape: tuple[int, ...], out: Any, timeout: float | None
-    ) -> Any:  # fmt: skip
-        """``request`` with its operands and a new C handed to the emulator in this process
-        (``local``). C is always new: should the call time out, a device may still write
-        into it later, so it must be nobody's yet."""
-        c = np.empty((request.batch, request.m, request.n), request.dtype)
+    def conv(
+        self,
+        kind: str,
+        a: np.ndarray,
+        b: np.ndarray,
+        *,
+        input_shape: tuple[int, ...],
+        weight_shape: tuple[int, ...],
+        stride: Pair,
+        padding: Padding,
+        dilation: Pair,
+        groups: int,
+        host_ns: int | None = None,
+        timeout: float | None = None,
+    ) -> np.ndarray:
+        """A convolution's product ``kind`` of ``a`` and ``b``, computed by the fleet:
+        ``conv_request`` says what the arguments are and which array comes back (a new
+        one: the output, the input's gradient or the weight's gradient). ``host_ns``, as
+        in ``matmul``: the coordinator time since the last result (measured without it).
+
+        In the emulator's process the operands are handed over, not copied; elsewhere
+        they go as bytes (never through the slab). ValueError for arguments that do not
+        make a convolution; EmulatorError when the emulator refuses it."""
+        with self._call_lock:
+            request, shape = conv_request(
+                next(self._ids),
+                kind,
+                a,
+                b,
+                input_shape=input_shape,
+                weight_shape=weight_shape,
+                stride=stride,
+                padding=padding,
+                dilation=dilation,
+                groups=groups,
+                after=self._after,
+                host_ns=self.elapsed_ns() if host_ns is None else host_ns,
+            )
+            if self._local:
+                c = np.empty(shape, request.dtype)
+                self._hand_over(request, c, timeout)
+                return c
+            return product_array(request, self._call(request, timeout), shape)
+
+    def _hand_over(self, request: Gemm | Conv, c: np.ndarray, timeout: float | None) -> None:
+        """``request`` with its operands and C handed to the emulator in this process
+        (``local``), C written once it returns. C must be new: should the call time out,
+        a device may still write into it later, so it must be nobody's yet."""
         a, b = (seg.view(np.uint8) for seg in request.segments)
         key = (self._local, self.job_id, request.gemm)
         local.offer_gemm(key, local.JobOperands(a, b, c))
         try:
             self._call(handed_over(request), timeout)
-        except TimeoutError:  # sent: the emulator takes them when it reads the GEMM
+        except TimeoutError:  # sent: the emulator takes them when it reads the request
             raise
         except BaseException:  # perhaps never sent, or the emulator is gone
             local.take_gemm(key)
             raise
-        c = c.reshape(shape)
-        if out is None:
-            return c
-        np.copyto(out if isinstance(out, np.ndarray) else out.numpy(), c)
-        return out
 
-    def submit(self, request: Gemm, *, timeout: float | None = None) -> Result:
-        """Send an explicit GEMM request (its ``after``/``host_ns`` as the caller set
-        them) and wait for its RESULT."""
+    def submit(self, request: Gemm | Conv, *, timeout: float | None = None) -> Result:
+        """Send an explicit GEMM or CONV request (its ``after``/``host_ns`` as the caller
+        set them) and wait for its RESULT."""
         with self._call_lock:
             return self._call(request, timeout)
 
-    def _call(self, request: Gemm, timeout: float | None) -> Result:
+    def _call(self, request: Gemm | Conv, timeout: float | None) -> Result:
         self._send(request)
-        if request.slab_c != -1:
+        if isinstance(request, Gemm) and request.slab_c != -1:
             self._slab_busy = request.gemm
         while True:  # a RESULT for an abandoned (timed-out) request is dropped
             result = self._expect(Result, timeout)

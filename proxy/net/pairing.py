@@ -1,9 +1,9 @@
 """Two ends of one connection in one process, paired so some messages skip the socket.
 
 The embedded emulator and its fleet share a process and an event loop. Each end of such
-a connection says so (``offer``); once both have, they are partners, and a TILE or
-TILE_RESULT that carries no payload bytes (its operands and C were handed over as
-arrays, or lie in the operand arena) is handed to the other end on the loop instead of
+a connection says so (``offer``); once both have, they are partners, and a TILE (or
+CONV_TILE) or TILE_RESULT that carries no payload bytes (its operands and C were handed
+over as arrays, or lie in the operand arena) is handed to the other end on the loop instead of
 being encoded, written, read and decoded again. That round through the kernel's
 loopback was a fifth of an embedded training step (BENCHMARKS.md has the figures).
 Everything else, bytes included, still goes through the socket; the messages that skip
@@ -18,7 +18,7 @@ from typing import TypeVar, cast
 
 from morphling.proxy.wire.messages import Message, MsgType
 
-HANDED_OVER = frozenset({MsgType.TILE, MsgType.TILE_RESULT})
+HANDED_OVER = frozenset({MsgType.TILE, MsgType.CONV_TILE, MsgType.TILE_RESULT})
 
 Key = tuple[object, object]  # (this end's socket address, the other end's)
 End = TypeVar("End")
@@ -48,6 +48,6 @@ def withdraw(end: object, key: Key) -> None:
 
 
 def skips_socket(msg: Message) -> bool:
-    """A paired end hands ``msg`` over instead of sending it: a TILE or TILE_RESULT with
-    no payload bytes."""
+    """A paired end hands ``msg`` over instead of sending it: a TILE, CONV_TILE or
+    TILE_RESULT with no payload bytes."""
     return msg.TYPE in HANDED_OVER and not any(map(len, msg.segments))

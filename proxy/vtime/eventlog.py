@@ -49,7 +49,18 @@ STEP_TOTALS = ("tiles", "coord_s", "gemm_s", "bytes_down", "bytes_up", *COMPONEN
 COMPRESS_LEVEL = 1
 WRITE_BUFFER = 1 << 16  # bytes gathered before each compression call
 
+# What a tile's or a GEMM record's work was (``op``): a GEMM, or a convolution's product,
+# ``conv_op(kind)``. Logs written before convolutions have none: every record was a GEMM.
+GEMM_OP = "gemm"
+
+
+def conv_op(kind: str) -> str:
+    """The ``op`` of a convolution's records: ``conv_`` and its kind (``CONV_KINDS``)."""
+    return f"conv_{kind}"
+
+
 Stages = tuple[Span, Span, Span]  # a tile's down, compute and up
+TileHead = tuple[str, str]  # the start and the end of a request's tile records (``tile_head``)
 NicSpans = tuple[Span | None, Span | None]  # its down and up on the shared bottleneck
 
 
@@ -93,12 +104,14 @@ class Tile:
     temp_c: float | None
     nic_down: Span | None = None  # None: no bottleneck, or nothing crossed it
     nic_up: Span | None = None
+    op: str = GEMM_OP  # what the tile computed (a convolution's: ``conv_op``)
 
 
 @dataclass(frozen=True, slots=True)
 class Gemm:
     """One GEMM: issued at ``issue``, over when its tile ``last_tile`` (its critical tile,
-    on ``last_device``) is back. None for both: an empty GEMM, with no tiles."""
+    on ``last_device``) is back. None for both: an empty GEMM, with no tiles. A convolution
+    (``op``, ``conv_op``) is one too: ``m``, ``n``, ``k`` are its implicit GEMM's."""
 
     job: int
     gemm: int
@@ -112,6 +125,7 @@ class Gemm:
     n: int
     k: int
     batch: int
+    op: str = GEMM_OP
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,16 +281,17 @@ class EventLog:
         if self.steps:
             self._line(json.dumps(to_json(record), separators=(",", ":")))
 
-    def tile_head(self, job: int, gemm: int, step: int) -> str | None:
-        """The start of the records of a GEMM's tiles, for ``tile``: the fields they share;
-        None when their step keeps no tile records."""
+    def tile_head(self, job: int, gemm: int, step: int, op: str = GEMM_OP) -> TileHead | None:
+        """The start and the end of the records of a request's tiles, for ``tile``: the
+        fields they share; None when their step keeps no tile records."""
         if not self.detail(step):
             return None
-        return f'{{"ev":"tile","job":{job},"gemm":{gemm},"step":{step},'
+        end = "}" if op == GEMM_OP else f',"op":{json.dumps(op)}}}'
+        return f'{{"ev":"tile","job":{job},"gemm":{gemm},"step":{step},', end
 
     def tile(
         self,
-        head: str | None,
+        head: TileHead | None,
         seq: int,
         device: int,
         work: Work,
@@ -320,10 +335,10 @@ class EventLog:
         if nic_up is not None:
             shared += f',"nic_up":[{nic_up[0]!r},{nic_up[1]!r}]'
         self._line(
-            f'{head}"tile":{seq},"device":{device},"bytes_down":{work.bytes_down},'
+            f'{head[0]}"tile":{seq},"device":{device},"bytes_down":{work.bytes_down},'
             f'"bytes_up":{work.bytes_up},"down":[{down_start},{down_end}],'
             f'"compute":[{compute_start},{compute_end}],"up":[{up_start},{up1!r}],'
-            f'"freq_mhz":{mhz},"temp_c":{"null" if temp is None else repr(temp)}{shared}}}'
+            f'"freq_mhz":{mhz},"temp_c":{"null" if temp is None else repr(temp)}{shared}{head[1]}'
         )
 
     def coord(self, job: int, step: int, t0: float, t1: float) -> None:
@@ -342,6 +357,7 @@ class EventLog:
         tiles: int,
         last: tuple[int, int] | None,
         shape: tuple[int, int, int, int],
+        op: str = GEMM_OP,
     ) -> None:
         """A ``Gemm`` record, formatted by hand as ``tile``'s (one per GEMM): its issue and
         end, and the tile back last and its device (``last``; None for an empty GEMM)."""
@@ -353,7 +369,8 @@ class EventLog:
         self._line(
             f'{{"ev":"gemm","job":{job},"gemm":{gemm},"step":{step},"issue":{issue!r},'
             f'"end":{end!r},"tiles":{tiles},"last_tile":{last_tile},'
-            f'"last_device":{last_device},"m":{m},"n":{n},"k":{k},"batch":{batch}}}'
+            f'"last_device":{last_device},"m":{m},"n":{n},"k":{k},"batch":{batch}'
+            + ("}" if op == GEMM_OP else f',"op":{json.dumps(op)}}}')
         )
 
     def digest(self) -> str:

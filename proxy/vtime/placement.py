@@ -3,7 +3,8 @@
 A policy reads virtual-time state only (FIFO free times, tiles outstanding in
 virtual time, the device models), never which socket answered first, so the
 same script on the same fleet places every tile the same way on every run.
-Ties go to the lowest device id.
+Ties go to the lowest device id. A convolution tile goes only to a device that computes
+convolutions (``VirtualDevice.convolutions``); the policies choose among those.
 
 - ``round-robin`` cycles through the devices from where it last stopped;
 - ``load-balanced`` picks the fewest tiles outstanding;
@@ -17,6 +18,7 @@ Ties go to the lowest device id.
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
@@ -25,6 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .vdevice import VirtualDevice, Work
+from .work import ConvWork
 
 POLICIES = ("round-robin", "greedy", "load-balanced")
 
@@ -64,6 +67,7 @@ class Placement:
         self.policy = policy
         self.devices: list[VirtualDevice] = []
         self._ids: list[int] = []
+        self._conv_ids: list[int] = []  # those that compute convolutions
         self._kinds: dict[int, str] = {}  # device id → its profile, as a grouping key
         self._stale = True
         self._cursor = -1  # round-robin: the id of the device served last
@@ -73,6 +77,8 @@ class Placement:
         index = bisect.bisect(self._ids, device.id)
         self._ids.insert(index, device.id)
         self.devices.insert(index, device)
+        if device.convolutions:
+            bisect.insort(self._conv_ids, device.id)
         self._kinds[device.id] = repr(device.profile)
         self._stale, self._kept = True, None
 
@@ -81,10 +87,18 @@ class Placement:
         if self._kinds.pop(device_id, None) is not None:
             index = self._ids.index(device_id)
             del self._ids[index], self.devices[index]
+            if device_id in self._conv_ids:
+                self._conv_ids.remove(device_id)
             self._stale, self._kept = True, None
+
+    def can_place(self, conv: bool) -> bool:
+        """Whether some device can take a tile (a convolution's, ``conv``: one that computes
+        them)."""
+        return bool(self._conv_ids if conv else self._ids)
 
     def _rebuild(self) -> None:
         devices = self.devices
+        self._conv_mask = np.array([d.convolutions for d in devices], dtype=bool)
         kinds: dict[str, int] = {}
         self._groups = [kinds.setdefault(self._kinds[d.id], len(kinds)) for d in devices]
         self._group = np.array(self._groups, dtype=np.intp)
@@ -109,30 +123,38 @@ class Placement:
             kept.finish[index] = _finish(kept.now, kept.work, nominal, free, link, max)
 
     def choose(self, now: float, work: Work) -> int:
-        """The index (in ``devices``, non-empty) of the device for one tile."""
+        """The index (in ``devices``) of the device for one tile, which one can take
+        (``can_place``)."""
         kept = self._kept
         if kept is not None and kept.now == now and kept.work is work:
             return int(kept.finish.argmin())
         devices = self.devices
         if self._stale:
             self._rebuild()
+        # a convolution's tile, and some device cannot compute it: choose among the others
+        some = isinstance(work.shape, ConvWork) and len(self._conv_ids) < len(devices)
         if self.policy == "greedy":
-            return self._greedy(now, work) if len(devices) > 1 else 0  # one: nothing to choose
+            return self._greedy(now, work, some) if len(devices) > 1 else 0  # one: no choice
         if self.policy == "load-balanced":
-            counts = [d.outstanding(now) for d in devices]
+            counts = [
+                d.outstanding(now) if d.convolutions or not some else math.inf for d in devices
+            ]
             return counts.index(min(counts))
-        index = bisect.bisect_right(self._ids, self._cursor) % len(devices)
-        self._cursor = devices[index].id
-        return index
+        ids = self._conv_ids if some else self._ids
+        self._cursor = ids[bisect.bisect_right(ids, self._cursor) % len(ids)]
+        return bisect.bisect_left(self._ids, self._cursor)
 
-    def _greedy(self, now: float, work: Work) -> int:
-        """The earliest predicted finish; argmin keeps the first of equals (lowest id)."""
+    def _greedy(self, now: float, work: Work, some: bool) -> int:
+        """The earliest predicted finish (among the devices that compute convolutions, for
+        one's tile, ``some``); argmin keeps the first of equals (lowest id)."""
         for index in self._changed:
             self._free[index] = _free(self.devices[index])
         self._changed.clear()
         nominal = [d.nominal_s(work.shape) for d in self._models]
         nominals: Floats = np.array(nominal)[self._group]
         finish = _finish(now, work, nominals, self._free.T, self._link_columns, np.maximum)
+        if some:
+            finish = np.where(self._conv_mask, finish, np.inf)
         self._kept = _Predicted(now, work, nominal, finish)
         return int(finish.argmin())
 

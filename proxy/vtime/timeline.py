@@ -2,7 +2,8 @@
 
 A job issues GEMM g at job time t (the end of the GEMM it last waited on,
 plus the coordinator time the script spent since). At t every tile is placed
-on a device (``placement``) and charged to its emulated memory; it waits for
+on a device (``placement``; a convolution's, on one that computes them: until one
+has joined, the convolution waits) and charged to its emulated memory; it waits for
 and crosses the device's downlink (only the bytes not already resident),
 waits for and runs on its compute queue (the device's model at its thermal
 state), and crosses the uplink. The GEMM ends when its last tile is back,
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, NamedTuple, TypeVar
 
@@ -39,18 +40,20 @@ from morphling.devices.models.profiles import DeviceProfile
 from .engine import Clock, Fifo, Span
 from .eventlog import (
     COMPONENTS,
+    GEMM_OP,
     DeviceStep,
     EventLog,
     Freq,
     Oom,
     Stages,
     Step,
+    TileHead,
     critical_breakdown,
 )
 from .memory import Admission
 from .placement import Placement
 from .vdevice import VirtualDevice, Work
-from .work import GemmWork, Operand, TileWork
+from .work import ConvWork, GemmWork, Operand, TileWork
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +64,9 @@ T = TypeVar("T", bound=TileWork)  # the caller's tiles, handed back to it placed
 Placed = list[tuple[T, int, Admission]]  # tiles with their devices and admissions
 # What a tile's ``Work`` depends on (``Timeline._work``): its rows and columns, its operands'
 # leading dimensions as sent and their bytes, and its GEMM's k, transposes and dtype.
-_WorkKey = tuple[int, int, int, int, int, int, bool, bool, str]
+_GemmKey = tuple[int, int, int, int, int, int, bool, bool, str]
+# A convolution tile's depends on what it computes and its operands' bytes.
+_WorkKey = _GemmKey | tuple[ConvWork, int]
 
 
 @dataclass(frozen=True)
@@ -167,7 +172,7 @@ class _Back(NamedTuple, Generic[T]):
 class _Gemm(Generic[T]):
     job: _Job
     task: GemmWork
-    tiles: list[T]
+    tiles: Sequence[T]
     issue: float
     step: int
     place: Callable[[Placed[T]], None]
@@ -190,14 +195,18 @@ class Timeline(Generic[T]):
         self.devices: dict[int, VirtualDevice] = {}
         self.jobs: dict[int, _Job] = {}  # open ones
         self._names: dict[int, str] = {}  # every job ever opened
-        self._stalled: list[_Gemm[T]] = []  # issued while no device was there
+        self._stalled: list[_Gemm[T]] = []  # issued while no device could take them
         self._tiles = 0  # tiles placed so far: their numbers in the log
         self._works: dict[_WorkKey, Work] = {}  # see ``_work``
 
     # -- fleet and jobs ----------------------------------------------------------------
 
-    def add_device(self, device_id: int, name: str, profile: DeviceProfile) -> VirtualDevice:
-        device = self.devices[device_id] = VirtualDevice(device_id, name, profile)
+    def add_device(
+        self, device_id: int, name: str, profile: DeviceProfile, *, convolutions: bool = True
+    ) -> VirtualDevice:
+        """A device joins; ``convolutions``: it computes convolution tiles."""
+        device = VirtualDevice(device_id, name, profile, convolutions=convolutions)
+        self.devices[device_id] = device
         self.placement.add(device)
         stalled, self._stalled = self._stalled, []
         for gemm in stalled:
@@ -207,7 +216,7 @@ class Timeline(Generic[T]):
 
     @property
     def stalled(self) -> int:
-        """GEMMs issued while no device was there, waiting for one."""
+        """GEMMs issued while no device that can take their tiles was there, waiting."""
         return len(self._stalled)
 
     def remove_device(self, device_id: int) -> None:
@@ -233,7 +242,7 @@ class Timeline(Generic[T]):
         self,
         job_id: int,
         task: GemmWork,
-        tiles: list[T],
+        tiles: Sequence[T],
         *,
         after: int,
         host_s: float,
@@ -408,14 +417,14 @@ class Timeline(Generic[T]):
         if not gemm.tiles:
             self._finish(gemm, None)
             return
-        if not self.placement.devices:
+        placement, task = self.placement, gemm.task
+        if not placement.can_place(task.op != GEMM_OP):
             self._stalled.append(gemm)
             return
         now = self.clock.now
         times = self._step_of(gemm.job, now)
         times.gemms += 1
-        placement, task = self.placement, gemm.task
-        head = self.log.tile_head(gemm.job.id, task.id, gemm.step)
+        head = self.log.tile_head(gemm.job.id, task.id, gemm.step, task.op)
         placed: Placed[T] = []
         end: float | None = None  # of the tile back last (``_Back``)
         end_tile = end_device = 0
@@ -445,19 +454,24 @@ class Timeline(Generic[T]):
         gemm.place(placed)  # last: should it raise, the GEMM still ends in virtual time
 
     def _work(self, task: GemmWork, tile: TileWork, a: Operand, b: Operand) -> Work:
-        """What ``tile`` asks of a device. Tiles that agree on everything it depends on
-        share one, across GEMMs (``_works``): a run repeats few shapes, building a
-        ``GemmShape`` checks every field, and a device's model keeps its last one."""
-        g = task.request
-        rows, cols = tile.shape
-        key = (rows, cols, a.sent_ld, b.sent_ld, a.nbytes + b.nbytes, g.k, g.ta, g.tb, g.dtype)
+        """What ``tile`` asks of a device: its operands' bytes down, its output's up, and
+        what it computes. Tiles that agree on everything that depends on share one, across
+        requests (``_works``): a run repeats few shapes, building a ``GemmShape`` checks
+        every field, and a device's model keeps its last one."""
+        down, conv = a.nbytes + b.nbytes, tile.conv
+        key: _WorkKey
+        if conv is not None:
+            key = (conv, down)
+        else:
+            g = task.header
+            rows, cols = tile.shape
+            key = gemm = (rows, cols, a.sent_ld, b.sent_ld, down, g.k, g.ta, g.tb, g.dtype)
         work = self._works.get(key)
         if work is None:
             if len(self._works) >= WORKS_KEPT:
                 self._works.clear()
-            # k = 0 (C is zeros) is costed as k = 1: the models start at one product
-            shape = GemmShape(rows, cols, max(g.k, 1), g.ta, g.tb, key[2], key[3], g.dtype)
-            work = self._works[key] = Work(key[4], rows * cols * task.out.itemsize, shape)
+            shape = conv if conv is not None else _gemm_shape(gemm)
+            work = self._works[key] = Work(down, tile.out_bytes, shape)
         return work
 
     def _admit(
@@ -512,7 +526,12 @@ class Timeline(Generic[T]):
         return admission, work
 
     def _run(
-        self, now: float, device: VirtualDevice, head: str | None, work: Work, times: StepTimes
+        self,
+        now: float,
+        device: VirtualDevice,
+        head: TileHead | None,
+        work: Work,
+        times: StepTimes,
     ) -> Stages:
         """The tile's passage, logged (``head``: ``EventLog.tile_head``; when the log keeps
         its step's totals, added to its device's in ``times``): down the link (and the shared
@@ -553,10 +572,12 @@ class Timeline(Generic[T]):
     def _finish(self, gemm: _Gemm[T], last: _Back[T] | None) -> None:
         """The GEMM's last tile is back (``last``; None for an empty GEMM)."""
         now, job, task = self.clock.now, gemm.job, gemm.task
-        g = task.request
+        g = task.header
         back = None if last is None else (last.tile, last.device)
         shape = (g.m, g.n, g.k, g.batch)
-        self.log.gemm(job.id, task.id, gemm.step, gemm.issue, now, len(gemm.tiles), back, shape)
+        self.log.gemm(
+            job.id, task.id, gemm.step, gemm.issue, now, len(gemm.tiles), back, shape, task.op
+        )
         times = job.step  # its step: a step closes only once its GEMMs have ended
         if times is not None:
             times.gemm_s += now - gemm.issue
@@ -580,6 +601,13 @@ class Timeline(Generic[T]):
             barrier, job.barrier = job.barrier, []
             for action in barrier:
                 action(job.clock)
+
+
+def _gemm_shape(key: _GemmKey) -> GemmShape:
+    """A GEMM tile's shape from its ``_WorkKey``."""
+    rows, cols, lda, ldb, _, k, ta, tb, dtype = key
+    # k = 0 (C is zeros) is costed as k = 1: the models start at one product
+    return GemmShape(rows, cols, max(k, 1), ta, tb, lda, ldb, dtype)
 
 
 def _behind(shared: Span, link: Fifo, seconds: float, latency: float) -> Span:

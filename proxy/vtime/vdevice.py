@@ -19,24 +19,31 @@ from morphling.devices.models.thermal import ThermalParams, ThermalState
 
 from .engine import Fifo, Span
 from .memory import DeviceMemory
+from .work import ConvWork, conv_seconds
+
+Compute = GemmShape | ConvWork  # what a tile computes: a GEMM, or a convolution's product
 
 
 @dataclass(frozen=True, slots=True)
 class Work:
-    """What one tile asks of a device: bytes each way and the GEMM it computes."""
+    """What one tile asks of a device: bytes each way and what it computes."""
 
     bytes_down: int
     bytes_up: int
-    shape: GemmShape
+    shape: Compute
 
 
 class VirtualDevice:
-    """The emulated state of device ``id``; see the module docstring."""
+    """The emulated state of device ``id``; see the module docstring. ``convolutions``:
+    it computes convolution tiles (its agent said so, HELLO ``caps.conv``)."""
 
-    def __init__(self, id: int, name: str, profile: DeviceProfile) -> None:
+    def __init__(
+        self, id: int, name: str, profile: DeviceProfile, *, convolutions: bool = True
+    ) -> None:
         self.id = id
         self.name = name
         self.profile = profile
+        self.convolutions = convolutions
         self.compute_model = (
             ComputeModel.from_dict(profile.compute)
             if profile.compute
@@ -47,10 +54,10 @@ class VirtualDevice:
         self.down, self.compute, self.up = Fifo(), Fifo(), Fifo()
         self.memory = DeviceMemory(profile.memory_bytes)
         self._returns: deque[float] = deque()  # when its tiles come back, in order
-        self._nominal: dict[GemmShape, float] = {}
-        self._last: tuple[GemmShape | None, float] = (None, 0.0)  # the last shape asked
+        self._nominal: dict[Compute, float] = {}
+        self._last: tuple[Compute | None, float] = (None, 0.0)  # the last shape asked
 
-    def nominal_s(self, shape: GemmShape) -> float:
+    def nominal_s(self, shape: Compute) -> float:
         """Seconds for ``shape`` at the top frequency (cached: a GEMM repeats few shapes).
 
         Tiles come in runs that share one shape object, so that is checked first, by
@@ -62,7 +69,12 @@ class VirtualDevice:
         if seconds is None:
             if len(self._nominal) > 4096:
                 self._nominal.clear()
-            seconds = self._nominal[shape] = self.compute_model.predict_s(shape)
+            model = self.compute_model
+            seconds = self._nominal[shape] = (
+                model.predict_s(shape)
+                if isinstance(shape, GemmShape)
+                else conv_seconds(model, shape)
+            )
         self._last = (shape, seconds)
         return seconds
 
@@ -90,7 +102,7 @@ class VirtualDevice:
         return len(returns)
 
     def compute_after(
-        self, arrival: float, shape: GemmShape
+        self, arrival: float, shape: Compute
     ) -> tuple[Span, float | None, float | None]:
         """Queue ``shape`` on the compute FIFO once its operands arrive: (start, end), and
         the MHz and °C it starts at (None without a thermal model, which it heats)."""

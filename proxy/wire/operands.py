@@ -16,6 +16,7 @@ fields themselves are ``messages``'s (docs/PROTOCOL.md); nothing here does I/O.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from enum import Enum
 from typing import Any, NamedTuple, TypedDict
@@ -214,12 +215,13 @@ def _tile_operand(
     return in_frame(checked) if memoryview(segment).nbytes else in_weights(checked)
 
 
-def check_tile_result(msg: TileResult, c: Location, rows: int, cols: int, itemsize: int) -> None:
-    """``OperandError`` unless the TILE_RESULT carries C as its TILE asked: in place (``c``
-    not in the frame: ``in_place`` set, the segment empty), else ``rows × cols`` elements."""
+def check_tile_result(msg: TileResult, c: Location, shape: Sequence[int], itemsize: int) -> None:
+    """``OperandError`` unless the TILE_RESULT carries C as its TILE (or CONV_TILE) asked:
+    in place (``c`` not in the frame: ``in_place`` set, the segment empty), else the
+    elements of ``shape``."""
     nbytes = memoryview(msg.segments[0]).nbytes
-    if msg.in_place != c.in_place or nbytes != (0 if c.in_place else rows * cols * itemsize):
-        asked = "in place" if c.in_place else f"{rows}×{cols}×{itemsize} bytes"
+    if msg.in_place != c.in_place or nbytes != (0 if c.in_place else math.prod(shape) * itemsize):
+        asked = "in place" if c.in_place else "×".join(map(str, [*shape, itemsize])) + " bytes"
         raise OperandError(
             f"TILE_RESULT {msg.tile}: {nbytes} bytes, in_place={msg.in_place}; expected {asked}"
         )

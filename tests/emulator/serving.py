@@ -205,7 +205,8 @@ def rss_bytes() -> int:
 
 
 class GatedCpuBackend(CpuBackend):
-    """A real CPU backend that starts each GEMM only once ``gate`` is set."""
+    """A real CPU backend that starts each GEMM (or convolution tile) only once ``gate`` is
+    set."""
 
     def __init__(self, gate: threading.Event) -> None:
         super().__init__(1)
@@ -214,6 +215,10 @@ class GatedCpuBackend(CpuBackend):
     def run(self, plan: Any) -> None:
         self.gate.wait(30)
         super().run(plan)
+
+    def call(self, fn: Any) -> Any:
+        self.gate.wait(30)
+        return super().call(fn)
 
 
 def make_operand(

@@ -145,6 +145,32 @@ async def test_futures_complete_on_the_loop_and_errors_propagate():
             pool.submit(np.ones((2, 3)), np.ones((2, 3)))  # raised at submit, not later
 
 
+async def test_host_functions_run_on_the_workers_timed_like_gemms():
+    """``submit_call`` runs a function on a worker's thread (not the loop's): its value is
+    the result's ``out``, its run time ``compute_ns``, and what it raises the awaiter's; the
+    worker counts it as it counts a GEMM."""
+    loop_thread = threading.get_ident()
+    with WorkerPool([CpuBackend(1)]) as pool:
+        ran_on = []
+
+        def product() -> np.ndarray:
+            ran_on.append(threading.get_ident())
+            return np.full((3, 3), 7.0)
+
+        res = await pool.submit_call(product)
+        np.testing.assert_array_equal(res.out, np.full((3, 3), 7.0))
+        assert res.compute_ns > 0 and res.kind == "cpu"
+        assert ran_on and ran_on[0] != loop_thread
+
+        def broken() -> None:
+            raise ValueError("w: kernel 3x3 does not match")
+
+        with pytest.raises(ValueError, match="kernel 3x3"):
+            await pool.submit_call(broken)
+        [stats] = pool.stats()
+        assert (stats.outstanding, stats.completed) == (0, 2)
+
+
 async def test_explicit_plans_on_leases():
     pool_mem = BufferPool()
     rng = np.random.default_rng(3)

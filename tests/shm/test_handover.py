@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from morphling.devices.agent import DeviceAgent
 from morphling.devices.models.profiles import BUILTIN
-from morphling.kernels import BufferPool, CpuBackend, WorkerPool
+from morphling.kernels import BufferPool, ConvGeometry, CpuBackend, WorkerPool, conv_forward
 from morphling.proxy.emulator.server import Emulator
 from morphling.proxy.job.client import Client
 from morphling.proxy.net import pairing
@@ -204,6 +204,35 @@ async def test_paired_ends_hand_tiles_and_results_over_on_the_loop(emulator, wor
         await asyncio.sleep(0.01)
     assert ends[1].partner is None and device_end.partner is None
     assert ends[1]._pairing not in pairing._offers and device_end._pairing not in pairing._offers
+
+
+async def test_paired_ends_hand_convolution_tiles_over_on_the_loop(emulator, workers, encoded):
+    """A convolution in the emulator's process: the job hands its operands and product
+    over, each device its tile's views; CONV_TILE and TILE_RESULT skip the socket, and the
+    product is the whole convolution's."""
+    host, port, _, _ = await emulator(workers, workers)
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((2, 6, 30, 20)).astype(np.float32)
+    w = rng.standard_normal((6, 3, 3, 3)).astype(np.float32)
+    geom = ConvGeometry((3, 3), (2, 1), (1, 1), (1, 1, 2, 0), groups=2)
+    shapes = {
+        "input_shape": x.shape,
+        "weight_shape": w.shape,
+        "stride": geom.stride,
+        "padding": geom.padding,
+        "dilation": geom.dilation,
+        "groups": 2,
+    }
+
+    def convolve() -> np.ndarray:
+        with Client(host, port, block=8) as client:
+            return client.conv("forward", x, w, **shapes)
+
+    encoded.clear()
+    y = await asyncio.to_thread(convolve)
+    np.testing.assert_allclose(y, conv_forward(x, w, geom), rtol=1e-5, atol=1e-5)
+    assert MsgType.CONV in encoded  # the request: headers only
+    assert MsgType.CONV_TILE not in encoded and MsgType.TILE_RESULT not in encoded, encoded
 
 
 async def test_tiles_with_bytes_still_cross_the_socket(emulator, workers, encoded):

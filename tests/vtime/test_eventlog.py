@@ -22,6 +22,7 @@ from morphling.proxy.vtime.eventlog import (
     RUN_FILE,
     RUN_FORMAT,
     EventLog,
+    Gemm,
     Record,
     Tile,
     open_event_file,
@@ -29,7 +30,16 @@ from morphling.proxy.vtime.eventlog import (
 )
 from morphling.proxy.vtime.timeline import Bottleneck, Timeline
 from morphling.proxy.vtime.vdevice import Work
-from timeline_driver import Recorder, new_timeline, profile, records, submit, sustained, task
+from timeline_driver import (
+    Recorder,
+    conv_task,
+    new_timeline,
+    profile,
+    records,
+    submit,
+    sustained,
+    task,
+)
 
 
 def test_tile_records_are_what_write_would_give():
@@ -57,6 +67,26 @@ def test_tile_records_are_what_write_would_give():
         written.write(record)
     assert sink.getvalue() == reference.getvalue()
     assert log.digest() == written.digest() and log.count == len(calls)
+
+
+def test_records_say_which_product_they_were_and_old_lines_were_gemms():
+    """A convolution's tile and GEMM records carry its ``op``, formatted by hand exactly as
+    ``write`` gives it; a GEMM's carry none, and a line without one (every run before
+    convolutions) reads back as a GEMM's."""
+    span = ((0.25, 0.5), (0.5, 0.75), (0.75, 1.0))
+    work = Work(300, 40, GemmShape(10, 10, 10, False, False, 10, 10, "float32"))
+    sink, reference = io.BytesIO(), io.BytesIO()
+    log, written = EventLog(sink), EventLog(reference)
+    for op in ("conv_grad_input", "gemm"):
+        log.tile(log.tile_head(1, 7, 1, op), 3, 0, work, span, (None, None), (None, span[2]))
+        written.write(Tile(1, 7, 1, 3, 0, 300, 40, *span, None, None, None, span[2], op=op))
+        log.gemm(1, 7, 1, 0.25, 1.0, 1, (3, 0), (8, 512, 72, 1), op)
+        written.write(Gemm(1, 7, 1, 0.25, 1.0, 1, 3, 0, 8, 512, 72, 1, op=op))
+    assert sink.getvalue() == reference.getvalue()
+    conv_tile, conv_gemm, gemm_tile, gemm_gemm = map(json.loads, sink.getvalue().splitlines())
+    assert conv_tile["op"] == conv_gemm["op"] == "conv_grad_input"
+    assert "op" not in gemm_tile and "op" not in gemm_gemm
+    assert parse(Tile, gemm_tile).op == parse(Gemm, gemm_gemm).op == "gemm"
 
 
 def test_every_record_of_a_run_is_what_write_would_give():
@@ -184,6 +214,14 @@ def test_the_report_reads_back_what_the_timeline_wrote(tmp_path):
     mark(1, 1, host_s=0.25)
     submit(tl, recorders[1], 1, task(2, 100, 100, 100), block=256, host_s=1 / 3)
     submit(tl, recorders[2], 2, task(2, 300, 500, 200), block=128, after=1, host_s=0.02)
+    submit(
+        tl,
+        recorders[2],
+        2,
+        conv_task(3, "forward", (2, 8, 12, 12), (8, 4, 3, 3), groups=2),
+        block=8,
+        after=2,
+    )
     mark(2, 1, host_s=0.0)
     mark(1, 2, host_s=0.0)
     for job in recorders:

@@ -1,5 +1,6 @@
-"""Driving a ``Timeline`` by hand, as the emulator does: device profiles, GEMM tasks from
-the emulator's partition, and a recorder of what the timeline hands back."""
+"""Driving a ``Timeline`` by hand, as the emulator does: device profiles, GEMM and
+convolution tasks from the emulator's partition, and a recorder of what the timeline hands
+back."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ import json
 
 import numpy as np
 from morphling.devices.models.profiles import DeviceProfile
+from morphling.proxy.emulator.conv_partition import ConvTask, make_conv_task
 from morphling.proxy.emulator.partition import GemmTask, make_task
 from morphling.proxy.vtime.eventlog import EventLog
 from morphling.proxy.vtime.timeline import Timeline
-from morphling.proxy.wire.messages import Gemm
+from morphling.proxy.wire.messages import Conv, Gemm
 
 MB = 1e6
 
@@ -84,15 +86,57 @@ def sustained(gemm: int, batch: int) -> GemmTask:
     )
 
 
+def conv_task(
+    gemm: int,
+    kind: str,
+    input_shape: tuple[int, int, int, int],
+    weight_shape: tuple[int, int, int, int],
+    *,
+    stride: tuple[int, int] = (1, 1),
+    padding: tuple[int, int, int, int] = (1, 1, 1, 1),
+    groups: int = 1,
+) -> ConvTask:
+    """A convolution's product ``kind`` over operands of ones."""
+    n, _, h, w = input_shape
+    oh = (h + padding[0] + padding[1] - weight_shape[2]) // stride[0] + 1
+    ow = (w + padding[2] + padding[3] - weight_shape[3]) // stride[1] + 1
+    shapes = {
+        "input": input_shape,
+        "weight": weight_shape,
+        "grad_output": (n, weight_shape[0], oh, ow),
+    }
+    first, second = {
+        "forward": ("input", "weight"),
+        "grad_input": ("grad_output", "weight"),
+        "grad_weight": ("input", "grad_output"),
+    }[kind]
+    a, b = (np.ones(shapes[name], np.float32).reshape(-1) for name in (first, second))
+    request = Conv(
+        gemm=gemm,
+        kind=kind,
+        dtype="float32",
+        input=list(input_shape),
+        weight=list(weight_shape),
+        stride=list(stride),
+        dilation=[1, 1],
+        padding=list(padding),
+        groups=groups,
+        segments=(a, b),
+    )
+    return make_conv_task(request)
+
+
 class Recorder:
     """Collects what the timeline hands out: placements and GEMM ends."""
 
     def __init__(self) -> None:
         self.placed: list[tuple[int, int]] = []  # (tile id, device id)
+        self.tiles: list = []  # the tiles themselves, in placement order
         self.ended: dict[int, tuple[float, float]] = {}
 
     def place(self, placed):
         self.placed.extend((tile.id, device) for tile, device, _ in placed)
+        self.tiles.extend(tile for tile, _, _ in placed)
 
     def done_for(self, gemm_id: int):
         return lambda issue, end: self.ended.__setitem__(gemm_id, (issue, end))
@@ -102,15 +146,14 @@ def submit(
     tl: Timeline,
     rec: Recorder,
     job: int,
-    t: GemmTask,
+    t: GemmTask | ConvTask,
     block: int,
     *,
     after: int = 0,
     host_s: float = 0.0,
 ) -> None:
-    tl.submit(
-        job, t, t.tiles(block), after=after, host_s=host_s, place=rec.place, done=rec.done_for(t.id)
-    )
+    tiles = t.tiles(block) if isinstance(t, GemmTask) else t.tiles(block, 1 << 20)
+    tl.submit(job, t, tiles, after=after, host_s=host_s, place=rec.place, done=rec.done_for(t.id))
 
 
 def records(sink: io.BytesIO, kind: str) -> list[dict]:

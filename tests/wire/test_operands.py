@@ -215,8 +215,8 @@ def test_a_tile_result_must_carry_c_as_its_tile_asked(c, in_place, nbytes, refus
     result = TileResult(tile=9, compute_ns=1, in_place=in_place, segments=(bytes(nbytes),))
     result = through_the_wire(result)
     if not refused:
-        check_tile_result(result, c, 4, 3, 4)
+        check_tile_result(result, c, (4, 3), 4)
         return
     with pytest.raises(OperandError) as info:
-        check_tile_result(result, c, 4, 3, 4)
+        check_tile_result(result, c, (4, 3), 4)
     assert refused in str(info.value)
