@@ -55,7 +55,7 @@ class Training:
 
 NATIVE = None  # as flags: run the script with plain python
 EMBEDDED = ("--embedded", "--devices", "4", "--min-flops", "0")
-TRAIN_SCRIPTS = ["train_opt.py", "train_gpt2.py", "train_sdpa.py"]
+TRAIN_SCRIPTS = ["train_opt.py", "train_gpt2.py", "train_sdpa.py", "train_trainer.py"]
 # Issue 21: a ResNet, a MobileNetV2 and a 1-D convolutional net (trained on demand).
 CONV_SCRIPTS = ["train_resnet.py", "train_mobilenet.py", "train_conv1d.py"]
 Run = tuple[str, tuple[str, ...] | None]  # (script, morphling run flags or NATIVE)
@@ -183,11 +183,13 @@ def test_opt_every_gemm_reaches_the_fleet(trainings: Trainings) -> None:
     assert report["gemms_local"] == {}
 
 
-def test_gpt2_conv1d_reaches_the_fleet(trainings: Trainings) -> None:
+@pytest.mark.parametrize("script", ["train_gpt2.py", "train_trainer.py"])
+def test_gpt2_conv1d_reaches_the_fleet(trainings: Trainings, script: str) -> None:
     """GPT-2: per layer c_attn, c_proj, c_fc, mlp c_proj Conv1D (addmm on a [in, out]
-    weight) and one attention; then the LM head. Every one of them must go remote."""
+    weight) and one attention; then the LM head. Every one of them must go remote, also
+    when Hugging Face's Trainer (accelerate's optimizer wrapper) runs the steps."""
     layers = load_config("gpt2-tiny")["n_layer"]
-    report = trainings.get(("train_gpt2.py", EMBEDDED))[0].report
+    report = trainings.get((script, EMBEDDED))[0].report
     assert report is not None
     assert report["gemms_local"] == {}
     expected = gemms_per_step(4 * layers + 1, layers)
