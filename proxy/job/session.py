@@ -1,4 +1,5 @@
-"""The job runtime: a PyTorch program's GEMMs computed by an emulated fleet.
+"""The job runtime: a PyTorch program's GEMMs and convolutions computed by an emulated
+fleet.
 
 ``emulate()`` is the library form of ``morphling run``::
 
@@ -7,12 +8,12 @@
     print(session.table())
 
 Inside, every eligible GEMM and convolution (see ``intercept``) goes to the
-emulator over a blocking socket; attention uses PyTorch's math backend so that its GEMMs are
-visible; each optimizer step closes a *step* whose report says how long it
-would have taken on the fleet: the emulator's virtual timeline places every
-GEMM after the coordinator time the script spent on the host since the last
-one (measured, or modelled: see ``coordinator``), and the step ends where
-its last GEMM and the optimizer's work after it end.
+emulator over a blocking socket; attention uses PyTorch's math backend so that
+its GEMMs are visible; each optimizer step closes a *step* whose report says
+how long it would have taken on the fleet: the emulator's virtual timeline
+places every GEMM (or convolution) after the coordinator time the script spent
+on the host since the last one (measured, or modelled: see ``coordinator``),
+and the step ends where its last one and the optimizer's work after it end.
 """
 
 from __future__ import annotations
@@ -258,7 +259,7 @@ class Session:
 
 
 def _by_reason(counts: ProductCounts) -> str:
-    """Products kept local, by reason: "3 small, 1 dtype float16" (or "none")."""
+    """Products kept local, by reason: "1 dtype float16, 3 small" (or "none")."""
     return ", ".join(f"{n} {why}" for why, n in sorted(counts.local.items())) or "none"
 
 
