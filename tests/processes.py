@@ -7,6 +7,7 @@ fixture's finalizer, in conftest.py) stops every child.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 import subprocess
@@ -14,6 +15,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -42,6 +44,20 @@ def python(
 ) -> subprocess.CompletedProcess[str]:
     """The same command run natively, as the reference."""
     return _child([sys.executable, *map(str, args)], cwd, env)
+
+
+def load_script(name: str) -> ModuleType:
+    """A training script as a module (its ``main`` does not run): for its constants and
+    its ``build``."""
+    spec = importlib.util.spec_from_file_location(Path(name).stem, SCRIPTS / name)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(SCRIPTS))  # as when run: its directory first, for _training
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    return module
 
 
 def succeeded(proc: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:

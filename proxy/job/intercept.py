@@ -1,32 +1,43 @@
-"""Catch a PyTorch program's GEMMs at the aten level and send them to the fleet.
+"""Catch a PyTorch program's GEMMs and convolutions at the aten level and send them to
+the fleet.
 
-``GemmInterceptor`` works below autograd, so it sees the GEMMs of the forward
-*and* the backward pass after PyTorch has decomposed ``matmul``, ``linear``,
-``nn.Linear`` and GPT-2's ``Conv1D`` into ``mm``, ``addmm``, ``bmm`` and
-``baddbmm``. Fused attention is not a GEMM here: the job runtime selects
-PyTorch's math attention backend, whose decomposition is two ``bmm`` forward
-and four backward, so attention reaches the devices too.
+``Interceptor`` works below autograd, so it sees the products of the forward
+*and* the backward pass after PyTorch has decomposed them. ``matmul``,
+``linear``, ``nn.Linear`` and GPT-2's ``Conv1D`` become ``mm``, ``addmm``,
+``bmm`` and ``baddbmm``. Fused attention is not a GEMM here: the job runtime
+selects PyTorch's math attention backend, whose decomposition is two ``bmm``
+forward and four backward, so attention reaches the devices too. Every
+convolution (``conv1d``, ``conv2d``, ``nn.Conv*``, transposed or not) becomes
+``aten.convolution``, a thin wrapper of ``aten._convolution`` (which autograd's
+double backward also calls directly), and autograd computes its gradients with
+one ``aten.convolution_backward`` (the products its ``output_mask`` asks for:
+input gradient, weight gradient, bias gradient).
 
-It has two ways in. By default it replaces the CPU kernels of those four ops
+It has two ways in. By default it replaces the CPU kernels of ``mm``,
+``addmm``, ``bmm``, ``baddbmm``, ``_convolution`` and ``convolution_backward``
 (``torch.library``, process-wide while active; the original kernel computes
-what stays local), so only GEMMs enter Python and every other op runs at
-native speed: the wall time the script spends between GEMMs, the measured
-coordinator time, is then the script's own. A ``TorchDispatchMode`` routes
-every aten op through Python instead (a few microseconds per op, a sizeable
-share of a small model's step); that is the price of
-counting every op, paid only when a ``HostWork`` is given (modelled
-coordinator time, which does not read the clock).
+what stays local), so only GEMMs and convolutions enter Python and every other
+op runs at native speed: the wall time the script spends between them, the
+measured coordinator time, is then the script's own. A ``TorchDispatchMode``
+routes every aten op through Python instead (a few microseconds per op, a
+sizeable share of a small model's step); that is the price of counting every
+op, paid only when a ``HostWork`` is given (modelled coordinator time, which
+does not read the clock).
 
-A GEMM goes to the fleet when it is worth it and the kernels can compute it
-(float32/float64 CPU tensors, at least ``min_flops``); everything else runs
-locally and is counted with the reason. Operands go as they are laid out
-(transposed views included); only a layout BLAS cannot read (a broadcast
-with stride 0, say) is copied first, and that is counted too. This module
-does no I/O: it calls ``remote(a, b)`` and adds the bias terms itself.
+A GEMM or a convolution goes to the fleet when it is worth it and the kernels
+can compute it (float32/float64 CPU tensors, at least ``min_flops``; for a
+convolution, 1-D or 2-D and not transposed); everything else runs locally and
+is counted with the reason. GEMM operands go as they are laid out (transposed
+views included); only a layout BLAS cannot read (a broadcast with stride 0,
+say) is copied first, and that is counted too. Convolution operands go
+NCHW-contiguous: any other layout (channels_last, a slice, an expanded
+gradient) is copied and counted. This module does no I/O: it calls
+``remote(a, b)`` and ``remote_conv(kind, a, b, call)``, and adds the bias terms
+(and sums the bias gradient) itself.
 
 Given a ``HostWork``, it also counts the work that stays on the host (every
-other aten op, the bytes it writes, local GEMMs' FLOPs): what the modelled
-coordinator time is made of.
+other aten op, the bytes it writes, the FLOPs of local GEMMs and convolutions):
+what the modelled coordinator time is made of.
 """
 
 from __future__ import annotations
@@ -46,6 +57,7 @@ from morphling.kernels import LayoutError, blas_operand
 from morphling.proxy.wire.messages import GEMM_DTYPES
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .conv import ConvCall, conv_call, laid_out_like
 from .coordinator import HostWork
 
 aten = torch.ops.aten
@@ -63,22 +75,26 @@ def _in_forked_child() -> None:
 os.register_at_fork(after_in_child=_in_forked_child)
 
 Remote = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# kind ("forward", "grad_input", "grad_weight"), its two NCHW-contiguous operands, the call
+RemoteConv = Callable[[str, torch.Tensor, torch.Tensor, ConvCall], torch.Tensor]
 
 
 @dataclass
-class GemmCounts:
-    """What the interceptor did, for per-step reports."""
+class ProductCounts:
+    """What the interceptor did with one kind of product (GEMMs, or convolutions: each
+    of a convolution's forward, input-gradient and weight-gradient products is one), for
+    per-step reports."""
 
     remote: int = 0
     remote_flops: int = 0
-    copied: int = 0  # remote GEMMs whose operand had to be made BLAS-readable first
+    copied: int = 0  # remote products whose operand had to be laid out anew first
     local: collections.Counter = field(default_factory=collections.Counter)  # by reason
 
-    def snapshot(self) -> GemmCounts:
-        return GemmCounts(self.remote, self.remote_flops, self.copied, self.local.copy())
+    def snapshot(self) -> ProductCounts:
+        return ProductCounts(self.remote, self.remote_flops, self.copied, self.local.copy())
 
-    def since(self, earlier: GemmCounts) -> GemmCounts:
-        return GemmCounts(
+    def since(self, earlier: ProductCounts) -> ProductCounts:
+        return ProductCounts(
             self.remote - earlier.remote,
             self.remote_flops - earlier.remote_flops,
             self.copied - earlier.copied,
@@ -86,36 +102,51 @@ class GemmCounts:
         )
 
 
-class GemmInterceptor:
-    """Route eligible ``mm``/``addmm``/``bmm``/``baddbmm`` calls to ``remote`` while
-    active (a context manager); with ``host_work``, count every other op in it.
+class Interceptor:
+    """Route eligible ``mm``/``addmm``/``bmm``/``baddbmm`` calls to ``remote`` and
+    eligible convolution products to ``remote_conv`` while active (a context manager);
+    with ``host_work``, count every other op in it.
 
-    ``remote`` must not compute a GEMM with torch: it would come back here.
+    ``remote`` and ``remote_conv`` must not compute with torch: it would come back here.
     """
 
     def __init__(
-        self, remote: Remote, *, min_flops: int = 0, host_work: HostWork | None = None
-    ) -> None:
+        self, remote: Remote, remote_conv: RemoteConv, *, min_flops: int = 0,
+        host_work: HostWork | None = None,
+    ) -> None:  # fmt: skip
         self.remote = remote
+        self.remote_conv = remote_conv
         self.min_flops = min_flops
         self.host_work = host_work
-        self.counts = GemmCounts()
-        self._handlers: dict[Any, Callable[..., torch.Tensor]] = {  # each with its rank
+        self.counts = ProductCounts()  # GEMMs
+        self.conv_counts = ProductCounts()
+        self._handlers: dict[Any, Callable[..., Any]] = {  # each GEMM's with its rank
             aten.mm.default: functools.partial(self._mm, 2),
             aten.bmm.default: functools.partial(self._mm, 3),
             aten.addmm.default: functools.partial(self._addmm, 2),
             aten.baddbmm.default: functools.partial(self._addmm, 3),
+            aten._convolution.default: self._convolution,
+            aten.convolution_backward.default: self._convolution_backward,
         }
+        # Under the counting mode, aten.convolution itself: its kernel, which calls
+        # _convolution (a thin wrapper: it adds backend flags), then runs with the mode off.
+        self._counted = {**self._handlers, aten.convolution.default: self._convolution}
         self._active: contextlib.ExitStack | None = None
-        # Where the script's own time between fleet GEMMs ends and starts again (kernel way
-        # in only; perf_counter_ns): when the latest GEMM reached the interceptor, and when
-        # the latest fleet GEMM went back to the script, result, alpha and bias applied.
+        # Where the script's own time between fleet products ends and starts again (kernel
+        # way in only; perf_counter_ns): when the latest product reached the interceptor,
+        # and when the latest fleet product went back to the script, result, alpha and
+        # bias applied.
         self.entered_ns = 0
         self.returned_ns = 0
 
-    def __enter__(self) -> GemmInterceptor:
+    @property
+    def sent(self) -> int:
+        """Products sent to the fleet so far, GEMMs and convolutions."""
+        return self.counts.remote + self.conv_counts.remote
+
+    def __enter__(self) -> Interceptor:
         if self._active is not None:
-            raise RuntimeError("this GemmInterceptor is already active")
+            raise RuntimeError("this Interceptor is already active")
         with contextlib.ExitStack() as stack:
             if self.host_work is None:
                 stack.callback(self._kernels()._destroy)  # torch's own scoped form does this
@@ -130,8 +161,8 @@ class GemmInterceptor:
             active.close()
 
     def _kernels(self) -> torch.library.Library:
-        """CPU kernels of the GEMM ops that call the handlers, each handler given the
-        original kernel (``torch.library.get_kernel``) for what stays local."""
+        """CPU kernels of the intercepted ops that call the handlers, each handler given
+        the original kernel (``torch.library.get_kernel``) for what stays local."""
         originals = {op: torch.library.get_kernel(op, "CPU") for op in self._handlers}
         library = torch.library.Library("aten", "IMPL")
         with warnings.catch_warnings():  # "Overriding a previously registered kernel": meant
@@ -140,26 +171,26 @@ class GemmInterceptor:
                 library.impl(op, self._kernel(handler, originals[op]), "CPU", with_keyset=True)
         return library
 
-    def _kernel(self, handler: Callable[..., torch.Tensor], original: Any) -> Callable[..., Any]:
+    def _kernel(self, handler: Callable[..., Any], original: Any) -> Callable[..., Any]:
         """A boxed CPU kernel (``with_keyset``) that hands ``handler`` the original one and
         stamps ``entered_ns`` and ``returned_ns``."""
 
-        def kernel(keyset: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
             if _forked:
                 return original.call_boxed(keyset, *args, **kwargs)
             self.entered_ns = time.perf_counter_ns()
-            remote = self.counts.remote
+            sent = self.sent
             out = handler(functools.partial(original.call_boxed, keyset), *args, **kwargs)
-            if self.counts.remote != remote:
+            if self.sent != sent:
                 self.returned_ns = time.perf_counter_ns()
             return out
 
         return kernel
 
     def dispatch(self, func: Any, args: tuple, kwargs: dict[str, Any], work: HostWork) -> Any:
-        """One aten op under ``_CountingMode``: a GEMM to its handler, the rest run and
-        counted in ``work`` (the host's)."""
-        handler = self._handlers.get(func)
+        """One aten op under ``_CountingMode``: a GEMM or a convolution to its handler, the
+        rest run and counted in ``work`` (the host's)."""
+        handler = self._counted.get(func)
         if handler is not None and not _forked:
             return handler(func, *args, **kwargs)
         out = func(*args, **kwargs)
@@ -170,7 +201,8 @@ class GemmInterceptor:
         return out
 
     # -- handlers: ``func`` computes the op locally; torch ops in them do not come back
-    # here (the mode is off inside them; a kernel's own ops are not GEMMs) ---------------
+    # here (the mode is off inside them; a kernel's own ops are neither GEMMs nor
+    # convolutions) ------------------------------------------------------------------------
 
     def _mm(self, rank: int, func: Any, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         if _well_formed(rank, a, b) and self._eligible(a, b):
@@ -196,27 +228,26 @@ class GemmInterceptor:
         return ab.add_(c if beta == 1 else c * beta)
 
     def _eligible(self, a: torch.Tensor, b: torch.Tensor) -> bool:
-        reason = self._local_reason(a, b)
+        flops = 2 * a.numel() * b.shape[-1]
+        reason = _operands_reason(a, b)
+        if reason is None and (a.numel() == 0 or b.numel() == 0):
+            reason = "empty"
+        return self._goes_remote(self.counts, reason or self._size_reason(flops), flops)
+
+    def _size_reason(self, flops: int) -> str | None:
+        return "small" if flops < self.min_flops else None
+
+    def _goes_remote(
+        self, counts: ProductCounts, reason: str | None, flops: int, products: int = 1
+    ) -> bool:
+        """True without a ``reason`` to stay local; else False, ``products`` counted local."""
         if reason is None:
             return True
-        self.counts.local[reason] += 1
+        counts.local[reason] += products
         if self.host_work is not None:
             self.host_work.ops += 1
-            self.host_work.flops += 2 * a.numel() * b.shape[-1]
+            self.host_work.flops += products * flops
         return False
-
-    def _local_reason(self, a: torch.Tensor, b: torch.Tensor) -> str | None:
-        if a.device.type != "cpu" or b.device.type != "cpu":
-            return "device"
-        if type(a) not in _PLAIN or type(b) not in _PLAIN:
-            return "tensor subclass"
-        if a.dtype not in REMOTE_DTYPES or b.dtype != a.dtype:
-            return f"dtype {a.dtype}".replace("torch.", "")
-        if a.numel() == 0 or b.numel() == 0:
-            return "empty"
-        if 2 * a.numel() * b.shape[-1] < self.min_flops:
-            return "small"
-        return None
 
     def _product(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         self.counts.remote += 1
@@ -234,6 +265,114 @@ class GemmInterceptor:
             return x.contiguous()
         return x
 
+    def _convolution(
+        self, func: Any, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
+        stride: list[int], padding: list[int], dilation: list[int], transposed: bool,
+        output_padding: list[int], groups: int, *flags: bool,
+    ) -> torch.Tensor:  # fmt: skip
+        """The forward product, plus the bias (added here: the fleet computes none).
+        ``output_padding`` only shapes a transposed convolution, which stays local;
+        ``_convolution``'s ``flags`` only choose among GPU backends."""
+        args = (x, w, bias, stride, padding, dilation, transposed, output_padding, groups, *flags)
+        call = self._conv_route(x, w, (stride, padding, dilation, transposed, groups),
+                                bias=bias)  # fmt: skip
+        if call is None:
+            return func(*args)
+        y = self._conv_product("forward", call, self._operand(call, x), self._operand(call, w))
+        if bias is not None:
+            y.add_(bias.view(-1, *[1] * (y.dim() - 2)))
+        return laid_out_like(y, x, w)
+
+    def _convolution_backward(
+        self, func: Any, dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
+        bias_sizes: list[int] | None, stride: list[int], padding: list[int],
+        dilation: list[int], transposed: bool, output_padding: list[int], groups: int,
+        output_mask: list[bool],
+    ) -> tuple[torch.Tensor | None, ...]:  # fmt: skip
+        """The products ``output_mask`` asks for: the input and weight gradients from the
+        fleet, the bias gradient summed here."""
+        args = (dy, x, w, bias_sizes, stride, padding, dilation, transposed, output_padding,
+                groups, output_mask)  # fmt: skip
+        products = sum(map(bool, output_mask[:2]))
+        if not products:  # the bias gradient alone: no convolution
+            return func(*args)
+        call = self._conv_route(x, w, (stride, padding, dilation, transposed, groups),
+                                dy=dy, products=products)  # fmt: skip
+        if call is None:
+            return func(*args)
+        dx = dw = db = None
+        dy2 = self._operand(call, dy)  # laid out once for both products
+        if output_mask[0]:
+            dx = self._conv_product("grad_input", call, dy2, self._operand(call, w))
+            dx = laid_out_like(dx, x, w)
+            # until the next product, the time is Morphling's own, not the script's
+            self.entered_ns = self.returned_ns = time.perf_counter_ns()
+        if output_mask[1]:
+            dw = self._conv_product("grad_weight", call, self._operand(call, x), dy2)
+            dw = laid_out_like(dw, x, w)
+        if output_mask[2]:
+            db = dy.sum([0, *range(2, dy.dim())])
+        return dx, dw, db
+
+    def _conv_route(
+        self, x: torch.Tensor, w: torch.Tensor, params: tuple[Any, ...], *,
+        bias: torch.Tensor | None = None, dy: torch.Tensor | None = None, products: int = 1,
+    ) -> ConvCall | None:  # fmt: skip
+        """The convolution as the fleet computes it, or None to run it locally: counted
+        (``products`` of it) with its reason, unless PyTorch rejects its arguments (its
+        kernel raises its own error then).
+        ``params`` are aten's stride, padding, dilation, transposed and groups."""
+        stride, padding, dilation, transposed, groups = params
+        call = None
+        if transposed:
+            reason: str | None = "transposed"
+        elif x.dim() == w.dim() == 5:
+            reason = "3-D"
+        else:
+            call = conv_call(x, w, stride, padding, dilation, groups)
+            if (
+                call is None
+                or (bias is not None and tuple(bias.shape) != call.weight[:1])
+                or (dy is not None and (dy.dim() != x.dim()
+                                        or tuple(call.as_2d(dy).shape) != call.output))
+            ):  # fmt: skip
+                return None
+            operands = [t for t in (x, w, bias, dy) if t is not None]
+            reason = _operands_reason(*operands)
+            if reason is None and (x.numel() == 0 or w.numel() == 0):
+                reason = "empty"
+            reason = reason or self._size_reason(call.flops)
+        flops = call.flops if call is not None else 0
+        return call if self._goes_remote(self.conv_counts, reason, flops, products) else None
+
+    def _conv_product(
+        self, kind: str, call: ConvCall, a: torch.Tensor, b: torch.Tensor
+    ) -> torch.Tensor:
+        """One product of ``call`` from the fleet, its operands given by ``_operand``."""
+        self.conv_counts.remote += 1
+        self.conv_counts.remote_flops += call.flops
+        return call.from_2d(self.remote_conv(kind, a, b, call))
+
+    def _operand(self, call: ConvCall, t: torch.Tensor) -> torch.Tensor:
+        """``t`` as the fleet takes it: 2-D, NCHW-contiguous (a copy, counted, if not)."""
+        t = call.as_2d(t)
+        if t.is_contiguous():
+            return t
+        self.conv_counts.copied += 1
+        return t.contiguous()
+
+
+def _operands_reason(*tensors: torch.Tensor) -> str | None:
+    """Why operands the fleet cannot take stay local: not CPU, a subclass, a dtype."""
+    if any(t.device.type != "cpu" for t in tensors):
+        return "device"
+    if any(type(t) not in _PLAIN for t in tensors):
+        return "tensor subclass"
+    for t in tensors:
+        if t.dtype not in REMOTE_DTYPES or t.dtype != tensors[0].dtype:
+            return f"dtype {t.dtype}".replace("torch.", "")
+    return None
+
 
 def _well_formed(rank: int, a: torch.Tensor, b: torch.Tensor) -> bool:
     """Operands the op takes (both ``rank``-D, inner and batch sizes that agree); others
@@ -243,9 +382,9 @@ def _well_formed(rank: int, a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 class _CountingMode(TorchDispatchMode):
-    """Every aten op through Python, for ``GemmInterceptor.dispatch`` to count."""
+    """Every aten op through Python, for ``Interceptor.dispatch`` to count."""
 
-    def __init__(self, interceptor: GemmInterceptor, work: HostWork) -> None:
+    def __init__(self, interceptor: Interceptor, work: HostWork) -> None:
         super().__init__()
         self.interceptor = interceptor
         self.work = work

@@ -1,4 +1,5 @@
-"""The job runtime: a PyTorch program's GEMMs computed by an emulated fleet.
+"""The job runtime: a PyTorch program's GEMMs and convolutions computed by an emulated
+fleet.
 
 ``emulate()`` is the library form of ``morphling run``::
 
@@ -6,13 +7,13 @@
         train()                                            # unchanged code
     print(session.table())
 
-Inside, every eligible GEMM (see ``intercept``) goes to the emulator over a
-blocking socket; attention uses PyTorch's math backend so that its GEMMs are
-visible; each optimizer step closes a *step* whose report says how long it
-would have taken on the fleet: the emulator's virtual timeline places every
-GEMM after the coordinator time the script spent on the host since the last
-one (measured, or modelled: see ``coordinator``), and the step ends where
-its last GEMM and the optimizer's work after it end.
+Inside, every eligible GEMM and convolution (see ``intercept``) goes to the
+emulator over a blocking socket; attention uses PyTorch's math backend so that
+its GEMMs are visible; each optimizer step closes a *step* whose report says
+how long it would have taken on the fleet: the emulator's virtual timeline
+places every GEMM (or convolution) after the coordinator time the script spent
+on the host since the last one (measured, or modelled: see ``coordinator``),
+and the step ends where its last one and the optimizer's work after it end.
 """
 
 from __future__ import annotations
@@ -38,9 +39,10 @@ from morphling.runtime import parse_server
 from morphling.text import elide, elided_line
 
 from .client import Client
+from .conv import ConvCall
 from .coordinator import MODES, CoordinatorModel, HostWork
 from .embedded import EmbeddedFleet
-from .intercept import GemmCounts, GemmInterceptor
+from .intercept import Interceptor, ProductCounts
 
 log = logging.getLogger("morphling.job")
 
@@ -56,6 +58,8 @@ class StepReport:
     host_s: float  # wall time on this host
     gemms: int  # sent to the fleet
     local_gemms: int
+    convs: int  # convolution products (forward, input and weight gradients) sent
+    local_convs: int
     tiles: int
     bytes_down: int  # over the emulated links (resident weight blocks do not travel)
     bytes_up: int
@@ -81,12 +85,13 @@ class Session:
         self.work = HostWork() if coordinator == "model" else None
         self.model = model or CoordinatorModel()
         self.scale = scale
-        self.interceptor = GemmInterceptor(self._remote, min_flops=min_flops,
-                                           host_work=self.work)  # fmt: skip
+        self.interceptor = Interceptor(self._remote, self._remote_conv, min_flops=min_flops,
+                                       host_work=self.work)  # fmt: skip
         self.steps: list[StepReport] = []
         self.totals: dict[str, int] = {}
         self._step_start: float | None = None  # step 1 starts at its first GEMM
-        self._counts = GemmCounts()
+        self._counts = ProductCounts()
+        self._conv_counts = ProductCounts()
         self._marked_ns = 0  # when the last step mark went back to the script
 
     def share_weights(self, ckpt: str) -> None:
@@ -132,8 +137,14 @@ class Session:
         return bound
 
     @property
-    def counts(self) -> GemmCounts:
+    def counts(self) -> ProductCounts:
+        """GEMMs."""
         return self.interceptor.counts
+
+    @property
+    def conv_counts(self) -> ProductCounts:
+        """Convolution products."""
+        return self.interceptor.conv_counts
 
     def _host_ns(self, until_ns: int) -> int:
         """Coordinator time up to ``until_ns`` since the script last got control back from
@@ -148,17 +159,38 @@ class Session:
         since = max(self.interceptor.returned_ns, self._marked_ns)
         return round((until_ns - since) * self.scale) if since else 0
 
-    def _remote(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    def _request_host_ns(self) -> int:
+        """The coordinator time before a product about to be sent (the step's first
+        starts the step)."""
         if self._step_start is None:
             self._step_start = time.perf_counter()
-        host_ns = self._host_ns(self.interceptor.entered_ns)
+        return self._host_ns(self.interceptor.entered_ns)
+
+    def _remote(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        host_ns = self._request_host_ns()
         return torch.from_numpy(self.client.matmul(a, b, host_ns=host_ns))
+
+    def _remote_conv(
+        self, kind: str, a: torch.Tensor, b: torch.Tensor, call: ConvCall
+    ) -> torch.Tensor:
+        host_ns = self._request_host_ns()
+        geometry = call.geometry
+        # The ignore is for the branch without the fleet's half of issue 21 (Client.conv).
+        return torch.from_numpy(
+            self.client.conv(
+                kind, a.detach().numpy(), b.detach().numpy(),
+                input_shape=call.input, weight_shape=call.weight, stride=geometry.stride,
+                padding=geometry.padding, dilation=geometry.dilation, groups=geometry.groups,
+                host_ns=host_ns,
+            )
+        )  # fmt: skip
 
     def end_step(self) -> StepReport:
         """Close the current step (called after every optimizer step)."""
         host_ns = self._host_ns(time.perf_counter_ns())
         now = time.perf_counter()
         counts = self.counts.since(self._counts)
+        convs = self.conv_counts.since(self._conv_counts)
         local = sum(counts.local.values())
         reply = self.client.step(len(self.steps) + 1, host_ns=host_ns, local_gemms=local)
         emulated_s, coord_s = reply.emulated_ns / 1e9, reply.coord_ns / 1e9
@@ -170,6 +202,8 @@ class Session:
             host_s=now - (self._step_start if self._step_start is not None else now),
             gemms=counts.remote,
             local_gemms=local,
+            convs=convs.remote,
+            local_convs=sum(convs.local.values()),
             tiles=reply.tiles,
             bytes_down=reply.link_down,
             bytes_up=reply.link_up,
@@ -179,6 +213,7 @@ class Session:
         )
         self.steps.append(report)
         self._counts = self.counts.snapshot()
+        self._conv_counts = self.conv_counts.snapshot()
         log.debug("step %d: %s", report.step, report)
         self._step_start = time.perf_counter()
         self._marked_ns = time.perf_counter_ns()  # the script's time starts again
@@ -201,9 +236,12 @@ class Session:
         if left_out:
             rows.append(elided_line(left_out, "--json has every step"))
             rows += [_step_row(r) for r in last]
-        local = ", ".join(f"{n} {why}" for why, n in sorted(self.counts.local.items())) or "none"
         rows.append(f"GEMMs: {self.counts.remote} on the fleet ({self.counts.copied} copied "
-                    f"to a BLAS layout first); local: {local}")  # fmt: skip
+                    f"to a BLAS layout first); local: {_by_reason(self.counts)}")  # fmt: skip
+        convs = self.conv_counts
+        if convs.remote or convs.local:  # a model without convolutions does not mention them
+            rows.append(f"convolutions: {convs.remote} products on the fleet ({convs.copied} "
+                        f"copied to NCHW first); kept local: {_by_reason(convs)}")  # fmt: skip
         return "\n".join(rows)
 
     def summary(self) -> dict[str, Any]:
@@ -214,7 +252,15 @@ class Session:
             "gemms_remote": self.counts.remote,
             "gemms_copied": self.counts.copied,
             "gemms_local": dict(self.counts.local),
+            "convs_remote": self.conv_counts.remote,
+            "convs_copied": self.conv_counts.copied,
+            "convs_local": dict(self.conv_counts.local),
         }
+
+
+def _by_reason(counts: ProductCounts) -> str:
+    """Products kept local, by reason: "1 dtype float16, 3 small" (or "none")."""
+    return ", ".join(f"{n} {why}" for why, n in sorted(counts.local.items())) or "none"
 
 
 def _step_row(r: StepReport) -> str:

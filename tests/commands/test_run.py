@@ -11,7 +11,6 @@ script trains once per mode. The CLI's contract (errors, exit codes, ``sys.argv`
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import subprocess
@@ -20,7 +19,6 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -29,7 +27,16 @@ from morphling.proxy.checkpoint.format import write_checkpoint
 from morphling.proxy.checkpoint.hf_models import load_config
 from morphling.proxy.job.embedded import EmbeddedFleet
 from morphling.proxy.report.load import load_run
-from processes import MORPHLING_RUN, SCRIPTS, TIMEOUT_S, child_env, morphling_run, python, succeeded
+from processes import (
+    MORPHLING_RUN,
+    SCRIPTS,
+    TIMEOUT_S,
+    child_env,
+    load_script,
+    morphling_run,
+    python,
+    succeeded,
+)
 
 STEPS = 20
 
@@ -47,7 +54,9 @@ class Training:
 
 NATIVE = None  # as flags: run the script with plain python
 EMBEDDED = ("--embedded", "--devices", "4", "--min-flops", "0")
-TRAIN_SCRIPTS = ["train_opt.py", "train_gpt2.py", "train_sdpa.py"]
+TRAIN_SCRIPTS = ["train_opt.py", "train_gpt2.py", "train_sdpa.py", "train_trainer.py"]
+# Issue 21: a ResNet, a MobileNetV2 and a 1-D convolutional net (trained on demand).
+CONV_SCRIPTS = ["train_resnet.py", "train_mobilenet.py", "train_conv1d.py"]
 Run = tuple[str, tuple[str, ...] | None]  # (script, morphling run flags or NATIVE)
 
 
@@ -146,19 +155,6 @@ def test_report_has_every_step(trainings: Trainings, script: str) -> None:
     assert "GEMMs:" in run.stderr  # the table goes to stderr; stdout is the script's
 
 
-def load_script(name: str) -> ModuleType:
-    """A training script as a module (its ``main`` does not run): for its constants."""
-    spec = importlib.util.spec_from_file_location(Path(name).stem, SCRIPTS / name)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(SCRIPTS))  # as when run: its directory first, for _training
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(SCRIPTS))
-    return module
-
-
 def gemms_per_step(linears: int, attention: int) -> int:
     """A Linear (or Conv1D) whose input needs a gradient: 1 GEMM forward, 2 backward
     (grad-input, grad-weight). Math attention: 2 bmm forward (Q·Kᵀ, P·V), 4 backward."""
@@ -186,15 +182,30 @@ def test_opt_every_gemm_reaches_the_fleet(trainings: Trainings) -> None:
     assert report["gemms_local"] == {}
 
 
-def test_gpt2_conv1d_reaches_the_fleet(trainings: Trainings) -> None:
+@pytest.mark.parametrize("script", ["train_gpt2.py", "train_trainer.py"])
+def test_gpt2_conv1d_reaches_the_fleet(trainings: Trainings, script: str) -> None:
     """GPT-2: per layer c_attn, c_proj, c_fc, mlp c_proj Conv1D (addmm on a [in, out]
-    weight) and one attention; then the LM head. Every one of them must go remote."""
+    weight) and one attention; then the LM head. Every one of them must go remote, also
+    when Hugging Face's Trainer (accelerate's optimizer wrapper) runs the steps."""
     layers = load_config("gpt2-tiny")["n_layer"]
-    report = trainings.get(("train_gpt2.py", EMBEDDED))[0].report
+    report = trainings.get((script, EMBEDDED))[0].report
     assert report is not None
     assert report["gemms_local"] == {}
     expected = gemms_per_step(4 * layers + 1, layers)
     assert [s["gemms"] for s in report["steps"]] == [expected] * STEPS
+
+
+@pytest.mark.parametrize("script", CONV_SCRIPTS)
+def test_convolutions_train_on_the_fleet(trainings: Trainings, script: str) -> None:
+    """Every convolution product on the fleet, losses and parameters as natively: per step
+    3 per convolution, but for the first one's input gradient (its input is the data)."""
+    run, native = trainings.get((script, EMBEDDED), (script, NATIVE))
+    assert_same_training(run, native)
+    assert run.report is not None
+    assert run.report["convs_local"] == {}
+    expected = 3 * load_script(script).CONVS - 1
+    assert [s["convs"] for s in run.report["steps"]] == [expected] * STEPS
+    assert "convolutions:" in run.stderr
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,8 @@ import torch
 STEPS, BATCH, SEQ = 20, 2, 16
 
 
-def train(model: torch.nn.Module, step_loss: Callable[[], torch.Tensor]) -> None:
-    """STEPS AdamW steps on ``step_loss()`` (which draws its own batch); report and save."""
+def fit(model: torch.nn.Module, step_loss: Callable[[], torch.Tensor]) -> list[float]:
+    """STEPS AdamW steps on ``step_loss()`` (which draws its own batch); the losses."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses = []
     for _ in range(STEPS):
@@ -24,6 +24,12 @@ def train(model: torch.nn.Module, step_loss: Callable[[], torch.Tensor]) -> None
         loss.backward()
         opt.step()
         losses.append(loss.item())
+    return losses
+
+
+def train(model: torch.nn.Module, step_loss: Callable[[], torch.Tensor]) -> None:
+    """``fit``; report and save."""
+    losses = fit(model, step_loss)
     torch.save(model.state_dict(), sys.argv[1])
     print(json.dumps(losses))
 
