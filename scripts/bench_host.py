@@ -40,7 +40,7 @@ from benchlib import run_meta, write_results
 from morphling.devices.models.compute import ComputeModel, heldout_error
 from morphling.devices.profiler import FULL, HOST_KEY, HOST_THREADS_ENV, cached_host_profile
 from morphling.devices.profiler.shapes import grid_shapes, heldout_shapes
-from morphling.devices.profiler.timing import measure_grid_and_heldout
+from morphling.devices.profiler.timing import measure, measure_grid_and_heldout
 
 SCRIPTS = Path(__file__).resolve().parent
 TARGET = 0.10  # the issue's: |emulated / native - 1| <= 10 %
@@ -162,6 +162,7 @@ def heldout() -> dict[str, Any]:
     timed = measure_grid_and_heldout(
         grid_shapes(FULL.grid, seed=0),
         heldout_shapes(FULL.heldout, seed=1),
+        measure=measure,
         threads=THREADS,
         rounds=FULL.rounds,
     )

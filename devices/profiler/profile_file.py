@@ -24,7 +24,7 @@ from .host_facts import cpu_model, memory_bytes
 from .sensors import SYSFS, TEMPERATURES, read_temperature_c
 from .shapes import grid_shapes, heldout_shapes
 from .sustained_load import Bursts, fit_thermal, run_bursts
-from .timing import Progress, measure_grid_and_heldout
+from .timing import Progress, measure, measure_grid_and_heldout
 from .toml_writer import Table, TomlValue, dump_toml
 
 log = logging.getLogger(__name__)
@@ -125,7 +125,7 @@ def profile(
         threads,
     )
     timed = measure_grid_and_heldout(
-        grid, heldout, threads=threads, rounds=plan.rounds, progress=progress
+        grid, heldout, measure=measure, threads=threads, rounds=plan.rounds, progress=progress
     )
     model = ComputeModel.fit(timed.grid)
     error = heldout_error(model, timed.heldout)
