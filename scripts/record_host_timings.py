@@ -17,13 +17,15 @@ import gzip
 import json
 import platform
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from morphling.devices.models.compute import GemmShape
+from morphling.devices.models.conv_shape import ConvShape
 from morphling.devices.profiler import host_key
 from morphling.devices.profiler.shapes import grid_shapes, heldout_shapes
-from morphling.devices.profiler.timing import measure_grid_and_heldout
+from morphling.devices.profiler.timing import measure, measure_grid_and_heldout
 from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,16 +40,17 @@ STRIDE_PAIRS = {
 }
 
 
-def records(samples: list[tuple[GemmShape, float]]) -> list[dict[str, Any]]:
+def records(samples: Sequence[tuple[GemmShape | ConvShape, float]]) -> list[dict[str, Any]]:
     return [{**s.to_dict(), "seconds": t} for s, t in samples]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def arguments(doc: str, output: Path, argv: list[str] | None) -> argparse.Namespace:
+    """``--output`` (default ``output``) and ``--rounds``: what a recording script takes."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument(
         "--output",
         type=Path,
-        default=DEFAULT_OUTPUT,
+        default=output,
         help="gzipped JSON to write (default: %(default)s)",
     )
     parser.add_argument(
@@ -56,31 +59,43 @@ def main(argv: list[str] | None = None) -> int:
         default=ROUNDS,
         help="interleaved timing rounds (default: %(default)s)",
     )
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def write(output: Path, rounds: int, repeat_p90: float, command: str, **sets: Any) -> None:
+    """The recording: which host and how (``meta``), then each set of records."""
+    meta = {
+        **host_key(1),
+        "date": datetime.datetime.now(datetime.UTC).replace(microsecond=0).isoformat(),
+        "host": platform.node(),
+        "rounds": rounds,
+        "repeat_p90": repeat_p90,
+        "command": command,
+    }
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with gzip.open(output, "wt") as f:
+        json.dump({"meta": meta, **sets}, f, separators=(",", ":"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = arguments(__doc__, DEFAULT_OUTPUT, argv)
     grid = grid_shapes(GRID, seed=0)
     held = heldout_shapes(HELDOUT, seed=1)
     pairs = [s for pair in STRIDE_PAIRS.values() for s in pair]
     total = (len(grid) + 2 * (len(held) + len(pairs))) * args.rounds
     with tqdm(total=total, unit="shape", desc="timing") as bar:
         timed = measure_grid_and_heldout(
-            grid, held + pairs, threads=1, rounds=args.rounds, progress=bar.update
+            grid, held + pairs, measure=measure, threads=1, rounds=args.rounds, progress=bar.update
         )
-    doc = {
-        "meta": {
-            **host_key(1),
-            "date": datetime.datetime.now(datetime.UTC).replace(microsecond=0).isoformat(),
-            "host": platform.node(),
-            "rounds": args.rounds,
-            "repeat_p90": timed.repeat_p90,
-            "command": "python scripts/record_host_timings.py",
-        },
-        "grid": records(timed.grid),
-        "heldout": records(timed.heldout[: len(held)]),
-        "stride_pairs": records(timed.heldout[len(held) :]),
-    }
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    with gzip.open(args.output, "wt") as f:
-        json.dump(doc, f, separators=(",", ":"))
+    write(
+        args.output,
+        args.rounds,
+        timed.repeat_p90,
+        "python scripts/record_host_timings.py",
+        grid=records(timed.grid),
+        heldout=records(timed.heldout[: len(held)]),
+        stride_pairs=records(timed.heldout[len(held) :]),
+    )
     print(
         f"wrote {args.output}: {len(grid)} grid and {len(held)} held-out shapes, "
         f"repeat timings within {timed.repeat_p90:.1%} at p90"

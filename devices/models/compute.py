@@ -41,9 +41,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from scipy.optimize import least_squares
 
-from .strict_map import check_keys
+from .strict_map import check_keys, floats, positive
+from .work_terms import Terms, hats, least_squares, one_hot, popcount, predict, term_costs
+from .work_terms import heldout_error as heldout_error  # where callers of the GEMM model look
 
 DTYPES = {"float32": 4, "float64": 8}
 PAGE_BYTES = 4096
@@ -158,8 +159,6 @@ VECTOR_BYTES_CANDIDATES = (16, 32, 64)
 REGIME_CANDIDATES = tuple(round(64 * 2 ** ((i + 0.5) / 4)) for i in range(12))
 NO_REGIME = 0  # regime_min value meaning "one path for every shape"
 
-_RIDGE = 1e-2  # keeps groups the grid barely covers near θ = 0
-_LOSS_SCALE = 0.05  # soft-L1 knee in log time: points off by > 5 % count linearly
 _SEARCH_SAMPLES = 800  # structure is chosen on at most this many samples
 _SEARCH_NFEV = 60
 _FINAL_NFEV = 400
@@ -173,32 +172,6 @@ class _Columns:
         table = np.array(rows, dtype=np.int64).reshape(-1, 8)
         self.m, self.n, self.k, self.ta, self.tb, self.lda, self.ldb, self.item = table.T
         self.size = table.shape[0]
-
-
-def _popcount(x: np.ndarray) -> np.ndarray:
-    count = np.zeros_like(x)
-    while (x > 0).any():
-        count += x & 1
-        x = x >> 1
-    return count
-
-
-def _hats(u: np.ndarray, knots: np.ndarray) -> np.ndarray:
-    """Piecewise-linear basis: each row interpolates between its two nearest knots."""
-    u = np.clip(u, knots[0], knots[-1])
-    i = np.clip(np.searchsorted(knots, u, side="right") - 1, 0, len(knots) - 2)
-    w = (u - knots[i]) / (knots[i + 1] - knots[i])
-    out = np.zeros((u.size, knots.size))
-    rows = np.arange(u.size)
-    out[rows, i] = 1.0 - w
-    out[rows, i + 1] = w
-    return out
-
-
-def _one_hot(index: np.ndarray, count: int) -> np.ndarray:
-    out = np.zeros((index.size, count))
-    out[np.arange(index.size), index] = 1.0
-    return out
 
 
 def _stride_class(ld: np.ndarray, item: np.ndarray) -> np.ndarray:
@@ -221,7 +194,7 @@ class _Form:
     log2_min: tuple[float, float, float]
     log2_max: tuple[float, float, float]
 
-    def terms(self, c: _Columns) -> list[tuple[np.ndarray, np.ndarray]]:
+    def terms(self, c: _Columns) -> Terms:
         """(work, design) per term, in ``_TERMS`` order."""
         m, n, k = (c.m.astype(np.float64), c.n.astype(np.float64), c.k.astype(np.float64))
         logs = [
@@ -237,15 +210,15 @@ class _Form:
         )
         per_panel = np.maximum(self.vector_bytes // c.item, 1)
         full, rest = np.divmod(c.n, per_panel)
-        panels = full + np.where(packed == 1, _popcount(rest), rest > 0)
+        panels = full + np.where(packed == 1, popcount(rest), rest > 0)
         fp64 = (c.item == 8).astype(np.int64)
         transposes = c.ta * 2 + c.tb
         compute = np.concatenate(
             [
-                _one_hot(fp64, 2),
-                _one_hot(transposes, 4)[:, 1:],
+                one_hot(fp64, 2),
+                one_hot(transposes, 4)[:, 1:],
                 packed[:, None].astype(np.float64),
-                _hats(logs[2], _K_KNOTS),
+                hats(logs[2], _K_KNOTS),
                 np.stack([m == 1, n == 1], axis=1).astype(np.float64),
             ],
             axis=1,
@@ -254,7 +227,7 @@ class _Form:
 
         def traffic(trans: np.ndarray, ld: np.ndarray) -> np.ndarray:
             group = ((trans * _STRIDE_CLASSES + _stride_class(ld, c.item)) * 2 + packed) * 2 + fp64
-            design = _one_hot(group, _GROUPS)[:, :, None] * covariates[:, None, :]
+            design = one_hot(group, _GROUPS)[:, :, None] * covariates[:, None, :]
             return design.reshape(c.size, -1)
 
         ones = np.ones((c.size, 1))
@@ -268,55 +241,6 @@ class _Form:
         ]
 
 
-def _predict(terms: list[tuple[np.ndarray, np.ndarray]], theta: np.ndarray) -> np.ndarray:
-    total = np.zeros(terms[0][0].size)
-    start = 0
-    for work, design in terms:
-        width = design.shape[1]
-        total += work * np.exp(design @ theta[start : start + width])
-        start += width
-    return total
-
-
-def _least_squares(
-    terms: list[tuple[np.ndarray, np.ndarray]],
-    seconds: np.ndarray,
-    theta0: np.ndarray,
-    max_nfev: int,
-) -> tuple[np.ndarray, float]:
-    """Robust least squares in log time, with the analytic Jacobian; (θ, cost)."""
-    log_t = np.log(seconds)
-    ridge = math.sqrt(_RIDGE)
-    eye = ridge * np.eye(theta0.size)
-
-    def residuals(theta: np.ndarray) -> np.ndarray:
-        return np.concatenate([np.log(_predict(terms, theta)) - log_t, ridge * theta])
-
-    def jacobian(theta: np.ndarray) -> np.ndarray:
-        total = _predict(terms, theta)
-        blocks, start = [], 0
-        for work, design in terms:
-            width = design.shape[1]
-            share = work * np.exp(design @ theta[start : start + width]) / total
-            blocks.append(share[:, None] * design)
-            start += width
-        return np.concatenate([np.concatenate(blocks, axis=1), eye])
-
-    # LSMR, not the default SVD: LAPACK's threads spin-wait when another process holds a
-    # core, which made one fit 25x slower on the shared 2-core development host.
-    result = least_squares(
-        residuals,
-        theta0,
-        jac=jacobian,
-        method="trf",
-        loss="soft_l1",
-        f_scale=_LOSS_SCALE,
-        tr_solver="lsmr",
-        max_nfev=max_nfev,
-    )
-    return result.x, float(result.cost)
-
-
 # --- the model -------------------------------------------------------------------------------
 
 _Trial = tuple[float, _Form, np.ndarray]  # robust cost, structure, θ
@@ -328,25 +252,11 @@ _MEMO_LIMIT = 1 << 16
 
 
 def _positive(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"compute field {name!r} must be a number, got {value!r:.60}")
-    number = float(value)
-    if not (math.isfinite(number) and number > 0):
-        raise ValueError(f"compute field {name!r} must be finite and > 0, got {value!r:.60}")
-    return number
+    return positive("compute", name, value)
 
 
 def _floats(name: str, value: object, length: int) -> tuple[float, ...]:
-    if not isinstance(value, (list, tuple)) or len(value) != length:
-        raise ValueError(f"compute field {name!r} must be a list of {length} numbers")
-    out = []
-    for item in value:
-        if isinstance(item, bool) or not isinstance(item, (int, float)):
-            raise ValueError(f"compute field {name!r} holds a non-number {item!r:.60}")
-        if not math.isfinite(float(item)):
-            raise ValueError(f"compute field {name!r} holds a non-finite {item!r:.60}")
-        out.append(float(item))
-    return tuple(out)
+    return floats("compute", name, value, length)
 
 
 def _exact_from(records: object) -> dict[GemmShape, float]:
@@ -420,13 +330,13 @@ class ComputeModel:
 
         def trial(vector_bytes: int, regime_min: int, start: np.ndarray) -> _Trial:
             form = _Form(vector_bytes, regime_min, *bounds)
-            theta, cost = _least_squares(form.terms(subset), sub_seconds, start, _SEARCH_NFEV)
+            theta, cost = least_squares(form.terms(subset), sub_seconds, start, _SEARCH_NFEV)
             return cost, form, theta
 
         best = min((trial(v, NO_REGIME, zero) for v in VECTOR_BYTES_CANDIDATES), key=lambda r: r[0])
         best = min(best, _descend(trial, best), key=lambda r: r[0])
         form = best[1]
-        theta, _ = _least_squares(form.terms(columns), seconds, best[2], _FINAL_NFEV)
+        theta, _ = least_squares(form.terms(columns), seconds, best[2], _FINAL_NFEV)
         return cls(exact, form=form, theta=theta)
 
     # prediction
@@ -462,7 +372,7 @@ class ComputeModel:
             seconds: np.ndarray = np.array([s.flops for s in shapes], dtype=np.float64) / rate
             return seconds
         assert self._theta is not None
-        return _predict(self._form.terms(_Columns(shapes)), self._theta)
+        return predict(self._form.terms(_Columns(shapes)), self._theta)
 
     def traffic_cost(self, shape: GemmShape) -> tuple[float, float]:
         """Seconds the fitted model charges for moving A and for moving B in ``shape``.
@@ -473,13 +383,8 @@ class ComputeModel:
         if self._form is None:
             return 0.0, 0.0
         assert self._theta is not None
-        terms = self._form.terms(_Columns([shape]))
-        bounds = np.cumsum([0, *(design.shape[1] for _, design in terms)])
-        cost = [
-            float(work[0] * np.exp(design[0] @ self._theta[lo:hi]))
-            for (work, design), lo, hi in zip(terms, bounds[:-1], bounds[1:], strict=True)
-        ]
-        return cost[2], cost[3]
+        cost = term_costs(self._form.terms(_Columns([shape])), self._theta)
+        return float(cost[2][0]), float(cost[3][0])
 
     # serialisation
 
@@ -554,24 +459,3 @@ def _descend(trial: Callable[[int, int, np.ndarray], _Trial], best: _Trial) -> _
         if j == i:
             return at(i)
         i = j
-
-
-def heldout_error(
-    model: ComputeModel, samples: Sequence[tuple[GemmShape, float]]
-) -> dict[str, float]:
-    """Absolute percentage errors of ``model`` on measured samples, as fractions (0.05 = 5 %).
-
-    Samples should be shapes the model was not fitted to; measured shapes come from the
-    exact cache and score zero.
-    """
-    if not samples:
-        raise ValueError("heldout_error needs at least one sample")
-    predicted = model.predict_many([shape for shape, _ in samples])
-    measured = np.array([_positive("seconds", seconds) for _, seconds in samples])
-    ape = np.abs(predicted / measured - 1.0)
-    return {
-        "median_ape": float(np.median(ape)),
-        "p90_ape": float(np.percentile(ape, 90)),
-        "max_ape": float(ape.max()),
-        "count": int(ape.size),
-    }

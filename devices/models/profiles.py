@@ -22,6 +22,7 @@ from typing import Any
 
 from .capacity import check_fleet_size
 from .compute import ComputeModel
+from .conv import ConvModel
 from .links import LINKS, link
 from .strict_map import check_keys, short
 from .thermal import COOLING, ThermalParams, thermal_for
@@ -34,6 +35,7 @@ _STR_FIELDS = ("name", "kind", "blas", "source", "cooling")
 # Optional fields holding a fitted model ({} = none), and what parses each.
 _MODEL_FIELDS: dict[str, Callable[[object], object]] = {
     "compute": ComputeModel.from_dict,
+    "conv": ConvModel.from_dict,
     "thermal": ThermalParams.from_dict,
 }
 
@@ -45,8 +47,10 @@ class DeviceProfile:
     Bandwidths are bytes/s, latencies one-way seconds (zero latency and infinite
     bandwidth allowed: an ideal link is a legitimate what-if); downlink is
     emulator→device, uplink device→emulator. ``compute`` is a fitted compute model
-    (``ComputeModel.to_dict``; empty: the analytic 2·m·n·k/flops) and ``thermal`` a
-    thermal model (``ThermalParams.to_dict``, with ``cooling`` applied; empty: none).
+    (``ComputeModel.to_dict``; empty: the analytic 2·m·n·k/flops), ``conv`` a convolution
+    model (``ConvModel.to_dict``; empty: the analytic conv FLOPs/flops, see ``conv_model``)
+    and ``thermal`` a thermal model (``ThermalParams.to_dict``, with ``cooling`` applied;
+    empty: none).
     """
 
     name: str
@@ -62,6 +66,7 @@ class DeviceProfile:
     cooling: str = "none"
     compute: dict[str, Any] = field(default_factory=dict)
     thermal: dict[str, Any] = field(default_factory=dict)
+    conv: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for key in _STR_FIELDS:
@@ -116,6 +121,13 @@ class DeviceProfile:
         if min(m, n, k, batch) < 0:
             raise ValueError(f"GEMM dimensions must be >= 0, got m={m} n={n} k={k} batch={batch}")
         return 2.0 * m * n * k * batch / self.flops
+
+    def conv_model(self) -> ConvModel:
+        """The convolution model: the fitted ``conv`` table, else ``conv_flops / flops``
+        (fp64 at half the rate). Parsing is not free: build it once per device."""
+        if self.conv:
+            return ConvModel.from_dict(self.conv)
+        return ConvModel.analytic(self.flops)
 
     def download_s(self, nbytes: int) -> float:
         """Seconds to move ``nbytes`` emulator→device on an otherwise idle link."""
@@ -280,7 +292,7 @@ def with_cooling(profile: DeviceProfile, cooling: str) -> DeviceProfile:
 
 def _load_toml(path: Path) -> DeviceProfile:
     """Read a profile file: its ``[profile]`` table, and the fitted models that
-    ``morphling profile`` writes beside it (``[compute]``, ``[thermal]``).
+    ``morphling profile`` writes beside it (``[compute]``, ``[conv]``, ``[thermal]``).
 
     Other top-level tables (provenance, the trace summary) are for people; inside
     ``[profile]`` every key must be a field.

@@ -7,6 +7,7 @@ quoted short, since they may come from an untrusted peer.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection
 from typing import Any
 
@@ -33,3 +34,27 @@ def check_keys(
     if missing:
         raise ValueError(f"{what} is missing key(s): {', '.join(map(repr, missing))}")
     return d
+
+
+def positive(what: str, name: str, value: object) -> float:
+    """``value`` as a finite float > 0; a ValueError naming ``what``'s field otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{what} field {name!r} must be a number, got {short(value)}")
+    number = float(value)
+    if not (math.isfinite(number) and number > 0):
+        raise ValueError(f"{what} field {name!r} must be finite and > 0, got {short(value)}")
+    return number
+
+
+def floats(what: str, name: str, value: object, length: int) -> tuple[float, ...]:
+    """``value`` as ``length`` finite floats; a ValueError naming ``what``'s field otherwise."""
+    if not isinstance(value, (list, tuple)) or len(value) != length:
+        raise ValueError(f"{what} field {name!r} must be a list of {length} numbers")
+    out = []
+    for item in value:
+        if isinstance(item, bool) or not isinstance(item, (int, float)):
+            raise ValueError(f"{what} field {name!r} holds a non-number {short(item)}")
+        if not math.isfinite(float(item)):
+            raise ValueError(f"{what} field {name!r} holds a non-finite {short(item)}")
+        out.append(float(item))
+    return tuple(out)

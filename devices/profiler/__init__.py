@@ -1,7 +1,9 @@
 """Measure this host as a device: ``morphling profile`` and the built-in ``host`` profile.
 
 - ``shapes``: the GEMM shapes measured, a grid to fit and a held-out set to score the fit;
+- ``conv_shapes``: likewise the convolution calls;
 - ``timing``: timing GEMMs with the real kernels, interleaved rounds on fresh buffers;
+- ``conv_timing``: timing convolutions (``kernels.conv``) the same way;
 - ``sensors``, ``sustained_load``: a sustained-load thermal trace read from sysfs, and the RC
   thermal model fitted to it;
 - ``profile_file``, ``toml_writer``, ``host_facts``: measuring it all and writing the

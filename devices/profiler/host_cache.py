@@ -1,8 +1,9 @@
 """The built-in ``host`` profile: this host measured once and kept in the user's cache.
 
 A cached profile stands for this host while the CPU, the BLAS library and the thread count
-it was measured with are this host's now; otherwise the host is measured again (the quick
-plan). A lock keeps two processes from measuring at once, which would time each other.
+it was measured with are this host's now and it has every model a profile measures;
+otherwise the host is measured again (the quick plan). A lock keeps two processes from
+measuring at once, which would time each other.
 """
 
 from __future__ import annotations
@@ -59,14 +60,17 @@ def _stale(path: Path, key: dict[str, str | int]) -> str | None:
     """Why the cached profile at ``path`` cannot be used for ``key``; None when it can."""
     try:
         with path.open("rb") as f:
-            provenance = tomllib.load(f).get("provenance", {})
+            doc = tomllib.load(f)
     except FileNotFoundError:
         return "no cached profile"
     except (OSError, tomllib.TOMLDecodeError) as exc:
         return f"the cached profile is unreadable ({exc})"
+    provenance = doc.get("provenance", {})
     changed = [name for name in HOST_KEY if provenance.get(name) != key[name]]
     if changed:
         return f"the cached profile was measured with another {', '.join(changed)}"
+    if "conv" not in doc:  # measured before convolutions were
+        return "the cached profile has no convolution model"
     return None
 
 

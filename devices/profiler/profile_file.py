@@ -1,9 +1,10 @@
 """Measure this host and write it as a device profile file, what ``morphling profile`` runs.
 
-It times a grid of tile shapes with the real kernels, fits a ``ComputeModel`` to it, scores
-the fit on held-out shapes measured in the same rounds, records a sustained-load trace and
-fits the RC thermal model to it where the host has a sensor, and writes it all as a TOML
-profile that ``devices.models.profiles.load_profile`` reads.
+It times a grid of GEMM tile shapes with the real kernels, fits a ``ComputeModel`` to it,
+scores the fit on held-out shapes measured in the same rounds, does the same for a grid of
+convolution calls and a ``ConvModel``, records a sustained-load trace and fits the RC
+thermal model to it where the host has a sensor, and writes it all as a TOML profile that
+``devices.models.profiles.load_profile`` reads.
 """
 
 from __future__ import annotations
@@ -18,13 +19,16 @@ import numpy as np
 from morphling.kernels import blas_info
 
 from ..models.compute import ComputeModel, GemmShape, heldout_error
+from ..models.conv import ConvModel
 from ..models.links import LINKS, Link
 from ..models.thermal import ThermalFit
+from .conv_shapes import conv_grid_shapes, conv_heldout_shapes, describe
+from .conv_timing import measure_conv
 from .host_facts import cpu_model, memory_bytes
 from .sensors import SYSFS, TEMPERATURES, read_temperature_c
 from .shapes import grid_shapes, heldout_shapes
 from .sustained_load import Bursts, fit_thermal, run_bursts
-from .timing import Progress, measure_grid_and_heldout
+from .timing import Progress, measure, measure_grid_and_heldout
 from .toml_writer import Table, TomlValue, dump_toml
 
 log = logging.getLogger(__name__)
@@ -36,16 +40,21 @@ LARGE_GEMM = GemmShape(512, 512, 4096, False, True, 4096, 4096, "float32")
 
 @dataclass(frozen=True, slots=True)
 class Plan:
-    """How much to measure: grid and held-out shapes, interleaved rounds, trace seconds."""
+    """How much to measure: GEMM grid and held-out shapes, convolution grid and held-out
+    calls, interleaved rounds, trace seconds."""
 
     grid: int
     heldout: int
+    conv_grid: int
+    conv_heldout: int
     rounds: int
     duration_s: float
 
 
-FULL = Plan(grid=3000, heldout=300, rounds=5, duration_s=60.0)  # about 2 minutes
-QUICK = Plan(grid=800, heldout=100, rounds=3, duration_s=2.0)  # about 10 s: for tests
+# About 4 minutes on one x86 core.
+FULL = Plan(grid=3000, heldout=300, conv_grid=2000, conv_heldout=300, rounds=5, duration_s=60.0)
+# About 30 s on one x86 core: the built-in ``host`` profile.
+QUICK = Plan(grid=800, heldout=100, conv_grid=400, conv_heldout=60, rounds=3, duration_s=2.0)
 
 # Why there is no thermal model, where the host cannot give one.
 _NO_SENSOR = (
@@ -66,6 +75,8 @@ class ProfileResult:
     model: ComputeModel
     flops: float
     heldout: dict[str, float]
+    conv: ConvModel
+    conv_heldout: dict[str, float]
     bursts: Bursts
     thermal: ThermalFit | None  # None: not fitted, ``thermal_status`` says why
     thermal_status: str
@@ -73,7 +84,7 @@ class ProfileResult:
 
 def plan_size(plan: Plan) -> int:
     """Timed shape-rounds ``profile`` reports to its progress callback."""
-    return (plan.grid + 2 * plan.heldout) * plan.rounds
+    return (plan.grid + 2 * plan.heldout + plan.conv_grid + 2 * plan.conv_heldout) * plan.rounds
 
 
 def profile(
@@ -92,10 +103,11 @@ def profile(
 ) -> ProfileResult:
     """Measure, fit and score, trace, and write the profile TOML to ``output``.
 
-    The grid and the held-out set are timed in the same interleaved rounds
-    (``measure_grid_and_heldout``). The written exact cache holds both sets (the fit and
-    its score use the grid only). ``duration_s`` defaults to the plan's. The links are
-    not measured here: ``link`` is a preset, named in the provenance.
+    The GEMM grid and held-out set are timed in the same interleaved rounds
+    (``measure_grid_and_heldout``), and so are the convolution ones. Each written exact
+    cache holds both sets (the fit and its score use the grid only). ``duration_s``
+    defaults to the plan's. The links are not measured here: ``link`` is a preset, named
+    in the provenance.
 
     Where ``sysfs`` has a thermal zone and the room temperature ``ambient_c`` is given, the
     load is followed by ``cooldown_s`` idle (default: as long as the load) and the RC thermal
@@ -125,7 +137,7 @@ def profile(
         threads,
     )
     timed = measure_grid_and_heldout(
-        grid, heldout, threads=threads, rounds=plan.rounds, progress=progress
+        grid, heldout, measure=measure, threads=threads, rounds=plan.rounds, progress=progress
     )
     model = ComputeModel.fit(timed.grid)
     error = heldout_error(model, timed.heldout)
@@ -137,6 +149,7 @@ def profile(
     )
     model.exact.update(timed.heldout)
     flops = LARGE_GEMM.flops / model.predict_s(LARGE_GEMM)
+    conv, conv_error, conv_provenance = _conv_model(plan, threads, progress)
     cooldown = 0.0 if why_not is not None else duration if cooldown_s is None else cooldown_s
     bursts = run_bursts(duration, threads=threads, cooldown_s=cooldown, sysfs=sysfs)
     host = socket.gethostname()
@@ -160,6 +173,7 @@ def profile(
             "source": source,
         },
         "compute": model.to_dict(),
+        "conv": conv.to_dict(),
         "provenance": {
             "host": host,
             "cpu": cpu_model(),
@@ -175,6 +189,7 @@ def profile(
             "heldout_p90_ape": error["p90_ape"],
             "heldout_max_ape": error["max_ape"],
             "heldout_repeat_p90": timed.repeat_p90,
+            **conv_provenance,
             "links": f"{link.name} preset, not measured: {link.source}",
             "thermal": status,
         },
@@ -184,7 +199,45 @@ def profile(
         tables["thermal"] = thermal.params.to_dict()
     with path.open("w" if force else "x") as f:  # "x": never clobber without force
         f.write(dump_toml(tables))
-    return ProfileResult(path, model, flops, error, bursts, thermal, status)
+    return ProfileResult(path, model, flops, error, conv, conv_error, bursts, thermal, status)
+
+
+def _conv_model(
+    plan: Plan, threads: int, progress: Progress | None
+) -> tuple[ConvModel, dict[str, float], dict[str, TomlValue]]:
+    """The convolution model: fitted to the plan's grid of calls, scored on its held-out
+    calls timed in the same rounds, which then join its exact cache; its provenance."""
+    grid = conv_grid_shapes(plan.conv_grid, seed=0)
+    held = conv_heldout_shapes(plan.conv_heldout, seed=1)
+    log.info(
+        "timing %d grid and %d held-out convolution calls (%s), %d rounds",
+        len(grid),
+        len(held),
+        ", ".join(f"{count} {kind}" for kind, count in describe(grid).items()),
+        plan.rounds,
+    )
+    timed = measure_grid_and_heldout(
+        grid, held, measure=measure_conv, threads=threads, rounds=plan.rounds, progress=progress
+    )
+    model = ConvModel.fit(timed.grid)
+    error = heldout_error(model, timed.heldout)
+    log.info(
+        "fitted; convolution held-out error median %.1f %%, p90 %.1f %% (repeat timings "
+        "differ %.1f %% at p90)",
+        100 * error["median_ape"],
+        100 * error["p90_ape"],
+        100 * timed.repeat_p90,
+    )
+    model.exact.update(timed.heldout)
+    provenance: dict[str, TomlValue] = {
+        "conv_grid_shapes": len(grid),
+        "conv_heldout_shapes": len(held),
+        "conv_heldout_median_ape": error["median_ape"],
+        "conv_heldout_p90_ape": error["p90_ape"],
+        "conv_heldout_max_ape": error["max_ape"],
+        "conv_heldout_repeat_p90": timed.repeat_p90,
+    }
+    return model, error, provenance
 
 
 def _fit_or_say_why(bursts: Bursts, ambient_c: float, source: str) -> tuple[ThermalFit | None, str]:

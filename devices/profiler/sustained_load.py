@@ -8,6 +8,7 @@ read, elsewhere it is inferred from the burst's latency.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import time
@@ -100,7 +101,7 @@ def run_bursts(
     set_threads(threads)
     plan = gemm_plan(burst_shape, fresh_buffers([burst_shape]))
     run_plan(plan)
-    calls = calls_for(plan, burst_s, time.perf_counter)
+    calls = calls_for(functools.partial(run_plan, plan), burst_s, time.perf_counter)
     rows: list[tuple[float, float, float]] = []
     latencies: list[float] = []
     log.info("sustained load for %g s", duration_s)

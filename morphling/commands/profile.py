@@ -19,10 +19,12 @@ from morphling.devices.profiler import FULL, LARGE_GEMM, QUICK, plan_size, profi
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "profile",
-        help="measure this host's GEMM speed and write a device profile",
+        help="measure this host's GEMM and convolution speed and write a device profile",
         description=(
             "Time a grid of GEMM tile shapes and strides with the real kernels, fit the "
-            "stride-aware compute model, score it on held-out shapes, record a sustained-load "
+            "stride-aware compute model, score it on held-out shapes; likewise for a grid of "
+            "convolution calls (general, grouped, depthwise, 1x1, strided, dilated, 1-D; "
+            "forward and both gradients) and the convolution model; record a sustained-load "
             "trace, and write a profile TOML that --profile and fleet specs accept. Where "
             "/sys/class/thermal has a sensor and --ambient is given, the load is followed by a "
             "cooldown and the RC thermal model fitted to the trace is written too. The "
@@ -40,8 +42,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--quick",
         action="store_true",
-        help=f"{QUICK.grid} grid shapes and a {QUICK.duration_s:g} s trace, about 10 s "
-        f"(default: {FULL.grid} shapes and {FULL.duration_s:g} s, about 2 minutes)",
+        help=f"{QUICK.grid} GEMM and {QUICK.conv_grid} convolution grid shapes and a "
+        f"{QUICK.duration_s:g} s trace, about 30 s (default: {FULL.grid} and {FULL.conv_grid} "
+        f"shapes and {FULL.duration_s:g} s, about 4 minutes)",
     )
     p.add_argument(
         "--duration",
@@ -93,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
         return _usage_error(f"directory {output.parent} does not exist")
     plan = QUICK if args.quick else FULL
     with tqdm(
-        total=plan_size(plan), desc="GEMM grid", unit="shape", disable=args.no_progress or None
+        total=plan_size(plan), desc="shape grids", unit="shape", disable=args.no_progress or None
     ) as bar:
         result = profile(
             output,
@@ -106,13 +109,14 @@ def run(args: argparse.Namespace) -> int:
             force=args.force,
             progress=bar.update,
         )
-    error, trace, large = result.heldout, result.bursts, LARGE_GEMM
+    error, conv, trace, large = result.heldout, result.conv_heldout, result.bursts, LARGE_GEMM
     sensor = "temperatures recorded" if trace.has_temperatures else "no temperature sensor"
     print(
         f"wrote {result.path}: {result.flops / 1e9:.1f} GFLOP/s on a {large.m}x{large.n}x"
         f"{large.k} {large.dtype} GEMM; "
         f"held-out error median {error['median_ape']:.1%}, p90 {error['p90_ape']:.1%} "
-        f"over {error['count']} shapes; trace {trace.latency_s.size} bursts, {sensor}; "
-        f"thermal model {result.thermal_status}"
+        f"over {error['count']} GEMM shapes, median {conv['median_ape']:.1%}, p90 "
+        f"{conv['p90_ape']:.1%} over {conv['count']} convolutions; trace "
+        f"{trace.latency_s.size} bursts, {sensor}; thermal model {result.thermal_status}"
     )
     return 0

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 from bench_host import THREADS, emulated, host_env, native, write_step_script
 
 # Two rounds: with one, a busy moment while measuring moved the fleet part by up to 30 %.
-PLAN = Plan(grid=400, heldout=20, rounds=2, duration_s=0.2)  # about 8 s
+PLAN = Plan(grid=400, heldout=20, conv_grid=50, conv_heldout=5, rounds=2, duration_s=0.2)
 STEPS = 10
 TOLERANCE = 0.35
 

@@ -17,8 +17,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 from morphling.devices.models.compute import ComputeModel, GemmShape, heldout_error
+from morphling.devices.models.conv import ConvModel
+from morphling.devices.models.conv_shape import KINDS, ConvShape
 from morphling.devices.models.profiles import DeviceProfile, load_profile
 from morphling.devices.models.thermal import ThermalParams, ThermalState
+from morphling.devices.profiler.conv_shapes import (
+    CHANNEL_LEVELS,
+    LEVELS,
+    conv_grid_shapes,
+    conv_heldout_shapes,
+)
+from morphling.devices.profiler.conv_timing import measure_conv
 from morphling.devices.profiler.host_cache import (
     HOST_KEY,
     HOST_THREADS_ENV,
@@ -38,6 +47,8 @@ from morphling.commands.profile import add_parser
 
 # Off the grid levels (200, 300, 700), so a profile predicts it from its fit, not its cache.
 FRESH = GemmShape(200, 300, 700, False, True, 700, 700, "float32")
+# Likewise off the levels (40 channels, 50 wide): a ResNet block's 3×3 convolution.
+FRESH_CONV = ConvShape("forward", n=8, c=40, h=50, w=50, oc=40, kernel=(3, 3), padding=(1, 1, 1, 1))
 HAS_SENSOR = read_temperature_c() is not None
 
 
@@ -64,14 +75,14 @@ def quick_profile(tmp_path_factory):
 
 def test_quick_profile_writes_a_profile_the_loaders_accept(quick_profile):
     path, doc = quick_profile
-    assert set(doc) == {"profile", "compute", "provenance", "trace"}
+    assert set(doc) == {"profile", "compute", "conv", "provenance", "trace"}
     profile = DeviceProfile.from_wire({"source": "test", **doc["profile"]})
     assert profile.kind == "cpu" and profile.name == "host"
     assert profile.source.startswith("measured on ") and "by morphling profile at" in profile.source
     assert profile.memory_bytes > 1 << 20
     assert profile.dl_lat_s > 0 and math.isfinite(profile.dl_bw)  # a LAN, not loopback
     loaded = load_profile(str(path))
-    assert loaded.compute == doc["compute"]
+    assert loaded.compute == doc["compute"] and loaded.conv == doc["conv"]
     model = ComputeModel.from_dict(doc["compute"])
     assert profile.flops == pytest.approx(LARGE_GEMM.flops / model.predict_s(LARGE_GEMM))
 
@@ -98,6 +109,27 @@ def test_quick_profile_is_the_fit_and_score_of_its_own_measurements(quick_profil
     assert model.predict_s(FRESH) == pytest.approx(refit.predict_s(FRESH), rel=1e-9)
 
 
+def test_quick_profile_conv_model_is_the_fit_and_score_of_its_own_measurements(quick_profile):
+    """As for the GEMM model: the file's convolution model is the fit of the grid timings it
+    records, and its provenance the score of that fit on the held-out timings."""
+    conv, provenance = quick_profile[1]["conv"], quick_profile[1]["provenance"]
+    model = ConvModel.from_dict(conv)
+    grid = conv_grid_shapes(QUICK.conv_grid, seed=0)
+    held = conv_heldout_shapes(QUICK.conv_heldout, seed=1)
+    assert set(model.exact) == {*grid, *held}
+    assert provenance["conv_grid_shapes"] == QUICK.conv_grid
+    assert provenance["conv_heldout_shapes"] == QUICK.conv_heldout
+    refit = ConvModel.fit([(s, model.exact[s]) for s in grid])
+    params, again = model.to_dict(), refit.to_dict()
+    assert params.keys() == again.keys()
+    for key in params.keys() - {"exact", "kind", "popcount"}:
+        assert params[key] == pytest.approx(again[key], rel=1e-9), key
+    error = heldout_error(refit, [(s, model.exact[s]) for s in held])
+    for key in ("median_ape", "p90_ape", "max_ape"):
+        assert error[key] == pytest.approx(provenance[f"conv_heldout_{key}"], rel=1e-9), key
+    assert 0 <= provenance["conv_heldout_repeat_p90"] < 1
+
+
 def test_quick_profile_describes_this_host(quick_profile):
     """Its prediction for a shape it did not time, against a fresh timing, within a factor
     of 3: wrong units, a wrong shape or thread count in ``measure`` would be far off, while
@@ -105,6 +137,10 @@ def test_quick_profile_describes_this_host(quick_profile):
     model = ComputeModel.from_dict(quick_profile[1]["compute"])
     [(_, seconds)] = measure([FRESH], threads=1, rounds=3)
     assert 1 / 3 < model.predict_s(FRESH) / seconds < 3
+    conv = ConvModel.from_dict(quick_profile[1]["conv"])
+    assert FRESH_CONV not in conv.exact
+    [(_, seconds)] = measure_conv([FRESH_CONV], threads=1, rounds=3)
+    assert 1 / 3 < conv.predict_s(FRESH_CONV) / seconds < 3
 
 
 def test_quick_profile_records_provenance_and_the_trace(quick_profile):
@@ -113,6 +149,7 @@ def test_quick_profile_records_provenance_and_the_trace(quick_profile):
     assert provenance["grid_shapes"] == QUICK.grid
     assert provenance["heldout_shapes"] == QUICK.heldout
     assert 0 < provenance["heldout_median_ape"] <= provenance["heldout_p90_ape"]
+    assert 0 < provenance["conv_heldout_median_ape"] <= provenance["conv_heldout_p90_ape"]
     assert provenance["blas"] in ("mkl", "openblas")
     assert trace["bursts"] >= 2 and trace["duration_s"] >= QUICK.duration_s
     assert trace["fastest_latency_s"] <= min(trace["first_latency_s"], trace["last_latency_s"])
@@ -157,8 +194,8 @@ def test_missing_output_directory_and_flag_exit_2(tmp_path, capsys):
 
 # --- the built-in ``host`` profile: measured once, cached ----------------------------------
 
-# The least the fit takes (it needs 132 distinct shapes): about 2 s, where QUICK takes 30.
-SMALL = Plan(grid=160, heldout=10, rounds=1, duration_s=0.1)
+# The least the fits take (132 distinct GEMM shapes, 45 convolutions): a few seconds.
+SMALL = Plan(grid=160, heldout=10, conv_grid=50, conv_heldout=5, rounds=1, duration_s=0.1)
 MEASURING = "measuring this host"
 
 
@@ -213,6 +250,21 @@ def test_a_profile_cached_for_another_host_is_measured_again(tmp_path, caplog, h
         assert tomllib.load(f)["provenance"][key] == now
 
 
+def test_a_cached_profile_without_a_conv_model_is_measured_again(tmp_path, caplog, host_1t):
+    """A profile cached before convolutions were measured would price them by its FLOPS."""
+    caplog.set_level(logging.WARNING, logger="morphling.devices.profiler")
+    path = Path(shutil.copy(host_1t, tmp_path))
+    with path.open("rb") as f:
+        doc = tomllib.load(f)
+    del doc["conv"]
+    path.write_text(dump_toml(doc))
+    measured(caplog)
+    cached_host_profile(threads=1, directory=tmp_path, plan=SMALL)
+    [message] = measured(caplog)
+    assert "no convolution model" in message
+    assert load_profile(str(path)).conv["kind"] == "fitted"
+
+
 def test_each_thread_count_has_its_own_cached_profile(tmp_path, caplog, host_1t):
     caplog.set_level(logging.WARNING, logger="morphling.devices.profiler")
     one = Path(shutil.copy(host_1t, tmp_path))
@@ -257,6 +309,34 @@ def test_grid_is_on_levels_and_heldout_is_off_them():
     assert grid_shapes(50, seed=3) == grid[:50]  # seeded
 
 
+def test_conv_grid_is_on_levels_and_heldout_is_off_them():
+    grid = conv_grid_shapes(600, seed=3)
+    held = conv_heldout_shapes(300, seed=4)
+    assert len(set(grid)) == 600 and len(set(held)) == 300 and not set(grid) & set(held)
+    assert all(s.w in LEVELS and s.n in LEVELS for s in grid)
+    assert not any(s.w in LEVELS for s in held)
+    assert all(s.c in CHANNEL_LEVELS for s in grid if s.groups == 1 and s.c >= 8)
+    assert not any(s.c in CHANNEL_LEVELS for s in held if s.groups == 1 and s.c >= 8)
+    for shapes in (grid, held):
+        seen = {
+            "kind": {s.kind for s in shapes},
+            "dtype": {s.dtype for s in shapes},
+            "depthwise": {s.depthwise for s in shapes},
+            "grouped": {1 < s.groups < s.c for s in shapes},
+            "1x1": {s.kernel == (1, 1) for s in shapes},
+            "strided": {s.stride != (1, 1) for s in shapes},
+            "dilated": {s.dilation != (1, 1) for s in shapes},
+            "1-D": {s.h == 1 and s.kernel[0] == 1 for s in shapes},
+            "band": {s.kind == "grad_input" and s.rows < s.h for s in shapes},
+        }
+        assert seen["kind"] == set(KINDS) and seen["dtype"] == {"float32", "float64"}
+        for name in ("depthwise", "grouped", "1x1", "strided", "dilated", "1-D", "band"):
+            assert seen[name] == {False, True}, name
+        forward = [s for s in shapes if s.kind == "forward"]
+        assert any(s.padding[0] != s.padding[1] for s in forward)  # bands cut the padding
+    assert conv_grid_shapes(50, seed=3) == grid[:50]  # seeded
+
+
 # --- timing and the trace ------------------------------------------------------------------
 
 
@@ -268,6 +348,19 @@ def test_measure_times_each_shape_in_order():
     assert 0 < t_small < t_large
     with pytest.raises(ValueError, match="rounds"):
         measure([small], rounds=0)
+
+
+def test_measure_conv_times_each_call_in_order():
+    small = ConvShape("forward", n=1, c=8, h=8, w=8, oc=8, kernel=(3, 3))
+    large = ConvShape("grad_input", 8, 64, 32, 32, 64, (3, 3), padding=(1, 1, 1, 1), rows=20,
+                      dy_rows=21, dtype="float64")  # fmt: skip
+    depthwise = ConvShape("grad_weight", 4, 32, 16, 16, 32, (3, 3), (2, 2), groups=32)
+    timed = measure_conv([small, large, depthwise], threads=1, rounds=2)
+    assert [s for s, _ in timed] == [small, large, depthwise]
+    seconds = [t for _, t in timed]
+    assert 0 < seconds[0] < seconds[1] and seconds[2] > 0
+    with pytest.raises(ValueError, match="rounds"):
+        measure_conv([small], rounds=0)
 
 
 def test_sustained_trace_without_cpufreq_infers_clocks_from_latency(tmp_path):

@@ -11,6 +11,8 @@ import msgpack
 import psutil
 import pytest
 from morphling.devices.models.capacity import DEVICE_BYTES, check_fleet_size
+from morphling.devices.models.conv import ConvModel
+from morphling.devices.models.conv_shape import ConvShape
 from morphling.devices.models.profiles import (
     BUILTIN,
     DEFAULT_PROFILE,
@@ -21,6 +23,7 @@ from morphling.devices.models.profiles import (
     parse_fleet_spec,
 )
 from morphling.devices.profiler.host_cache import HOST_THREADS_ENV, cached_host_profile
+from morphling.devices.profiler.toml_writer import dump_toml
 from test_profiler import SMALL
 
 VALID = {
@@ -50,6 +53,10 @@ blas = "OpenBLAS"
 """
 
 
+CONV = ConvShape("forward", n=2, c=16, h=10, w=12, oc=32, kernel=(3, 3), padding=(1, 1, 1, 1))
+BAD_RECORD = {**CONV.to_dict(), "seconds": 1e-3, "n": 0}  # a record of a call with no images
+
+
 def make(**changes: object) -> DeviceProfile:
     return DeviceProfile(**{**VALID, **changes})
 
@@ -66,7 +73,7 @@ def profile_file(tmp_path):
 
 def test_valid_profile_keeps_its_fields():
     p = make()
-    assert p.to_wire() == {**VALID, "cooling": "none", "compute": {}, "thermal": {}}
+    assert p.to_wire() == {**VALID, "cooling": "none", "compute": {}, "thermal": {}, "conv": {}}
     with pytest.raises(dataclasses.FrozenInstanceError):
         p.flops = 2.0  # type: ignore[misc]
 
@@ -260,6 +267,7 @@ def test_host_is_this_host_read_from_the_user_cache(tmp_path, monkeypatch, caplo
     assert count == 2 and profile == load_profile(str(cached))
     assert not any("measuring this host" in r.getMessage() for r in caplog.records)
     assert profile.name == "host" and profile.compute["kind"] == "fitted"
+    assert profile.conv["kind"] == "fitted"
     assert profile.dl_bw == profile.ul_bw == math.inf and profile.dl_lat_s == profile.ul_lat_s == 0
     assert profile.source.startswith("measured on ")
 
@@ -299,6 +307,47 @@ def test_toml_thermal_table_is_the_thermal_model_and_is_validated(tmp_path):
     path.write_text(PROFILE_TOML + "\n[thermal]\nambient_c = 25.0\n")
     with pytest.raises(ValueError, match=r"'thermal'.*missing key.*'tau_s'"):
         load_profile(str(path))
+
+
+def test_toml_conv_table_is_the_conv_model_and_is_validated(tmp_path):
+    model = ConvModel.analytic(5e9, mem_bw=2e9)
+    path = tmp_path / "p.toml"
+    path.write_text(PROFILE_TOML + "\n" + dump_toml({"conv": model.to_dict()}))
+    loaded = load_profile(str(path))
+    assert loaded.conv == model.to_dict()
+    assert loaded.conv_model().predict_s(CONV) == model.predict_s(CONV)
+    path.write_text(PROFILE_TOML + "\n[conv]\nkind = 'analytic'\nflops = 5e9\n")
+    with pytest.raises(ValueError, match=r"'conv'.*missing key.*'fp64_ratio'") as info:
+        load_profile(str(path))
+    assert str(path) in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("conv", "message"),
+    [
+        ([], r"'conv' must be a table"),
+        ({"kind": "fitted"}, r"'conv'.*missing key.*'vector_bytes'"),
+        ({**ConvModel.analytic(1e9).to_dict(), "mem_bw": -1.0}, r"'conv'.*'mem_bw'"),
+        (
+            {**ConvModel.analytic(1e9).to_dict(), "exact": [BAD_RECORD]},
+            r"'conv'.*'n'",
+        ),
+    ],
+)
+def test_malformed_conv_table_is_refused_naming_the_field(conv, message):
+    with pytest.raises(ValueError, match=message):
+        make(conv=conv)
+    with pytest.raises(ValueError, match=message):
+        DeviceProfile.from_wire({**make().to_wire(), "conv": conv})
+
+
+def test_a_profile_without_a_conv_model_prices_convolutions_by_its_flops():
+    for profile in BUILTIN.values():
+        assert profile.conv == {}
+        model = profile.conv_model()
+        assert model.predict_s(CONV) == pytest.approx(CONV.flops / profile.flops)
+        f64 = ConvShape.from_dict({**CONV.to_dict(), "dtype": "float64"})
+        assert model.predict_s(f64) == pytest.approx(2 * f64.flops / profile.flops)
 
 
 def test_path_without_toml_suffix_is_loaded_when_it_has_a_slash(tmp_path):

@@ -1,0 +1,561 @@
+"""How long one convolution call takes on a device: measured shapes exactly, the rest fitted.
+
+The virtual clock asks a device's ``ConvModel`` for every convolution tile, as it asks the
+``ComputeModel`` for GEMM tiles: shapes the profiler measured come from an exact cache,
+others from a model fitted to those measurements, or, for built-in profiles with only
+published figures, from ``conv_flops / flops`` (plus the kernel's memory traffic over
+``mem_bw`` where one is given).
+
+Why the fitted model has the form it has: it is a sum of work terms
+(``work_terms``: ``t = Σ_j W_j · exp(X_j · θ_j)``), one or two per stage of the kernel
+``kernels/conv.py`` runs, and each stage's work is what that stage does:
+
+- calls: a constant per call and per kernel tap for each kind and path (general or
+  depthwise): the kernels are numpy and BLAS calls made from Python, kh·kw of them per pass;
+- numpy's copies and adds — the padding (``np.pad``), the unfolding (one strided copy per
+  tap), the output's or dy's channel-major transpose, the grad-input fold (one scatter-add
+  per tap) and its zeroed buffers, the depthwise path's multiply-adds — cost per element
+  moved and per inner loop: numpy loops over the innermost run its operands share
+  (coalesced dimensions), so an unfolding of 7-wide rows costs several times one of 56-wide
+  rows for the same bytes, and a 1×1 convolution's copy is one run. Element costs depend on
+  dtype, a stride over the source (``sw > 1``) and where the pass's bytes fit in the cache
+  hierarchy (a piecewise-linear efficiency in log bytes);
+- the GEMM over the unfolded input, one per group: m = OC/g, n = N·OH·OW, k = (C/g)·kh·kw
+  (forward), with the roles exchanged for the gradients. As in the GEMM model, compute
+  counts the columns the micro-kernel really computes (panels of ``vector_bytes``, a
+  remainder split into power-of-two kernels where ``popcount``), and efficiency depends on
+  kind, dtype and log m, n, k; A, B and C traffic are bytes at an efficiency by kind and
+  cache level. Convolution GEMMs are skinnier than the GEMM grid's tiles (n or k in the
+  tens of thousands), so this model fits its own GEMM terms on convolution timings rather
+  than borrow the GEMM model's.
+
+The panel width and whether the remainder splits are chosen by comparing fits on the
+host's own measurements, as the GEMM model chooses its structure.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .conv_shape import KINDS, SHAPE_FIELDS, ConvShape
+from .strict_map import check_keys, floats, positive
+from .work_terms import Terms, hats, least_squares, one_hot, popcount, predict
+from .work_terms import heldout_error as heldout_error  # scores a ConvModel too
+
+_KIND = {kind: i for i, kind in enumerate(KINDS)}
+_ROUTES = 2 * len(KINDS)  # kind × path (general, depthwise)
+
+# Reference magnitudes: the work measures are scaled so that θ = 0 is a plausible CPU.
+_REF_CALL_S = 1e-6
+_REF_LOOP_S = 1e-8
+_REF_FLOPS = 1e11
+_REF_BYTES_PER_S = 1e10
+
+# Knots of the piecewise-linear efficiencies: log2 of a pass's bytes (4 KiB to 16 MiB:
+# L1, L2 and beyond), and log2 of the GEMM's m, n and k.
+_MEM_KNOTS = np.array([12.0, 15.0, 18.0, 21.0, 24.0])
+_M_KNOTS = np.array([0.0, 2.0, 4.0, 6.0, 8.0, 10.0])
+_N_KNOTS = np.array([0.0, 4.0, 8.0, 12.0, 16.0])
+_K_KNOTS = np.array([0.0, 3.0, 6.0, 9.0, 12.0, 15.0])
+_MEM = len(_MEM_KNOTS)
+
+# Parameter vector layout: term name → width (see ``_Form.terms`` for each design).
+_TERMS = {
+    "calls": _ROUTES,
+    "taps": _ROUTES,
+    "pad_call": 1,
+    "pad_loops": 1,
+    "pad_bytes": 2 + _MEM,
+    "unfold_loops": 3,
+    "unfold_bytes": 3 + _MEM,
+    "transpose_loops": 1,
+    "transpose_bytes": 2 + _MEM,
+    "gemm_compute": len(KINDS) * (2 + len(_M_KNOTS) + len(_N_KNOTS) + len(_K_KNOTS)),
+    "gemm_a": len(KINDS) + 1 + _MEM,
+    "gemm_b": len(KINDS) + 1 + _MEM,
+    "gemm_c": len(KINDS) + 1 + _MEM,
+    "zero_loops": 1,
+    "zero_bytes": 2 + _MEM,
+    "fold_loops": 3,
+    "fold_bytes": 4 + _MEM,
+    "direct_loops": 6 * len(KINDS),
+    "direct_bytes": 7 * len(KINDS) + _MEM,
+}
+
+VECTOR_BYTES_CANDIDATES = (16, 32, 64)
+_SEARCH_SAMPLES = 800  # structure is chosen on at most this many samples
+_SEARCH_NFEV = 60
+_FINAL_NFEV = 400
+
+
+class _Columns:
+    """The shapes' fields as float arrays, so a design is built for thousands at once."""
+
+    def __init__(self, shapes: Sequence[ConvShape]) -> None:
+        rows = [
+            (
+                _KIND[s.kind],
+                s.depthwise,
+                s.n,
+                s.c,
+                s.h,
+                s.w,
+                s.oc,
+                *s.kernel,
+                *s.stride,
+                *s.dilation,
+                *s.padding,
+                s.groups,
+                s.itemsize,
+                s.rows,
+                s.out_rows,
+                *s.out_size,
+            )
+            for s in shapes
+        ]
+        table = np.array(rows, dtype=np.float64).reshape(-1, 23)
+        (
+            self.kind,
+            self.direct,
+            self.n,
+            self.c,
+            self.h,
+            self.w,
+            self.oc,
+            self.kh,
+            self.kw,
+            self.sh,
+            self.sw,
+            self.dh,
+            self.dw,
+            self.top,
+            self.bottom,
+            self.left,
+            self.right,
+            self.groups,
+            self.item,
+            self.rows,
+            self.out_rows,
+            self.out_h,
+            self.out_w,
+        ) = table.T
+        self.size = table.shape[0]
+
+
+def _log2(x: np.ndarray) -> np.ndarray:
+    out: np.ndarray = np.log2(np.maximum(x, 1.0))
+    return out
+
+
+def _mem(nbytes: np.ndarray) -> np.ndarray:
+    return hats(_log2(nbytes), _MEM_KNOTS)
+
+
+def _per_kind(by_kind: np.ndarray, *covariates: np.ndarray) -> np.ndarray:
+    """Each covariate once per kind (zero in the other kinds' columns)."""
+    stacked = np.stack(covariates, axis=1)
+    out: np.ndarray = (by_kind[:, :, None] * stacked[:, None, :]).reshape(stacked.shape[0], -1)
+    return out
+
+
+class _Stages:
+    """What each stage of the kernel does for each shape: the arrays the terms are built of.
+
+    Each stage method gives its terms; in them ``x`` is the shapes' columns and ``c`` this.
+    """
+
+    def __init__(self, c: _Columns) -> None:
+        self.cols = c
+        self.ones = np.ones(c.size)
+        kind = c.kind.astype(np.int64)
+        self.forward, self.grad_input, self.grad_weight = (kind == i for i in range(len(KINDS)))
+        self.direct = c.direct == 1
+        self.general = ~self.direct
+        self.fp64 = (c.item == 8).astype(np.float64)
+        self.strided = (c.sw > 1).astype(np.float64)
+        self.by_kind = one_hot(kind, len(KINDS))
+        self.route = one_hot(kind * 2 + self.direct, _ROUTES)
+        self.taps = c.kh * c.kw
+        self.hp, self.wp = c.top + c.h + c.bottom, c.left + c.w + c.right
+        # The rows a tap touches are one run when nothing lies between them (stride 1 and
+        # the full width) or there is one row.
+        self.rows_run = (c.out_rows == 1) | ((c.sh == 1) & (c.sw == 1) & (c.out_w == self.wp))
+        self.run = c.out_w * np.where(self.rows_run, c.out_rows, 1)
+        self.side_pad = (c.left + c.right) > 0
+
+    def moved(self, flag: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
+        """Work of moving ``nbytes`` where ``flag`` holds."""
+        return np.where(flag, nbytes, 0.0) / _REF_BYTES_PER_S
+
+    def loops(self, flag: np.ndarray, count: np.ndarray) -> np.ndarray:
+        """Work of ``count`` inner loops where ``flag`` holds."""
+        return np.where(flag, count, 0.0) * _REF_LOOP_S
+
+    def efficiency(self, *covariates: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
+        """A design: a constant, the covariates, and where ``nbytes`` fit in the caches."""
+        return np.concatenate([np.stack([self.ones, *covariates], axis=1), _mem(nbytes)], axis=1)
+
+    def calls(self) -> Terms:
+        """A constant per call and per tap, by kind and path."""
+        return [
+            (self.ones * _REF_CALL_S, self.route),
+            (self.taps * _REF_CALL_S, self.route),
+        ]
+
+    def pad(self) -> Terms:
+        """``np.pad`` (forward, grad weight): a call, the middle copied in (row by row when
+        columns are padded) and the edges written."""
+        c, x = self, self.cols
+        padded = ((x.top + x.bottom + x.left + x.right) > 0) & ~c.grad_input
+        nbytes = x.n * x.c * (c.hp * c.wp + x.h * x.w) * x.item
+        count = x.n * x.c * np.where(c.side_pad, x.h + 2 * c.hp, 3)
+        return [
+            (np.where(padded, 10 * _REF_CALL_S, 0.0), c.ones[:, None]),
+            (c.loops(padded, count), c.ones[:, None]),
+            (c.moved(padded, nbytes), c.efficiency(c.fp64, nbytes=nbytes)),
+        ]
+
+    def unfold(self) -> Terms:
+        """The unfolding (general path, forward and grad weight): per tap, a strided copy of
+        [C, N, OH, OW] into the columns; a 1×1 convolution of one image copies one run."""
+        c, x = self, self.cols
+        unfolds = c.general & ~c.grad_input
+        whole = c.rows_run & (x.n == 1) & (c.taps == 1) & (x.out_rows * x.out_w == c.hp * c.wp)
+        elements = c.taps * x.n * x.c * x.out_h * x.out_w
+        runs = elements / (c.run * np.where(whole, x.c, 1))
+        return [
+            (c.loops(unfolds, runs), np.stack([c.ones, c.fp64, c.strided], axis=1)),
+            (
+                c.moved(unfolds, 2 * elements * x.item),
+                c.efficiency(c.fp64, c.strided, nbytes=elements * x.item),
+            ),
+        ]
+
+    def transpose(self) -> Terms:
+        """The channel-major copy of y (forward) or dy (gradients): a run of OH·OW per image
+        and channel; none for one image's dy (already channel-major), one run for its y."""
+        c, x = self, self.cols
+        copies = c.general & ((x.n > 1) | c.forward)
+        nbytes = 2 * x.n * x.oc * x.out_rows * x.out_w * x.item
+        return [
+            (c.loops(copies, np.where(x.n > 1, x.n * x.oc, 1.0)), c.ones[:, None]),
+            (c.moved(copies, nbytes), c.efficiency(c.fp64, nbytes=nbytes)),
+        ]
+
+    def gemm(self, vector_bytes: int, split: bool) -> Terms:
+        """The GEMM per group (general path): compute on the columns the micro-kernel
+        computes, A, B and C traffic."""
+        c, x = self, self.cols
+        cg, ocg, positions = x.c / x.groups, x.oc / x.groups, x.n * x.out_rows * x.out_w
+        m = np.where(c.grad_input, cg * c.taps, ocg)
+        n = np.where(c.grad_weight, cg * c.taps, positions)
+        k = np.where(c.forward, cg * c.taps, np.where(c.grad_input, ocg, positions))
+        per_panel = np.maximum(vector_bytes // x.item.astype(np.int64), 1)
+        full, rest = np.divmod(n.astype(np.int64), per_panel)
+        panels = full + (popcount(rest) if split else (rest > 0))
+        compute = _per_kind(
+            c.by_kind,
+            1 - c.fp64,
+            c.fp64,
+            *hats(_log2(m), _M_KNOTS).T,
+            *hats(_log2(n), _N_KNOTS).T,
+            *hats(_log2(k), _K_KNOTS).T,
+        )
+        traffic = np.concatenate(
+            [c.by_kind, c.fp64[:, None], _mem((m * k + k * n + m * n) * x.item)], axis=1
+        )
+        flops = 2 * x.groups * m * panels * per_panel * k
+        return [
+            (np.where(c.general, flops, 0.0) / _REF_FLOPS, compute),
+            (c.moved(c.general, x.groups * m * k * x.item), traffic),
+            (c.moved(c.general, x.groups * k * n * x.item), traffic),
+            (c.moved(c.general, x.groups * m * n * x.item), traffic),
+        ]
+
+    def fold(self) -> Terms:
+        """Grad input: the zeroed fold buffer, the band zeroed and copied out of it, and per
+        tap a scatter-add of [N, C, R, OW] into the buffer."""
+        c, x = self, self.cols
+        reach = (x.out_rows - 1) * x.sh + x.dh * (x.kh - 1) + 1
+        buffer = x.n * x.c * reach * c.wp * x.item
+        zeroed = buffer + 2 * x.n * x.c * x.rows * x.w * x.item
+        contiguous = c.direct | ((c.taps == 1) & (x.n == 1))
+        whole = c.rows_run & (reach * c.wp == x.out_rows * x.out_w) & contiguous
+        elements = c.taps * x.n * x.c * x.out_rows * x.out_w
+        runs = elements / (c.run * np.where(whole, x.c, 1))
+        return [
+            (c.loops(c.grad_input, x.n * x.c * np.where(c.side_pad, x.rows, 1)), c.ones[:, None]),
+            (c.moved(c.grad_input, zeroed), c.efficiency(c.fp64, nbytes=buffer)),
+            (c.loops(c.grad_input, runs), np.stack([c.ones, c.fp64, c.strided], axis=1)),
+            (
+                c.moved(c.grad_input, 3 * elements * x.item),
+                c.efficiency(c.fp64, c.strided, c.direct * 1.0, nbytes=buffer),
+            ),
+        ]
+
+    def depthwise(self) -> Terms:
+        """The depthwise path: per tap, a multiply-add (forward) or an einsum (gradients)
+        over the output's elements; einsum reduces over the output channels per input
+        channel, which changes its speed."""
+        c, x = self, self.cols
+        elements = c.taps * x.n * x.oc * x.out_rows * x.out_w
+        multiplier = _log2(x.oc / x.c)
+        several = (x.oc > x.c) * 1.0
+        single = (x.c == 1) * 1.0  # one input channel: einsum's long loop is over channels
+        covariates = (c.ones, c.fp64, c.strided, several, multiplier, single)
+        return [
+            (c.loops(c.direct, elements / c.run), _per_kind(c.by_kind, *covariates)),
+            (
+                c.moved(c.direct, 3 * elements * x.item),
+                np.concatenate(
+                    [
+                        _per_kind(c.by_kind, *covariates, _log2(c.run)),
+                        _mem(elements / c.taps * x.item),
+                    ],
+                    axis=1,
+                ),
+            ),
+        ]
+
+
+@dataclass(frozen=True, slots=True)
+class _Form:
+    """The structural choices; everything but θ."""
+
+    vector_bytes: int
+    popcount: bool
+
+    def terms(self, columns: _Columns) -> Terms:
+        """(work, design) per term, in ``_TERMS`` order."""
+        s = _Stages(columns)
+        return [
+            *s.calls(),
+            *s.pad(),
+            *s.unfold(),
+            *s.transpose(),
+            *s.gemm(self.vector_bytes, self.popcount),
+            *s.fold(),
+            *s.depthwise(),
+        ]
+
+
+def traffic_bytes(shape: ConvShape) -> int:
+    """Bytes the kernel moves at least: its operands and output, and for the general path
+    the unfolded copy written and read (forward, grad weight) or the fold's scatter-adds
+    (grad input); for the depthwise path a read and a write of the output per tap. The
+    analytic model's memory term."""
+    kh, kw = shape.kernel
+    out_h, out_w = shape.out_size
+    n, c, oc, item = shape.n, shape.c, shape.oc, shape.itemsize
+    weights = oc * (c // shape.groups) * kh * kw
+    if shape.kind == "grad_input":
+        operands = n * oc * shape.dy_rows * out_w + weights + n * c * shape.rows * shape.w
+        passes = 2 * kh * kw * n * c * shape.dy_rows * out_w
+    else:
+        operands = n * c * shape.h * shape.w + weights + n * oc * out_h * out_w
+        passes = 2 * kh * kw * n * c * out_h * out_w
+    if shape.depthwise:
+        passes = 2 * kh * kw * n * oc * shape.out_rows * out_w
+    return (operands + passes) * item
+
+
+# --- the model -------------------------------------------------------------------------------
+
+_Trial = tuple[float, _Form, np.ndarray]  # robust cost, structure, θ
+
+_ANALYTIC_KEYS = ("kind", "flops", "fp64_ratio", "mem_bw", "exact")
+_FITTED_KEYS = ("kind", "vector_bytes", "popcount", *_TERMS, "exact")
+_RECORD_KEYS = (*SHAPE_FIELDS, "seconds")
+_MEMO_LIMIT = 1 << 16
+NO_MEM_BW = 0.0  # ``mem_bw`` value meaning "no memory term"
+
+
+def _positive(name: str, value: object) -> float:
+    return positive("conv", name, value)
+
+
+def _bandwidth(value: object) -> float:
+    """``mem_bw``: bytes/s, or 0 for none."""
+    if not isinstance(value, bool) and isinstance(value, (int, float)) and value == NO_MEM_BW:
+        return NO_MEM_BW
+    return _positive("mem_bw", value)
+
+
+def _exact_from(records: object) -> dict[ConvShape, float]:
+    if not isinstance(records, list):
+        raise ValueError("conv field 'exact' must be a list of records")
+    exact = {}
+    for i, record in enumerate(records):
+        if not isinstance(record, dict):
+            raise ValueError(f"conv field 'exact'[{i}] must be a table, got {record!r:.60}")
+        check_keys(f"conv field 'exact'[{i}]", record, _RECORD_KEYS)
+        shape = ConvShape.from_dict({key: record[key] for key in SHAPE_FIELDS})
+        exact[shape] = _positive(f"exact[{i}].seconds", record["seconds"])
+    return exact
+
+
+class ConvModel:
+    """Seconds per convolution call at the device's top clock: exact cache first, then the
+    model. Build one with ``fit`` (measurements), ``analytic`` (published figures) or
+    ``from_dict``."""
+
+    def __init__(
+        self,
+        exact: Mapping[ConvShape, float],
+        *,
+        form: _Form | None = None,
+        theta: Sequence[float] | np.ndarray | None = None,
+        flops: float | None = None,
+        fp64_ratio: float = 0.5,
+        mem_bw: float = NO_MEM_BW,
+    ) -> None:
+        if (form is None) == (flops is None) or (form is None) != (theta is None):
+            raise ValueError("a ConvModel is either fitted (form, theta) or analytic (flops)")
+        self.exact = dict(exact)
+        self._form = form
+        self._theta = None if theta is None else np.array(theta, dtype=np.float64)
+        self.flops = None if flops is None else _positive("flops", flops)
+        self.fp64_ratio = _positive("fp64_ratio", fp64_ratio)
+        self.mem_bw = _bandwidth(mem_bw)
+        self._memo: dict[ConvShape, float] = {}
+
+    # construction
+
+    @classmethod
+    def analytic(
+        cls, flops: float, *, fp64_ratio: float = 0.5, mem_bw: float = NO_MEM_BW
+    ) -> ConvModel:
+        """``conv_flops / flops`` (fp64 at ``fp64_ratio`` of the rate), plus, with a memory
+        bandwidth ``mem_bw`` in bytes/s, ``traffic_bytes / mem_bw``: published figures."""
+        return cls({}, flops=flops, fp64_ratio=fp64_ratio, mem_bw=mem_bw)
+
+    @classmethod
+    def fit(cls, samples: Iterable[tuple[ConvShape, float]]) -> ConvModel:
+        """Fit to measured (shape, seconds); the samples also become the exact cache.
+
+        The panel width and the remainder's split are chosen by the lowest robust cost of
+        fits on (a spread subset of) the samples; θ is then fitted on all of them.
+        """
+        exact: dict[ConvShape, float] = {}
+        for shape, measured_s in samples:
+            if not isinstance(shape, ConvShape):
+                raise ValueError(f"sample shape must be a ConvShape, got {shape!r:.60}")
+            value = _positive("seconds", measured_s)
+            exact[shape] = min(value, exact.get(shape, math.inf))
+        least = sum(_TERMS.values()) // 4
+        if len(exact) < least:
+            raise ValueError(f"fit needs at least {least} distinct shapes")
+        shapes = list(exact)
+        seconds = np.array([exact[s] for s in shapes])
+        step = -(-len(shapes) // _SEARCH_SAMPLES)
+        subset = _Columns(shapes[::step])
+        sub_seconds = seconds[::step]
+        zero = np.zeros(sum(_TERMS.values()))
+
+        def trial(form: _Form) -> _Trial:
+            theta, cost = least_squares(form.terms(subset), sub_seconds, zero, _SEARCH_NFEV)
+            return cost, form, theta
+
+        trials = [
+            trial(_Form(vector_bytes, split))
+            for vector_bytes in VECTOR_BYTES_CANDIDATES
+            for split in (False, True)
+        ]
+        _, form, start = min(trials, key=lambda t: t[0])
+        theta, _ = least_squares(form.terms(_Columns(shapes)), seconds, start, _FINAL_NFEV)
+        return cls(exact, form=form, theta=theta)
+
+    # prediction
+
+    def predict_s(self, shape: ConvShape) -> float:
+        """Seconds for one call of ``shape`` at the top clock."""
+        hit = self.exact.get(shape)
+        if hit is not None:
+            return hit
+        hit = self._memo.get(shape)
+        if hit is None:
+            hit = float(self._model([shape])[0])
+            if len(self._memo) >= _MEMO_LIMIT:  # tiles repeat step after step; bound anyway
+                self._memo.clear()
+            self._memo[shape] = hit
+        return hit
+
+    def predict_many(self, shapes: Sequence[ConvShape]) -> np.ndarray:
+        """``predict_s`` for many shapes at once."""
+        out = self._model(shapes) if shapes else np.zeros(0)
+        for i, shape in enumerate(shapes):
+            hit = self.exact.get(shape)
+            if hit is not None:
+                out[i] = hit
+        return out
+
+    def _model(self, shapes: Sequence[ConvShape]) -> np.ndarray:
+        if self._form is None:
+            assert self.flops is not None
+            rate = np.array(
+                [self.flops * (self.fp64_ratio if s.dtype == "float64" else 1.0) for s in shapes]
+            )
+            seconds: np.ndarray = np.array([s.flops for s in shapes], dtype=np.float64) / rate
+            if self.mem_bw != NO_MEM_BW:
+                seconds += np.array([traffic_bytes(s) for s in shapes], np.float64) / self.mem_bw
+            return seconds
+        assert self._theta is not None
+        return predict(self._form.terms(_Columns(shapes)), self._theta)
+
+    # serialisation
+
+    def to_dict(self) -> dict[str, Any]:
+        """A TOML- and msgpack-friendly map (the exact cache as a list of records)."""
+        exact = [{**s.to_dict(), "seconds": t} for s, t in self.exact.items()]
+        if self._form is None:
+            analytic = {
+                "kind": "analytic",
+                "flops": self.flops,
+                "fp64_ratio": self.fp64_ratio,
+                "mem_bw": self.mem_bw,
+            }
+            return {**analytic, "exact": exact}
+        assert self._theta is not None
+        out: dict[str, Any] = {
+            "kind": "fitted",
+            "vector_bytes": self._form.vector_bytes,
+            "popcount": self._form.popcount,
+        }
+        start = 0
+        for name, width in _TERMS.items():
+            out[name] = self._theta[start : start + width].tolist()
+            start += width
+        out["exact"] = exact
+        return out
+
+    @classmethod
+    def from_dict(cls, d: object) -> ConvModel:
+        """Parse ``to_dict``'s map strictly: unknown or missing keys are errors."""
+        if not isinstance(d, dict):
+            raise ValueError(f"conv model must be a map, got {type(d).__name__}")
+        kind = d.get("kind")
+        if kind == "analytic":
+            check_keys("conv model", d, _ANALYTIC_KEYS)
+            return cls(
+                _exact_from(d["exact"]),
+                flops=_positive("flops", d["flops"]),
+                fp64_ratio=_positive("fp64_ratio", d["fp64_ratio"]),
+                mem_bw=_bandwidth(d["mem_bw"]),
+            )
+        if kind != "fitted":
+            raise ValueError(f"conv field 'kind' must be 'analytic' or 'fitted', got {kind!r:.60}")
+        check_keys("conv model", d, _FITTED_KEYS)
+        vector_bytes, split = d["vector_bytes"], d["popcount"]
+        if isinstance(vector_bytes, bool) or not isinstance(vector_bytes, int) or vector_bytes < 1:
+            raise ValueError(
+                f"conv field 'vector_bytes' must be an integer >= 1, got {vector_bytes!r:.60}"
+            )
+        if not isinstance(split, bool):
+            raise ValueError(f"conv field 'popcount' must be a bool, got {split!r:.60}")
+        theta = [x for name, width in _TERMS.items() for x in floats("conv", name, d[name], width)]
+        return cls(_exact_from(d["exact"]), form=_Form(vector_bytes, split), theta=theta)

@@ -1,0 +1,258 @@
+"""The convolution model: call validation, serialisation, the exact cache, and fidelity.
+
+The fidelity tests fit and score the model on one recorded measurement of the reference
+host (one thread, ``scripts/record_conv_timings.py``): real timings, the same every run, so
+a busy moment on a shared CI host can neither fail nor skip them. ``bench_host.py``
+measures the same figures live.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import sys
+import tomllib
+from pathlib import Path
+
+import numpy as np
+import pytest
+from morphling.devices.models.conv import ConvModel, heldout_error, traffic_bytes
+from morphling.devices.models.conv_shape import KINDS, ConvShape
+from morphling.devices.profiler.conv_shapes import conv_grid_shapes, conv_heldout_shapes
+from morphling.devices.profiler.conv_timing import geometry, operand_dims
+from morphling.devices.profiler.toml_writer import dump_toml
+from morphling.kernels.conv import conv_flops
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+from record_conv_timings import DEFAULT_OUTPUT, GRID, HELDOUT
+
+MEDIAN, P90 = 0.05, 0.12  # the issue's targets, as for GEMM shapes
+
+
+def shape(**changes: object) -> ConvShape:
+    base = dict(kind="forward", n=2, c=16, h=10, w=12, oc=32, kernel=(3, 3), padding=(1, 1, 1, 1))
+    return ConvShape(**{**base, **changes})
+
+
+def _samples(records: list[dict]) -> list[tuple[ConvShape, float]]:
+    return [
+        (ConvShape.from_dict({k: v for k, v in r.items() if k != "seconds"}), r["seconds"])
+        for r in records
+    ]
+
+
+@pytest.fixture(scope="module")
+def measured():
+    """(model, held-out samples): the recorded host, fitted once."""
+    with gzip.open(DEFAULT_OUTPUT, "rt") as f:
+        recorded = json.load(f)
+    grid, held = _samples(recorded["grid"]), _samples(recorded["heldout"])
+    stale = "the recording's calls are not the ones asked for: run scripts/record_conv_timings.py"
+    assert [s for s, _ in grid] == conv_grid_shapes(GRID, seed=0), stale
+    assert [s for s, _ in held] == conv_heldout_shapes(HELDOUT, seed=1), stale
+    return ConvModel.fit(grid), held
+
+
+# --- ConvShape -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"kind": "backward"}, "'kind'"),
+        ({"n": 0}, "'n'"),
+        ({"c": 2.0}, "'c'"),
+        ({"oc": True}, "'oc'"),
+        ({"h": -1}, "'h'"),
+        ({"kind": "grad_weight", "h": 0}, "'h'"),  # only a forward region may be empty
+        ({"w": 2**31}, "'w'"),
+        ({"kernel": (3,)}, "'kernel'"),
+        ({"kernel": (0, 3)}, "'kernel'"),
+        ({"stride": (1, 0)}, "'stride'"),
+        ({"dilation": "11"}, "'dilation'"),
+        ({"padding": (1, 1, 1)}, "'padding'"),
+        ({"padding": (-1, 0, 0, 0)}, "'padding'"),
+        ({"groups": 0}, "'groups'"),
+        ({"groups": 3}, "'c'"),  # 16 channels do not split into 3 groups
+        ({"c": 12, "groups": 4, "oc": 30}, "'oc'"),
+        ({"dtype": "float16"}, "'dtype'"),
+        ({"h": 1, "padding": (0, 0, 1, 1)}, "'h'"),  # 1 row is shorter than 3 kernel rows
+        ({"w": 4, "padding": (1, 1, 0, 0), "dilation": (1, 3)}, "'w'"),
+        ({"rows": 2}, "'rows'"),  # forward: no band
+        ({"kind": "grad_input", "rows": 0, "dy_rows": 3}, "'rows'"),
+        ({"kind": "grad_input", "rows": 11, "dy_rows": 3}, "'rows'"),  # h = 10
+        ({"kind": "grad_input", "rows": 2, "dy_rows": 11}, "'dy_rows'"),  # OH = 10
+    ],
+)
+def test_shape_validation_names_the_field(changes, field):
+    with pytest.raises(ValueError, match=field):
+        shape(**changes)
+
+
+def test_shape_accepts_lists_and_an_empty_forward_region():
+    s = shape(h=0, padding=[3, 0, 1, 1], kernel=[3, 3])
+    assert s.kernel == (3, 3) and s.padding == (3, 0, 1, 1) and s.out_size == (1, 12)
+    assert hash(s) == hash(shape(h=0, padding=(3, 0, 1, 1)))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_shape_flops_and_output_are_the_kernels(kind):
+    """The models restate the kernels' output-size rule (they cannot import them): check it
+    and the FLOPs against ``kernels.conv`` on every kind of call the profiler draws."""
+    shapes = [s for s in conv_grid_shapes(300, seed=5) if s.kind == kind]
+    assert len(shapes) > 50
+    for s in shapes:
+        first, second, out = operand_dims(s)
+        assert geometry(s).output_size(s.h, s.w) == s.out_size
+        dy = out if kind == "forward" else second if kind == "grad_weight" else first
+        weight = second if kind != "grad_weight" else out
+        assert s.flops == conv_flops(dy, weight), s
+
+
+def test_shape_round_trips_and_parses_strictly():
+    s = shape(kind="grad_input", rows=4, dy_rows=6, groups=4, dtype="float64")
+    assert ConvShape.from_dict(s.to_dict()) == s
+    assert json.loads(json.dumps(s.to_dict())) == s.to_dict()
+    with pytest.raises(ValueError, match="'frobnicate'"):
+        ConvShape.from_dict({**s.to_dict(), "frobnicate": 1})
+    with pytest.raises(ValueError, match="'dy_rows'"):
+        ConvShape.from_dict({k: v for k, v in s.to_dict().items() if k != "dy_rows"})
+
+
+# --- the analytic model --------------------------------------------------------------------
+
+
+def test_analytic_model_is_flops_over_rate_plus_traffic_over_bandwidth():
+    s32, s64 = shape(), shape(dtype="float64")
+    flops_only = ConvModel.analytic(1e10, fp64_ratio=0.25)
+    assert flops_only.predict_s(s32) == pytest.approx(s32.flops / 1e10)
+    assert flops_only.predict_s(s64) == pytest.approx(s64.flops / 2.5e9)
+    with_memory = ConvModel.analytic(1e10, mem_bw=5e9)
+    extra = with_memory.predict_s(s32) - flops_only.predict_s(s32)
+    assert extra == pytest.approx(traffic_bytes(s32) / 5e9)
+    assert traffic_bytes(s64) == 2 * traffic_bytes(s32)
+    for bad in (-1.0, math.inf, math.nan, True):
+        with pytest.raises(ValueError, match="mem_bw"):
+            ConvModel.analytic(1e10, mem_bw=bad)
+    with pytest.raises(ValueError, match="flops"):
+        ConvModel.analytic(0.0)
+
+
+def test_analytic_round_trip():
+    model = ConvModel.analytic(3e9, mem_bw=4e9)
+    again = ConvModel.from_dict(model.to_dict())
+    assert again.to_dict() == model.to_dict()
+    assert again.predict_s(shape(n=3)) == model.predict_s(shape(n=3))
+
+
+# --- strict parsing ------------------------------------------------------------------------
+
+
+def test_from_dict_refuses_unknown_missing_and_malformed_keys(measured):
+    good = measured[0].to_dict()
+    with pytest.raises(ValueError, match="'frobnicate'"):
+        ConvModel.from_dict({**good, "frobnicate": 1})
+    for key in ("gemm_compute", "popcount", "exact"):
+        with pytest.raises(ValueError, match=repr(key)):
+            ConvModel.from_dict({k: v for k, v in good.items() if k != key})
+    with pytest.raises(ValueError, match="'fold_bytes'"):
+        ConvModel.from_dict({**good, "fold_bytes": good["fold_bytes"][:-1]})
+    with pytest.raises(ValueError, match="'direct_loops'"):
+        ConvModel.from_dict({**good, "direct_loops": [math.nan] * len(good["direct_loops"])})
+    with pytest.raises(ValueError, match="'kind'"):
+        ConvModel.from_dict({**good, "kind": "magic"})
+    with pytest.raises(ValueError, match="'popcount'"):
+        ConvModel.from_dict({**good, "popcount": 1})
+    with pytest.raises(ValueError, match="'vector_bytes'"):
+        ConvModel.from_dict({**good, "vector_bytes": 0})
+    record = good["exact"][0]
+    with pytest.raises(ValueError, match="'groups'"):
+        ConvModel.from_dict({**good, "exact": [{k: v for k, v in record.items() if k != "groups"}]})
+    with pytest.raises(ValueError, match="seconds"):
+        ConvModel.from_dict({**good, "exact": [{**record, "seconds": 0}]})
+    with pytest.raises(ValueError, match="'stride'"):
+        ConvModel.from_dict({**good, "exact": [{**record, "stride": [1]}]})
+    with pytest.raises(ValueError, match="map"):
+        ConvModel.from_dict([good])
+
+
+def test_fitted_round_trip_through_toml(measured):
+    model, held = measured
+    d = model.to_dict()
+    loaded = tomllib.loads(dump_toml({"conv": d}))["conv"]
+    again = ConvModel.from_dict(loaded)
+    assert again.to_dict() == d
+    shapes = [s for s, _ in held]
+    assert np.array_equal(again.predict_many(shapes), model.predict_many(shapes))
+
+
+# --- the exact cache -----------------------------------------------------------------------
+
+
+def test_exact_cache_wins_over_the_fit(measured):
+    model, held = measured
+    target, seconds = held[0]
+    assert target not in model.exact
+    fitted = model.predict_s(target)
+    d = model.to_dict()
+    d["exact"] = [{**target.to_dict(), "seconds": seconds * 3}]
+    cached = ConvModel.from_dict(d)
+    assert cached.predict_s(target) == cached.predict_many([target])[0] == seconds * 3
+    other = held[1][0]
+    assert cached.predict_s(other) == pytest.approx(model.predict_s(other), rel=1e-12)
+    assert fitted != seconds * 3
+
+
+def test_fit_keeps_every_measured_shape_exactly(measured):
+    model, _ = measured
+    assert len(model.exact) == GRID
+    grid_shape, seconds = next(iter(model.exact.items()))
+    assert model.predict_s(grid_shape) == seconds
+
+
+def test_fit_needs_enough_distinct_shapes():
+    with pytest.raises(ValueError, match="distinct shapes"):
+        ConvModel.fit([(shape(), 1e-4)] * 100)
+    with pytest.raises(ValueError, match="seconds"):
+        ConvModel.fit([(shape(n=n), 0.0) for n in range(1, 80)])
+    with pytest.raises(ValueError, match="ConvShape"):
+        ConvModel.fit([("forward", 1e-4)])
+
+
+# --- what the fit says ---------------------------------------------------------------------
+
+
+def test_predicted_time_grows_with_the_batch(measured):
+    """More images is more of every stage's work, whatever the kind and path."""
+    model = measured[0]
+    for base, _ in measured[1][:60]:
+        batches = [ConvShape.from_dict({**base.to_dict(), "n": n}) for n in (1, 4, 16, 64)]
+        times = [model.predict_s(s) for s in batches]
+        assert np.all(np.diff(times) > 0), (base, times)
+
+
+# --- fidelity ------------------------------------------------------------------------------
+
+
+def _error_by_kind(model: ConvModel, held: list[tuple[ConvShape, float]]) -> dict[str, dict]:
+    return {k: heldout_error(model, [(s, t) for s, t in held if s.kind == k]) for k in KINDS}
+
+
+def test_heldout_calls_are_predicted_within_5_percent_median(measured):
+    model, held = measured
+    assert not any(s in model.exact for s, _ in held)
+    error = heldout_error(model, held)
+    assert error["count"] == HELDOUT
+    assert error["median_ape"] <= MEDIAN, (error, _error_by_kind(model, held))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 21's p90 target is not met yet: depthwise gradients (numpy einsum, whose "
+    "speed jumps with strides and channel multipliers) and skinny GEMMs; see BENCHMARKS.md",
+)
+def test_heldout_calls_are_predicted_within_12_percent_p90(measured):
+    model, held = measured
+    error = heldout_error(model, held)
+    assert error["p90_ape"] <= P90, (error, _error_by_kind(model, held))
