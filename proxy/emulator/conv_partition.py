@@ -32,11 +32,12 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, cast
 
 import numpy as np
+from morphling.devices.models.conv_shape import ConvShape
 from morphling.kernels.conv import ConvGeometry
 from morphling.proxy.shm.handover import JobOperands
 from morphling.proxy.vtime.eventlog import conv_op
 from morphling.proxy.vtime.memory import Key
-from morphling.proxy.vtime.work import ConvWork, implicit_gemm
+from morphling.proxy.vtime.work import implicit_gemm
 from morphling.proxy.wire.messages import CONV_KINDS, GEMM_DTYPES, Conv
 from morphling.proxy.wire.operands import HANDED, IN_FRAME
 
@@ -108,7 +109,7 @@ class ConvTileTask(TaskTile):
     b: np.ndarray
     padding: tuple[int, int, int, int]
     groups: int
-    conv: ConvWork
+    conv: ConvShape
     oh_lo: int = 0
     rows: tuple[int, int] = (0, 0)
 
@@ -147,9 +148,10 @@ class ConvTask(Task):
     @property
     def header(self) -> Header:
         """The whole convolution's implicit GEMM."""
-        n, c, h, w = self.input_shape
-        _, oc, oh, ow = self.output_shape
-        whole = self._work(n, c, oc, self.geometry.groups, (h, w), (oh, ow))
+        n, c, h, _ = self.input_shape
+        oc, oh = self.output_shape[1], self.output_shape[2]
+        rows = (h, oh) if self.request.kind == "grad_input" else (0, 0)
+        whole = self._work(n, c, oc, self.geometry.groups, h, self.geometry.padding, rows)
         g = implicit_gemm(whole)
         return Header(g.m, g.n, g.k, 1, g.ta, g.tb, g.dtype)
 
@@ -194,33 +196,39 @@ class ConvTask(Task):
         channels: int,
         out_channels: int,
         groups: int,
-        in_size: tuple[int, int],
-        out_size: tuple[int, int],
-    ) -> ConvWork:
+        height: int,
+        padding: tuple[int, int, int, int],
+        rows: tuple[int, int] = (0, 0),
+    ) -> ConvShape:
+        """What a tile's call computes, as the device's convolution model prices it: over
+        ``height`` input rows (forward: its region's, with the region's padding; else the
+        whole input's); grad_input: ``rows`` = (its band's rows, the dy rows it gets)."""
         geom = self.geometry
-        return ConvWork(
+        return ConvShape(
             self.request.kind,
-            self.request.dtype,
             batch,
             channels,
+            height,
+            self.input_shape[3],
             out_channels,
-            groups,
             geom.kernel,
             geom.stride,
             geom.dilation,
-            in_size,
-            out_size,
+            padding,
+            groups,
+            self.request.dtype,
+            *rows,
         )
 
     def _forward(self, block: ChannelBlock, band: tuple[int, int]) -> ConvTileTask:
         (o0, o1, groups), (p0, p1) = block, band
-        n, _, height, width = self.input_shape
+        n, _, height, _ = self.input_shape
         oc_per, c_per = self.weight_shape[0] // self.geometry.groups, self.weight_shape[1]
         c0 = o0 // oc_per * c_per  # the input channels its output channels read
         c1 = c0 + groups * c_per
         r0, r1, region = self.geometry.forward_band(height, p0, p1)
         ow = self.output_shape[3]
-        conv = self._work(n, c1 - c0, o1 - o0, groups, (r1 - r0, width), (p1 - p0, ow))
+        conv = self._work(n, c1 - c0, o1 - o0, groups, r1 - r0, region.padding)
         return ConvTileTask(
             next(tile_ids),
             self,
@@ -242,8 +250,10 @@ class ConvTask(Task):
         w0 = c0 - first * c_per  # its channels among each group's
         w1 = w0 + (c1 - c0) if groups == 1 else c_per
         lo, hi = self.geometry.grad_output_rows(height, i0, i1)
-        ow = self.output_shape[3]
-        conv = self._work(n, c1 - c0, oc1 - oc0, groups, (i1 - i0, width), (hi - lo, ow))
+        # (a band no output row reaches is priced as one dy row: its product is zeros)
+        conv = self._work(
+            n, c1 - c0, oc1 - oc0, groups, height, self.geometry.padding, (i1 - i0, max(hi - lo, 1))
+        )
         return ConvTileTask(
             next(tile_ids),
             self,
@@ -260,13 +270,12 @@ class ConvTask(Task):
 
     def _grad_weight(self, block: ChannelBlock, inputs: tuple[int, int]) -> ConvTileTask:
         (o0, o1, groups), (w0, w1) = block, inputs
-        n, _, height, width = self.input_shape
+        n, _, height, _ = self.input_shape
         oc_per, c_per, kh, kw = self.weight_shape
         oc_per //= self.geometry.groups
         c0 = o0 // oc_per * c_per + w0  # the input channels it reads
         c1 = c0 + (w1 - w0 if groups == 1 else groups * c_per)
-        out_size = self.output_shape[2:]
-        conv = self._work(n, c1 - c0, o1 - o0, groups, (height, width), out_size)
+        conv = self._work(n, c1 - c0, o1 - o0, groups, height, self.geometry.padding)
         return ConvTileTask(
             next(tile_ids),
             self,

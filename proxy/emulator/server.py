@@ -274,10 +274,12 @@ class Emulator:
 
 
 def _run_entry(device: VirtualDevice) -> dict[str, Any]:
-    """A device in ``run.json``'s fleet: its profile's figures (not its compute and thermal
-    models, which are long), its names, and whether it heats up."""
+    """A device in ``run.json``'s fleet: its profile's figures (not its GEMM, convolution
+    and thermal models, which are long), its names, and whether it heats up."""
     profile = device.profile
-    figures = {k: v for k, v in profile.to_wire().items() if k not in ("compute", "thermal")}
+    figures = {
+        k: v for k, v in profile.to_wire().items() if k not in ("compute", "conv", "thermal")
+    }
     return {
         "id": device.id,
         **figures,

@@ -25,9 +25,9 @@ from typing import Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
+from morphling.devices.models.conv_shape import ConvShape
 
 from .vdevice import VirtualDevice, Work
-from .work import ConvWork
 
 POLICIES = ("round-robin", "greedy", "load-balanced")
 
@@ -132,7 +132,7 @@ class Placement:
         if self._stale:
             self._rebuild()
         # a convolution's tile, and some device cannot compute it: choose among the others
-        some = isinstance(work.shape, ConvWork) and len(self._conv_ids) < len(devices)
+        some = isinstance(work.shape, ConvShape) and len(self._conv_ids) < len(devices)
         if self.policy == "greedy":
             return self._greedy(now, work, some) if len(devices) > 1 else 0  # one: no choice
         if self.policy == "load-balanced":

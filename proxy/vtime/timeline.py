@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Generic, NamedTuple, TypeVar
 
 from morphling.devices.models.compute import GemmShape
+from morphling.devices.models.conv_shape import ConvShape
 from morphling.devices.models.profiles import DeviceProfile
 
 from .engine import Clock, Fifo, Span
@@ -53,7 +54,7 @@ from .eventlog import (
 from .memory import Admission
 from .placement import Placement
 from .vdevice import VirtualDevice, Work
-from .work import ConvWork, GemmWork, Operand, TileWork
+from .work import GemmWork, Operand, TileWork
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ Placed = list[tuple[T, int, Admission]]  # tiles with their devices and admissio
 # leading dimensions as sent and their bytes, and its GEMM's k, transposes and dtype.
 _GemmKey = tuple[int, int, int, int, int, int, bool, bool, str]
 # A convolution tile's depends on what it computes and its operands' bytes.
-_WorkKey = _GemmKey | tuple[ConvWork, int]
+_WorkKey = _GemmKey | tuple[ConvShape, int]
 
 
 @dataclass(frozen=True)

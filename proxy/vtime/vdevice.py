@@ -14,14 +14,14 @@ from collections import deque
 from dataclasses import dataclass
 
 from morphling.devices.models.compute import ComputeModel, GemmShape
+from morphling.devices.models.conv_shape import ConvShape
 from morphling.devices.models.profiles import DeviceProfile
 from morphling.devices.models.thermal import ThermalParams, ThermalState
 
 from .engine import Fifo, Span
 from .memory import DeviceMemory
-from .work import ConvWork, conv_seconds
 
-Compute = GemmShape | ConvWork  # what a tile computes: a GEMM, or a convolution's product
+Compute = GemmShape | ConvShape  # what a tile computes: a GEMM, or a convolution's product
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +49,7 @@ class VirtualDevice:
             if profile.compute
             else ComputeModel.analytic(profile.flops)
         )
+        self.conv_model = profile.conv_model()
         thermal = profile.thermal
         self.thermal = ThermalState(ThermalParams.from_dict(thermal)) if thermal else None
         self.down, self.compute, self.up = Fifo(), Fifo(), Fifo()
@@ -69,11 +70,10 @@ class VirtualDevice:
         if seconds is None:
             if len(self._nominal) > 4096:
                 self._nominal.clear()
-            model = self.compute_model
             seconds = self._nominal[shape] = (
-                model.predict_s(shape)
+                self.compute_model.predict_s(shape)
                 if isinstance(shape, GemmShape)
-                else conv_seconds(model, shape)
+                else self.conv_model.predict_s(shape)
             )
         self._last = (shape, seconds)
         return seconds

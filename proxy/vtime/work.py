@@ -1,5 +1,5 @@
 """What the virtual clock reads of a GEMM or a convolution and its tiles: the shapes of
-its work, no more; and how a convolution tile's compute is priced.
+its work, no more.
 
 The emulator's partition (``proxy.emulator.partition``, ``conv_partition``) builds the
 requests and tiles the clock places; these protocols name what the clock needs of them, so
@@ -9,65 +9,31 @@ do) and the emulator may change what else a tile carries without the clock knowi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol
 
-from morphling.devices.models.compute import ComputeModel, GemmShape
+from morphling.devices.models.compute import GemmShape
+from morphling.devices.models.conv_shape import ConvShape
 
-from .eventlog import conv_op
 from .memory import Key
 
 
-@dataclass(frozen=True, slots=True)
-class ConvWork:
-    """What one convolution tile computes, in ``morphling.kernels.conv``'s terms: ``kind``
-    (forward, grad_input, grad_weight), over ``batch`` images, ``channels`` input channels
-    and ``out_channels`` output channels in ``groups`` groups; ``in_size`` the input rows ×
-    columns the tile reads (forward: its region; grad_weight: all) or produces (grad_input:
-    its band), ``out_size`` the output (-gradient) rows × columns it computes or reads."""
-
-    kind: str
-    dtype: str
-    batch: int
-    channels: int
-    out_channels: int
-    groups: int
-    kernel: tuple[int, int]
-    stride: tuple[int, int]
-    dilation: tuple[int, int]
-    in_size: tuple[int, int]
-    out_size: tuple[int, int]
-
-    @property
-    def op(self) -> str:
-        return conv_op(self.kind)
-
-
-def implicit_gemm(conv: ConvWork) -> GemmShape:
-    """The GEMM a convolution tile comes to as the device computes it (unfold, then one
-    product per group, summed here into one): forward W·cols, grad_input Wᵀ·dy, grad_weight
-    dy·colsᵀ, each with the dense formulation's FLOPs (``kernels.conv.conv_flops``).
-    Depthwise tiles run a direct kernel; they are priced as this GEMM all the same. An
-    empty dimension (a band no output row reaches) is priced as 1, as a GEMM's k = 0 is."""
+def implicit_gemm(conv: ConvShape) -> GemmShape:
+    """The GEMM a convolution comes to as the device computes it (unfold, then one product
+    per group, summed here into one): forward W·cols, grad_input Wᵀ·dy, grad_weight
+    dy·colsᵀ, with the dense formulation's FLOPs. What the event log records of a whole
+    convolution; its tiles are priced by the device's convolution model."""
     kh, kw = conv.kernel
-    per_group = conv.channels // conv.groups * kh * kw  # the unfolded rows of one group
-    positions = conv.batch * conv.out_size[0] * conv.out_size[1]
+    per_group = conv.c // conv.groups * kh * kw  # the unfolded rows of one group
+    positions = conv.n * conv.out_rows * conv.out_size[1]
     if conv.kind == "forward":
-        m, n, k, ta, tb = conv.out_channels, positions, per_group, False, False
+        m, n, k, ta, tb = conv.oc, positions, per_group, False, False
     elif conv.kind == "grad_input":
-        m, n, k = conv.channels * kh * kw, positions, conv.out_channels // conv.groups
+        m, n, k = conv.c * kh * kw, positions, conv.oc // conv.groups
         ta, tb = True, False
     else:  # grad_weight
-        m, n, k, ta, tb = conv.out_channels, per_group, positions, False, True
-    m, n, k = max(m, 1), max(n, 1), max(k, 1)
+        m, n, k, ta, tb = conv.oc, per_group, positions, False, True
     lda, ldb = (m if ta else k), (k if tb else n)
     return GemmShape(m, n, k, ta, tb, lda, ldb, conv.dtype)
-
-
-def conv_seconds(model: ComputeModel, conv: ConvWork) -> float:
-    """A convolution tile's seconds at the top clock on a device whose GEMMs ``model``
-    prices: its implicit GEMM's, until a fitted convolution model replaces this."""
-    return model.predict_s(implicit_gemm(conv))
 
 
 class GemmHeader(Protocol):
@@ -113,7 +79,7 @@ class TileWork(Protocol):
     @property
     def shape(self) -> tuple[int, ...]: ...
     @property
-    def conv(self) -> ConvWork | None: ...
+    def conv(self) -> ConvShape | None: ...
     @property
     def out_bytes(self) -> int: ...
     def operands(self) -> tuple[Operand, Operand]: ...

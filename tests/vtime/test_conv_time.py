@@ -5,9 +5,11 @@ event log saying which product each was."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
+from morphling.devices.models.conv import ConvModel
 from morphling.kernels import conv_flops
 from morphling.proxy.emulator.conv_partition import ConvTileTask
 from timeline_driver import MB, Recorder, conv_task, new_timeline, profile, records, submit, task
@@ -78,3 +80,24 @@ def test_a_conv_tile_costs_what_it_is_sent_and_its_dense_flops(kind):
         assert down1 - down0 == pytest.approx(0.001 + record["bytes_down"] / MB)
     (gemm,) = records(sink, "gemm")
     assert gemm["op"] == f"conv_{kind}" and gemm["tiles"] == len(tiles)
+
+
+def test_a_conv_tile_is_priced_by_the_devices_convolution_model():
+    """A profile's own convolution model ([conv]: here a quarter of its GEMM rate, as a
+    memory-bound depthwise kernel might be) prices its conv tiles; its GEMM tiles keep the
+    GEMM model's price. (The clock priced conv tiles as their implicit GEMM, whatever the
+    profile's convolution model said.)"""
+    tl, sink = new_timeline()
+    slow_convs = ConvModel.analytic(0.25e9).to_dict()
+    tl.add_device(0, "d0", dataclasses.replace(profile(flops=1e9), conv=slow_convs))
+    tl.open_job(1, "job")
+    submit(tl, Recorder(), 1, task(1, 64, 64, 64), block=64)
+    conv = conv_task(2, "forward", (2, 4, 8, 8), (4, 4, 3, 3))
+    rec = Recorder()
+    submit(tl, rec, 1, conv, block=64)
+    gemm_tile, *conv_tiles = records(sink, "tile")
+    start, end = gemm_tile["compute"]
+    assert end - start == pytest.approx(2 * 64**3 / 1e9)
+    for tile, record in zip(rec.tiles, conv_tiles, strict=True):
+        start, end = record["compute"]
+        assert end - start == pytest.approx(conv_flops(tile.shape, tile.b.shape) / 0.25e9)
