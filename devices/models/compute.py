@@ -43,7 +43,16 @@ from typing import Any
 import numpy as np
 
 from .strict_map import check_keys, floats, positive
-from .work_terms import Terms, hats, least_squares, one_hot, popcount, predict, term_costs
+from .work_terms import (
+    ShapeModel,
+    Terms,
+    hats,
+    least_squares,
+    one_hot,
+    popcount,
+    predict,
+    term_costs,
+)
 from .work_terms import heldout_error as heldout_error  # where callers of the GEMM model look
 
 DTYPES = {"float32": 4, "float64": 8}
@@ -248,7 +257,6 @@ _Trial = tuple[float, _Form, np.ndarray]  # robust cost, structure, θ
 _ANALYTIC_KEYS = ("kind", "flops", "fp64_ratio", "exact")
 _FITTED_KEYS = ("kind", "vector_bytes", "regime_min", "log2_min", "log2_max", *_TERMS, "exact")
 _RECORD_KEYS = (*_SHAPE_FIELDS, "seconds")
-_MEMO_LIMIT = 1 << 16
 
 
 def _positive(name: str, value: object) -> float:
@@ -272,7 +280,7 @@ def _exact_from(records: object) -> dict[GemmShape, float]:
     return exact
 
 
-class ComputeModel:
+class ComputeModel(ShapeModel[GemmShape]):
     """Seconds per GEMM at the device's top clock: exact cache first, then the model.
 
     Build one with ``fit`` (measurements), ``analytic`` (a peak figure) or ``from_dict``.
@@ -289,12 +297,11 @@ class ComputeModel:
     ) -> None:
         if (form is None) == (flops is None) or (form is None) != (theta is None):
             raise ValueError("a ComputeModel is either fitted (form, theta) or analytic (flops)")
-        self.exact = dict(exact)
+        super().__init__(exact)
         self._form = form
         self._theta = None if theta is None else np.array(theta, dtype=np.float64)
         self.flops = None if flops is None else _positive("flops", flops)
         self.fp64_ratio = _positive("fp64_ratio", fp64_ratio)
-        self._memo: dict[GemmShape, float] = {}
 
     # construction
 
@@ -340,28 +347,6 @@ class ComputeModel:
         return cls(exact, form=form, theta=theta)
 
     # prediction
-
-    def predict_s(self, shape: GemmShape) -> float:
-        """Seconds for one GEMM of ``shape`` at the top clock."""
-        hit = self.exact.get(shape)
-        if hit is not None:
-            return hit
-        hit = self._memo.get(shape)
-        if hit is None:
-            hit = float(self._model([shape])[0])
-            if len(self._memo) >= _MEMO_LIMIT:  # tiles repeat step after step; bound anyway
-                self._memo.clear()
-            self._memo[shape] = hit
-        return hit
-
-    def predict_many(self, shapes: Sequence[GemmShape]) -> np.ndarray:
-        """``predict_s`` for many shapes at once."""
-        out = self._model(shapes) if shapes else np.zeros(0)
-        for i, shape in enumerate(shapes):
-            hit = self.exact.get(shape)
-            if hit is not None:
-                out[i] = hit
-        return out
 
     def _model(self, shapes: Sequence[GemmShape]) -> np.ndarray:
         if self._form is None:

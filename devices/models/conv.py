@@ -44,7 +44,7 @@ import numpy as np
 
 from .conv_shape import KINDS, SHAPE_FIELDS, ConvShape
 from .strict_map import check_keys, floats, positive
-from .work_terms import Terms, hats, least_squares, one_hot, popcount, predict
+from .work_terms import ShapeModel, Terms, hats, least_squares, one_hot, popcount, predict
 from .work_terms import heldout_error as heldout_error  # scores a ConvModel too
 
 _KIND = {kind: i for i, kind in enumerate(KINDS)}
@@ -371,7 +371,6 @@ _Trial = tuple[float, _Form, np.ndarray]  # robust cost, structure, θ
 _ANALYTIC_KEYS = ("kind", "flops", "fp64_ratio", "mem_bw", "exact")
 _FITTED_KEYS = ("kind", "vector_bytes", "popcount", *_TERMS, "exact")
 _RECORD_KEYS = (*SHAPE_FIELDS, "seconds")
-_MEMO_LIMIT = 1 << 16
 NO_MEM_BW = 0.0  # ``mem_bw`` value meaning "no memory term"
 
 
@@ -399,7 +398,7 @@ def _exact_from(records: object) -> dict[ConvShape, float]:
     return exact
 
 
-class ConvModel:
+class ConvModel(ShapeModel[ConvShape]):
     """Seconds per convolution call at the device's top clock: exact cache first, then the
     model. Build one with ``fit`` (measurements), ``analytic`` (published figures) or
     ``from_dict``."""
@@ -416,13 +415,12 @@ class ConvModel:
     ) -> None:
         if (form is None) == (flops is None) or (form is None) != (theta is None):
             raise ValueError("a ConvModel is either fitted (form, theta) or analytic (flops)")
-        self.exact = dict(exact)
+        super().__init__(exact)
         self._form = form
         self._theta = None if theta is None else np.array(theta, dtype=np.float64)
         self.flops = None if flops is None else _positive("flops", flops)
         self.fp64_ratio = _positive("fp64_ratio", fp64_ratio)
         self.mem_bw = _bandwidth(mem_bw)
-        self._memo: dict[ConvShape, float] = {}
 
     # construction
 
@@ -471,28 +469,6 @@ class ConvModel:
         return cls(exact, form=form, theta=theta)
 
     # prediction
-
-    def predict_s(self, shape: ConvShape) -> float:
-        """Seconds for one call of ``shape`` at the top clock."""
-        hit = self.exact.get(shape)
-        if hit is not None:
-            return hit
-        hit = self._memo.get(shape)
-        if hit is None:
-            hit = float(self._model([shape])[0])
-            if len(self._memo) >= _MEMO_LIMIT:  # tiles repeat step after step; bound anyway
-                self._memo.clear()
-            self._memo[shape] = hit
-        return hit
-
-    def predict_many(self, shapes: Sequence[ConvShape]) -> np.ndarray:
-        """``predict_s`` for many shapes at once."""
-        out = self._model(shapes) if shapes else np.zeros(0)
-        for i, shape in enumerate(shapes):
-            hit = self.exact.get(shape)
-            if hit is not None:
-                out[i] = hit
-        return out
 
     def _model(self, shapes: Sequence[ConvShape]) -> np.ndarray:
         if self._form is None:

@@ -10,8 +10,8 @@ lives here.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import Protocol, TypeVar
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Generic, Protocol, TypeVar
 
 import numpy as np
 from scipy.optimize import least_squares as solve
@@ -21,6 +21,7 @@ from .strict_map import positive
 # (work, design) per term: work [samples], design [samples, parameters of the term].
 Terms = list[tuple[np.ndarray, np.ndarray]]
 
+_MEMO_LIMIT = 1 << 16  # predictions kept: tiles repeat step after step; bound anyway
 _RIDGE = 1e-2  # keeps terms the measurements barely cover near θ = 0
 _LOSS_SCALE = 0.05  # soft-L1 knee in log time: points off by > 5 % count linearly
 
@@ -132,3 +133,41 @@ def heldout_error(
         "max_ape": float(ape.max()),
         "count": int(ape.size),
     }
+
+
+S = TypeVar("S", bound=Hashable)
+
+
+class ShapeModel(Generic[S]):
+    """Seconds per call of a shape at the device's top clock: a measured shape's time from
+    the exact cache, any other's from the model (``_model``: a fitted form, or published
+    figures), remembered."""
+
+    def __init__(self, exact: Mapping[S, float]) -> None:
+        self.exact = dict(exact)
+        self._memo: dict[S, float] = {}
+
+    def predict_s(self, shape: S) -> float:
+        """Seconds for one call of ``shape``."""
+        hit = self.exact.get(shape)
+        if hit is not None:
+            return hit
+        hit = self._memo.get(shape)
+        if hit is None:
+            hit = float(self._model([shape])[0])
+            if len(self._memo) >= _MEMO_LIMIT:
+                self._memo.clear()
+            self._memo[shape] = hit
+        return hit
+
+    def predict_many(self, shapes: Sequence[S]) -> np.ndarray:
+        """``predict_s`` for many shapes at once."""
+        out = self._model(shapes) if shapes else np.zeros(0)
+        for i, shape in enumerate(shapes):
+            hit = self.exact.get(shape)
+            if hit is not None:
+                out[i] = hit
+        return out
+
+    def _model(self, shapes: Sequence[S]) -> np.ndarray:
+        raise NotImplementedError
