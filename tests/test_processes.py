@@ -10,11 +10,11 @@ tiles and how many were re-queued). A fixture finalizer stops every child.
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 import resource
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -409,6 +409,22 @@ def bounded_address_space() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (FLEET_ADDRESS_SPACE, FLEET_ADDRESS_SPACE))
 
 
+# A fresh, small Python starts the command in a bounded address space and reports its exit
+# code and peak RSS: a child forked from pytest itself (a preexec_fn forks) counts pytest's
+# resident pages, hundreds of MB late in the suite, in its ru_maxrss.
+BOUNDED_RUN = """
+import os, resource, subprocess, sys
+limit = int(sys.argv[1])
+def bound():
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+proc = subprocess.Popen(sys.argv[2:], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                        text=True, preexec_fn=bound)
+sys.stderr.write(proc.stderr.read())
+_, status, usage = os.wait4(proc.pid, 0)
+print(os.waitstatus_to_exitcode(status), usage.ru_maxrss)
+"""
+
+
 @pytest.mark.parametrize(
     "command",
     [
@@ -420,21 +436,19 @@ def bounded_address_space() -> None:
 )
 def test_a_fleet_larger_than_the_host_can_hold_is_refused_before_anything_is_made(command):
     count = 2 * mem_available() // DEVICE_BYTES
-    proc = subprocess.Popen(
-        [*MORPHLING, *(arg.format(count=count) for arg in command)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=child_env(),
-        preexec_fn=bounded_address_space,
+    argv = [*MORPHLING, *(arg.format(count=count) for arg in command)]
+    run = subprocess.run(
+        [sys.executable, "-c", BOUNDED_RUN, str(FLEET_ADDRESS_SPACE), *argv],
+        capture_output=True, text=True, env=child_env(), timeout=120, check=False,
     )  # fmt: skip
-    err = proc.stderr.read()
-    _, status, usage = os.wait4(proc.pid, 0)  # this child's own peak RSS, in KiB
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    proc.stderr.close()
-    assert proc.returncode == 2, err
+    err = run.stderr
+    returncode, maxrss_kib = map(int, run.stdout.split())
+    assert returncode == 2, err
     refusal = err.splitlines()[-1]
     assert refusal.startswith(f"morphling {command[0]}: a fleet of {count} devices needs "), err
     assert f"({DEVICE_BYTES >> 10} KiB per device), but " in refusal
     assert refusal.endswith(" is available; --max-devices N allows N devices whatever the memory")
-    assert usage.ru_maxrss < 512 << 10  # the interpreter and its imports; no devices
+    assert maxrss_kib < 512 << 10  # the interpreter and its imports; no devices
 
 
 def test_a_fleet_stopped_while_its_devices_are_made_exits_143_before_connecting(procs: Procs):
