@@ -52,6 +52,7 @@ from .work_terms import (
     popcount,
     predict,
     term_costs,
+    theta_by_term,
 )
 from .work_terms import heldout_error as heldout_error  # where callers of the GEMM model look
 
@@ -387,12 +388,7 @@ class ComputeModel(ShapeModel[GemmShape]):
             "log2_min": list(self._form.log2_min),
             "log2_max": list(self._form.log2_max),
         }
-        start = 0
-        for name, width in _TERMS.items():
-            out[name] = self._theta[start : start + width].tolist()
-            start += width
-        out["exact"] = exact
-        return out
+        return {**out, **theta_by_term(self._theta, _TERMS), "exact": exact}
 
     @classmethod
     def from_dict(cls, d: object) -> ComputeModel:

@@ -44,7 +44,16 @@ import numpy as np
 
 from .conv_shape import KINDS, SHAPE_FIELDS, ConvShape
 from .strict_map import check_keys, floats, positive
-from .work_terms import ShapeModel, Terms, hats, least_squares, one_hot, popcount, predict
+from .work_terms import (
+    ShapeModel,
+    Terms,
+    hats,
+    least_squares,
+    one_hot,
+    popcount,
+    predict,
+    theta_by_term,
+)
 from .work_terms import heldout_error as heldout_error  # scores a ConvModel too
 
 _KIND = {kind: i for i, kind in enumerate(KINDS)}
@@ -502,12 +511,7 @@ class ConvModel(ShapeModel[ConvShape]):
             "vector_bytes": self._form.vector_bytes,
             "popcount": self._form.popcount,
         }
-        start = 0
-        for name, width in _TERMS.items():
-            out[name] = self._theta[start : start + width].tolist()
-            start += width
-        out["exact"] = exact
-        return out
+        return {**out, **theta_by_term(self._theta, _TERMS), "exact": exact}
 
     @classmethod
     def from_dict(cls, d: object) -> ConvModel:

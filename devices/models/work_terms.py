@@ -10,6 +10,7 @@ lives here.
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Generic, Protocol, TypeVar
 
@@ -138,7 +139,7 @@ def heldout_error(
 S = TypeVar("S", bound=Hashable)
 
 
-class ShapeModel(Generic[S]):
+class ShapeModel(ABC, Generic[S]):
     """Seconds per call of a shape at the device's top clock: a measured shape's time from
     the exact cache, any other's from the model (``_model``: a fitted form, or published
     figures), remembered."""
@@ -169,5 +170,15 @@ class ShapeModel(Generic[S]):
                 out[i] = hit
         return out
 
+    @abstractmethod
     def _model(self, shapes: Sequence[S]) -> np.ndarray:
-        raise NotImplementedError
+        """Seconds for each of ``shapes`` by the model alone."""
+
+
+def theta_by_term(theta: np.ndarray, widths: Mapping[str, int]) -> dict[str, list[float]]:
+    """θ as a model's ``to_dict`` writes it: each term's parameters under its name."""
+    out, start = {}, 0
+    for name, width in widths.items():
+        out[name] = theta[start : start + width].tolist()
+        start += width
+    return out
