@@ -377,7 +377,7 @@ def traffic_bytes(shape: ConvShape) -> int:
 
 _Trial = tuple[float, _Form, np.ndarray]  # robust cost, structure, θ
 
-_ANALYTIC_KEYS = ("kind", "flops", "fp64_ratio", "mem_bw", "exact")
+_ANALYTIC_KEYS = ("kind", "flops", "depthwise_flops", "fp64_ratio", "mem_bw", "exact")
 _FITTED_KEYS = ("kind", "vector_bytes", "popcount", *_TERMS, "exact")
 _RECORD_KEYS = (*SHAPE_FIELDS, "seconds")
 NO_MEM_BW = 0.0  # ``mem_bw`` value meaning "no memory term"
@@ -419,6 +419,7 @@ class ConvModel(ShapeModel[ConvShape]):
         form: _Form | None = None,
         theta: Sequence[float] | np.ndarray | None = None,
         flops: float | None = None,
+        depthwise_flops: float | None = None,
         fp64_ratio: float = 0.5,
         mem_bw: float = NO_MEM_BW,
     ) -> None:
@@ -428,6 +429,8 @@ class ConvModel(ShapeModel[ConvShape]):
         self._form = form
         self._theta = None if theta is None else np.array(theta, dtype=np.float64)
         self.flops = None if flops is None else _positive("flops", flops)
+        rate = self.flops if depthwise_flops is None else depthwise_flops
+        self.depthwise_flops = None if rate is None else _positive("depthwise_flops", rate)
         self.fp64_ratio = _positive("fp64_ratio", fp64_ratio)
         self.mem_bw = _bandwidth(mem_bw)
 
@@ -435,11 +438,14 @@ class ConvModel(ShapeModel[ConvShape]):
 
     @classmethod
     def analytic(
-        cls, flops: float, *, fp64_ratio: float = 0.5, mem_bw: float = NO_MEM_BW
-    ) -> ConvModel:
-        """``conv_flops / flops`` (fp64 at ``fp64_ratio`` of the rate), plus, with a memory
-        bandwidth ``mem_bw`` in bytes/s, ``traffic_bytes / mem_bw``: published figures."""
-        return cls({}, flops=flops, fp64_ratio=fp64_ratio, mem_bw=mem_bw)
+        cls, flops: float, *, depthwise_flops: float | None = None, fp64_ratio: float = 0.5,
+        mem_bw: float = NO_MEM_BW,
+    ) -> ConvModel:  # fmt: skip
+        """``conv_flops / flops`` (``depthwise_flops`` for a depthwise convolution, default
+        ``flops``; fp64 at ``fp64_ratio`` of the rate), plus, with a memory bandwidth
+        ``mem_bw`` in bytes/s, ``traffic_bytes / mem_bw``: published figures."""
+        return cls({}, flops=flops, depthwise_flops=depthwise_flops, fp64_ratio=fp64_ratio,
+                   mem_bw=mem_bw)  # fmt: skip
 
     @classmethod
     def fit(cls, samples: Iterable[tuple[ConvShape, float]]) -> ConvModel:
@@ -481,9 +487,13 @@ class ConvModel(ShapeModel[ConvShape]):
 
     def _model(self, shapes: Sequence[ConvShape]) -> np.ndarray:
         if self._form is None:
-            assert self.flops is not None
+            assert self.flops is not None and self.depthwise_flops is not None
             rate = np.array(
-                [self.flops * (self.fp64_ratio if s.dtype == "float64" else 1.0) for s in shapes]
+                [
+                    (self.depthwise_flops if s.depthwise else self.flops)
+                    * (self.fp64_ratio if s.dtype == "float64" else 1.0)
+                    for s in shapes
+                ]
             )
             seconds: np.ndarray = np.array([s.flops for s in shapes], dtype=np.float64) / rate
             if self.mem_bw != NO_MEM_BW:
@@ -501,6 +511,7 @@ class ConvModel(ShapeModel[ConvShape]):
             analytic = {
                 "kind": "analytic",
                 "flops": self.flops,
+                "depthwise_flops": self.depthwise_flops,
                 "fp64_ratio": self.fp64_ratio,
                 "mem_bw": self.mem_bw,
             }
@@ -524,6 +535,7 @@ class ConvModel(ShapeModel[ConvShape]):
             return cls(
                 _exact_from(d["exact"]),
                 flops=_positive("flops", d["flops"]),
+                depthwise_flops=_positive("depthwise_flops", d["depthwise_flops"]),
                 fp64_ratio=_positive("fp64_ratio", d["fp64_ratio"]),
                 mem_bw=_bandwidth(d["mem_bw"]),
             )

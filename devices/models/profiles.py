@@ -20,10 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .board_ops import cpu_board, gpu_board
 from .capacity import check_fleet_size
 from .compute import ComputeModel
 from .conv import ConvModel
 from .links import LINKS, link
+from .ops import OpModel
 from .strict_map import check_keys, short
 from .thermal import COOLING, ThermalParams, thermal_for
 
@@ -37,6 +39,7 @@ _MODEL_FIELDS: dict[str, Callable[[object], object]] = {
     "compute": ComputeModel.from_dict,
     "conv": ConvModel.from_dict,
     "thermal": ThermalParams.from_dict,
+    "ops": OpModel.from_dict,
 }
 
 
@@ -50,7 +53,8 @@ class DeviceProfile:
     (``ComputeModel.to_dict``; empty: the analytic 2·m·n·k/flops), ``conv`` a convolution
     model (``ConvModel.to_dict``; empty: the analytic conv FLOPs/flops, see ``conv_model``)
     and ``thermal`` a thermal model (``ThermalParams.to_dict``, with ``cooling`` applied;
-    empty: none).
+    empty: none); ``ops`` the op model of everything else the board runs when it is a
+    coordinator (``OpModel.to_dict``; empty: none, it cannot coordinate).
     """
 
     name: str
@@ -67,6 +71,7 @@ class DeviceProfile:
     compute: dict[str, Any] = field(default_factory=dict)
     thermal: dict[str, Any] = field(default_factory=dict)
     conv: dict[str, Any] = field(default_factory=dict)
+    ops: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for key in _STR_FIELDS:
@@ -179,11 +184,14 @@ _PUBLISHED = "derived from published figures: "
 
 
 def _lan_profile(
-    name: str, flops: float, memory_bytes: int, kind: str, blas: str, cite: str
-) -> DeviceProfile:
-    """A built-in on the default wired LAN, its provenance spelled out, with its thermal
-    model (``devices/models/thermal.py``, also from REFERENCE.md) when it has one."""
+    name: str, flops: float, memory_bytes: int, kind: str, blas: str, cite: str,
+    models: tuple[dict[str, Any], dict[str, Any]],
+) -> DeviceProfile:  # fmt: skip
+    """A built-in on the default wired LAN, its provenance spelled out, with its op and
+    convolution ``models`` (``board_ops``) and its thermal model (``devices/models/
+    thermal.py``, also from REFERENCE.md) when it has one."""
     thermal = thermal_for(name, "none")
+    ops, conv = models
     return DeviceProfile(
         name=name,
         flops=flops,
@@ -196,6 +204,8 @@ def _lan_profile(
         blas=blas,
         source=f"{_PUBLISHED}{cite}; LAN: {_LAN.source}",
         thermal=thermal.to_dict() if thermal is not None else {},
+        conv=conv,
+        ops=ops,
     )
 
 
@@ -213,6 +223,7 @@ BUILTIN: dict[str, DeviceProfile] = {
         blas="OpenBLAS",
         cite="Raspberry Pi 4 HPL 11.9 GFLOPS FP64 (geerlingguy/top500-benchmark README), "
         "fp32 GEMM estimated as 2x",
+        models=cpu_board("rpi4", _FP32_PER_FP64_SIMD * 11.9e9),
     ),
     # Raspberry Pi 5: HPL 30.249 GFLOPS FP64 at 2.4 GHz, 11 W (geerlingguy/top500-benchmark
     # README). fp32 ≈ 2 × 30.2 = 60.4 GFLOP/s. Memory: the 8 GB board (2, 4, 16 GB exist).
@@ -224,6 +235,7 @@ BUILTIN: dict[str, DeviceProfile] = {
         blas="OpenBLAS",
         cite="Raspberry Pi 5 HPL 30.2 GFLOPS FP64 (geerlingguy/top500-benchmark README), "
         "fp32 GEMM estimated as 2x",
+        models=cpu_board("rpi5", _FP32_PER_FP64_SIMD * 30.2e9),
     ),
     # Jetson Nano: 128 Maxwell cores at 921 MHz (10 W mode) = 236 GFLOPS FP32 peak (public spec
     # comparisons); × 0.75 ≈ 177 GFLOP/s. Memory: 4 GB LPDDR4 (25.6 GB/s), shared by CPU and
@@ -236,6 +248,13 @@ BUILTIN: dict[str, DeviceProfile] = {
         blas="cuBLAS",
         cite="Jetson Nano GPU 236 GFLOPS FP32 peak (public spec comparisons), "
         "assumed 75% sustained in SGEMM",
+        models=gpu_board(
+            _CUBLAS_SGEMM_FRACTION * 236e9,
+            236e9,
+            25.6e9,
+            20e-6,
+            "Jetson Nano: 236 GFLOPS FP32, LPDDR4 25.6 GB/s; public spec comparisons",
+        ),
     ),
     # Jetson Orin Nano 8 GB in its 15 W mode: 1024 cores × 2 × 625 MHz = 1.28 TFLOPS FP32 peak
     # (NVIDIA Orin Nano guides); × 0.75 = 0.96 TFLOP/s. 15 W is the mode every module has;
@@ -248,6 +267,13 @@ BUILTIN: dict[str, DeviceProfile] = {
         blas="cuBLAS",
         cite="Jetson Orin Nano 8 GB, 15 W: 1024 CUDA cores x 2 x 625 MHz = 1.28 TFLOPS FP32 "
         "peak (NVIDIA Orin Nano guides), assumed 75% sustained in SGEMM",
+        models=gpu_board(
+            _CUBLAS_SGEMM_FRACTION * 1024 * 2 * 625e6,
+            1024 * 2 * 625e6,
+            68e9,
+            10e-6,
+            "Jetson Orin Nano 8 GB, 15 W: 1.28 TFLOPS FP32, 68 GB/s; NVIDIA Orin Nano guides",
+        ),
     ),
     # Jetson Orin Nano 8 GB in the 25 W "Super" mode: 1024 × 2 × 1.02 GHz = 2.09 TFLOPS FP32
     # peak (NVIDIA Orin Nano guides); × 0.75 ≈ 1.57 TFLOP/s. Same board and memory.
@@ -259,6 +285,14 @@ BUILTIN: dict[str, DeviceProfile] = {
         blas="cuBLAS",
         cite="Jetson Orin Nano 8 GB, 25 W Super: 1024 CUDA cores x 2 x 1.02 GHz = 2.09 TFLOPS "
         "FP32 peak (NVIDIA Orin Nano guides), assumed 75% sustained in SGEMM",
+        models=gpu_board(
+            _CUBLAS_SGEMM_FRACTION * 1024 * 2 * 1.02e9,
+            1024 * 2 * 1.02e9,
+            102e9,
+            10e-6,
+            "Jetson Orin Nano 8 GB, 25 W Super: 2.09 TFLOPS FP32, "
+            "102 GB/s; NVIDIA Orin Nano guides",
+        ),
     ),
     # Jetson AGX Orin: 2048 cores, 5.3 TFLOPS FP32 peak (NVIDIA technical brief); × 0.75 ≈
     # 3.98 TFLOP/s. The 2048-core GPU is the 64 GB module's, so memory is 64 GB (the 32 GB
@@ -272,6 +306,13 @@ BUILTIN: dict[str, DeviceProfile] = {
         blas="cuBLAS",
         cite="Jetson AGX Orin 2048 CUDA cores, 5.3 TFLOPS FP32 peak (NVIDIA technical brief), "
         "assumed 75% sustained in SGEMM",
+        models=gpu_board(
+            _CUBLAS_SGEMM_FRACTION * 5.3e12,
+            5.3e12,
+            204.8e9,
+            10e-6,
+            "Jetson AGX Orin 64 GB: 5.3 TFLOPS FP32, LPDDR5 204.8 GB/s; NVIDIA technical brief",
+        ),
     ),
 }
 
@@ -292,7 +333,8 @@ def with_cooling(profile: DeviceProfile, cooling: str) -> DeviceProfile:
 
 def _load_toml(path: Path) -> DeviceProfile:
     """Read a profile file: its ``[profile]`` table, and the fitted models that
-    ``morphling profile`` writes beside it (``[compute]``, ``[conv]``, ``[thermal]``).
+    ``morphling profile`` writes beside it (``[compute]``, ``[conv]``, ``[thermal]``,
+    ``[ops]``).
 
     Other top-level tables (provenance, the trace summary) are for people; inside
     ``[profile]`` every key must be a field.

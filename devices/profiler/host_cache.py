@@ -22,7 +22,7 @@ from tqdm import tqdm
 from ..models.links import LINKS
 from ..models.profiles import HOST
 from .host_facts import cpu_model
-from .profile_file import QUICK, Plan, plan_size, profile
+from .profile_file import QUICK, Plan, op_timing, plan_size, profile
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +71,8 @@ def _stale(path: Path, key: dict[str, str | int]) -> str | None:
         return f"the cached profile was measured with another {', '.join(changed)}"
     if "conv" not in doc:  # measured before convolutions were
         return "the cached profile has no convolution model"
+    if "ops" not in doc and op_timing is not None:  # measured before the op model was
+        return "the cached profile has no op model"
     return None
 
 

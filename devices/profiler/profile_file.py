@@ -14,6 +14,7 @@ import logging
 import socket
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 from morphling.kernels import blas_info
@@ -21,6 +22,7 @@ from morphling.kernels import blas_info
 from ..models.compute import ComputeModel, GemmShape, heldout_error
 from ..models.conv import ConvModel
 from ..models.links import LINKS, Link
+from ..models.ops import OpModel
 from ..models.thermal import ThermalFit
 from .conv_shapes import conv_grid_shapes, conv_heldout_shapes, describe
 from .conv_timing import measure_conv
@@ -30,6 +32,12 @@ from .shapes import grid_shapes, heldout_shapes
 from .sustained_load import Bursts, fit_thermal, run_bursts
 from .timing import Progress, measure, measure_grid_and_heldout
 from .toml_writer import Table, TomlValue, dump_toml
+
+op_timing: ModuleType | None
+try:  # the op model times PyTorch's own ops: a board without torch has none to time
+    from . import op_timing
+except ImportError:  # pragma: no cover - torch is installed wherever the tests run
+    op_timing = None
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +85,8 @@ class ProfileResult:
     heldout: dict[str, float]
     conv: ConvModel
     conv_heldout: dict[str, float]
+    ops: OpModel | None  # None: torch is not installed, so no op to time
+    ops_error: dict[str, float]
     bursts: Bursts
     thermal: ThermalFit | None  # None: not fitted, ``thermal_status`` says why
     thermal_status: str
@@ -84,7 +94,8 @@ class ProfileResult:
 
 def plan_size(plan: Plan) -> int:
     """Timed shape-rounds ``profile`` reports to its progress callback."""
-    return (plan.grid + 2 * plan.heldout + plan.conv_grid + 2 * plan.conv_heldout) * plan.rounds
+    shapes = (plan.grid + 2 * plan.heldout + plan.conv_grid + 2 * plan.conv_heldout) * plan.rounds
+    return shapes + (op_timing.items_count(plan.rounds) if op_timing is not None else 0)
 
 
 def profile(
@@ -150,11 +161,12 @@ def profile(
     model.exact.update(timed.heldout)
     flops = LARGE_GEMM.flops / model.predict_s(LARGE_GEMM)
     conv, conv_error, conv_provenance = _conv_model(plan, threads, progress)
-    cooldown = 0.0 if why_not is not None else duration if cooldown_s is None else cooldown_s
-    bursts = run_bursts(duration, threads=threads, cooldown_s=cooldown, sysfs=sysfs)
     host = socket.gethostname()
     now = datetime.datetime.now(datetime.UTC).replace(microsecond=0)
     source = f"measured on {host} by morphling profile at {now.isoformat()}"
+    ops, ops_error, ops_provenance = _op_model(plan, threads, progress, source)
+    cooldown = 0.0 if why_not is not None else duration if cooldown_s is None else cooldown_s
+    bursts = run_bursts(duration, threads=threads, cooldown_s=cooldown, sysfs=sysfs)
     if why_not is None and ambient_c is not None:  # (no why_not implies an ambient)
         thermal, status = _fit_or_say_why(bursts, ambient_c, source)
     else:
@@ -190,6 +202,7 @@ def profile(
             "heldout_max_ape": error["max_ape"],
             "heldout_repeat_p90": timed.repeat_p90,
             **conv_provenance,
+            **ops_provenance,
             "links": f"{link.name} preset, not measured: {link.source}",
             "thermal": status,
         },
@@ -197,9 +210,13 @@ def profile(
     }
     if thermal is not None:
         tables["thermal"] = thermal.params.to_dict()
+    if ops is not None:
+        tables["ops"] = ops.to_dict()
     with path.open("w" if force else "x") as f:  # "x": never clobber without force
         f.write(dump_toml(tables))
-    return ProfileResult(path, model, flops, error, conv, conv_error, bursts, thermal, status)
+    return ProfileResult(
+        path, model, flops, error, conv, conv_error, ops, ops_error, bursts, thermal, status
+    )
 
 
 def _conv_model(
@@ -236,6 +253,31 @@ def _conv_model(
         "conv_heldout_p90_ape": error["p90_ape"],
         "conv_heldout_max_ape": error["max_ape"],
         "conv_heldout_repeat_p90": timed.repeat_p90,
+    }
+    return model, error, provenance
+
+
+def _op_model(
+    plan: Plan, threads: int, progress: Progress | None, source: str
+) -> tuple[OpModel | None, dict[str, float], dict[str, TomlValue]]:
+    """The op model, fitted to the ops of a training step timed on this host
+    (``op_timing``), its error on those items and its provenance; None without torch."""
+    if op_timing is None:
+        return None, {}, {"ops": "not measured: torch is not installed"}
+    items = op_timing.measure_items(threads=threads, rounds=plan.rounds, progress=progress)
+    model = op_timing.fit_op_model(items, source)
+    error = op_timing.op_model_error(model, items)
+    log.info(
+        "op model fitted to %d timed items; error median %.1f %%, p90 %.1f %%",
+        error["count"],
+        100 * error["median_ape"],
+        100 * error["p90_ape"],
+    )
+    provenance: dict[str, TomlValue] = {
+        "ops": f"measured: {error['count']} items of a training step's other ops timed "
+        f"(torch {op_timing.torch_version()}), fitted in log space",
+        "ops_median_ape": error["median_ape"],
+        "ops_p90_ape": error["p90_ape"],
     }
     return model, error, provenance
 

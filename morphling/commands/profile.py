@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from morphling.devices.profiler import FULL, LARGE_GEMM, QUICK, plan_size, profile
+from morphling.devices.profiler import FULL, LARGE_GEMM, QUICK, ProfileResult, plan_size, profile
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -116,7 +116,16 @@ def run(args: argparse.Namespace) -> int:
         f"{large.k} {large.dtype} GEMM; "
         f"held-out error median {error['median_ape']:.1%}, p90 {error['p90_ape']:.1%} "
         f"over {error['count']} GEMM shapes, median {conv['median_ape']:.1%}, p90 "
-        f"{conv['p90_ape']:.1%} over {conv['count']} convolutions; trace "
+        f"{conv['p90_ape']:.1%} over {conv['count']} convolutions; {_ops(result)}; trace "
         f"{trace.latency_s.size} bursts, {sensor}; thermal model {result.thermal_status}"
     )
     return 0
+
+
+def _ops(result: ProfileResult) -> str:
+    """The op model in a few words: its error on the items it was fitted to, or why none."""
+    if result.ops is None:
+        return "no op model (torch is not installed)"
+    error = result.ops_error
+    return (f"op model within {error['median_ape']:.1%} median, {error['p90_ape']:.1%} p90 of "
+            f"{error['count']} timed items")  # fmt: skip

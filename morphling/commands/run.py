@@ -30,12 +30,12 @@ from morphling import config as configuration
 from morphling.config import option as _opt
 from morphling.devices.models.capacity import MAX_DEVICES_HELP
 from morphling.devices.models.links import LINKS
-from morphling.devices.models.profiles import expand_fleet
+from morphling.devices.models.profiles import HOST, expand_fleet
 from morphling.devices.models.thermal import COOLING
 from morphling.interrupt import Interrupted, Signals
 from morphling.outputs import check_file_writable
 from morphling.proxy.emulator.settings import DEFAULT_MIN_FLOPS, EmulatorConfig
-from morphling.proxy.job.coordinator import MODES
+from morphling.proxy.job.coordinator import MODES, coordinator_profile
 from morphling.proxy.vtime.eventlog import EVENT_LEVELS
 from morphling.proxy.vtime.placement import POLICIES
 from morphling.runtime import parse_server
@@ -77,18 +77,28 @@ class RunConfig:
         choices=("", *LINKS),
     )
     cooling: str = _opt(
-        "", "cooling of every device (--embedded; empty: the profiles' own)", choices=("", *COOLING)
+        "",
+        "cooling of every device (--embedded) and of a --coordinator profile (empty: the "
+        "profiles' own)",
+        choices=("", *COOLING),
     )
     bottleneck_bw: float = _opt(
         0.0,
         "bytes/s of a FIFO all transfers share, e.g. the access point (--embedded; 0: none)",
         min=0.0,
     )
+    coordinator: str = _opt(
+        HOST,
+        "the hardware the script itself runs on: host (this machine) or a profile (a "
+        "built-in name or a .toml file) whose op model prices the script's own work",
+    )
     coordinator_time: str = _opt(
-        "measured",
-        "host time between GEMMs: measured (wall time x --coordinator-scale) or model "
-        "(counted work: the same timeline on any host, however loaded)",
-        choices=MODES,
+        "",
+        "the script's own time between fleet products: measured (wall time x "
+        "--coordinator-scale; host only) or model (counted work priced by the coordinator's "
+        "op model: the same timeline on any host, however loaded); empty: measured for "
+        "host, model for a profile",
+        choices=("", *MODES),
     )
     coordinator_scale: float = _opt(1.0, "multiplies measured coordinator time", min=0.0)
     share_memory: bool = _opt(
@@ -250,6 +260,8 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
             expand_fleet(cfg.devices, max_devices=cfg.max_devices)
         else:
             parse_server(cfg.server)
+        coordinator_profile(cfg.coordinator, cfg.coordinator_time or None,
+                            cooling=cfg.cooling or None)  # fmt: skip
         target = script_target(args.command)
         if target[0] == "module":
             check_module(target[1])
@@ -285,7 +297,8 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
             min_flops=cfg.min_flops,
             name=target[1],
             ckpt=cfg.ckpt or None,
-            coordinator=cfg.coordinator_time,
+            coordinator=cfg.coordinator,
+            coordinator_time=cfg.coordinator_time or None,
             scale=cfg.coordinator_scale,
             link=cfg.link or None,
             cooling=cfg.cooling or None,

@@ -36,8 +36,8 @@ gradient) is copied and counted. This module does no I/O: it calls
 (and sums the bias gradient) itself.
 
 Given a ``HostWork``, it also counts the work that stays on the host (every
-other aten op, the bytes it writes, the FLOPs of local GEMMs and convolutions):
-what the modelled coordinator time is made of.
+other aten op by class, the bytes it moves, its arithmetic, the FLOPs of local GEMMs and
+convolutions): what the modelled coordinator time is made of.
 """
 
 from __future__ import annotations
@@ -53,6 +53,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from morphling.devices.models.op_count import count_op
+from morphling.devices.models.ops import CONV, GEMM
 from morphling.kernels import LayoutError, blas_operand
 from morphling.proxy.wire.messages import GEMM_DTYPES
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -194,10 +196,7 @@ class Interceptor:
         if handler is not None and not _forked:
             return handler(func, *args, **kwargs)
         out = func(*args, **kwargs)
-        work.ops += 1
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                work.bytes += t.numel() * t.element_size()
+        work.op(*count_op(func, args, kwargs, out, in_optimizer=work.in_optimizer))
         return out
 
     # -- handlers: ``func`` computes the op locally; torch ops in them do not come back
@@ -245,8 +244,7 @@ class Interceptor:
             return True
         counts.local[reason] += products
         if self.host_work is not None:
-            self.host_work.ops += 1
-            self.host_work.flops += products * flops
+            self.host_work.product(GEMM if counts is self.counts else CONV, products * flops)
         return False
 
     def _product(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -28,11 +28,15 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+from morphling.devices.models.profiles import HOST, DeviceProfile
 from morphling.proxy.checkpoint.format import Checkpoint, CheckpointError
 from morphling.proxy.emulator.settings import DEFAULT_MIN_FLOPS, EmulatorConfig
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.modules.module import register_module_forward_pre_hook
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 
 from morphling.interrupt import Interrupted
 from morphling.runtime import parse_server
@@ -40,7 +44,7 @@ from morphling.text import elide, elided_line
 
 from .client import Client
 from .conv import ConvCall
-from .coordinator import MODES, CoordinatorModel, HostWork
+from .coordinator import HostWork, coordinator_profile
 from .embedded import EmbeddedFleet
 from .intercept import Interceptor, ProductCounts
 
@@ -73,17 +77,15 @@ class Session:
 
     def __init__(
         self, client: Client, *, min_flops: int = DEFAULT_MIN_FLOPS,
-        coordinator: str = "measured", scale: float = 1.0,
-        model: CoordinatorModel | None = None,
+        coordinator: DeviceProfile | None = None, scale: float = 1.0,
     ) -> None:  # fmt: skip
-        if coordinator not in MODES:
-            raise ValueError(f"coordinator={coordinator!r}: expected one of {', '.join(MODES)}")
+        """``coordinator``: the profile whose op model prices the script's own work
+        (modelled coordinator time); None: this host's wall time, times ``scale``."""
         if not 0 <= scale < math.inf:  # 0: the script's own time does not count at all
             raise ValueError(f"coordinator scale={scale!r}: must be finite and >= 0")
         self.client = client
         self.checkpoint: Checkpoint | None = None
-        self.work = HostWork() if coordinator == "model" else None
-        self.model = model or CoordinatorModel()
+        self.work = HostWork(coordinator) if coordinator is not None else None
         self.scale = scale
         self.interceptor = Interceptor(self._remote, self._remote_conv, min_flops=min_flops,
                                        host_work=self.work)  # fmt: skip
@@ -155,7 +157,7 @@ class Session:
         script's: what is left is what the script would spend without Morphling.
         """
         if self.work is not None:
-            return round(self.model.seconds(self.work.take()) * 1e9)
+            return sum(self.work.take().values())
         since = max(self.interceptor.returned_ns, self._marked_ns)
         return round((until_ns - since) * self.scale) if since else 0
 
@@ -188,6 +190,8 @@ class Session:
     def end_step(self) -> StepReport:
         """Close the current step (called after every optimizer step)."""
         host_ns = self._host_ns(time.perf_counter_ns())
+        if self.work is not None:
+            self.work.in_optimizer = False  # its step is over
         now = time.perf_counter()
         counts = self.counts.since(self._counts)
         convs = self.conv_counts.since(self._conv_counts)
@@ -282,7 +286,8 @@ def emulate(
     min_flops: int = DEFAULT_MIN_FLOPS,
     name: str = "job",
     ckpt: str | None = None,
-    coordinator: str = "measured",
+    coordinator: str = HOST,
+    coordinator_time: str | None = None,
     scale: float = 1.0,
     link: str | None = None,
     cooling: str | None = None,
@@ -300,10 +305,13 @@ def emulate(
     emulator's shared copy of that checkpoint (an embedded emulator loads it): as earlier
     jobs left it (a warning says which trained it), or with ``fresh_weights`` restored
     from the checkpoint first.
-    ``coordinator`` is how host time between GEMMs counts (``coordinator.MODES``;
-    measured time is multiplied by ``scale``). ``share_memory`` off sends operands and
-    results as bytes even on the emulator's host. ``max_devices`` bounds the embedded
-    fleet instead of the host's available memory (``devices.capacity``).
+    ``coordinator`` is the hardware the script itself runs on: ``host``, or a profile (a
+    built-in name or a file) whose op model prices its work (``cooling`` applies to it too);
+    ``coordinator_time`` how that time counts (``coordinator.MODES``; default: measured for
+    ``host``, model for a profile; measured time is multiplied by ``scale``).
+    ``share_memory`` off sends operands and results as bytes even on the emulator's host.
+    ``max_devices`` bounds the embedded fleet instead of the host's available memory
+    (``devices.capacity``).
     ``device_wait_s`` (0: for ever) is how long the job's GEMMs may wait with no device
     ready before it fails (``Client``). Should the body raise (Ctrl-C, say), the embedded
     emulator's run directory is marked incomplete, with the reason.
@@ -312,13 +320,16 @@ def emulate(
         raise ValueError("give exactly one of server='HOST:PORT' or devices='SPEC' (embedded)")
     if fresh_weights and ckpt is None:
         raise ValueError("fresh_weights needs ckpt: the weights to restore are a checkpoint's")
+    profile = coordinator_profile(coordinator, coordinator_time, cooling=cooling)
     with contextlib.ExitStack() as stack:
         if devices is not None:
             if ckpt is not None:
                 config = dataclasses.replace(config or EmulatorConfig(), ckpt_path=str(ckpt))
             embedded = EmbeddedFleet(
                 devices, config, link=link, cooling=cooling, max_devices=max_devices,
-                run_info={"coordinator_time": coordinator, "coordinator_scale": scale,
+                run_info={"coordinator": coordinator,
+                          "coordinator_time": "measured" if profile is None else "model",
+                          "coordinator_scale": scale,
                           "link": link, "cooling": cooling, "devices": devices},
             )  # fmt: skip
             stack.callback(embedded.stop)
@@ -329,7 +340,7 @@ def emulate(
         session = Session(Client(host, port, token=token, name=name, block=block,
                                  share_memory=share_memory, device_wait_s=device_wait_s,
                                  map_weights=ckpt is not None, fresh_weights=fresh_weights),
-                          min_flops=min_flops, coordinator=coordinator,
+                          min_flops=min_flops, coordinator=profile,
                           scale=scale)  # fmt: skip
         stack.callback(session.close)
         if ckpt is not None:
@@ -341,6 +352,14 @@ def emulate(
 
         hook = register_optimizer_step_post_hook(end_step)
         stack.callback(hook.remove)
+        if session.work is not None:  # an optimizer's own ops are their own class
+            work = session.work
+
+            def in_optimizer(*_: object) -> None:
+                work.in_optimizer = True
+
+            hook = register_optimizer_step_pre_hook(in_optimizer)
+            stack.callback(hook.remove)
         stack.enter_context(sdpa_kernel([SDPBackend.MATH]))
         stack.enter_context(session.interceptor)
         try:

@@ -391,6 +391,16 @@ USAGE_ERRORS = [
         "/nonexistent/ckpt: no such checkpoint directory",
         id="no-ckpt",
     ),
+    pytest.param(
+        ["--embedded", "--coordinator", "pi9", "--", "ECHO"],
+        "--coordinator pi9: unknown profile 'pi9'; built-ins are agx-orin, host, jetson-nano,",
+        id="unknown-coordinator",
+    ),
+    pytest.param(
+        ["--embedded", "--coordinator", "rpi4", "--coordinator-time", "measured", "--", "ECHO"],
+        "--coordinator rpi4 runs on modelled time: only this host's",
+        id="measured-profile-coordinator",
+    ),
 ]
 
 

@@ -75,7 +75,7 @@ def quick_profile(tmp_path_factory):
 
 def test_quick_profile_writes_a_profile_the_loaders_accept(quick_profile):
     path, doc = quick_profile
-    assert set(doc) == {"profile", "compute", "conv", "provenance", "trace"}
+    assert set(doc) == {"profile", "compute", "conv", "ops", "provenance", "trace"}
     profile = DeviceProfile.from_wire({"source": "test", **doc["profile"]})
     assert profile.kind == "cpu" and profile.name == "host"
     assert profile.source.startswith("measured on ") and "by morphling profile at" in profile.source
@@ -83,6 +83,7 @@ def test_quick_profile_writes_a_profile_the_loaders_accept(quick_profile):
     assert profile.dl_lat_s > 0 and math.isfinite(profile.dl_bw)  # a LAN, not loopback
     loaded = load_profile(str(path))
     assert loaded.compute == doc["compute"] and loaded.conv == doc["conv"]
+    assert loaded.ops == doc["ops"] and "measured:" in doc["provenance"]["ops"]
     model = ComputeModel.from_dict(doc["compute"])
     assert profile.flops == pytest.approx(LARGE_GEMM.flops / model.predict_s(LARGE_GEMM))
 
@@ -250,19 +251,23 @@ def test_a_profile_cached_for_another_host_is_measured_again(tmp_path, caplog, h
         assert tomllib.load(f)["provenance"][key] == now
 
 
-def test_a_cached_profile_without_a_conv_model_is_measured_again(tmp_path, caplog, host_1t):
-    """A profile cached before convolutions were measured would price them by its FLOPS."""
+@pytest.mark.parametrize(
+    ("table", "why"), [("conv", "no convolution model"), ("ops", "no op model")]
+)
+def test_a_cached_profile_without_a_model_is_measured_again(tmp_path, caplog, host_1t, table, why):
+    """A profile cached before convolutions (or the other ops) were measured would price them
+    by its FLOPS (or could not coordinate)."""
     caplog.set_level(logging.WARNING, logger="morphling.devices.profiler")
     path = Path(shutil.copy(host_1t, tmp_path))
     with path.open("rb") as f:
         doc = tomllib.load(f)
-    del doc["conv"]
+    del doc[table]
     path.write_text(dump_toml(doc))
     measured(caplog)
     cached_host_profile(threads=1, directory=tmp_path, plan=SMALL)
     [message] = measured(caplog)
-    assert "no convolution model" in message
-    assert load_profile(str(path)).conv["kind"] == "fitted"
+    assert why in message
+    assert load_profile(str(path)).conv["kind"] == "fitted" and load_profile(str(path)).ops
 
 
 def test_each_thread_count_has_its_own_cached_profile(tmp_path, caplog, host_1t):

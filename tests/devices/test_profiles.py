@@ -11,7 +11,7 @@ import msgpack
 import psutil
 import pytest
 from morphling.devices.models.capacity import DEVICE_BYTES, check_fleet_size
-from morphling.devices.models.conv import ConvModel
+from morphling.devices.models.conv import ConvModel, traffic_bytes
 from morphling.devices.models.conv_shape import ConvShape
 from morphling.devices.models.profiles import (
     BUILTIN,
@@ -73,7 +73,8 @@ def profile_file(tmp_path):
 
 def test_valid_profile_keeps_its_fields():
     p = make()
-    assert p.to_wire() == {**VALID, "cooling": "none", "compute": {}, "thermal": {}, "conv": {}}
+    assert p.to_wire() == {**VALID, "cooling": "none", "compute": {}, "thermal": {}, "conv": {},
+                           "ops": {}}  # fmt: skip
     with pytest.raises(dataclasses.FrozenInstanceError):
         p.flops = 2.0  # type: ignore[misc]
 
@@ -342,12 +343,25 @@ def test_malformed_conv_table_is_refused_naming_the_field(conv, message):
 
 
 def test_a_profile_without_a_conv_model_prices_convolutions_by_its_flops():
+    profile = make()
+    assert profile.conv == {}
+    model = profile.conv_model()
+    assert model.predict_s(CONV) == pytest.approx(CONV.flops / profile.flops)
+    f64 = ConvShape.from_dict({**CONV.to_dict(), "dtype": "float64"})
+    assert model.predict_s(f64) == pytest.approx(2 * f64.flops / profile.flops)
+
+
+def test_builtin_conv_models_are_analytic_with_their_memory_traffic():
+    """Built-ins price a convolution by its FLOPs at their (calibrated or assumed) rate and
+    its memory traffic at their elementwise bandwidth; depthwise ones at their own rate."""
+    depthwise = ConvShape("forward", 2, 8, 16, 16, 8, (3, 3), groups=8)
     for profile in BUILTIN.values():
-        assert profile.conv == {}
+        conv, ops = profile.conv, profile.ops
+        assert conv["kind"] == "analytic" and conv["mem_bw"] == ops["bandwidth"]["elementwise"]
         model = profile.conv_model()
-        assert model.predict_s(CONV) == pytest.approx(CONV.flops / profile.flops)
-        f64 = ConvShape.from_dict({**CONV.to_dict(), "dtype": "float64"})
-        assert model.predict_s(f64) == pytest.approx(2 * f64.flops / profile.flops)
+        for shape, rate in ((CONV, conv["flops"]), (depthwise, conv["depthwise_flops"])):
+            expected = shape.flops / rate + traffic_bytes(shape) / conv["mem_bw"]
+            assert model.predict_s(shape) == pytest.approx(expected)
 
 
 def test_path_without_toml_suffix_is_loaded_when_it_has_a_slash(tmp_path):

@@ -1,0 +1,50 @@
+"""What one aten op costs to run, as the op model counts it: its class, bytes and FLOPs.
+
+The job's interceptor counts every op a coordinator runs with this, and the profiler counts
+the ops it times with it, so a measured op model prices exactly what it was fitted on. It
+needs torch, which the rest of the device models do not import.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from .ops import FRESH_MIN_BYTES, op_class, op_flops
+
+
+def _tensors(values: Iterable[Any]) -> Iterable[torch.Tensor]:
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):  # _foreach_* ops, cat, stack: lists of tensors
+            yield from (t for t in value if isinstance(t, torch.Tensor))
+
+
+def count_op(
+    func: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    out: Any,
+    *,
+    in_optimizer: bool = False,
+) -> tuple[str, int, int, float]:
+    """The class of aten op ``func`` called with ``args``/``kwargs`` that returned ``out``,
+    the bytes it moved (its tensor operands read, its outputs written), those of its outputs
+    in new memory from the OS (over ``FRESH_MIN_BYTES``, not an operand's, as an in-place
+    op's is) and its FLOPs."""
+    name = func.overloadpacket.__name__
+    cls = op_class(name, is_view=func.is_view, in_optimizer=in_optimizer)
+    if cls == "other":
+        return cls, 0, 0, 0.0
+    inputs = [*_tensors(args), *_tensors(kwargs.values())]
+    outs = list(_tensors(out if isinstance(out, (list, tuple)) else (out,)))
+    nbytes = sum(t.numel() * t.element_size() for t in (*inputs, *outs))
+    read = {t.untyped_storage().data_ptr() for t in inputs}
+    sizes = [(t.numel() * t.element_size(), t.untyped_storage().data_ptr()) for t in outs]
+    fresh = sum(size for size, at in sizes if size > FRESH_MIN_BYTES and at not in read)
+    largest = max((t.numel() for t in (*inputs, *outs)), default=0)
+    elements = max(largest, sum(t.numel() for t in outs))  # a _foreach_ op's, summed
+    return cls, nbytes, fresh, op_flops(name, cls, elements)
