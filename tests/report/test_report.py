@@ -217,8 +217,8 @@ def test_chrome_trace(run_dir: Path) -> None:
 def test_write_reports(run_dir: Path) -> None:
     paths = write_reports(run_dir)
     names = sorted(p.name for p in paths)
-    assert names == ["steps.png", "summary.json", "thermal.png", "timeline.png", "trace.json",
-                     "utilisation.png"]  # fmt: skip
+    assert names == ["device_time.png", "steps.png", "summary.json", "thermal.png", "timeline.png",
+                     "trace.json", "utilisation.png"]  # fmt: skip
     for p in paths:
         assert p.parent == run_dir
         if p.suffix == ".png":
