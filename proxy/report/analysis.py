@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import cast, get_args
 
 from morphling.proxy.vtime.eventlog import (
@@ -237,6 +237,14 @@ def _device_time(gemm_s: float, conv_s: float, link_s: float, span_s: float) -> 
     return DeviceTime(gemm_s=gemm_s, conv_s=conv_s, link_s=link_s, waiting_s=max(0.0, waiting))
 
 
+def _fleet_time(times: Iterable[DeviceTime]) -> DeviceTime:
+    """Devices' times summed: device-seconds."""
+    rows = [cast(dict[str, float], t) for t in times]
+    return cast(
+        DeviceTime, {key: math.fsum(t[key] for t in rows) for key in DeviceTime.__annotations__}
+    )
+
+
 def _jobs(run: Run) -> list[JobRow]:
     """Per job, its steps (with their critical paths) and their sums."""
     names = {d.id: d.name for d in run.fleet}
@@ -250,6 +258,9 @@ def _jobs(run: Run) -> list[JobRow]:
         unattributed = emulated_s - sum(breakdown.values())
         breakdown["unattributed_s"] = 0.0 if abs(unattributed) < 1e-9 else unattributed
         by_class = _by_class(s)
+        times = {
+            names[d]: _device_time(gemm, conv, link, emulated_s) for d, gemm, conv, link in s.work
+        }
         path = CriticalPath(
             breakdown=breakdown,
             by_class={**by_class, "unattributed_s": breakdown["unattributed_s"]},
@@ -273,10 +284,8 @@ def _jobs(run: Run) -> list[JobRow]:
             bytes_up=s.bytes_up,
             oom=s.oom,
             critical_path=path,
-            devices={
-                names[d]: _device_time(gemm, conv, link, emulated_s)
-                for d, gemm, conv, link in s.work
-            },
+            device_time=_fleet_time(times.values()),
+            devices=times if run.shows(s.step) else None,
         )
         rows[s.job].append(row)
     return [

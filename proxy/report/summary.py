@@ -84,7 +84,10 @@ class StepRow(Sums):
     t0: float
     t1: float
     critical_path: CriticalPath
-    devices: dict[str, DeviceTime]  # by name, those that computed or moved anything in it
+    # the devices that computed or moved anything in it: their times summed (device-seconds),
+    # and each one's by name (None: a step not shown tile by tile, as ``segments``)
+    device_time: DeviceTime
+    devices: dict[str, DeviceTime] | None
 
 
 class JobRow(Sums):

@@ -130,6 +130,9 @@ def test_each_devices_time_by_what_it_did(classified):
     assert sum(t["conv_s"] for t in s1["devices"].values()) > 0
     assert sum(t["conv_s"] for t in s2["devices"].values()) == 0
     for step in (s1, s2):
+        fleet = step["device_time"]  # the devices' summed: device-seconds
+        for key, seconds in fleet.items():
+            assert seconds == pytest.approx(sum(t[key] for t in step["devices"].values()))
         for t in step["devices"].values():
             total = t["gemm_s"] + t["conv_s"] + t["link_s"] + t["waiting_s"]
             assert total >= step["emulated_s"] * (1 - 1e-9)
