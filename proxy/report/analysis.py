@@ -263,7 +263,10 @@ def _jobs(run: Run) -> list[JobRow]:
         }
         path = CriticalPath(
             breakdown=breakdown,
-            by_class={**by_class, "unattributed_s": breakdown["unattributed_s"]},
+            by_class={
+                **cast(dict[str, float], by_class),
+                "unattributed_s": breakdown["unattributed_s"],
+            },
             ops={"fleet": s.product_s, "coordinator": s.coord_split},
             devices={names[d]: n for d, n in s.last_in},
             segments=segments.get((s.job, s.step)) if run.shows(s.step) else None,

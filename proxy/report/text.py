@@ -262,7 +262,8 @@ def _critical_text(step: StepRow) -> list[str]:
         rows.append(_share_row(key, seconds, total))
     rows.append("  by op class:")
     rows += [_share_row(key, path["by_class"][key], total, 4) for key in BY_CLASS]
-    for where, ops in path["ops"].items():
+    ops_by = path["ops"]
+    for where, ops in (("fleet", ops_by["fleet"]), ("coordinator", ops_by["coordinator"])):
         if ops:
             parts = ", ".join(f"{op} {seconds:.4f}" for op, seconds in ops.items())
             rows.append(f"    {where} ops (s): {parts}")
