@@ -211,7 +211,7 @@ class Job:
                 f"max_job_tiles={limit}; use a larger block",
                 "bad_gemm",
             )
-        self._start(task, task.tiles(self.block), msg.after, msg.host_ns)
+        self._start(task, task.tiles(self.block), msg)
 
     def conv(self, msg: Conv) -> None:
         """Take a CONV, as ``gemm`` takes a GEMM: its tiles hold about ``block``² outputs,
@@ -223,7 +223,7 @@ class Job:
             raise RemoteProtocolError(f"CONV {msg.gemm}: {exc}", "bad_gemm") from None
         task.owner = self
         tiles = task.tiles(self.block, self.emulator.config.max_job_tiles)
-        self._start(task, tiles, msg.after, msg.host_ns)
+        self._start(task, tiles, msg)
 
     def _handed(self, msg: Gemm | Conv) -> local.JobOperands | None:
         """A new request's id checked, and the arrays it handed over in this process."""
@@ -232,8 +232,8 @@ class Job:
             raise RemoteProtocolError(f"{name} id {msg.gemm} is already in flight", "bad_gemm")
         return local.take_gemm((self.emulator.token, self.id, msg.gemm)) if self.local else None
 
-    def _start(self, task: AnyTask, tiles: Sequence[AnyTile], after: int, host_ns: int) -> None:
-        """Count the task in flight and have the timeline issue it."""
+    def _start(self, task: AnyTask, tiles: Sequence[AnyTile], msg: Gemm | Conv) -> None:
+        """Count the task in flight and have the timeline issue it as ``msg`` places it."""
         emulator = self.emulator
         self.tiles_in_flight += len(tiles)
         self.bytes_in_flight += _held_bytes(task)
@@ -247,8 +247,9 @@ class Job:
             self.id,
             task,
             tiles,
-            after=after,
-            host_s=host_ns / 1e9,
+            after=msg.after,
+            host_s=msg.host_ns / 1e9,
+            host_split=msg.host_split,
             place=emulator.scheduler.submit,
             done=task.settled,
         )
@@ -323,6 +324,7 @@ class Job:
             self.id,
             msg.step,
             host_s=msg.host_ns / 1e9,
+            host_split=msg.host_split,
             local_gemms=msg.local_gemms,
             done=self._step_done,
         )
@@ -337,6 +339,7 @@ class Job:
                     step=times.step,
                     emulated_ns=round(times.emulated_s * 1e9),
                     coord_ns=round(times.coord_s * 1e9),
+                    coord_split={op: round(s * 1e9) for op, s in times.coord_split.items()},
                     gemms=times.gemms,
                     tiles=times.tiles,
                     link_down=times.link_down,

@@ -81,6 +81,7 @@ def gemm_request(
     *,
     after: int = 0,
     host_ns: int = 0,
+    host_split: dict[str, int] | None = None,
     epoch: int = 0,
 ) -> tuple[Gemm, tuple[int, ...]]:
     """The GEMM message for ``a @ b`` and the shape of its result.
@@ -88,7 +89,7 @@ def gemm_request(
     An operand inside ``shared`` (the address and size of this process's mapping of
     the emulator's shared weights) goes by reference, with a version made of its
     tensor's and ``epoch`` (see ``_location``). ``after`` and ``host_ns`` place it
-    in virtual time (see ``Gemm``).
+    in virtual time, ``host_split`` says what the host did then (see ``Gemm``).
     """
     oa, ob = blas_operand(a, "a"), blas_operand(b, "b")
     dtype = _dtype_name(oa.span.dtype)
@@ -116,6 +117,7 @@ def gemm_request(
         stride_b=ob.stride if ob.batch >= 0 else 0,
         after=after,
         host_ns=host_ns,
+        host_split=host_split or {},
         **gemm_fields(at_a, at_b),
         segments=(_segment(at_a, oa.span), _segment(at_b, ob.span)),
     )
@@ -141,6 +143,7 @@ def conv_request(
     groups: int,
     after: int = 0,
     host_ns: int = 0,
+    host_split: dict[str, int] | None = None,
 ) -> tuple[Conv, tuple[int, ...]]:
     """The CONV message for a convolution's product ``kind`` (``CONV_KINDS``) of ``a`` and
     ``b``, and the product's shape; ValueError naming what does not fit.
@@ -195,6 +198,7 @@ def conv_request(
         groups=geom.groups,
         after=after,
         host_ns=host_ns,
+        host_split=host_split or {},
         segments=(a.reshape(-1), b.reshape(-1)),
     )
     return request, shapes[product]
@@ -548,14 +552,16 @@ class Client:
 
     def matmul(
         self, a: Any, b: Any, out: Any = None, *, timeout: float | None = None,
-        host_ns: int | None = None,
+        host_ns: int | None = None, host_split: dict[str, int] | None = None,
     ) -> Any:  # fmt: skip
         """``a @ b`` as in ``AsyncClient.matmul``; ``host_ns`` overrides the measured
-        coordinator time since the last result."""
+        coordinator time since the last result, ``host_split`` divides it among op classes
+        (see ``Gemm``)."""
         with self._call_lock:
             request, shape = gemm_request(
                 next(self._ids), a, b, self.shared, after=self._after, epoch=self.steps,
                 host_ns=self.elapsed_ns() if host_ns is None else host_ns,
+                host_split=host_split,
             )  # fmt: skip
             if self._local:
                 c = np.empty((request.batch, request.m, request.n), request.dtype)
@@ -579,12 +585,14 @@ class Client:
         dilation: Pair,
         groups: int,
         host_ns: int | None = None,
+        host_split: dict[str, int] | None = None,
         timeout: float | None = None,
     ) -> np.ndarray:
         """A convolution's product ``kind`` of ``a`` and ``b``, computed by the fleet:
         ``conv_request`` says what the arguments are and which array comes back (a new
-        one: the output, the input's gradient or the weight's gradient). ``host_ns``, as
-        in ``matmul``: the coordinator time since the last result (measured without it).
+        one: the output, the input's gradient or the weight's gradient). ``host_ns`` and
+        ``host_split``, as in ``matmul``: the coordinator time since the last result
+        (measured without it) and its op classes.
 
         In the emulator's process the operands are handed over, not copied; elsewhere
         they go as bytes (never through the slab). ValueError for arguments that do not
@@ -603,6 +611,7 @@ class Client:
                 groups=groups,
                 after=self._after,
                 host_ns=self.elapsed_ns() if host_ns is None else host_ns,
+                host_split=host_split,
             )
             if self._local:
                 c = np.empty(shape, request.dtype)
@@ -680,12 +689,18 @@ class Client:
         self._arena = arena
         return reply.nbytes
 
-    def step(self, step: int, *, host_ns: int | None = None, local_gemms: int = 0) -> Step:
-        """Mark the end of a training step (``local_gemms`` computed on the host in it);
-        the emulator's account of it, once the step is settled in virtual time."""
+    def step(
+        self, step: int, *, host_ns: int | None = None, local_gemms: int = 0,
+        host_split: dict[str, int] | None = None,
+    ) -> Step:  # fmt: skip
+        """Mark the end of a training step (``local_gemms`` computed on the host in it;
+        ``host_ns`` and ``host_split`` as in ``matmul``); the emulator's account of it,
+        once the step is settled in virtual time (``coord_split``: its coordinator time
+        by op class)."""
         with self._call_lock:
             host = self.elapsed_ns() if host_ns is None else host_ns
-            self._send(Step(step=step, host_ns=host, local_gemms=local_gemms))
+            split = host_split or {}
+            self._send(Step(step=step, host_ns=host, host_split=split, local_gemms=local_gemms))
             reply = self._expect(Step, None)
             self.steps += 1  # the optimizer may have changed any weight (``_weight_ref``)
             self._after, self._since_ns = 0, time.perf_counter_ns()

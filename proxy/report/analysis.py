@@ -7,20 +7,30 @@ all share (``docs/REPORTS.md`` has their definitions), as JSON-ready data shaped
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import cast, get_args
 
-from morphling.proxy.vtime.eventlog import COMPONENTS, Coord, Gemm, critical_breakdown
+from morphling.proxy.vtime.eventlog import (
+    COMPONENTS,
+    GEMM_OP,
+    Coord,
+    Gemm,
+    attribute,
+    critical_breakdown,
+)
 
-from .load import DeviceFigures, Run, Sample, segment_span
+from .load import DeviceFigures, Run, Sample, StepFigures, segment_span
 from .records import FORMAT_VERSION
 from .summary import (
     Bottleneck,
+    ByClass,
     CriticalPath,
     Detail,
     DeviceRow,
+    DeviceTime,
     JobRow,
     OomRow,
     Ooms,
@@ -34,6 +44,7 @@ from .summary import (
     Summed,
     Sums,
     Totals,
+    Untimed,
 )
 
 # A device straggles when, over the GEMMs it takes part in, it finishes on average this
@@ -50,6 +61,17 @@ _SUMMED: tuple[Summed, ...] = get_args(Summed)
 OTHER_STEPS = (
     "morphling report RUN_DIR --detail-steps A:B (or all): other steps the log has tiles for"
 )
+# The coordinator's op classes for the products it computed itself; any other is "other".
+COORD_GEMM, COORD_CONV = "gemm", "conv"
+BY_CLASS = tuple(ByClass.__annotations__)
+# Why coordinator time has no op class: it was measured, or the job did not say.
+MEASURED = "measured coordinator time: --coordinator-time measured"
+UNSPLIT = "the job sent no op classes for it: no host_split"
+LOCAL_NOTE = (
+    "products the script kept on the host (too small, an unsupported dtype, ...) are in its "
+    "coordinator time, by class where it splits it; the run's per-step table says why each "
+    "was kept"
+)
 
 
 def summarize(run: Run) -> Summary:
@@ -58,6 +80,7 @@ def summarize(run: Run) -> Summary:
     devices = _devices(run)
     totals = Totals(
         **_sums(jobs),
+        by_class=_class_sums([cast(dict[str, float], j["by_class"]) for j in jobs]),
         span_s=run.span_s,
         steps=sum(len(j["steps"]) for j in jobs),
         devices=len(devices),
@@ -101,6 +124,7 @@ def summarize(run: Run) -> Summary:
         version=FORMAT_VERSION,
         run=info,
         totals=totals,
+        untimed=_untimed(run, jobs, totals),
         jobs=jobs,
         devices=devices,
         stragglers=Stragglers(
@@ -154,6 +178,22 @@ def _detail(run: Run) -> Detail:
     )
 
 
+def _untimed(run: Run, jobs: list[JobRow], totals: Totals) -> Untimed:
+    """The coordinator time no op class accounts for, and why; the products kept local."""
+    steps = [s for j in jobs for s in j["steps"]]
+    unclassified = totals["by_class"]["coordinator_unclassified_s"]
+    reason = None
+    if unclassified > 0:
+        reason = MEASURED if run.coordinator_time == "measured" else UNSPLIT
+    return Untimed(
+        coordinator_unclassified_s=unclassified,
+        steps=sum(1 for s in steps if s["critical_path"]["by_class"]["coordinator_unclassified_s"]),
+        reason=reason,
+        local_gemms=totals["local_gemms"],
+        local_note=LOCAL_NOTE,
+    )
+
+
 def _share(busy_s: float, run: Run) -> float:
     return busy_s / run.span_s if run.span_s > 0 else 0.0
 
@@ -161,6 +201,48 @@ def _share(busy_s: float, run: Run) -> float:
 def _sums(rows: Sequence[Sums]) -> Sums:
     """Each summed figure (``Summed``) over ``rows``: a job's steps, or the run's jobs."""
     return cast(Sums, {key: sum(row[key] for row in rows) for key in _SUMMED})
+
+
+def _class_sums(rows: Sequence[dict[str, float]]) -> ByClass:
+    """Each ``ByClass`` figure over ``rows``: a job's steps, or the run's jobs."""
+    return cast(ByClass, {key: math.fsum(row[key] for row in rows) for key in BY_CLASS})
+
+
+def _residue(seconds: float, of: float) -> float:
+    """``seconds``, or 0 when it is a rounding residue of a difference within ``of``: not
+    a "-0.0000 s" in the text."""
+    return 0.0 if abs(seconds) <= 1e-9 * abs(of) else seconds
+
+
+def _by_class(s: StepFigures) -> ByClass:
+    """A step's time by op class: its products' by ``op`` (GEMM, or a convolution's), its
+    coordinator's by the job's classes (``COORD_GEMM``, ``COORD_CONV``, the rest other),
+    and what the job did not split."""
+    split = s.coord_split
+    others = (seconds for op, seconds in split.items() if op not in (COORD_GEMM, COORD_CONV))
+    return ByClass(
+        fleet_gemm_s=s.product_s.get(GEMM_OP, 0.0),
+        fleet_conv_s=math.fsum(sec for op, sec in s.product_s.items() if op != GEMM_OP),
+        coordinator_gemm_s=split.get(COORD_GEMM, 0.0),
+        coordinator_conv_s=split.get(COORD_CONV, 0.0),
+        coordinator_other_s=math.fsum(others),
+        coordinator_unclassified_s=_residue(s.coord_s - math.fsum(split.values()), s.coord_s),
+    )
+
+
+def _device_time(gemm_s: float, conv_s: float, link_s: float, span_s: float) -> DeviceTime:
+    """A device's time over ``span_s``; its links overlap its compute when it downloads a
+    tile while computing another, so ``waiting_s`` (the rest) is a lower bound, at least 0."""
+    waiting = _residue(span_s - gemm_s - conv_s - link_s, span_s)
+    return DeviceTime(gemm_s=gemm_s, conv_s=conv_s, link_s=link_s, waiting_s=max(0.0, waiting))
+
+
+def _fleet_time(times: Iterable[DeviceTime]) -> DeviceTime:
+    """Devices' times summed: device-seconds."""
+    rows = [cast(dict[str, float], t) for t in times]
+    return cast(
+        DeviceTime, {key: math.fsum(t[key] for t in rows) for key in DeviceTime.__annotations__}
+    )
 
 
 def _jobs(run: Run) -> list[JobRow]:
@@ -175,8 +257,17 @@ def _jobs(run: Run) -> list[JobRow]:
         # rounding residue of the sum is 0 too, not a "-0.0000 s" in the text)
         unattributed = emulated_s - sum(breakdown.values())
         breakdown["unattributed_s"] = 0.0 if abs(unattributed) < 1e-9 else unattributed
+        by_class = _by_class(s)
+        times = {
+            names[d]: _device_time(gemm, conv, link, emulated_s) for d, gemm, conv, link in s.work
+        }
         path = CriticalPath(
             breakdown=breakdown,
+            by_class={
+                **cast(dict[str, float], by_class),
+                "unattributed_s": breakdown["unattributed_s"],
+            },
+            ops={"fleet": s.product_s, "coordinator": s.coord_split},
             devices={names[d]: n for d, n in s.last_in},
             segments=segments.get((s.job, s.step)) if run.shows(s.step) else None,
         )
@@ -196,10 +287,18 @@ def _jobs(run: Run) -> list[JobRow]:
             bytes_up=s.bytes_up,
             oom=s.oom,
             critical_path=path,
+            device_time=_fleet_time(times.values()),
+            devices=times if run.shows(s.step) else None,
         )
         rows[s.job].append(row)
     return [
-        JobRow(id=job.id, name=job.name, **_sums(rows[job.id]), steps=rows[job.id])
+        JobRow(
+            id=job.id,
+            name=job.name,
+            **_sums(rows[job.id]),
+            by_class=_class_sums([s["critical_path"]["by_class"] for s in rows[job.id]]),
+            steps=rows[job.id],
+        )
         for job in run.jobs
     ]
 
@@ -213,11 +312,15 @@ def _segments(run: Run, names: dict[int, str]) -> dict[tuple[int, int], list[Pat
     for seg in sorted(segments, key=segment_span):
         path = paths[seg.job, seg.step]
         if isinstance(seg, Coord):
-            path.append({"kind": "coordinator", "t0": seg.t0, "t1": seg.t1})
+            span: PathSegment = {"kind": "coordinator", "t0": seg.t0, "t1": seg.t1}
+            if seg.split is not None:
+                span["ops"] = attribute(seg.t1 - seg.t0, seg.split)
+            path.append(span)
         elif seg.last_tile is not None:  # an empty GEMM takes no time on the fleet
             tile = tiles[seg.job, seg.gemm, seg.last_tile]
             segment: PathSegment = {
-                "kind": "gemm",
+                "kind": "gemm" if seg.op == GEMM_OP else "conv",
+                "op": seg.op,
                 "gemm": seg.gemm,
                 "t0": seg.issue,
                 "t1": seg.end,
@@ -253,6 +356,7 @@ def _devices(run: Run) -> list[DeviceRow]:
                 uplink_utilisation=_share(f.up_s, run),
                 bytes_down=f.bytes_down,
                 bytes_up=f.bytes_up,
+                time=_device_time(f.busy_s - f.conv_s, f.conv_s, f.down_s + f.up_s, run.span_s),
                 final_temp_c=temps[-1] if temps else None,
                 top_freq_mhz=top,
                 below_top_s=below,

@@ -26,6 +26,7 @@ from pathlib import Path
 from morphling.proxy.vtime.engine import Span
 from morphling.proxy.vtime.eventlog import (
     COMPONENTS,
+    GEMM_OP,
     RUN_FILE,
     STEP_TOTALS,
     Coord,
@@ -36,6 +37,7 @@ from morphling.proxy.vtime.eventlog import (
     Record,
     Step,
     Tile,
+    attribute,
     critical_breakdown,
 )
 
@@ -48,6 +50,8 @@ DETAIL_WINDOW = 50
 # costs memory per device, not per GEMM, for a rounding error per this many values.
 LATENESS_KEPT = 4096
 Sample = tuple[float, float | None, float | None]  # a device's (t, MHz, °C)
+# A device's work in a step: (device, GEMM compute s, convolution compute s, link s).
+DeviceWork = tuple[int, float, float, float]
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +121,9 @@ class StepFigures:
     critical: tuple[float, ...]  # its GEMMs' critical paths summed, as ``COMPONENTS``
     last_in: tuple[tuple[int, int], ...]  # (device, GEMMs whose critical tile it ran)
     detail: bool  # the log has its tiles, GEMMs and coordinator spans
+    product_s: dict[str, float]  # ``gemm_s`` by the products' ``op``
+    coord_split: dict[str, float]  # of ``coord_s``, by the job's op classes (the rest: unsplit)
+    work: tuple[DeviceWork, ...]  # each device's that did any, by id
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +133,7 @@ class DeviceFigures:
 
     tiles: int = 0
     busy_s: float = 0.0  # compute; a device's stages are FIFOs: its tiles' durations, summed
+    conv_s: float = 0.0  # of ``busy_s``, convolutions' tiles
     down_s: float = 0.0
     up_s: float = 0.0
     bytes_down: int = 0
@@ -227,7 +235,9 @@ class _StepSums:
     record: Step | None = None
     line: int = 0  # its record's
     coord_s: float = 0.0
+    coord_split: dict[str, float] = field(default_factory=dict)
     gemm_s: float = 0.0
+    product_s: dict[str, float] = field(default_factory=dict)
     gemms: int = 0
     tiles: int = 0
     bytes_down: int = 0
@@ -241,6 +251,22 @@ class _StepSums:
     last: Segment | None = None  # ... and the one that ends last
     devices: dict[int, int] | None = None  # device → the line of its device_step
     samples: dict[int, Sample] | None = None  # device → its last tile's state, when not shown
+    # device → its compute, convolution compute, down and up seconds, summed as a
+    # ``device_step`` sums them (so a ``steps`` log gives the same figures to the bit)
+    work: dict[int, list[float]] = field(default_factory=dict)
+
+    def worked(
+        self, device: int, compute_s: float, conv_s: float, down_s: float, up_s: float
+    ) -> None:
+        """A device's tile (or its step's tiles) in this step."""
+        sums = self.work.get(device)
+        if sums is None:
+            self.work[device] = [compute_s, conv_s, down_s, up_s]
+        else:
+            sums[0] += compute_s
+            sums[1] += conv_s
+            sums[2] += down_s
+            sums[3] += up_s
 
     def spans(self, t0: float, t1: float) -> None:
         self.t0, self.t1 = min(self.t0, t0), max(self.t1, t1)
@@ -260,6 +286,7 @@ class _DeviceSums:
 
     tiles: int = 0
     busy_s: float = 0.0
+    conv_s: float = 0.0
     down_s: float = 0.0
     up_s: float = 0.0
     bytes_down: int = 0
@@ -287,6 +314,7 @@ class _DeviceSums:
         return DeviceFigures(
             tiles=self.tiles,
             busy_s=self.busy_s,
+            conv_s=self.conv_s,
             down_s=self.down_s,
             up_s=self.up_s,
             bytes_down=self.bytes_down,
@@ -374,9 +402,14 @@ class _Reader:
         device.tiles += 1
         device.bytes_down += t.bytes_down
         device.bytes_up += t.bytes_up
-        device.busy_s += t.compute[1] - t.compute[0]
-        device.down_s += t.down[1] - t.down[0]
-        device.up_s += t.up[1] - t.up[0]
+        compute_s = t.compute[1] - t.compute[0]
+        down_s, up_s = t.down[1] - t.down[0], t.up[1] - t.up[0]
+        conv_s = 0.0 if t.op == GEMM_OP else compute_s
+        device.busy_s += compute_s
+        device.conv_s += conv_s
+        device.down_s += down_s
+        device.up_s += up_s
+        step.worked(t.device, compute_s, conv_s, down_s, up_s)
         device.frequency(t.freq_mhz)
         if t.freq_mhz is not None or t.temp_c is not None:
             sample = (t.compute[0], t.freq_mhz, t.temp_c)
@@ -405,6 +438,7 @@ class _Reader:
         shown = self._detailed(line, "gemm", g.job, g.step)
         step = self._sums(g.job, g.step)
         step.gemm_s += g.end - g.issue
+        step.product_s[g.op] = step.product_s.get(g.op, 0.0) + (g.end - g.issue)
         if g.tiles:  # an empty GEMM (no output) is not on the fleet
             step.gemms += 1
         step.segment(g.issue, g.end, line)
@@ -424,6 +458,11 @@ class _Reader:
         shown = self._detailed(line, "coord", c.job, c.step)
         step = self._sums(c.job, c.step)
         step.coord_s += c.t1 - c.t0
+        if c.split is not None:
+            if not any(c.split.values()):
+                raise ValueError(f"line {line}: coord split {c.split} has no time to share")
+            for op, seconds in attribute(c.t1 - c.t0, c.split).items():
+                step.coord_split[op] = step.coord_split.get(op, 0.0) + seconds
         step.segment(c.t0, c.t1, line)
         if shown:
             self.coords.append((c, line))
@@ -464,9 +503,15 @@ class _Reader:
         device.tiles += d.tiles
         device.bytes_down += d.bytes_down
         device.bytes_up += d.bytes_up
+        if d.conv_s > d.compute_s:
+            raise ValueError(
+                f"line {line}: device_step conv_s {d.conv_s} exceeds its compute_s {d.compute_s}"
+            )
         device.busy_s += d.compute_s
+        device.conv_s += d.conv_s
         device.down_s += d.down_s
         device.up_s += d.up_s
+        step.worked(d.device, d.compute_s, d.conv_s, d.down_s, d.up_s)
         device.last_in += d.last_in
         device.frequency(d.freq_mhz)
         if d.freq_mhz is not None or d.temp_c is not None:  # its last tile's state
@@ -618,6 +663,10 @@ class _Reader:
         s, detail = sums.record, self._logs_tiles(number)
         last_in = tuple((d, n) for d, n in sums.last_in.most_common() if n)
         t0, t1, local = (sums.t0, sums.t1, 0) if s is None else (s.t0, s.t1, s.local_gemms)
+        work = tuple(
+            (d, compute - conv, conv, down + up)
+            for d, (compute, conv, down, up) in sorted(sums.work.items())
+        )
         if s is None or detail:
             return StepFigures(
                 job,
@@ -636,6 +685,9 @@ class _Reader:
                 tuple(sums.critical or [0.0] * len(COMPONENTS)),
                 last_in,
                 detail,
+                sums.product_s,
+                sums.coord_split,
+                work,
             )
         # a step without its tiles has its totals (``_step``)
         assert s.coord_s is not None and s.gemm_s is not None and s.tiles is not None
@@ -658,6 +710,10 @@ class _Reader:
             critical,
             last_in,
             False,
+            # (a log written before convolutions: every product was a GEMM)
+            s.product_s if s.product_s is not None else {GEMM_OP: s.gemm_s},
+            s.coord_split or {},
+            work,
         )
 
 

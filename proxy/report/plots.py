@@ -1,4 +1,5 @@
-"""PNG plots of a run: timeline, utilisation, thermal state, step times.
+"""PNG plots of a run: timeline, utilisation, devices' time by class, thermal state, step
+times by class.
 
 matplotlib is imported inside the functions (``morphling --help`` must not pay for it) and
 drawn through its Agg canvas on a bare ``Figure``, never through pyplot: no GUI backend,
@@ -19,6 +20,7 @@ if TYPE_CHECKING:
 PLOT_FILES = {
     "timeline": "timeline.png",
     "utilisation": "utilisation.png",
+    "device_time": "device_time.png",
     "thermal": "thermal.png",
     "steps": "steps.png",
 }
@@ -32,6 +34,23 @@ MAX_STEP_LINES = 50
 MAX_STEP_BARS = 500
 DPI = 120
 COLOURS = {"compute": "tab:blue", "downlink": "tab:green", "uplink": "tab:orange"}
+# A device's time by what it did (``DeviceTime``), stacked in this order.
+DEVICE_TIME = {
+    "gemm_s": ("GEMM", "tab:blue"),
+    "conv_s": ("convolution", "tab:purple"),
+    "link_s": ("links (down + up)", "tab:green"),
+    "waiting_s": ("waiting", "lightgray"),
+}
+# A step's time by op class (``ByClass``, then what neither covers), stacked in this order.
+STEP_CLASSES = {
+    "fleet_gemm_s": ("GEMMs on the fleet", "tab:blue"),
+    "fleet_conv_s": ("convolutions on the fleet", "tab:purple"),
+    "coordinator_gemm_s": ("host: GEMMs", "tab:cyan"),
+    "coordinator_conv_s": ("host: convolutions", "tab:pink"),
+    "coordinator_other_s": ("host: other ops", "tab:olive"),
+    "coordinator_unclassified_s": ("host: unclassified", "tab:gray"),
+    "unattributed_s": ("neither (unlogged)", "tab:red"),
+}
 # Where each stage's bars lie in a device's row of the timeline: (offset, height).
 BAR_ROWS = {"downlink": (-0.45, 0.12), "compute": (-0.25, 0.5), "uplink": (0.33, 0.12)}
 
@@ -139,6 +158,33 @@ def plot_utilisation(summary: Summary, path: Path) -> Path:
     return path
 
 
+def plot_device_time(summary: Summary, path: Path) -> Path:
+    """Each device's time over the run, stacked: GEMMs, convolutions, links, waiting (in
+    % of the run span; links overlapping compute can take a bar past 100), busiest first."""
+    import numpy as np
+
+    devices = sorted(summary["devices"], key=lambda d: (-d["utilisation"], d["id"]))
+    span = summary["totals"]["span_s"] or 1.0
+    x = np.arange(len(devices))
+    fig = _figure(max(6.0, min(16.0, 0.3 * len(devices) + 3)), 4.5)
+    ax = fig.subplots()
+    bottom = np.zeros(len(devices))
+    for key, (label, colour) in DEVICE_TIME.items():
+        values = np.array([100 * d["time"][key] / span for d in devices])  # type: ignore[literal-required]
+        ax.bar(x, values, 0.8, bottom=bottom, color=colour, label=label)
+        bottom += values
+    if len(devices) <= MAX_NAMED_TICKS:
+        ax.set_xticks(x, [d["name"] for d in devices], rotation=90, fontsize="small")
+        ax.set_xlabel("device")
+    else:
+        ax.set_xlabel("devices, by compute utilisation (rank)")
+    ax.set_ylabel("% of the run")
+    ax.set_title(f"Where each device's {span:.3g} s of virtual time went")
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.savefig(path)
+    return path
+
+
 def plot_thermal(run: Run, summary: Summary, path: Path) -> Path | None:
     """Temperature and frequency over time of the devices with a thermal model; None (and
     no file) when no device has one."""
@@ -167,23 +213,23 @@ def plot_thermal(run: Run, summary: Summary, path: Path) -> Path | None:
 
 
 def plot_steps(summary: Summary, path: Path) -> Path:
-    """Emulated time per step, stacked: coordinator, GEMMs, and any time neither covers.
+    """Emulated time per step, stacked by op class (``STEP_CLASSES``: the fleet's products,
+    the host's time by class, and any time neither covers), the classes the run has.
     Bars up to ``MAX_STEP_BARS`` steps, stacked areas beyond (as many bars take minutes)."""
     steps = _steps(summary)
     jobs = len(summary["jobs"])
     labels = [str(s["step"]) if jobs == 1 else f"{s['job']}:{s['step']}" for s in steps]
-    coord = [s["coordinator_s"] for s in steps]
-    gemm = [s["gemm_s"] for s in steps]
-    other = [s["critical_path"]["breakdown"]["unattributed_s"] for s in steps]
     fig = _figure(max(6.0, min(16.0, 0.25 * len(steps) + 3)), 4.5)
     ax = fig.subplots()
     # one job: its step numbers; several: the steps in order, labelled job:step when few
     x = [s["step"] for s in steps] if jobs == 1 else list(range(len(steps)))
-    # Rounding leaves ~1e-16 s; only a real gap (an incomplete step) is worth a legend entry.
+    # Rounding leaves ~1e-16 s; only a class with real time is worth a legend entry.
     longest = max((s["emulated_s"] for s in steps), default=0.0)
-    parts = [(coord, "tab:gray", "coordinator (host)"), (gemm, "tab:blue", "GEMMs on the fleet")]
-    if any(o > 1e-9 * longest for o in other):
-        parts.append((other, "tab:red", "neither (unlogged)"))
+    parts = []
+    for key, (label, colour) in STEP_CLASSES.items():
+        values = [s["critical_path"]["by_class"][key] for s in steps]
+        if any(v > 1e-9 * longest for v in values):
+            parts.append((values, colour, label))
     if len(steps) <= MAX_STEP_BARS:
         bottom = [0.0] * len(steps)
         for values, colour, label in parts:
@@ -208,6 +254,7 @@ def write_plots(run: Run, summary: Summary, out_dir: Path) -> list[Path]:
     paths = [
         plot_timeline(run, summary, out_dir / PLOT_FILES["timeline"]),
         plot_utilisation(summary, out_dir / PLOT_FILES["utilisation"]),
+        plot_device_time(summary, out_dir / PLOT_FILES["device_time"]),
         plot_thermal(run, summary, out_dir / PLOT_FILES["thermal"]),
         plot_steps(summary, out_dir / PLOT_FILES["steps"]),
     ]

@@ -136,6 +136,17 @@ def _nullable(check: Check) -> Check:
     return lambda value, name: None if value is None else check(value, name)
 
 
+def _by_op(check: Check) -> Check:
+    """An object of op class → a value ``check`` takes (a coordinator span's split)."""
+
+    def checked(value: object, name: str) -> dict[str, object]:
+        if not isinstance(value, dict) or not all(isinstance(k, str) and k for k in value):
+            raise ValueError(f"field {name!r} must be an object of op classes, got {value!r}")
+        return {op: check(v, f"{name}.{op}") for op, v in value.items()}
+
+    return checked
+
+
 # By the field's type. A time, a byte count or a duration is never negative.
 _CHECKS: dict[object, Check] = {
     int: _count,
@@ -146,6 +157,8 @@ _CHECKS: dict[object, Check] = {
     Span | None: _nullable(_interval),
     float | None: _nullable(_finite),
     int | None: _nullable(_count),
+    dict[str, int] | None: _nullable(_by_op(_count)),
+    dict[str, float] | None: _nullable(_by_op(_nonnegative)),
 }
 D = TypeVar("D", bound="DataclassInstance")
 

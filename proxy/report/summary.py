@@ -34,15 +34,47 @@ class Sums(TypedDict):
     oom: int
 
 
-# A step of the critical path: a coordinator span, or a GEMM followed along its critical
+# A step of the critical path: a coordinator span (with its op classes' seconds, when the
+# job split it), or a GEMM or convolution product (``op``) followed along its critical
 # tile (its device, and ``eventlog.COMPONENTS``' seconds).
-PathSegment = dict[str, str | int | float]
+PathSegment = dict[str, str | int | float | dict[str, float]]
+
+
+class ByClass(TypedDict):
+    """Time by op class: the products on the fleet (issue to end), and the coordinator's
+    time by the classes its job gave (``unclassified_s``: time it did not split)."""
+
+    fleet_gemm_s: float
+    fleet_conv_s: float
+    coordinator_gemm_s: float
+    coordinator_conv_s: float
+    coordinator_other_s: float
+    coordinator_unclassified_s: float
+
+
+class Ops(TypedDict):
+    """The fine classes: the products' ``op`` and the coordinator's op classes, seconds."""
+
+    fleet: dict[str, float]
+    coordinator: dict[str, float]
 
 
 class CriticalPath(TypedDict):
     breakdown: dict[str, float]  # ``analysis.BREAKDOWN``'s seconds
+    by_class: dict[str, float]  # ``ByClass`` and ``unattributed_s``: the step's time
+    ops: Ops
     devices: dict[str, int]  # device name → the step's GEMMs whose critical tile it ran
     segments: list[PathSegment] | None  # None: a step not shown tile by tile
+
+
+class DeviceTime(TypedDict):
+    """A device's time in a step or over the run: computing GEMMs, convolutions, its links
+    busy (down + up), and the rest of the span (``waiting_s``, at least 0)."""
+
+    gemm_s: float
+    conv_s: float
+    link_s: float
+    waiting_s: float
 
 
 class StepRow(Sums):
@@ -52,15 +84,21 @@ class StepRow(Sums):
     t0: float
     t1: float
     critical_path: CriticalPath
+    # the devices that computed or moved anything in it: their times summed (device-seconds),
+    # and each one's by name (None: a step not shown tile by tile, as ``segments``)
+    device_time: DeviceTime
+    devices: dict[str, DeviceTime] | None
 
 
 class JobRow(Sums):
     id: int
     name: str
+    by_class: ByClass  # over its steps
     steps: list[StepRow]
 
 
 class Totals(Sums):
+    by_class: ByClass
     span_s: float
     steps: int
     devices: int
@@ -79,6 +117,7 @@ class DeviceRow(TypedDict):
     uplink_utilisation: float
     bytes_down: int
     bytes_up: int
+    time: DeviceTime  # over the run span
     final_temp_c: float | None
     top_freq_mhz: float | None
     below_top_s: float | None
@@ -155,10 +194,21 @@ class RunInfo(TypedDict):
     incomplete: str | None
 
 
+class Untimed(TypedDict):
+    """What the run could not attribute to an op class, and why."""
+
+    coordinator_unclassified_s: float  # coordinator time the jobs did not split
+    steps: int  # the steps with some
+    reason: str | None  # why (None: there is none)
+    local_gemms: int  # products the script kept on the host: in its coordinator time
+    local_note: str
+
+
 class Summary(TypedDict):
     version: int
     run: RunInfo
     totals: Totals
+    untimed: Untimed
     jobs: list[JobRow]
     devices: list[DeviceRow]
     stragglers: Stragglers

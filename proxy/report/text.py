@@ -3,9 +3,11 @@ slowest step's critical path, OOMs (what ``morphling report`` and ``morphling ru
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+
 from morphling.text import elide, elided_line, format_bytes
 
-from .analysis import OTHER_STEPS, STRAGGLER_LATENESS
+from .analysis import BY_CLASS, OTHER_STEPS, STRAGGLER_LATENESS
 from .load import StepRange, steps_text
 from .summary import DeviceRow, StepRow, Summary
 
@@ -24,6 +26,17 @@ def _percent(x: float | None) -> str:
 
 
 TOP_DEVICES = 10
+# The columns of the time by op class (``analysis.BY_CLASS``'s), and those of them only a
+# run with convolutions or a split coordinator time has.
+CLASS_COLUMNS = (
+    "fleet GEMM",
+    "fleet conv",
+    "coord GEMM",
+    "coord conv",
+    "coord other",
+    "unclassified",
+)
+SPLIT_ONLY = ("fleet_conv_s", "coordinator_gemm_s", "coordinator_conv_s", "coordinator_other_s")
 
 
 def format_summary(summary: Summary) -> str:
@@ -52,11 +65,13 @@ def format_summary(summary: Summary) -> str:
             f"shared bottleneck ({parameters}): downlink {_percent(b['downlink_utilisation'])}%, "
             f"uplink {_percent(b['uplink_utilisation'])}% busy"
         )
-    out += ["", *_steps_table(summary), "", *_devices_table(summary), ""]
+    out += ["", *_steps_table(summary), *_classes_table(summary)]
+    out += ["", *_devices_table(summary), *_device_time_table(summary), ""]
     out += _stragglers_text(summary)
     steps = [s for j in summary["jobs"] for s in j["steps"]]
     if steps:
         out += ["", *_critical_text(max(steps, key=lambda s: s["emulated_s"]))]
+    out += ["", *_untimed_text(summary)]
     ooms = summary["ooms"]
     out += ["", f"OOM events: {ooms['count']}"]
     out += [
@@ -75,13 +90,7 @@ def _steps_table(summary: Summary) -> list[str]:
         f"{'job':>4} {'step':>5} {'emulated s':>11} {'coord s':>9} {'GEMM s':>9} "
         f"{'GEMMs':>6} {'local':>6} {'tiles':>7} {'down':>10} {'up':>10} {'OOM':>4}"
     )
-    rows = [head, "-" * len(head)]
-    for job in summary["jobs"]:
-        first, left_out, last = elide(job["steps"])
-        rows += [_step_row(s) for s in first]
-        if left_out:
-            rows.append(elided_line(left_out, "summary.json or --json has every step"))
-            rows += [_step_row(s) for s in last]
+    rows = [head, "-" * len(head), *_each_step(summary, _step_row)]
     t = summary["totals"]
     rows.append(
         f"{'all':>10} {t['emulated_s']:>11.4f} {t['coordinator_s']:>9.4f} {t['gemm_s']:>9.4f} "
@@ -89,6 +98,39 @@ def _steps_table(summary: Summary) -> list[str]:
         f"{format_bytes(t['bytes_down']):>10} {format_bytes(t['bytes_up']):>10} {t['oom']:>4}"
     )
     return rows
+
+
+def _each_step(summary: Summary, row: Callable[[StepRow], str]) -> list[str]:
+    """A table's row per step, each job's elided (``elide``)."""
+    rows = []
+    for job in summary["jobs"]:
+        first, left_out, last = elide(job["steps"])
+        rows += [row(s) for s in first]
+        if left_out:
+            rows.append(elided_line(left_out, "summary.json or --json has every step"))
+            rows += [row(s) for s in last]
+    return rows
+
+
+def _classes_table(summary: Summary) -> list[str]:
+    """Each step's time by op class: the fleet's products (GEMMs, convolutions), the
+    coordinator's by the classes its job gave, and what it did not split. Left out when
+    that says no more than the table above (GEMMs only, the coordinator's time unsplit)."""
+    totals: Mapping[str, object] = summary["totals"]["by_class"]
+    if not any(totals[key] for key in SPLIT_ONLY):
+        return []
+    head = f"{'job':>4} {'step':>5} " + " ".join(f"{name:>12}" for name in CLASS_COLUMNS)
+    rows = ["", "time by op class (s):", head, "-" * len(head)]
+    rows += _each_step(
+        summary,
+        lambda s: _class_row(f"{s['job']:>4} {s['step']:>5}", s["critical_path"]["by_class"]),
+    )
+    rows.append(_class_row(f"{'all':>10}", totals))
+    return rows
+
+
+def _class_row(label: str, by_class: Mapping[str, object]) -> str:
+    return f"{label} " + " ".join(f"{by_class[key]:>12.4f}" for key in BY_CLASS)
 
 
 def _step_row(s: StepRow) -> str:
@@ -119,6 +161,38 @@ def _devices_table(summary: Summary) -> list[str]:
             f"{_maybe(d['top_freq_mhz'], '.0f'):>8} {_maybe(d['below_top_s'], '.3f'):>8} "
             f"{_maybe(d['lateness'], '+.3f'):>9} {_last_in(d, every):>9}"
         )
+    return rows
+
+
+def _device_time_table(summary: Summary) -> list[str]:
+    """The devices of the table above: their time over the run by what they did."""
+    devices = sorted(summary["devices"], key=lambda d: (-d["utilisation"], d["id"]))
+    rows = [
+        "their time over the run (s; links overlap compute when a tile downloads while "
+        "another computes, so waiting is at least what is shown):",
+        f"{'id':>5} {'name':<16} {'GEMM':>10} {'conv':>10} {'links':>10} {'waiting':>10}",
+    ]
+    for d in devices[:TOP_DEVICES]:
+        t = d["time"]
+        rows.append(
+            f"{d['id']:>5} {d['name']:<16} {t['gemm_s']:>10.4f} {t['conv_s']:>10.4f} "
+            f"{t['link_s']:>10.4f} {t['waiting_s']:>10.4f}"
+        )
+    return rows
+
+
+def _untimed_text(summary: Summary) -> list[str]:
+    """What has no op class, and why; the products the script kept on the host."""
+    u = summary["untimed"]
+    if u["reason"] is None:
+        rows = ["untimed work: none (every coordinator second has an op class)"]
+    else:
+        rows = [
+            f"untimed work: {u['coordinator_unclassified_s']:.4f} s of coordinator time in "
+            f"{u['steps']} step{'' if u['steps'] == 1 else 's'} is unclassified ({u['reason']})"
+        ]
+    if u["local_gemms"]:
+        rows.append(f"  {u['local_gemms']} GEMMs kept on the host: {u['local_note']}")
     return rows
 
 
@@ -171,6 +245,13 @@ def _stragglers_text(summary: Summary) -> list[str]:
     ]
 
 
+def _share_row(key: str, seconds: float, total: float, indent: int = 2) -> str:
+    """A part of a step's time, in seconds and as a share of ``total``."""
+    share = f"{100 * seconds / total:6.1f}%" if total > 0 else ""
+    name = key.removesuffix("_s").replace("_", " ")
+    return f"{' ' * indent}{name:<{30 - indent}} {seconds:>10.4f} s {share}"
+
+
 def _critical_text(step: StepRow) -> list[str]:
     total = step["emulated_s"]
     path = step["critical_path"]
@@ -178,8 +259,14 @@ def _critical_text(step: StepRow) -> list[str]:
         f"critical path of the slowest step (job {step['job']} step {step['step']}, {total:.4f} s):"
     ]
     for key, seconds in path["breakdown"].items():
-        share = f"{100 * seconds / total:6.1f}%" if total > 0 else ""
-        rows.append(f"  {key.removesuffix('_s').replace('_', ' '):<16} {seconds:>10.4f} s {share}")
+        rows.append(_share_row(key, seconds, total))
+    rows.append("  by op class:")
+    rows += [_share_row(key, path["by_class"][key], total, 4) for key in BY_CLASS]
+    ops_by = path["ops"]
+    for where, ops in (("fleet", ops_by["fleet"]), ("coordinator", ops_by["coordinator"])):
+        if ops:
+            parts = ", ".join(f"{op} {seconds:.4f}" for op, seconds in ops.items())
+            rows.append(f"    {where} ops (s): {parts}")
     devices = ", ".join(f"{name} ({n})" for name, n in list(path["devices"].items())[:TOP_DEVICES])
     rows.append(f"  last tile on: {devices or 'no GEMM'}")
     return rows

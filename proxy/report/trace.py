@@ -17,6 +17,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from morphling.proxy.vtime.engine import Span
+from morphling.proxy.vtime.eventlog import attribute
 
 from .load import Run, StepFigures, steps_text
 
@@ -78,16 +79,19 @@ def trace_events(run: Run) -> Iterator[Event]:
         counts = {"gemms": s.gemms, "local_gemms": s.local_gemms}
         yield _x(f"step {s.step}", "step", (job_pid[s.job], STEPS), (s.t0, s.t1), counts)
     for g in run.gemms:
-        name = f"gemm {g.gemm} ({g.m}×{g.n}×{g.k}, batch {g.batch})"
+        name = f"{g.op} {g.gemm} ({g.m}×{g.n}×{g.k}, batch {g.batch})"  # gemm or conv_*
         last = {"last_tile": g.last_tile, "last_device": g.last_device}
         about = {"step": g.step, "tiles": g.tiles} | last
         yield _x(name, "gemm", (job_pid[g.job], GEMMS), (g.issue, g.end), about)
     for c in run.coords:
         thread = (job_pid[c.job], COORDINATOR)
-        yield _x("coordinator", "coordinator", thread, (c.t0, c.t1), {"step": c.step})
+        args: dict[str, object] = {"step": c.step}
+        if c.split is not None:  # the job's op classes, seconds of this span
+            args["ops"] = attribute(c.t1 - c.t0, c.split)
+        yield _x("coordinator", "coordinator", thread, (c.t0, c.t1), args)
 
     for t in run.tiles:
-        pid, name = device_pid[t.device], f"gemm {t.gemm} tile {t.tile}"
+        pid, name = device_pid[t.device], f"{t.op} {t.gemm} tile {t.tile}"
         ids = {"job": t.job, "step": t.step, "gemm": t.gemm, "tile": t.tile}
         stages: list[tuple[str, int, int, Span | None, dict[str, object]]] = [
             ("download", pid, DOWNLINK, t.down, {"bytes": t.bytes_down}),

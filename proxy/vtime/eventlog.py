@@ -14,6 +14,7 @@ import gzip
 import hashlib
 import io
 import json
+from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
@@ -57,6 +58,16 @@ GEMM_OP = "gemm"
 def conv_op(kind: str) -> str:
     """The ``op`` of a convolution's records: ``conv_`` and its kind (``CONV_KINDS``)."""
     return f"conv_{kind}"
+
+
+def attribute(seconds: float, split: Mapping[str, int]) -> dict[str, float]:
+    """``seconds`` of coordinator time divided among op classes in proportion to the job's
+    ``split`` (op class → nanoseconds, not all 0): its interval may have been cut at the
+    step's start, or moved later, so the shares are what the split gives. The engine sums
+    these per step, as the report does from a log's coordinator spans: one expression, so
+    the two agree to the bit."""
+    total = sum(split.values())
+    return {op: seconds * ns / total for op, ns in split.items() if ns}
 
 
 Stages = tuple[Span, Span, Span]  # a tile's down, compute and up
@@ -130,12 +141,15 @@ class Gemm:
 
 @dataclass(frozen=True, slots=True)
 class Coord:
-    """Time the script spent on the host between GEMMs (coordinator time)."""
+    """Time the script spent on the host between GEMMs (coordinator time); ``split``: what
+    it did then, op class → the job's nanoseconds (``attribute`` makes them seconds of
+    this span). None: not said (measured time, or logs written before the split)."""
 
     job: int
     step: int
     t0: float
     t1: float
+    split: dict[str, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,8 +166,11 @@ class Step:
     local_gemms: int
     tiles: int | None = None
     coord_s: float | None = None
+    coord_split: dict[str, float] | None = None  # of ``coord_s``, by op class (None: none)
     oom: int | None = None
     gemm_s: float | None = None
+    # of ``gemm_s``, by ``op``; None: all GEMMs (or a log without steps' totals)
+    product_s: dict[str, float] | None = None
     bytes_down: int | None = None
     bytes_up: int | None = None
     link_queue_s: float | None = None
@@ -182,6 +199,7 @@ class DeviceStep:
     t: float
     freq_mhz: float | None
     temp_c: float | None
+    conv_s: float = 0.0  # of ``compute_s``, convolutions' tiles (older logs: none)
 
 
 @dataclass(frozen=True, slots=True)
@@ -341,11 +359,14 @@ class EventLog:
             f'"freq_mhz":{mhz},"temp_c":{"null" if temp is None else repr(temp)}{shared}{head[1]}'
         )
 
-    def coord(self, job: int, step: int, t0: float, t1: float) -> None:
+    def coord(
+        self, job: int, step: int, t0: float, t1: float, split: Mapping[str, int] | None = None
+    ) -> None:
         """A ``Coord`` record, formatted by hand as ``tile``'s (one per GEMM)."""
         self.records += 1
         if self.detail(step):
-            self._line(f'{{"ev":"coord","job":{job},"step":{step},"t0":{t0!r},"t1":{t1!r}}}')
+            end = "}" if split is None else f',"split":{json.dumps(split, separators=(",", ":"))}}}'
+            self._line(f'{{"ev":"coord","job":{job},"step":{step},"t0":{t0!r},"t1":{t1!r}{end}')
 
     def gemm(
         self,

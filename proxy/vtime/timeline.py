@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, NamedTuple, TypeVar
 
@@ -49,6 +49,7 @@ from .eventlog import (
     Stages,
     Step,
     TileHead,
+    attribute,
     critical_breakdown,
 )
 from .memory import Admission
@@ -95,6 +96,7 @@ class DeviceTotals:
     bytes_up: int = 0
     down_s: float = 0.0
     compute_s: float = 0.0
+    conv_s: float = 0.0  # of ``compute_s``, convolutions' tiles
     up_s: float = 0.0
     last_in: int = 0  # the step's GEMMs whose last tile back was its
     t: float = 0.0
@@ -108,6 +110,8 @@ class DeviceTotals:
         self.bytes_up += work.bytes_up
         self.down_s += down[1] - down[0]
         self.compute_s += compute[1] - compute[0]
+        if isinstance(work.shape, ConvShape):
+            self.conv_s += compute[1] - compute[0]
         self.up_s += up[1] - up[0]
         if compute[0] >= self.t:
             self.t, (self.freq_mhz, self.temp_c) = compute[0], state
@@ -127,6 +131,10 @@ class StepTimes:
     link_up: int
     oom: int
     gemm_s: float = 0.0  # its GEMMs' issue to end, summed
+    product_s: dict[str, float] = field(default_factory=dict)  # ... by ``op``
+    # its coordinator time by op class, where the job split it (``attribute``); the rest
+    # of ``coord_s`` was not split (measured time)
+    coord_split: dict[str, float] = field(default_factory=dict)
     # its GEMMs' critical paths (``eventlog.critical_breakdown``), summed
     critical: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COMPONENTS, 0.0))
     # its devices' totals, when the log keeps them instead of its tiles (``EventLog.detail``)
@@ -249,10 +257,13 @@ class Timeline(Generic[T]):
         host_s: float,
         place: Callable[[Placed[T]], None],
         done: Callable[[float, float], None],
+        host_split: Mapping[str, int] | None = None,
     ) -> None:
         """Issue ``task`` ``host_s`` after GEMM ``after`` ended (0: after the job's last
-        settled event). ``place`` gets the tiles with their devices once they are
-        placed; ``done(issue, end)`` is called when the GEMM ends in virtual time."""
+        settled event); ``host_split`` divides ``host_s`` among op classes (the job's
+        nanoseconds; None or empty: not divided). ``place`` gets the tiles with their
+        devices once they are placed; ``done(issue, end)`` is called when the GEMM ends
+        in virtual time."""
         job = self._active(job_id)
         job.waiting += 1
         waits = job.inflight.get(job.latest.get(after, 0))  # ``after`` as it was until now
@@ -263,7 +274,7 @@ class Timeline(Generic[T]):
         def issue(base: float) -> None:
             at = max(base + host_s, self.clock.now)  # later only for a released job
             times = self._step_of(job, at)
-            self._coordinator(job, times, base, at)
+            self._coordinator(job, times, base, at, host_split)
             gemm = _Gemm(job, task, tiles, at, times.step, place, done, seq)
             self.clock.at(at, self._issue, gemm, job=job.id, tile=task.id)
 
@@ -280,9 +291,11 @@ class Timeline(Generic[T]):
         *,
         host_s: float,
         local_gemms: int = 0,
+        host_split: Mapping[str, int] | None = None,
         done: Callable[[StepTimes], None],
     ) -> None:
-        """The job's step ``step`` ended ``host_s`` after its GEMMs in flight all ended;
+        """The job's step ``step`` ended ``host_s`` (divided among op classes as
+        ``host_split`` says, as in ``submit``) after its GEMMs in flight all ended;
         ``done`` gets its times."""
         job = self._active(job_id)
         job.waiting += 1
@@ -290,7 +303,7 @@ class Timeline(Generic[T]):
         def close(base: float) -> None:
             at = base + host_s
             times = self._step_of(job, at)
-            self._coordinator(job, times, base, at)
+            self._coordinator(job, times, base, at, host_split)
             times.t1, times.step = at, step
             job.steps += 1
             job.step, job.step_end = None, at
@@ -318,8 +331,10 @@ class Timeline(Generic[T]):
                 local_gemms,
                 tiles=times.tiles,
                 coord_s=times.coord_s,
+                coord_split=times.coord_split or None,
                 oom=times.oom,
                 gemm_s=times.gemm_s,
+                product_s=times.product_s if set(times.product_s) - {GEMM_OP} else None,
                 bytes_down=times.link_down,
                 bytes_up=times.link_up,
                 **times.critical,
@@ -341,6 +356,7 @@ class Timeline(Generic[T]):
                     t.t,
                     t.freq_mhz,
                     t.temp_c,
+                    conv_s=t.conv_s,
                 )
             )
 
@@ -398,12 +414,27 @@ class Timeline(Generic[T]):
             job.step = StepTimes(step, t0, t0, 0.0, 0, 0, 0, 0, 0, totals=totals)
         return job.step
 
-    def _coordinator(self, job: _Job, times: StepTimes, base: float, at: float) -> None:
-        """The script computed on the host from ``base`` to ``at``: coordinator time."""
+    def _coordinator(
+        self,
+        job: _Job,
+        times: StepTimes,
+        base: float,
+        at: float,
+        split: Mapping[str, int] | None,
+    ) -> None:
+        """The script computed on the host from ``base`` to ``at``: coordinator time, by op
+        class as ``split`` divides it. The part before the step's start is left out, and
+        the split with it in proportion (``attribute``)."""
         start = max(base, times.t0)
         if at > start:
-            times.coord_s += at - start
-            self.log.coord(job.id, times.step, start, at)
+            seconds = at - start
+            times.coord_s += seconds
+            kept = split if split and any(split.values()) else None
+            if kept is not None:
+                by_op = times.coord_split
+                for op, part in attribute(seconds, kept).items():
+                    by_op[op] = by_op.get(op, 0.0) + part
+            self.log.coord(job.id, times.step, start, at, kept)
 
     def _issue(self, gemm: _Gemm[T]) -> None:
         """Place every tile at the issue time and run it through its device's FIFOs.
@@ -582,6 +613,7 @@ class Timeline(Generic[T]):
         times = job.step  # its step: a step closes only once its GEMMs have ended
         if times is not None:
             times.gemm_s += now - gemm.issue
+            times.product_s[task.op] = times.product_s.get(task.op, 0.0) + (now - gemm.issue)
             if last is not None:  # as the report sums a full log's, GEMM by GEMM
                 for part, seconds in critical_breakdown(gemm.issue, *last.stages).items():
                     times.critical[part] += seconds

@@ -57,6 +57,8 @@ GEMM_DTYPES = ("float32", "float64")  # what a GEMM or a convolution (and its ti
 # A convolution's product: the output (forward), the input's gradient, the weight's gradient.
 CONV_KINDS = ("forward", "grad_input", "grad_weight")
 DTYPES = (*GEMM_DTYPES, "uint8")  # a payload segment's: an operand's, or plain bytes
+# ``host_split``: at most this many op classes, so a header stays small whatever the job sends.
+MAX_SPLIT_CLASSES = 32
 
 
 @dataclass(slots=True)
@@ -348,7 +350,9 @@ class Gemm(Message):
 
     Virtual time: the GEMM is issued ``host_ns`` (coordinator time on the host)
     after GEMM ``after`` of the same job ended — the one whose result the job
-    last waited for; 0: after the job's last settled event.
+    last waited for; 0: after the job's last settled event. ``host_split`` says what
+    the host did in that time: op class → nanoseconds, summing to ``host_ns`` (empty:
+    not said, as for measured time).
     """
 
     TYPE = MsgType.GEMM
@@ -369,6 +373,7 @@ class Gemm(Message):
     ref_b: list[int] = field(default_factory=list)
     after: int = 0
     host_ns: int = 0
+    host_split: dict[str, int] = field(default_factory=dict)  # see ``check_host_split``
     # Byte offsets in the job's slab (see ``Slab``): where it wrote A and B (their segments
     # are then empty) and where the emulator is to put C (then RESULT carries none); -1: not.
     slab_a: int = -1
@@ -396,7 +401,8 @@ class Conv(Message):
       C/groups, kh, kw].
 
     No bias: the job adds it (and sums its gradient). ``gemm`` is the request's id, from
-    the same ids as GEMMs; ``after``, ``host_ns`` and ``local`` are as in GEMM.
+    the same ids as GEMMs; ``after``, ``host_ns``, ``host_split`` and ``local`` are as in
+    GEMM.
     """
 
     TYPE = MsgType.CONV
@@ -412,6 +418,7 @@ class Conv(Message):
     groups: int = 1
     after: int = 0
     host_ns: int = 0
+    host_split: dict[str, int] = field(default_factory=dict)
     local: bool = False
 
 
@@ -448,15 +455,19 @@ class Step(Message):
     that was coordinator time, its GEMMs and tiles, the bytes the fleet's links
     would carry (``link_*``, not counting weight blocks resident on devices),
     the bytes that crossed this emulator's sockets since the last STEP
-    (``bytes_*``), and its emulated out-of-memory events.
+    (``bytes_*``), and its emulated out-of-memory events. ``host_split`` is as in GEMM;
+    ``coord_split`` is the step's coordinator time by op class, as the jobs' splits
+    attribute it (the rest of ``coord_ns`` was not split).
     """
 
     TYPE = MsgType.STEP
     step: int
     host_ns: int = 0
+    host_split: dict[str, int] = field(default_factory=dict)
     local_gemms: int = 0  # job → server: GEMMs it computed itself in the step (reported)
     emulated_ns: int = 0
     coord_ns: int = 0
+    coord_split: dict[str, int] = field(default_factory=dict)
     gemms: int = 0
     tiles: int = 0
     link_down: int = 0
@@ -565,13 +576,32 @@ def _schema(cls: type[Message]) -> _Schema:
 
 _SCHEMAS = {msg_type: _schema(cls) for msg_type, cls in MESSAGES.items()}
 _ABSENT = object()
+_SPLIT = frozenset({MsgType.GEMM, MsgType.CONV, MsgType.STEP})  # the messages with a host_split
+
+
+def check_host_split(name: str, split: dict[str, Any], host_ns: int) -> None:
+    """``split`` (``name``'s ``host_split``) is op class → nanoseconds: at most
+    ``MAX_SPLIT_CLASSES`` non-empty names, integers >= 0 that sum to ``host_ns``; else
+    ``ValueError`` naming the field. The class names are the job's: any string will do."""
+    where = f"{name}.host_split"
+    if len(split) > MAX_SPLIT_CLASSES:
+        raise ValueError(f"{where}: {len(split)} op classes, at most {MAX_SPLIT_CLASSES}")
+    for op, ns in split.items():
+        if not isinstance(op, str) or not op:
+            raise ValueError(f"{where}: op class {op!r:.40} is not a non-empty string")
+        if not isinstance(ns, int) or isinstance(ns, bool) or ns < 0:
+            raise ValueError(f"{where}[{op!r:.40}]: {ns!r:.40} is not an integer >= 0")
+    total = sum(split.values())
+    if total != host_ns:
+        raise ValueError(f"{where}: sums to {total} ns, not host_ns={host_ns}")
 
 
 def from_wire(msg_type: int, header: dict[str, Any], segments: tuple[Any, ...]) -> Message:
     """Build a message from a decoded header, or raise ``ValueError`` naming the field.
 
     A header as ``Message.header`` writes it (every field, in order, each of its own
-    type) passes in two tuple comparisons; any other is checked field by field.
+    type) passes in two tuple comparisons; any other is checked field by field. A
+    ``host_split``'s contents are checked too (``check_host_split``).
     """
     cls = MESSAGES[msg_type]
     if len(segments) != cls.SEGMENTS:
@@ -581,6 +611,8 @@ def from_wire(msg_type: int, header: dict[str, Any], segments: tuple[Any, ...]) 
     schema = _SCHEMAS[msg_type]
     if tuple(header) != cls.FIELDS or tuple(map(type, header.values())) != schema.types:
         header = _checked(cls, schema, header)
+    if msg_type in _SPLIT and header.get("host_split"):
+        check_host_split(cls.TYPE.name, header["host_split"], header.get("host_ns", 0))
     return cls(**header, segments=segments)
 
 

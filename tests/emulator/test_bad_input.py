@@ -31,6 +31,7 @@ from morphling.proxy.wire.messages import (
     Open,
     ProbeEcho,
     Result,
+    Step,
     TileResult,
     Welcome,
 )
@@ -207,6 +208,39 @@ async def test_gemm_header_that_lies_is_refused(fleet, case):
     assert not f.emu.scheduler.queued, "no tile was queued"
     if case == "output_too_big":
         assert f.emu.pool.stats().leased_bytes <= stats_before.leased_bytes + (1 << 20)
+    await check_serving(client)
+
+
+BAD_SPLITS = {  # name: (the message's fields, the reason's text)
+    "sum_differs": (
+        {"host_ns": 10, "host_split": {"optimizer": 3}},
+        "sums to 3 ns, not host_ns=10",
+    ),
+    "negative": ({"host_ns": 0, "host_split": {"other": -1, "gemm": 1}}, "'other'"),
+    "not_an_int": ({"host_ns": 2, "host_split": {"other": 1.5}}, "is not an integer"),
+    "empty_name": ({"host_ns": 5, "host_split": {"": 5}}, "is not a non-empty string"),
+    "too_many": (
+        {"host_ns": 33, "host_split": {f"c{i}": 1 for i in range(33)}},
+        "33 op classes, at most 32",
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", ["GEMM", "STEP"])
+@pytest.mark.parametrize("case", sorted(BAD_SPLITS))
+async def test_a_bad_host_split_is_refused_naming_the_field(fleet, case, kind):
+    """A job's op classes of its host time that are not op class → ns summing to host_ns:
+    ERROR bad_header naming the field, and the emulator serves the others."""
+    fields, text = BAD_SPLITS[case]
+    f, client = await serving_fleet(fleet)
+    raw = await f.raw_peer()
+    await raw.hello("job", name="splitter")
+    raw.send(Open(name="splitter"))
+    a = np.ones((4, 4), np.float32)
+    request = gemm_request(a, a)
+    raw.send(dataclasses.replace(request, **fields) if kind == "GEMM" else Step(step=1, **fields))
+    error = await raw.expect_error("bad_header")
+    assert f"{kind}.host_split" in error.reason and text in error.reason, error.reason
     await check_serving(client)
 
 

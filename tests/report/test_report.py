@@ -217,8 +217,8 @@ def test_chrome_trace(run_dir: Path) -> None:
 def test_write_reports(run_dir: Path) -> None:
     paths = write_reports(run_dir)
     names = sorted(p.name for p in paths)
-    assert names == ["steps.png", "summary.json", "thermal.png", "timeline.png", "trace.json",
-                     "utilisation.png"]  # fmt: skip
+    assert names == ["device_time.png", "steps.png", "summary.json", "thermal.png", "timeline.png",
+                     "trace.json", "utilisation.png"]  # fmt: skip
     for p in paths:
         assert p.parent == run_dir
         if p.suffix == ".png":
@@ -412,7 +412,8 @@ def test_a_window_keeps_the_records_of_its_steps_only(run_dir: Path) -> None:
     s0, s1 = part["jobs"][0]["steps"]
     w0, w1 = whole["jobs"][0]["steps"]
     assert s0["critical_path"].pop("segments") is None and s1 == w1
-    del w0["critical_path"]["segments"]
+    assert s0.pop("devices") is None  # each device's time in it, as the segments: shown only
+    del w0["critical_path"]["segments"], w0["devices"]
     assert s0 == w0
     for key in ("totals", "devices", "stragglers", "ooms"):
         assert part[key] == whole[key], key

@@ -273,3 +273,100 @@ def test_the_report_reads_back_what_the_timeline_wrote(tmp_path):
     assert shared["uplink_utilisation"] == pytest.approx(tl.nic_up.busy_s / span, rel=1e-12)
     for d in summary["devices"]:  # the FIFO summed durations, the report ends - starts
         assert d["busy_s"] == pytest.approx(tl.devices[d["id"]].compute.busy_s, rel=1e-9)
+
+
+# --- op classes: what the coordinator did, and what the devices computed --------------------
+
+
+def classified_run(run_dir, level: str) -> dict[int, object]:
+    """Two steps of a job that splits its host time by op class, on two devices: a GEMM, a
+    convolution, a step mark; then a GEMM issued after step 1's GEMM (so its coordinator
+    span starts before step 2 and is cut at its start), a mark whose split is all GEMM.
+    Written as a run directory at ``level``; its closed steps' times."""
+    run_dir.mkdir()
+    sink = open_event_file(run_dir / COMPRESSED_EVENTS_FILE)
+    tl = Timeline("round-robin", log=EventLog(sink, level=level))
+    fleet = [("d0", profile()), ("d1", profile())]
+    for device, (name, p) in enumerate(fleet):
+        tl.add_device(device, name, p)
+    tl.open_job(1, "job")
+    rec, closed = Recorder(), {}
+    submit(tl, rec, 1, task(1, 300, 500, 200), block=128)
+    submit(
+        tl,
+        rec,
+        1,
+        conv_task(2, "forward", (2, 8, 12, 12), (8, 8, 3, 3)),
+        block=8,
+        after=1,
+        host_s=0.004,
+        host_split={"elementwise": 3_000_000, "conv": 1_000_000},
+    )
+    tl.mark_step(1, 1, host_s=0.01, host_split={"optimizer": 9_000_000, "other": 1_000_000},
+                 done=lambda t: closed.setdefault(t.step, t))  # fmt: skip
+    submit(tl, rec, 1, task(3, 300, 500, 200), block=128, after=1, host_s=0.5,
+           host_split={"normalization": 1, "softmax": 3})  # fmt: skip
+    tl.mark_step(1, 2, host_s=0.002, host_split={"gemm": 2_000_000},
+                 done=lambda t: closed.setdefault(t.step, t))  # fmt: skip
+    tl.close_job(1)
+    sink.close()
+    devices = [
+        {"id": i, **p.to_wire(), "name": name, "profile": p.name}
+        for i, (name, p) in enumerate(fleet)
+    ]
+    meta = {"format": RUN_FORMAT, "version": 1, "policy": "round-robin", "block": 128,
+            "coordinator_time": "model", "bottleneck": None, "fleet": devices,
+            "jobs": tl.job_names(), "event_log": level, "event_file": COMPRESSED_EVENTS_FILE,
+            "events": tl.log.count, "digest": tl.log.digest()}  # fmt: skip
+    (run_dir / RUN_FILE).write_text(json.dumps(meta))
+    return closed
+
+
+def test_coordinator_time_by_op_class_and_device_work_by_op(tmp_path):
+    """The engine divides each coordinator span among the job's op classes in proportion
+    (a span cut at the step's start keeps its shares), sums them per step, and logs them
+    on the span (``full``) or the step record (``steps``); the report reads the same
+    figures to the bit from either, and each device's GEMM and convolution compute."""
+    closed = classified_run(tmp_path / "full", "full")
+    steps_closed = classified_run(tmp_path / "steps", "steps")
+    one, two = closed[1], closed[2]
+    # step 1: the convolution's 4 ms (3:1) and the mark's 10 ms (9:1), all classified
+    assert one.coord_split == pytest.approx(
+        {"elementwise": 0.003, "conv": 0.001, "optimizer": 0.009, "other": 0.001}, rel=1e-9
+    )
+    assert one.coord_s == pytest.approx(0.014) and one.product_s.keys() == {"gemm", "conv_forward"}
+    # step 2: GEMM 3 is issued 0.5 s after GEMM 1 ended, in step 1: only the part after
+    # step 2 starts is step 2's, divided 1:3 all the same; then the mark's 2 ms, all GEMM
+    cut = two.coord_s - 0.002
+    assert 0 < cut < 0.5
+    assert two.coord_split["normalization"] == pytest.approx(cut / 4, rel=1e-12)
+    assert two.coord_split["softmax"] == pytest.approx(3 * cut / 4, rel=1e-12)
+    assert two.coord_split["gemm"] == pytest.approx(0.002, rel=1e-9)
+    assert two.product_s.keys() == {"gemm"}
+    coords = records(io.BytesIO(gzip.decompress((tmp_path / "full" / COMPRESSED_EVENTS_FILE)
+                                                .read_bytes())), "coord")  # fmt: skip
+    assert [c.get("split") for c in coords] == [
+        {"elementwise": 3_000_000, "conv": 1_000_000},
+        {"optimizer": 9_000_000, "other": 1_000_000},
+        {"normalization": 1, "softmax": 3},
+        {"gemm": 2_000_000},
+    ]
+
+    runs = {level: load_run(tmp_path / level, StepRange()) for level in ("full", "steps")}
+    for level, times in (("full", closed), ("steps", steps_closed)):
+        for f in runs[level].steps:
+            assert f.coord_split == times[f.step].coord_split  # to the bit
+            assert f.product_s == times[f.step].product_s
+    full_run, steps_run = runs["full"], runs["steps"]
+    assert [s.work for s in full_run.steps] == [s.work for s in steps_run.steps]
+    (d0, d1) = (full_run.devices[0], full_run.devices[1])
+    conv_tiles = [t for t in full_run.tiles if t.op == "conv_forward"]
+    assert conv_tiles and {t.device for t in conv_tiles} == {0, 1}
+    for device in (d0, d1):
+        assert 0 < device.conv_s < device.busy_s
+    for d, figures in full_run.devices.items():
+        mine = [t for t in conv_tiles if t.device == d]
+        assert figures.conv_s == sum(t.compute[1] - t.compute[0] for t in mine)
+        assert steps_run.devices[d].conv_s == pytest.approx(figures.conv_s, rel=1e-12)
+    step1 = {d: (gemm, conv, link) for d, gemm, conv, link in full_run.steps[0].work}
+    assert all(gemm > 0 and conv > 0 and link > 0 for gemm, conv, link in step1.values())

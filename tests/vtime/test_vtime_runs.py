@@ -151,8 +151,9 @@ def test_steps_log_has_the_full_logs_per_step_figures(levels):
     assert len(full_steps) == len(step_steps) == MLP_STEPS
     for a, b in zip(full_steps, step_steps, strict=True):
         assert b["critical_path"].pop("segments") is None  # a full log's GEMMs only
-        del a["critical_path"]["segments"]
-        assert a == b  # times, totals and critical paths, to the bit
+        assert b.pop("devices") is None  # each device's time, as the segments: shown only
+        del a["critical_path"]["segments"], a["devices"]
+        assert a == b  # times, totals, critical paths and classes, to the bit
     mean = "mean_utilisation"  # of busy times, below
     assert steps["totals"].pop(mean) == pytest.approx(full["totals"].pop(mean), rel=1e-12)
     assert steps["totals"] == full["totals"]
@@ -269,10 +270,11 @@ def log_records(run_dir: Path) -> list[dict]:
 
 
 def step_rows(summary: dict) -> list[dict]:
-    """Each step's row without its critical-path segments (which cover a window)."""
+    """Each step's row without its critical-path segments and devices' times (which cover
+    a window)."""
     rows = [dict(s, critical_path=dict(s["critical_path"])) for s in summary["jobs"][0]["steps"]]
     for row in rows:
-        del row["critical_path"]["segments"]
+        del row["critical_path"]["segments"], row["devices"]
     return rows
 
 

@@ -151,9 +151,13 @@ def submit(
     *,
     after: int = 0,
     host_s: float = 0.0,
+    host_split: dict[str, int] | None = None,
 ) -> None:
     tiles = t.tiles(block) if isinstance(t, GemmTask) else t.tiles(block, 1 << 20)
-    tl.submit(job, t, tiles, after=after, host_s=host_s, place=rec.place, done=rec.done_for(t.id))
+    tl.submit(
+        job, t, tiles, after=after, host_s=host_s, host_split=host_split, place=rec.place,
+        done=rec.done_for(t.id),
+    )  # fmt: skip
 
 
 def records(sink: io.BytesIO, kind: str) -> list[dict]:

@@ -71,6 +71,8 @@ FIELD_VALUES = {
     "list": st.lists(_plain, max_size=4),
 }
 
+SPLITS = st.dictionaries(st.text(min_size=1, max_size=12), st.integers(0, 2**40), max_size=4)
+
 _arrays = hnp.arrays(
     dtype=st.sampled_from([np.float32, np.float64, np.uint8]),
     shape=hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=6),
@@ -98,6 +100,9 @@ def messages(draw, cls: type[Message] | None = None) -> Message:
         if has_default(f) and draw(st.booleans()):
             continue  # keep the default
         values[f.name] = draw(FIELD_VALUES[wire_type(f)])
+    if values.get("host_split"):  # op class → ns, summing to host_ns (``check_host_split``)
+        values["host_split"] = split = draw(SPLITS)
+        values["host_ns"] = sum(split.values())
     segments = tuple(draw(_segments) for _ in range(cls.SEGMENTS))
     return cls(**values, segments=segments)
 
