@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.morphling-installed
-SOURCES := pyproject.toml setup.py $(wildcard kernels/_cffi_src/*.py kernels/_cffi_src/c/*.c)
+SOURCES := pyproject.toml setup.py $(wildcard kernels/_cffi_src/*.py kernels/_cffi_src/c/*.c kernels/_cffi_src/c/*.h)
 
 .PHONY: setup system-deps demo test bench lint install-service clean
 

@@ -3,8 +3,9 @@
 A device receives the input region its tile needs, halo included, never the unfolded
 (im2col) matrix, so links carry activations. It unfolds the region locally and multiplies
 with this package's BLAS (``blas.gemm``): an implicit GEMM. Depthwise convolutions (each
-output channel reads one input channel) take a direct kernel instead, kh·kw vectorised
-multiply-adds, which never holds the kh·kw times larger unfolded copy. Bias is the
+output channel reads one input channel) take direct C kernels instead (``c/depthwise.c``):
+row by row, kh·kw vectorised multiply-adds per row, the padding skipped rather than
+copied, and never the kh·kw times larger unfolded copy. Bias is the
 caller's: it is added, and its gradient summed, where the whole output is.
 
 Layout
@@ -67,6 +68,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from ._native import ffi, lib
 from .blas import gemm
 
 Array = npt.NDArray[Any]
@@ -174,11 +176,10 @@ def conv_forward(x: Array, w: Array, geom: ConvGeometry, out: Array | None = Non
     _check_weight(w, geom, channels, "x")
     oh, ow = geom.output_size(height, width)
     y = _output(out, (n, w.shape[0], oh, ow), dtype, x, w)
-    xp = _padded(x, geom)
     if w.shape[1] == 1:
-        _forward_direct(xp, w, geom, y)
+        _direct("forward", _direct_geometry(geom, x.shape, w.shape[0], (oh, ow)), x, w, y)
     else:
-        cols = _unfold(xp, geom, oh, ow)  # [G, K, N·P]
+        cols = _unfold(_padded(x, geom), geom, oh, ow)  # [G, K, N·P]
         yk = gemm(_grouped(w, geom.groups), cols)  # [G, OC/G, N·P]
         y[...] = yk.reshape(w.shape[0], n, oh, ow).transpose(1, 0, 2, 3)
     return y
@@ -219,7 +220,12 @@ def conv_grad_input(
             f"[{need[0]}, {need[1]}), the rows reaching input rows [{i0}, {i1})"
         )
     dx = _output(out, (n, channels, i1 - i0, width), dtype, dy, w)
-    share = _shares_direct(dy, w, geom) if w.shape[1] == 1 else _shares_gemm(dy, w, geom)
+    if w.shape[1] == 1:
+        shape = (n, channels, height, width)
+        band = (i0, i1 - i0, oh_lo, r)
+        _direct("grad_input", _direct_geometry(geom, shape, oc, (oh, ow)), dy, w, dx, *band)
+        return dx
+    share = _shares_gemm(dy, w, geom)
     (kh, _), (sh, _), (dh, _) = geom.kernel, geom.stride, geom.dilation
     top, _, left, right = geom.padding
     # The fold: padded rows from oh_lo·sh on, as far down as the taps of dy's last row reach.
@@ -247,11 +253,10 @@ def conv_grad_weight(x: Array, dy: Array, geom: ConvGeometry, out: Array | None 
     if dy.shape != (n, dy.shape[1], oh, ow):
         raise ValueError(f"dy: shape {dy.shape}, expected [{n}, OC, {oh}, {ow}]")
     dw = _output(out, (dy.shape[1], channels // groups, *geom.kernel), dtype, x, dy)
-    xp = _padded(x, geom)
     if channels == groups:
-        _grad_weight_direct(xp, np.ascontiguousarray(dy), geom, dw)
+        _direct("grad_weight", _direct_geometry(geom, x.shape, dy.shape[1], (oh, ow)), x, dy, dw)
     else:
-        cols = _unfold(xp, geom, oh, ow)  # [G, K, N·P]
+        cols = _unfold(_padded(x, geom), geom, oh, ow)  # [G, K, N·P]
         gemm(
             _channel_major(dy, groups),
             cols.transpose(0, 2, 1),
@@ -369,27 +374,32 @@ def _shares_gemm(dy: Array, w: Array, geom: ConvGeometry) -> Callable[[int, int]
 
 # --- depthwise path: each output channel reads one input channel --------------------------
 
-
-def _forward_direct(xp: Array, w: Array, geom: ConvGeometry, y: Array) -> None:
-    n, channels = xp.shape[:2]
-    wt = w.reshape(channels, -1, *geom.kernel)  # [C, multiplier, kh, kw]
-    yt = y.reshape(n, channels, wt.shape[1], *y.shape[2:])
-    yt[...] = 0
-    for a, b, (rows, cols) in _taps(geom, *y.shape[2:]):
-        yt += xp[:, :, None, rows, cols] * wt[:, :, a, b, None, None]
+_C_TYPES = {np.dtype(np.float32): ("f32", "float[]"), np.dtype(np.float64): ("f64", "double[]")}
 
 
-def _shares_direct(dy: Array, w: Array, geom: ConvGeometry) -> Callable[[int, int], Array]:
-    n, _, r, ow = dy.shape
-    channels = geom.groups
-    wt = w.reshape(channels, -1, *geom.kernel)
-    dyt = np.ascontiguousarray(dy).reshape(n, channels, wt.shape[1], r, ow)
-    return lambda a, b: np.einsum("ncjhw,cj->nchw", dyt, wt[:, :, a, b])
+def _direct_geometry(
+    geom: ConvGeometry,
+    x_shape: tuple[int, ...],
+    oc: int,
+    out_size: tuple[int, int],
+) -> Any:
+    """The C kernels' ``mg_dw_geom`` for x of ``x_shape`` (the region, or the whole input
+    for the gradients), ``oc`` output channels and the output's (OH, OW)."""
+    n, channels, height, width = x_shape
+    (kh, kw), (sh, sw), (dh, dw) = geom.kernel, geom.stride, geom.dilation
+    top, _, left, _ = geom.padding
+    fields = {"n": n, "c": channels, "multiplier": oc // channels, "h": height, "w": width}
+    out = {"oh": out_size[0], "ow": out_size[1]}
+    taps = {"kh": kh, "kw": kw, "sh": sh, "sw": sw, "dh": dh, "dw": dw}
+    return ffi.new("mg_dw_geom *", {**fields, **out, **taps, "top": top, "left": left})
 
 
-def _grad_weight_direct(xp: Array, dy: Array, geom: ConvGeometry, dw: Array) -> None:
-    n, channels = xp.shape[:2]
-    dwt = dw.reshape(channels, -1, *geom.kernel)
-    dyt = dy.reshape(n, channels, dwt.shape[1], *dy.shape[2:])
-    for a, b, (rows, cols) in _taps(geom, *dy.shape[2:]):
-        dwt[:, :, a, b] = np.einsum("ncjhw,nchw->cj", dyt, xp[:, :, rows, cols])
+def _direct(name: str, cgeom: Any, first: Array, second: Array, out: Array, *band: int) -> None:
+    """Run ``mg_dw_<name>`` on C-contiguous copies of the operands (the arrays themselves
+    when they are, as a tile's operands off the wire are), writing into ``out``."""
+    suffix, ctype = _C_TYPES[out.dtype]
+    # .data: numpy's stubs give an array the buffer protocol only from Python 3.12 (PEP 688)
+    operands = (ffi.from_buffer(ctype, np.ascontiguousarray(a).data) for a in (first, second))
+    result = ffi.from_buffer(ctype, out.data, require_writable=True)
+    if getattr(lib, f"mg_dw_{name}_{suffix}")(cgeom, *operands, result, *band):
+        raise MemoryError(f"depthwise {name}: no memory for its scratch row buffers")

@@ -10,16 +10,17 @@ Why the fitted model has the form it has: it is a sum of work terms
 (``work_terms``: ``t = Σ_j W_j · exp(X_j · θ_j)``), one or two per stage of the kernel
 ``kernels/conv.py`` runs, and each stage's work is what that stage does:
 
-- calls: a constant per call and per kernel tap for each kind and path (general or
-  depthwise): the kernels are numpy and BLAS calls made from Python, kh·kw of them per pass;
+- calls: a constant per call for each kind and path (general or depthwise), and per kernel
+  tap on the general path: it is numpy and BLAS calls made from Python, kh·kw of them per
+  pass;
 - numpy's copies and adds — the padding (``np.pad``), the unfolding (one strided copy per
   tap), the output's or dy's channel-major transpose, the grad-input fold (one scatter-add
-  per tap) and its zeroed buffers, the depthwise path's multiply-adds — cost per element
-  moved and per inner loop: numpy loops over the innermost run its operands share
-  (coalesced dimensions), so an unfolding of 7-wide rows costs several times one of 56-wide
-  rows for the same bytes, and a 1×1 convolution's copy is one run. Element costs depend on
-  dtype, a stride over the source (``sw > 1``) and where the pass's bytes fit in the cache
-  hierarchy (a piecewise-linear efficiency in log bytes);
+  per tap) and its zeroed buffers — cost per element moved and per inner loop: numpy
+  loops over the innermost run its operands share (coalesced dimensions), so an unfolding
+  of 7-wide rows costs several times one of 56-wide rows for the same bytes, and a 1×1
+  convolution's copy is one run. Element costs depend on dtype, a stride over the source
+  (``sw > 1``) and where the pass's bytes fit in the cache hierarchy (a piecewise-linear
+  efficiency in log bytes);
 - the GEMM over the unfolded input, one per group: m = OC/g, n = N·OH·OW, k = (C/g)·kh·kw
   (forward), with the roles exchanged for the gradients. As in the GEMM model, compute
   counts the columns the micro-kernel really computes (panels of ``vector_bytes``, a
@@ -27,7 +28,14 @@ Why the fitted model has the form it has: it is a sum of work terms
   kind, dtype and log m, n, k; A, B and C traffic are bytes at an efficiency by kind and
   cache level. Convolution GEMMs are skinnier than the GEMM grid's tiles (n or k in the
   tens of thousands), so this model fits its own GEMM terms on convolution timings rather
-  than borrow the GEMM model's.
+  than borrow the GEMM model's;
+- the depthwise path is one C call (``c/depthwise.c``) that walks the output (the input,
+  for the grad input) row by row, and for each row the taps that reach the array, each tap
+  a loop over the columns it reaches: work per row, per such loop, per multiply-add (a
+  strided loop's at its own rate; at an efficiency by where a row's working set fits), per
+  element of the grad input's one strided scatter of a multiplier's summed channels, and
+  per byte of the operands streamed once (at an efficiency by where they fit). Taps that
+  fall in the padding are skipped, so the counts are the taps' reach, not kh·kw.
 
 The panel width and whether the remainder splits are chosen by comparing fits on the
 host's own measurements, as the GEMM model chooses its structure.
@@ -76,7 +84,7 @@ _MEM = len(_MEM_KNOTS)
 # Parameter vector layout: term name → width (see ``_Form.terms`` for each design).
 _TERMS = {
     "calls": _ROUTES,
-    "taps": _ROUTES,
+    "taps": len(KINDS),
     "pad_call": 1,
     "pad_loops": 1,
     "pad_bytes": 2 + _MEM,
@@ -91,9 +99,12 @@ _TERMS = {
     "zero_loops": 1,
     "zero_bytes": 2 + _MEM,
     "fold_loops": 3,
-    "fold_bytes": 4 + _MEM,
-    "direct_loops": 6 * len(KINDS),
-    "direct_bytes": 7 * len(KINDS) + _MEM,
+    "fold_bytes": 3 + _MEM,
+    "direct_rows": len(KINDS),
+    "direct_loops": 3 * len(KINDS),
+    "direct_macs": 3 * len(KINDS) + _MEM,
+    "direct_scatter": 3,
+    "direct_bytes": len(KINDS) + 1 + _MEM,
 }
 
 VECTOR_BYTES_CANDIDATES = (16, 32, 64)
@@ -210,17 +221,17 @@ class _Stages:
         return np.concatenate([np.stack([self.ones, *covariates], axis=1), _mem(nbytes)], axis=1)
 
     def calls(self) -> Terms:
-        """A constant per call and per tap, by kind and path."""
+        """A constant per call, by kind and path, and per tap on the general path, by kind."""
         return [
             (self.ones * _REF_CALL_S, self.route),
-            (self.taps * _REF_CALL_S, self.route),
+            (np.where(self.general, self.taps, 0.0) * _REF_CALL_S, self.by_kind),
         ]
 
     def pad(self) -> Terms:
         """``np.pad`` (forward, grad weight): a call, the middle copied in (row by row when
         columns are padded) and the edges written."""
         c, x = self, self.cols
-        padded = ((x.top + x.bottom + x.left + x.right) > 0) & ~c.grad_input
+        padded = ((x.top + x.bottom + x.left + x.right) > 0) & c.general & ~c.grad_input
         nbytes = x.n * x.c * (c.hp * c.wp + x.h * x.w) * x.item
         count = x.n * x.c * np.where(c.side_pad, x.h + 2 * c.hp, 3)
         return [
@@ -287,49 +298,92 @@ class _Stages:
         ]
 
     def fold(self) -> Terms:
-        """Grad input: the zeroed fold buffer, the band zeroed and copied out of it, and per
-        tap a scatter-add of [N, C, R, OW] into the buffer."""
+        """Grad input (general path): the zeroed fold buffer, the band zeroed and copied out
+        of it, and per tap a scatter-add of [N, C, R, OW] into the buffer."""
         c, x = self, self.cols
+        folds = c.general & c.grad_input
         reach = (x.out_rows - 1) * x.sh + x.dh * (x.kh - 1) + 1
         buffer = x.n * x.c * reach * c.wp * x.item
         zeroed = buffer + 2 * x.n * x.c * x.rows * x.w * x.item
-        contiguous = c.direct | ((c.taps == 1) & (x.n == 1))
-        whole = c.rows_run & (reach * c.wp == x.out_rows * x.out_w) & contiguous
+        whole = c.rows_run & (reach * c.wp == x.out_rows * x.out_w) & (c.taps == 1) & (x.n == 1)
         elements = c.taps * x.n * x.c * x.out_rows * x.out_w
         runs = elements / (c.run * np.where(whole, x.c, 1))
         return [
-            (c.loops(c.grad_input, x.n * x.c * np.where(c.side_pad, x.rows, 1)), c.ones[:, None]),
-            (c.moved(c.grad_input, zeroed), c.efficiency(c.fp64, nbytes=buffer)),
-            (c.loops(c.grad_input, runs), np.stack([c.ones, c.fp64, c.strided], axis=1)),
+            (c.loops(folds, x.n * x.c * np.where(c.side_pad, x.rows, 1)), c.ones[:, None]),
+            (c.moved(folds, zeroed), c.efficiency(c.fp64, nbytes=buffer)),
+            (c.loops(folds, runs), np.stack([c.ones, c.fp64, c.strided], axis=1)),
             (
-                c.moved(c.grad_input, 3 * elements * x.item),
-                c.efficiency(c.fp64, c.strided, c.direct * 1.0, nbytes=buffer),
+                c.moved(folds, 3 * elements * x.item),
+                c.efficiency(c.fp64, c.strided, nbytes=buffer),
             ),
         ]
 
     def depthwise(self) -> Terms:
-        """The depthwise path: per tap, a multiply-add (forward) or an einsum (gradients)
-        over the output's elements; einsum reduces over the output channels per input
-        channel, which changes its speed."""
+        """The depthwise C kernel: per row, per tap loop over a row, per multiply-add, per
+        element of the grad input's scatter (with a multiplier), per operand byte."""
         c, x = self, self.cols
-        elements = c.taps * x.n * x.oc * x.out_rows * x.out_w
-        multiplier = _log2(x.oc / x.c)
-        several = (x.oc > x.c) * 1.0
-        single = (x.c == 1) * 1.0  # one input channel: einsum's long loop is over channels
-        covariates = (c.ones, c.fp64, c.strided, several, multiplier, single)
+        many = x.oc > x.c  # the grad input sums the multiplier's channels, then scatters once
+        # Output rows (the grad input: input rows) and, per row, the taps' loops and their
+        # multiply-adds: the taps that reach the input and the columns each reaches.
+        rows = np.where(c.grad_input, x.c * x.rows, x.oc * x.out_rows) * x.n
+        whole = _row_taps(x)
+        # A grad-input band of R input rows meets about R·kh/sh of the pairs (each input
+        # row the tap rows a stride lets reach it), at most its dy rows' and the whole's.
+        band = np.minimum(np.minimum(x.rows * x.kh / x.sh, x.out_rows * x.kh), whole)
+        reach = np.where(c.grad_input, band, whole)
+        column_taps, columns = _column_taps(x)
+        passes = np.where(c.grad_input & many, x.oc / x.c + 1, x.oc / x.c)
+        loops = x.n * x.c * reach * column_taps * passes
+        macs = x.n * x.oc * reach * columns
+        scattered = np.where(c.grad_input & many, x.n * x.c * reach * columns, 0.0)
+        strided = c.strided * ~(c.grad_input & many)  # the multiplier's sums are contiguous
+        rate = (c.ones, c.fp64, strided)
+        row_set = x.kh * (x.w + x.out_w) * x.item
+        operands = np.where(
+            c.grad_input,
+            x.oc * x.out_rows * x.out_w + x.c * x.rows * x.w,
+            x.c * x.h * x.w + x.oc * x.out_h * x.out_w,
+        )
+        operands = x.n * operands * x.item
         return [
-            (c.loops(c.direct, elements / c.run), _per_kind(c.by_kind, *covariates)),
+            (c.loops(c.direct, rows), c.by_kind),
+            (c.loops(c.direct, loops), _per_kind(c.by_kind, *rate)),
             (
-                c.moved(c.direct, 3 * elements * x.item),
-                np.concatenate(
-                    [
-                        _per_kind(c.by_kind, *covariates, _log2(c.run)),
-                        _mem(elements / c.taps * x.item),
-                    ],
-                    axis=1,
-                ),
+                np.where(c.direct, 2 * macs, 0.0) / _REF_FLOPS,
+                np.concatenate([_per_kind(c.by_kind, *rate), _mem(row_set)], axis=1),
+            ),
+            (c.moved(c.direct, 3 * scattered * x.item), np.stack([c.ones, c.fp64, c.strided], 1)),
+            (
+                c.moved(c.direct, operands),
+                np.concatenate([c.by_kind, c.fp64[:, None], _mem(operands)], axis=1),
             ),
         ]
+
+
+def _row_taps(x: _Columns) -> np.ndarray:
+    """Per output plane, the (output row, tap row) pairs whose input row is in the array:
+    0 <= oh·sh + a·dh − top < h, for oh < OH (the whole output's rows) and a < kh."""
+    count = np.zeros(x.size)
+    for a in range(int(x.kh.max(initial=1))):
+        start = x.top - a * x.dh  # the output row oh reads input row oh·sh − start
+        lo = np.maximum(-np.floor_divide(-start, x.sh), 0)
+        hi = np.minimum(np.floor_divide(x.h - 1 + start, x.sh) + 1, x.out_h)
+        count += np.where(a < x.kh, np.maximum(hi - lo, 0), 0)
+    return count
+
+
+def _column_taps(x: _Columns) -> tuple[np.ndarray, np.ndarray]:
+    """Per output row, the tap columns that reach the input's columns, and the (output
+    column, tap column) pairs that do (the C kernel's ``mg_dw_columns``)."""
+    taps, pairs = np.zeros(x.size), np.zeros(x.size)
+    for b in range(int(x.kw.max(initial=1))):
+        start = x.left - b * x.dw
+        lo = np.maximum(-np.floor_divide(-start, x.sw), 0)
+        hi = np.minimum(np.floor_divide(x.w - 1 + start, x.sw) + 1, x.out_w)
+        reached = np.where(b < x.kw, np.maximum(hi - lo, 0), 0)
+        taps += reached > 0
+        pairs += reached
+    return taps, pairs
 
 
 @dataclass(frozen=True, slots=True)
@@ -356,8 +410,8 @@ class _Form:
 def traffic_bytes(shape: ConvShape) -> int:
     """Bytes the kernel moves at least: its operands and output, and for the general path
     the unfolded copy written and read (forward, grad weight) or the fold's scatter-adds
-    (grad input); for the depthwise path a read and a write of the output per tap. The
-    analytic model's memory term."""
+    (grad input); the depthwise path's passes are over rows held in the cache, so it
+    moves its operands and output once. The analytic model's memory term."""
     kh, kw = shape.kernel
     out_h, out_w = shape.out_size
     n, c, oc, item = shape.n, shape.c, shape.oc, shape.itemsize
@@ -368,9 +422,7 @@ def traffic_bytes(shape: ConvShape) -> int:
     else:
         operands = n * c * shape.h * shape.w + weights + n * oc * out_h * out_w
         passes = 2 * kh * kw * n * c * out_h * out_w
-    if shape.depthwise:
-        passes = 2 * kh * kw * n * oc * shape.out_rows * out_w
-    return (operands + passes) * item
+    return (operands + (0 if shape.depthwise else passes)) * item
 
 
 # --- the model -------------------------------------------------------------------------------

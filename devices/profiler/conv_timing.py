@@ -47,13 +47,19 @@ def operand_dims(shape: ConvShape) -> tuple[Dims, Dims, Dims]:
 
 
 def band_placement(shape: ConvShape) -> tuple[int, int]:
-    """(i0, oh_lo): a band of ``shape.rows`` input rows whose grad-output rows the
-    ``shape.dy_rows`` given cover (the first such band); ValueError if there is none."""
+    """(i0, oh_lo): a band of ``shape.rows`` input rows that needs all the ``shape.dy_rows``
+    grad-output rows given, as the emulator's tiles do (the first such band; else the first
+    they cover); ValueError if there is none."""
     geom, out_h = geometry(shape), shape.out_size[0]
+    covered = None
     for i0 in range(shape.h - shape.rows + 1):
         lo, hi = geom.grad_output_rows(shape.h, i0, i0 + shape.rows)
-        if hi - lo <= shape.dy_rows and lo < hi:
-            return i0, min(lo, out_h - shape.dy_rows)
+        if hi - lo == shape.dy_rows:
+            return i0, lo
+        if covered is None and lo < hi < lo + shape.dy_rows:
+            covered = i0, min(lo, out_h - shape.dy_rows)
+    if covered is not None:
+        return covered
     raise ValueError(f"no band of {shape.rows} input rows is reached by {shape.dy_rows} dy rows")
 
 

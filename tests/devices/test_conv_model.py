@@ -249,8 +249,8 @@ def test_heldout_calls_are_predicted_within_5_percent_median(measured):
 
 @pytest.mark.xfail(
     strict=True,
-    reason="issue 21's p90 target is not met yet: depthwise gradients (numpy einsum, whose "
-    "speed jumps with strides and channel multipliers) and skinny GEMMs; see BENCHMARKS.md",
+    reason="issue 21's p90 target is not met yet: the depthwise kernel's grad input (thin "
+    "bands, multipliers) and 1-D forward, and the general path's forward; see BENCHMARKS.md",
 )
 def test_heldout_calls_are_predicted_within_12_percent_p90(measured):
     model, held = measured

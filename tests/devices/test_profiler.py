@@ -27,7 +27,7 @@ from morphling.devices.profiler.conv_shapes import (
     conv_grid_shapes,
     conv_heldout_shapes,
 )
-from morphling.devices.profiler.conv_timing import measure_conv
+from morphling.devices.profiler.conv_timing import band_placement, geometry, measure_conv
 from morphling.devices.profiler.host_cache import (
     HOST_KEY,
     HOST_THREADS_ENV,
@@ -366,6 +366,18 @@ def test_measure_conv_times_each_call_in_order():
     assert 0 < seconds[0] < seconds[1] and seconds[2] > 0
     with pytest.raises(ValueError, match="rounds"):
         measure_conv([small], rounds=0)
+
+
+def test_a_grad_input_call_is_timed_on_a_band_that_needs_all_its_dy_rows():
+    """As the emulator's tiles do: the depthwise kernel's work depends on where the band
+    lies, and the first band the dy rows merely cover is at the top edge, where fewer taps
+    reach (it timed a 1-row band of a 5x5 convolution reaching 1 dy row of the 4 given)."""
+    shapes = [s for s in conv_grid_shapes(400, seed=3) if s.kind == "grad_input"]
+    assert len(shapes) > 100
+    for shape in shapes:
+        i0, oh_lo = band_placement(shape)
+        lo, hi = geometry(shape).grad_output_rows(shape.h, i0, i0 + shape.rows)
+        assert (lo, hi) == (oh_lo, oh_lo + shape.dy_rows), shape
 
 
 def test_sustained_trace_without_cpufreq_infers_clocks_from_latency(tmp_path):

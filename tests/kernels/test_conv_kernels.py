@@ -98,6 +98,41 @@ CASES = {
         ConvGeometry((3, 3), stride=(2, 2), dilation=(2, 2), padding=(2, 1, 2, 1), groups=3),
     ),
     "one input channel": (2, 1, 7, 7, 4, ConvGeometry((3, 3), padding=(1, 1, 1, 1))),
+    # The depthwise C kernels: rows wide enough for their vector loops and a remainder,
+    # strides past the kernel, padding past its reach, one image, one column.
+    "depthwise 7x7, multiplier 3, 37 wide": (
+        3,
+        4,
+        20,
+        37,
+        12,
+        ConvGeometry((7, 7), padding=(3, 3, 3, 3), groups=4),
+    ),
+    "depthwise, stride 4 past a 2x2 kernel": (
+        2,
+        3,
+        13,
+        29,
+        3,
+        ConvGeometry((2, 2), stride=(4, 4), padding=(1, 0, 0, 1), groups=3),
+    ),
+    "depthwise, padding 5 around a 3x3 dilated 2": (
+        1,
+        2,
+        4,
+        6,
+        4,
+        ConvGeometry((3, 3), dilation=(2, 2), padding=(5, 5, 5, 5), groups=2),
+    ),
+    "depthwise, one column": (2, 3, 9, 1, 3, ConvGeometry((3, 1), padding=(1, 1, 0, 0), groups=3)),
+    "depthwise 1-D, stride 2, dilation 3": (
+        1,
+        5,
+        1,
+        61,
+        10,
+        ConvGeometry((1, 7), stride=(1, 2), dilation=(1, 3), padding=(0, 0, 9, 9), groups=5),
+    ),
     "1x1": (2, 6, 5, 4, 3, ConvGeometry((1, 1))),
     "1x1 stride 2 (rows and columns never read)": (
         1,
@@ -207,6 +242,58 @@ def convolutions(draw):
 @given(convolutions())
 def test_any_convolution_matches_torch(case):
     check_all(*case)
+
+
+@st.composite
+def depthwise_convolutions(draw):
+    """A depthwise convolution with the C kernels' edges: rows from 1 column to past their
+    vector width, a multiplier, strides beyond the kernel, padding beyond its reach."""
+    channels, multiplier = draw(st.integers(1, 3)), draw(st.integers(1, 4))
+    geom = ConvGeometry(
+        kernel=(draw(st.integers(1, 5)), draw(st.integers(1, 5))),
+        stride=(draw(st.integers(1, 4)), draw(st.integers(1, 4))),
+        dilation=(draw(st.integers(1, 3)), draw(st.integers(1, 3))),
+        padding=tuple(draw(st.integers(0, 6)) for _ in range(4)),
+        groups=channels,
+    )
+    (kh, kw), (dh, dw) = geom.kernel, geom.dilation
+    top, bottom, left, right = geom.padding
+    height = max(draw(st.integers(1, 12)), dh * (kh - 1) + 1 - top - bottom)
+    width = max(draw(st.integers(1, 40)), dw * (kw - 1) + 1 - left - right)
+    dtype = draw(st.sampled_from([np.float32, np.float64]))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    shape = (channels * multiplier, 1, kh, kw)
+    x, w = inputs(rng, draw(st.integers(1, 3)), channels, height, width, shape, dtype)
+    return x, w, geom, rng
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(depthwise_convolutions(), st.data())
+def test_any_depthwise_convolution_matches_torch(case, data):
+    """Whole and in bands of one row (regions of padding alone, bands no output reaches)."""
+    x, w, geom, rng = case
+    check_all(x, w, geom, rng)
+    height = x.shape[2]
+    out_rows = geom.output_size(height, x.shape[3])[0]
+    check_bands(x, w, geom, rng, list(range(out_rows + 1)), list(range(height + 1)))
+
+
+def test_depthwise_reads_views_as_their_elements():
+    """The C kernels read memory: a strided or transposed view must give what its copy does."""
+    rng = np.random.default_rng(8)
+    geom = ConvGeometry((3, 3), stride=(2, 1), padding=(1, 1, 1, 1), groups=4)
+    x = rng.standard_normal((2, 9, 4, 11))[:, ::2].transpose(0, 2, 1, 3)  # [2, 4, 5, 11]
+    w = rng.standard_normal((8, 1, 3, 3, 2))[..., 0]
+    y = conv_forward(x, w, geom)
+    np.testing.assert_array_equal(y, conv_forward(x.copy(), w.copy(), geom))
+    dy = np.asfortranarray(rng.standard_normal(y.shape))
+    np.testing.assert_array_equal(
+        conv_grad_input(dy, w, geom, input_size=(5, 11)),
+        conv_grad_input(dy.copy(), w.copy(), geom, input_size=(5, 11)),
+    )
+    np.testing.assert_array_equal(
+        conv_grad_weight(x, dy, geom), conv_grad_weight(x.copy(), dy.copy(), geom)
+    )
 
 
 # --- bands ----------------------------------------------------------------------------------
