@@ -36,6 +36,7 @@ bench: setup
 	$(PY) scripts/bench_vtime.py
 	$(PY) scripts/bench_host.py
 	$(PY) scripts/bench_gpu.py
+	$(PY) scripts/calibrate_boards.py --check --json bench-results/calibration.json
 	$(PY) scripts/bench_report.py
 
 # The import contracts and the type checker read the package as installed, laid out in

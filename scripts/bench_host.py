@@ -23,6 +23,12 @@ on the full grid and held-out set of convolution calls (``conv_*``, overall and 
 The issues' targets, for both: median absolute percentage error at most 5 %, p90 at most
 12 %. The cached ``host`` profile the
 fleet uses is the quick one (``host_profile``: fewer shapes, so a coarser fit).
+
+Last, ``cnn``: a ResNet-18 step (``edge_cnns.py``: torchvision's layout, batch 8 of
+3×112×112, SGD) emulated on ``--devices host:1 --coordinator host --coordinator-time model
+--link ideal`` — every convolution priced by the host profile's convolution model, every
+other op by its op model, nothing read off a clock — beside the native step, alternating,
+both on one thread. Target: within 10 % either way (``cnn.ratio``), as ``fidelity.ratio``.
 """
 
 from __future__ import annotations
@@ -163,6 +169,44 @@ def emulated(script: Path, steps: int, env: dict[str, str], run_dir: Path) -> di
     return {**result, "stderr": proc.stderr}
 
 
+CNN = ("resnet18", "8", "112")  # edge_cnns.py's model, batch and image size
+
+
+CNN_STEPS = 5  # per run: the median of the three after the WARMUP ones
+
+
+def cnn(steps: int, reps: int, env: dict[str, str], tmp: Path) -> dict[str, Any]:
+    """``cnn``: the median native step and the median emulated one over ``reps`` alternating
+    runs, and their ratio (the module docstring says how)."""
+    env = {**env, "OMP_NUM_THREADS": str(THREADS), "MKL_NUM_THREADS": str(THREADS)}
+    script = [str(SCRIPTS / "edge_cnns.py"), *CNN, str(steps)]
+    run = [sys.executable, "-m", "morphling", "--log-level", "warning", "run", "--embedded",
+           "--devices", "host:1", "--coordinator", "host", "--coordinator-time", "model",
+           "--link", "ideal", "--no-report"]  # fmt: skip
+    native_s, emulated_s, coord_s = [], [], []
+    for rep in range(reps):
+        proc = _run([sys.executable, *script], env)
+        native_s.append(_median(json.loads(proc.stdout.strip().splitlines()[-1])))
+        report = tmp / f"cnn{rep}.json"
+        run_dir = ["--run-dir", str(tmp / f"cnn{rep}"), "--json", str(report)]
+        _run([*run, *run_dir, "--", "python", *script], env)
+        rows = json.loads(report.read_text())["steps"]
+        emulated_s.append(_median([row["emulated_s"] for row in rows]))
+        coord_s.append(_median([row["coord_s"] for row in rows]))
+    native, emulated_step = statistics.median(native_s), statistics.median(emulated_s)
+    ratio = emulated_step / native
+    return {
+        "model": f"{CNN[0]}, batch {CNN[1]} of 3x{CNN[2]}x{CNN[2]}, SGD",
+        "native_s": round(native, 4),
+        "emulated_s": round(emulated_step, 4),
+        "emulated_coord_s": round(statistics.median(coord_s), 4),
+        "ratio": round(ratio, 4),
+        "ratio_per_rep": [round(e / n, 4) for e, n in zip(emulated_s, native_s, strict=True)],
+        "target_abs_error_max": TARGET,
+        "met": abs(ratio - 1) <= TARGET,
+    }
+
+
 def heldout() -> dict[str, Any]:
     """The full profile plan's fits scored on its held-out shapes (one BLAS thread): the GEMM
     model's, and the convolution model's beside it (``conv_*``, with each kind's figures)."""
@@ -221,12 +265,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=5, help="rounds of the three runs")
     parser.add_argument("--steps", type=int, default=12, help="steps per run (2 warm up)")
     parser.add_argument("--output", type=Path, default=Path("bench-results/host.json"))
+    parser.add_argument("--only", choices=("cnn",), help="run this group alone (and print it)")
     args = parser.parse_args(argv)
-    fit = heldout()
     profile_path = cached_host_profile(threads=THREADS)  # measured here if not cached yet
     env = host_env()
+    if args.only == "cnn":
+        with tempfile.TemporaryDirectory() as tmp:
+            print(json.dumps(cnn(CNN_STEPS, args.reps, env, Path(tmp)), indent=1))
+        return 0
+    fit = heldout()
     runs: dict[str, list[dict]] = {"emulated": [], "native": [], "split": [], "paused": []}
     with tempfile.TemporaryDirectory() as tmp:
+        cnn_result = cnn(CNN_STEPS, args.reps, env, Path(tmp))
         script = write_step_script(Path(tmp))
         for rep in range(args.reps):
             emulation = emulated(script, args.steps, env, Path(tmp) / f"run{rep}")
@@ -283,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
             "target_abs_error_max": TARGET,
             "met": abs(ratio - 1) <= TARGET,
         },
+        "cnn": cnn_result,
     }
     write_results(results, args.output)
     return 0

@@ -15,7 +15,8 @@ The emulated step is ``A + B/e + C/d``: the coordinator's work, the links and th
 apart. Three runs with (e, d) = (1, 1), (1/2, 1), (1, 1/2) give A, B and C (two for a model
 without depthwise convolutions); the Pi 4's two figures then fix its e and d, the Pi 5's one
 its e, its d keeping the Pi 4's ratio d/e. ``--check`` runs each model once with the built-in
-profiles as they are, beside the published figure: the calibration table of BENCHMARKS.md.
+profiles as they are, beside the published figure: the calibration table of BENCHMARKS.md
+(``make bench`` writes it to ``bench-results/calibration.json``).
 """
 
 from __future__ import annotations
@@ -86,18 +87,23 @@ def solve(where: Path) -> dict[str, dict[str, float]]:
     }
 
 
-def check(where: Path) -> list[dict[str, object]]:
-    """Each published figure beside the built-in profile's emulated step."""
-    rows = []
+def check(where: Path) -> dict[str, object]:
+    """Each published figure beside the built-in profile's emulated step, as
+    ``bench-results/calibration.json``'s groups (BENCHMARKS.md's calibration table)."""
+    run = "--devices BOARD:1 --coordinator BOARD --link ideal --cooling fan"
+    meta = {"source": "REFERENCE.md, Flower's Raspberry Pi benchmark", "batch": BATCH,
+            "image": f"3x{SIZE}x{SIZE}", "run": run, "steps": 1}  # fmt: skip
+    groups: dict[str, object] = {"meta": meta}
     for (board, model), published in PUBLISHED.items():
         step = emulated_step(board, model, (1, 1), where)
-        rows.append(
-            {"board": board, "model": model, "published_s": published,
-             "emulated_s": round(step, 3), "ratio": round(step / published, 3)}
-        )  # fmt: skip
+        groups[f"{board}_{model}"] = {
+            "published_s": published,
+            "emulated_s": round(step, 3),
+            "ratio": round(step / published, 3),
+        }
         print(f"{board} {model}: emulated {step:.2f} s, published {published} s "
               f"({step / published:.2f}x)")  # fmt: skip
-    return rows
+    return groups
 
 
 def main(argv: list[str] | None = None) -> int:

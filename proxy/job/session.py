@@ -18,6 +18,7 @@ and the step ends where its last one and the optimizer's work after it end.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -70,6 +71,7 @@ class StepReport:
     wire_down: int  # over this host's sockets
     wire_up: int
     oom: int  # tiles that did not fit a device's emulated memory
+    coord_split: dict[str, float]  # coord_s by op class (modelled time; empty: measured)
 
 
 class Session:
@@ -148,55 +150,58 @@ class Session:
         """Convolution products."""
         return self.interceptor.conv_counts
 
-    def _host_ns(self, until_ns: int) -> int:
+    def _host_time(self, until_ns: int) -> tuple[int, dict[str, int]]:
         """Coordinator time up to ``until_ns`` since the script last got control back from
-        a fleet GEMM or a step mark: modelled, or measured (scaled; 0 before the first).
+        a fleet GEMM or a step mark, and how it divides among op classes: modelled (by
+        class), or measured (scaled; 0 before the first; not divided).
 
         Measured from the interceptor's stamps, so the time Morphling itself spends on a
         GEMM (checking it, sending it, waiting, making the result a tensor) is not the
         script's: what is left is what the script would spend without Morphling.
         """
         if self.work is not None:
-            return sum(self.work.take().values())
+            split = self.work.take()
+            return sum(split.values()), split
         since = max(self.interceptor.returned_ns, self._marked_ns)
-        return round((until_ns - since) * self.scale) if since else 0
+        return (round((until_ns - since) * self.scale) if since else 0), {}
 
-    def _request_host_ns(self) -> int:
+    def _request_host_time(self) -> tuple[int, dict[str, int]]:
         """The coordinator time before a product about to be sent (the step's first
         starts the step)."""
         if self._step_start is None:
             self._step_start = time.perf_counter()
-        return self._host_ns(self.interceptor.entered_ns)
+        return self._host_time(self.interceptor.entered_ns)
 
     def _remote(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        host_ns = self._request_host_ns()
-        return torch.from_numpy(self.client.matmul(a, b, host_ns=host_ns))
+        host_ns, split = self._request_host_time()
+        return torch.from_numpy(self.client.matmul(a, b, host_ns=host_ns, host_split=split))
 
     def _remote_conv(
         self, kind: str, a: torch.Tensor, b: torch.Tensor, call: ConvCall
     ) -> torch.Tensor:
-        host_ns = self._request_host_ns()
+        host_ns, split = self._request_host_time()
         geometry = call.geometry
-        # The ignore is for the branch without the fleet's half of issue 21 (Client.conv).
         return torch.from_numpy(
             self.client.conv(
                 kind, a.detach().numpy(), b.detach().numpy(),
                 input_shape=call.input, weight_shape=call.weight, stride=geometry.stride,
                 padding=geometry.padding, dilation=geometry.dilation, groups=geometry.groups,
-                host_ns=host_ns,
+                host_ns=host_ns, host_split=split,
             )
         )  # fmt: skip
 
     def end_step(self) -> StepReport:
         """Close the current step (called after every optimizer step)."""
-        host_ns = self._host_ns(time.perf_counter_ns())
+        host_ns, split = self._host_time(time.perf_counter_ns())
         if self.work is not None:
             self.work.in_optimizer = False  # its step is over
         now = time.perf_counter()
         counts = self.counts.since(self._counts)
         convs = self.conv_counts.since(self._conv_counts)
         local = sum(counts.local.values())
-        reply = self.client.step(len(self.steps) + 1, host_ns=host_ns, local_gemms=local)
+        reply = self.client.step(
+            len(self.steps) + 1, host_ns=host_ns, host_split=split, local_gemms=local
+        )
         emulated_s, coord_s = reply.emulated_ns / 1e9, reply.coord_ns / 1e9
         report = StepReport(
             step=reply.step,
@@ -214,6 +219,7 @@ class Session:
             wire_down=reply.bytes_down,
             wire_up=reply.bytes_up,
             oom=reply.oom,
+            coord_split={cls: ns / 1e9 for cls, ns in reply.coord_split.items()},
         )
         self.steps.append(report)
         self._counts = self.counts.snapshot()
@@ -246,6 +252,12 @@ class Session:
         if convs.remote or convs.local:  # a model without convolutions does not mention them
             rows.append(f"convolutions: {convs.remote} products on the fleet ({convs.copied} "
                         f"copied to NCHW first); kept local: {_by_reason(convs)}")  # fmt: skip
+        by_class = collections.Counter[str]()
+        for r in self.steps:
+            by_class.update(r.coord_split)
+        if by_class:
+            rows.append("coordinator time by op class, all steps: " + ", ".join(
+                f"{cls} {s:.4f} s" for cls, s in by_class.most_common()))  # fmt: skip
         return "\n".join(rows)
 
     def summary(self) -> dict[str, Any]:

@@ -77,7 +77,8 @@ class KernelConv:
         self, kind: str, a: np.ndarray, b: np.ndarray, *, input_shape: tuple[int, ...],
         weight_shape: tuple[int, ...], stride: tuple[int, int],
         padding: tuple[int, int, int, int], dilation: tuple[int, int], groups: int,
-        host_ns: int | None = None, timeout: float | None = None,
+        host_ns: int | None = None, host_split: dict[str, int] | None = None,
+        timeout: float | None = None,
     ) -> np.ndarray:  # fmt: skip
         self.requests.append(ConvRequest(kind, host_ns))
         geometry = ConvGeometry(weight_shape[2:], stride, dilation, padding, groups)

@@ -30,7 +30,7 @@ from processes import SCRIPTS, child_env, morphling_run, succeeded
 from morphling.text import FIRST_ROWS, LAST_ROWS
 
 FLEET = ("--embedded", "--devices", "rpi4:2,orin-nano:1,jetson-nano:1", "--block-size", "16",
-         "--min-flops", "0", "--coordinator-time", "model")  # fmt: skip
+         "--min-flops", "0", "--coordinator", "rpi4")  # fmt: skip
 HOG = "import itertools\nfor _ in itertools.count(): pass\n"
 
 
@@ -223,7 +223,7 @@ def test_a_bottleneck_bound_run_reports_its_bottleneck_busy(tmp_path):
     script.write_text(MLP)
     run_dir = tmp_path / "run"
     fleet = ("--embedded", "--devices", "rpi4:4", "--block-size", "16", "--min-flops", "0",
-             "--coordinator-time", "model", "--bottleneck-bw", str(BOTTLENECK_BW))  # fmt: skip
+             "--coordinator", "rpi4", "--bottleneck-bw", str(BOTTLENECK_BW))  # fmt: skip
     proc = succeeded(morphling_run(*fleet, "--run-dir", run_dir, "--json", tmp_path / "run.json",
                                    "--", "python", script, 3))  # fmt: skip
     steps = json.loads((tmp_path / "run.json").read_text())["steps"]
