@@ -430,7 +430,16 @@ def traffic_bytes(shape: ConvShape) -> int:
 _Trial = tuple[float, _Form, np.ndarray]  # robust cost, structure, θ
 
 _ANALYTIC_KEYS = ("kind", "flops", "depthwise_flops", "fp64_ratio", "mem_bw", "exact")
-_FITTED_KEYS = ("kind", "vector_bytes", "popcount", *_TERMS, "exact")
+_FITTED_KEYS = ("kind", "vector_bytes", "popcount", *_TERMS, "native", "exact")
+# ``native``'s keys: each kind, on the general path and on the depthwise one.
+NATIVE_KEYS = (*KINDS, *(f"{kind}_depthwise" for kind in KINDS))
+
+
+def native_key(shape: ConvShape) -> str:
+    """``shape``'s key in ``native``."""
+    return f"{shape.kind}_depthwise" if shape.depthwise else shape.kind
+
+
 _RECORD_KEYS = (*SHAPE_FIELDS, "seconds")
 NO_MEM_BW = 0.0  # ``mem_bw`` value meaning "no memory term"
 
@@ -462,7 +471,14 @@ def _exact_from(records: object) -> dict[ConvShape, float]:
 class ConvModel(ShapeModel[ConvShape]):
     """Seconds per convolution call at the device's top clock: exact cache first, then the
     model. Build one with ``fit`` (measurements), ``analytic`` (published figures) or
-    ``from_dict``."""
+    ``from_dict``.
+
+    A fitted model describes the device's own kernels (``kernels/conv.py``), which compute
+    the numerics; the board itself would run the script's convolutions with PyTorch's,
+    faster or slower. ``native`` (by ``NATIVE_KEYS``: kind and path) is PyTorch's time over
+    the kernels' on this board, measured by ``morphling profile``
+    (``profiler/conv_native.py``); predictions are multiplied by it, so the clock prices a
+    convolution as the board's PyTorch runs it. Analytic models are of PyTorch's already."""
 
     def __init__(
         self,
@@ -474,10 +490,16 @@ class ConvModel(ShapeModel[ConvShape]):
         depthwise_flops: float | None = None,
         fp64_ratio: float = 0.5,
         mem_bw: float = NO_MEM_BW,
+        native: Mapping[str, float] | None = None,
     ) -> None:
         if (form is None) == (flops is None) or (form is None) != (theta is None):
             raise ValueError("a ConvModel is either fitted (form, theta) or analytic (flops)")
+        if native is not None and form is None:
+            raise ValueError("only a fitted ConvModel has a native scale")
         super().__init__(exact)
+        native = dict.fromkeys(NATIVE_KEYS, 1.0) if native is None else native
+        check_keys("conv field 'native'", native, NATIVE_KEYS)
+        self.native = {key: _positive(f"native.{key}", native[key]) for key in NATIVE_KEYS}
         self._form = form
         self._theta = None if theta is None else np.array(theta, dtype=np.float64)
         self.flops = None if flops is None else _positive("flops", flops)
@@ -535,7 +557,18 @@ class ConvModel(ShapeModel[ConvShape]):
         theta, _ = least_squares(form.terms(_Columns(shapes)), seconds, start, _FINAL_NFEV)
         return cls(exact, form=form, theta=theta)
 
+    def with_native(self, native: Mapping[str, float]) -> ConvModel:
+        """This fitted model, its predictions scaled to the board's PyTorch by ``native``."""
+        return ConvModel(self.exact, form=self._form, theta=self._theta, native=native)
+
     # prediction
+
+    def predict_s(self, shape: ConvShape) -> float:
+        return super().predict_s(shape) * self.native[native_key(shape)]
+
+    def predict_many(self, shapes: Sequence[ConvShape]) -> np.ndarray:
+        scale = np.array([self.native[native_key(s)] for s in shapes], dtype=np.float64)
+        return super().predict_many(shapes) * scale
 
     def _model(self, shapes: Sequence[ConvShape]) -> np.ndarray:
         if self._form is None:
@@ -574,7 +607,8 @@ class ConvModel(ShapeModel[ConvShape]):
             "vector_bytes": self._form.vector_bytes,
             "popcount": self._form.popcount,
         }
-        return {**out, **theta_by_term(self._theta, _TERMS), "exact": exact}
+        terms = theta_by_term(self._theta, _TERMS)
+        return {**out, **terms, "native": dict(self.native), "exact": exact}
 
     @classmethod
     def from_dict(cls, d: object) -> ConvModel:
@@ -602,4 +636,5 @@ class ConvModel(ShapeModel[ConvShape]):
         if not isinstance(split, bool):
             raise ValueError(f"conv field 'popcount' must be a bool, got {split!r:.60}")
         theta = [x for name, width in _TERMS.items() for x in floats("conv", name, d[name], width)]
-        return cls(_exact_from(d["exact"]), form=_Form(vector_bytes, split), theta=theta)
+        form = _Form(vector_bytes, split)
+        return cls(_exact_from(d["exact"]), form=form, theta=theta, native=d["native"])

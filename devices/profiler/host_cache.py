@@ -71,6 +71,8 @@ def _stale(path: Path, key: dict[str, str | int]) -> str | None:
         return f"the cached profile was measured with another {', '.join(changed)}"
     if "conv" not in doc:  # measured before convolutions were
         return "the cached profile has no convolution model"
+    if "native" not in doc["conv"]:  # measured before PyTorch's own convolutions were
+        return "the cached profile's convolution model has no native scale"
     if "ops" not in doc and op_timing is not None:  # measured before the op model was
         return "the cached profile has no op model"
     return None

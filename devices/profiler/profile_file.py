@@ -34,10 +34,11 @@ from .timing import Progress, measure, measure_grid_and_heldout
 from .toml_writer import Table, TomlValue, dump_toml
 
 op_timing: ModuleType | None
-try:  # the op model times PyTorch's own ops: a board without torch has none to time
-    from . import op_timing
+conv_native: ModuleType | None
+try:  # the op model and the native scale time PyTorch's own ops: a board without torch has none
+    from . import conv_native, op_timing
 except ImportError:  # pragma: no cover - torch is installed wherever the tests run
-    op_timing = None
+    op_timing = conv_native = None
 
 log = logging.getLogger(__name__)
 
@@ -246,7 +247,14 @@ def _conv_model(
         100 * timed.repeat_p90,
     )
     model.exact.update(timed.heldout)
+    if conv_native is None:
+        native = "not measured (torch is not installed): the kernels' own time"
+    else:
+        model = model.with_native(conv_native.measure_native_scale(threads=threads))
+        native = (f"measured: PyTorch's time over the kernels' on {len(conv_native.SHAPES)} "
+                  f"CNN convolutions, geometric mean by kind and path")  # fmt: skip
     provenance: dict[str, TomlValue] = {
+        "conv_native": native,
         "conv_grid_shapes": len(grid),
         "conv_heldout_shapes": len(held),
         "conv_heldout_median_ape": error["median_ape"],

@@ -17,8 +17,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from morphling.devices.models.conv import ConvModel, heldout_error, traffic_bytes
+from morphling.devices.models.conv import (
+    NATIVE_KEYS,
+    ConvModel,
+    heldout_error,
+    native_key,
+    traffic_bytes,
+)
 from morphling.devices.models.conv_shape import KINDS, ConvShape
+from morphling.devices.profiler.conv_native import measure_native_scale
 from morphling.devices.profiler.conv_shapes import conv_grid_shapes, conv_heldout_shapes
 from morphling.devices.profiler.conv_timing import geometry, operand_dims
 from morphling.devices.profiler.toml_writer import dump_toml
@@ -144,6 +151,40 @@ def test_analytic_round_trip():
     again = ConvModel.from_dict(model.to_dict())
     assert again.to_dict() == model.to_dict()
     assert again.predict_s(shape(n=3)) == model.predict_s(shape(n=3))
+
+
+# --- the native scale: the board's PyTorch beside the kernels ------------------------------
+
+
+def test_native_scale_multiplies_each_kind_and_path(measured):
+    model, held = measured
+    native = {key: 0.5 + i / 10 for i, key in enumerate(NATIVE_KEYS)}
+    scaled = model.with_native(native)
+    shapes = [s for s, _ in held][:40] + list(model.exact)[:40]  # modelled and exact
+    assert {s.depthwise for s in shapes} == {False, True}
+    expected = [model.predict_s(s) * native[native_key(s)] for s in shapes]
+    assert [scaled.predict_s(s) for s in shapes] == pytest.approx(expected, rel=1e-12)
+    assert scaled.predict_many(shapes) == pytest.approx(expected, rel=1e-12)
+    again = ConvModel.from_dict(scaled.to_dict())
+    assert again.native == native and again.predict_s(shapes[0]) == scaled.predict_s(shapes[0])
+
+
+def test_a_malformed_native_scale_is_refused_naming_it(measured):
+    good = measured[0].to_dict()
+    with pytest.raises(ValueError, match=r"conv field 'native' is missing key\(s\): 'forward'"):
+        ConvModel.from_dict({**good, "native": {k: v for k, v in good["native"].items()
+                                                if k != "forward"}})  # fmt: skip
+    with pytest.raises(ValueError, match=r"'native\.grad_weight_depthwise' must be finite and > 0"):
+        ConvModel.from_dict({**good, "native": {**good["native"], "grad_weight_depthwise": 0}})
+    with pytest.raises(ValueError, match="only a fitted ConvModel has a native scale"):
+        ConvModel({}, flops=1e9, native=good["native"])
+
+
+def test_native_scale_is_measured_against_this_hosts_pytorch():
+    """Real PyTorch beside the real kernels: a ratio for every kind and path."""
+    native = measure_native_scale(threads=1, rounds=1)
+    assert set(native) == set(NATIVE_KEYS)
+    assert all(0 < r < 100 and math.isfinite(r) for r in native.values()), native
 
 
 # --- strict parsing ------------------------------------------------------------------------

@@ -1,0 +1,93 @@
+"""How fast this board's PyTorch runs a convolution beside the device kernels: the convolution
+model's ``native`` scale.
+
+A device computes a convolution tile with ``kernels/conv.py`` (im2col and BLAS, or the
+depthwise C kernels), but a script on the board would run PyTorch's own convolution (oneDNN,
+XNNPACK or its im2col fallback, depending on the build: ``REFERENCE.md``). Convolutions
+typical of CNN training — 3×3 and 1×1, strided, a 7×7 stem, depthwise — are timed both ways,
+whole, on the profile's threads, for each product (forward, input gradient, weight
+gradient); each kind's and path's scale is the geometric mean of PyTorch's time over the
+kernels'.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from morphling.kernels import set_threads
+from morphling.kernels.conv import ConvGeometry, conv_forward, conv_grad_input, conv_grad_weight
+
+from ..models.conv import NATIVE_KEYS
+from ..models.conv_shape import KINDS
+
+# (N, C, H=W, OC, kernel, stride, groups): CNN layers at batch 8 on small images, so that the
+# whole set takes seconds even on a board.
+SHAPES = (
+    (8, 64, 28, 64, 3, 1, 1),
+    (8, 128, 14, 128, 3, 1, 1),
+    (8, 256, 7, 256, 3, 1, 1),
+    (8, 32, 28, 64, 3, 2, 1),
+    (8, 64, 28, 128, 1, 2, 1),
+    (8, 256, 14, 64, 1, 1, 1),
+    (8, 3, 56, 32, 7, 2, 1),
+    (8, 96, 28, 96, 3, 1, 96),
+    (8, 144, 14, 144, 3, 2, 144),
+    (8, 384, 7, 384, 3, 1, 384),
+    (8, 32, 56, 32, 3, 1, 32),
+)
+
+
+def _best(call: Callable[[], Any], rounds: int) -> float:
+    call()  # warm-up
+    best = math.inf
+    for _ in range(rounds):
+        start = time.perf_counter()
+        call()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _pair(shape: tuple[int, ...], kind: str) -> tuple[Callable[[], Any], Callable[[], Any]]:
+    """(PyTorch's call, the kernels' call) of ``kind`` for ``shape``."""
+    n, c, size, oc, k, stride, groups = shape
+    pad = k // 2
+    x, w = torch.randn(n, c, size, size), torch.randn(oc, c // groups, k, k)
+    dy = torch.randn_like(F.conv2d(x, w, stride=stride, padding=pad, groups=groups))
+    geom = ConvGeometry((k, k), (stride, stride), (1, 1), (pad,) * 4, groups)
+    xn, wn, dyn = x.numpy(), w.numpy(), dy.numpy()
+    if kind == "forward":
+        return (lambda: F.conv2d(x, w, stride=stride, padding=pad, groups=groups),
+                lambda: conv_forward(xn, wn, geom))  # fmt: skip
+    mask = [kind == "grad_input", kind == "grad_weight", False]
+    args = (dy, x, w, None, [stride] * 2, [pad] * 2, [1, 1], False, [0, 0], groups, mask)
+
+    def native() -> Any:
+        return torch.ops.aten.convolution_backward(*args)
+
+    if kind == "grad_input":
+        return native, lambda: conv_grad_input(dyn, wn, geom, input_size=(size, size))
+    return native, lambda: conv_grad_weight(xn, dyn, geom)
+
+
+def measure_native_scale(*, threads: int = 1, rounds: int = 3) -> dict[str, float]:
+    """``ConvModel.native``: PyTorch's time over the kernels', by kind and path."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    set_threads(threads)
+    ratios: dict[str, list[float]] = {key: [] for key in NATIVE_KEYS}
+    try:
+        for shape in SHAPES:
+            depthwise = shape[6] == shape[1]
+            for kind in KINDS:
+                native, kernels = _pair(shape, kind)
+                key = f"{kind}_depthwise" if depthwise else kind
+                ratios[key].append(_best(native, rounds) / _best(kernels, rounds))
+    finally:
+        torch.set_num_threads(previous)
+    return {key: float(np.exp(np.mean(np.log(r)))) for key, r in ratios.items()}
