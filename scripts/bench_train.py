@@ -26,9 +26,10 @@ goes to the fleet:
 
 - ``cnn_overhead``: wall seconds of a training step of torchvision's ResNet-18 layout
   (7×7 stem, max pool, four stages of two BasicBlocks with BatchNorm, 64-128-256-512
-  channels, average pool, a 1000-way fc), batch 16 of 3×224×224 (ImageNet's size; about
-  a second natively on a 2-core host), SGD with momentum, run natively and under
-  ``morphling run --embedded --devices 8``, as ``step_overhead``'s; the ratio.
+  channels, average pool, a 1000-way fc), batch 16 of 3×224×224 (ImageNet's size, and a
+  step on the order of a second natively on a 2-core host), SGD with momentum, run
+  natively and under ``morphling run --embedded --devices 8``, as ``step_overhead``'s;
+  the ratio.
 
 ``--only transformer`` or ``--only cnn`` runs those groups alone (the output then holds
 only theirs).
@@ -43,7 +44,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from bench_net import (
     ChildFailed,
@@ -54,6 +55,9 @@ from bench_net import (
     start_emulator,
     wait_for,
 )
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 STEP_SCRIPT = """\
 import json, sys, time, torch
@@ -156,6 +160,8 @@ def bench_overhead(children: Children, script: Path, steps: int, reps: int) -> d
 
 
 def bench_cnn(script: Path, steps: int, reps: int) -> dict:
+    """``step_overhead``'s measurement without the fleet in other processes: the CNN's
+    products are convolutions, whose socket path the transformer's group already covers."""
     native, embedded = [], []
     for _ in range(reps):  # alternating, as bench_overhead's
         native += step_times([sys.executable, str(script), str(steps)])[1:]
@@ -258,7 +264,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def bench_transformer(
-    children: Children, workdir: Path, args: argparse.Namespace, bar: Any
+    children: Children, workdir: Path, args: argparse.Namespace, bar: tqdm
 ) -> dict:
     """The OPT groups: ``step_overhead``, ``weight_refs``, ``shared_memory``, ``fleet_rss_mib``."""
     script = workdir / "step.py"
