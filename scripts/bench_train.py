@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Training benchmarks: emulation overhead, memory per device, weight references.
 
-Writes ``bench-results/train.json`` with three groups, on OPT (opt-125m's
-architecture cut to 2 layers: hidden 768, vocab 50272), batch 4 × 128 tokens,
-AdamW:
+Writes ``bench-results/train.json`` with three groups on a transformer, OPT
+(opt-125m's architecture cut to 2 layers: hidden 768, vocab 50272), batch 4 × 128
+tokens, AdamW:
 
 - ``step_overhead``: wall seconds of a training step run natively, under
   ``morphling run --embedded --devices 8``, and with the emulator and an
@@ -20,6 +20,19 @@ AdamW:
   arrays); each ratio is to the first. (The report's ``bytes_down`` is
   what crossed the *emulated* links: there a weight changed by the optimizer step must
   reach the device again, so it is the same whatever the wire carried.)
+
+and one on a CNN, whose convolutions (forward, input and weight gradients) are what
+goes to the fleet:
+
+- ``cnn_overhead``: wall seconds of a training step of torchvision's ResNet-18 layout
+  (7×7 stem, max pool, four stages of two BasicBlocks with BatchNorm, 64-128-256-512
+  channels, average pool, a 1000-way fc), batch 16 of 3×224×224 (ImageNet's size, and a
+  step on the order of a second natively on a 2-core host), SGD with momentum, run
+  natively and under ``morphling run --embedded --devices 8``, as ``step_overhead``'s;
+  the ratio.
+
+``--only transformer`` or ``--only cnn`` runs those groups alone (the output then holds
+only theirs).
 """
 
 from __future__ import annotations
@@ -31,6 +44,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from bench_net import (
     ChildFailed,
@@ -41,6 +55,9 @@ from bench_net import (
     start_emulator,
     wait_for,
 )
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 STEP_SCRIPT = """\
 import json, sys, time, torch
@@ -60,6 +77,53 @@ for _ in range(int(sys.argv[1])):
     times.append(time.perf_counter() - start)
 print(json.dumps(times))
 """
+
+
+CNN_STEP_SCRIPT = """\
+import json, sys, time, torch
+from torch import nn
+
+class BasicBlock(nn.Module):
+    def __init__(self, cin, cout, stride):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.downsample = None
+        if stride != 1 or cin != cout:
+            self.downsample = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False),
+                                            nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        out = torch.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return torch.relu(out + (x if self.downsample is None else self.downsample(x)))
+
+def resnet18():
+    layers = [nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(),
+              nn.MaxPool2d(3, 2, 1)]
+    cin = 64
+    for cout, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+        layers += [BasicBlock(cin, cout, stride), BasicBlock(cout, cout, 1)]
+        cin = cout
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, 1000))
+
+torch.manual_seed(0)
+model = resnet18()
+opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+x = torch.randn(16, 3, 224, 224)
+y = torch.randint(0, 1000, (16,))
+times = []
+for _ in range(int(sys.argv[1])):
+    start = time.perf_counter()
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+    times.append(time.perf_counter() - start)
+print(json.dumps(times))
+"""
+GROUPS = ("transformer", "cnn")
 
 
 def step_times(cmd: list[str], timeout: float = 900) -> list[float]:
@@ -92,6 +156,20 @@ def bench_overhead(children: Children, script: Path, steps: int, reps: int) -> d
         "embedded_ratio": round(e / n, 3), "socket_ratio": round(s / n, 3),
         "target_embedded_ratio_max": 1.5, "target_socket_ratio_max": 3.0,
         "met": e / n <= 1.5 and s / n <= 3.0,
+    }  # fmt: skip
+
+
+def bench_cnn(script: Path, steps: int, reps: int) -> dict:
+    """``step_overhead``'s measurement without the fleet in other processes: the CNN's
+    products are convolutions, whose socket path the transformer's group already covers."""
+    native, embedded = [], []
+    for _ in range(reps):  # alternating, as bench_overhead's
+        native += step_times([sys.executable, str(script), str(steps)])[1:]
+        embedded += step_times(run_cmd(script, steps, "--embedded", "--devices", "8"))[1:]
+    n, e = statistics.median(native), statistics.median(embedded)
+    return {
+        "native_s": round(n, 3), "embedded_s": round(e, 3), "ratio": round(e / n, 3),
+        "target_ratio_max": 1.5, "met": e / n <= 1.5,
     }  # fmt: skip
 
 
@@ -153,40 +231,62 @@ def run(args: argparse.Namespace) -> dict:
     from benchlib import run_meta
     from tqdm import tqdm
 
+    groups = GROUPS if args.only is None else (args.only,)
     with (
         sigterm_unwinds(),
         tempfile.TemporaryDirectory(prefix="bench-train-") as tmp,
-        tqdm(total=3, desc="train benchmarks", unit="group") as bar,
-    ):
+        tqdm(total=3 * ("transformer" in groups) + ("cnn" in groups), desc="train benchmarks",
+             unit="group") as bar,
+    ):  # fmt: skip
         workdir = Path(tmp)
-        script = workdir / "step.py"
-        script.write_text(STEP_SCRIPT)
-        config = workdir / "opt-2l.json"
-        from morphling.proxy.checkpoint.hf_models import load_config
-
-        config.write_text(json.dumps({**load_config("opt-125m"), "num_hidden_layers": 2}))
-        ckpt = workdir / "ckpt"
-        subprocess.run(morphling_cmd("save", "--model", str(config), "--random-init", "--seed",
-                                     "0", "--output", str(ckpt), "--no-progress"),
-                       check=True, capture_output=True)  # fmt: skip
         children = Children(workdir)
         results = {}
         try:
-            bar.set_description("step_overhead")
-            results["step_overhead"] = bench_overhead(children, script, args.steps, args.reps)
-            bar.update()
-            bar.set_description("wire bytes")
-            results.update(bench_wire_bytes(script, ckpt, workdir))
-            bar.update()
-            bar.set_description("fleet_rss_mib")
-            results["fleet_rss_mib"] = bench_fleet_rss(children, script, ckpt)
-            bar.update()
+            if "transformer" in groups:
+                results.update(bench_transformer(children, workdir, args, bar))
+            if "cnn" in groups:
+                bar.set_description("cnn_overhead")
+                script = workdir / "cnn_step.py"
+                script.write_text(CNN_STEP_SCRIPT)
+                results["cnn_overhead"] = bench_cnn(script, args.steps, args.reps)
+                bar.update()
         except ChildFailed as exc:
             raise SystemExit(f"bench_train: {exc}") from None
         finally:
             children.close()
-    results["meta"] = run_meta(args.reps, steps=args.steps, model="opt-125m, 2 layers",
-                               batch="4 x 128 tokens", devices=8)  # fmt: skip
+    meta = {"steps": args.steps, "devices": 8}
+    if "transformer" in groups:
+        meta.update(model="opt-125m, 2 layers", batch="4 x 128 tokens")
+    if "cnn" in groups:
+        meta.update(cnn_model="resnet-18 layout", cnn_batch="16 x 3x224x224")
+    results["meta"] = run_meta(args.reps, **meta)
+    return results
+
+
+def bench_transformer(
+    children: Children, workdir: Path, args: argparse.Namespace, bar: tqdm
+) -> dict:
+    """The OPT groups: ``step_overhead``, ``weight_refs``, ``shared_memory``, ``fleet_rss_mib``."""
+    script = workdir / "step.py"
+    script.write_text(STEP_SCRIPT)
+    config = workdir / "opt-2l.json"
+    from morphling.proxy.checkpoint.hf_models import load_config
+
+    config.write_text(json.dumps({**load_config("opt-125m"), "num_hidden_layers": 2}))
+    ckpt = workdir / "ckpt"
+    subprocess.run(morphling_cmd("save", "--model", str(config), "--random-init", "--seed",
+                                 "0", "--output", str(ckpt), "--no-progress"),
+                   check=True, capture_output=True)  # fmt: skip
+    results = {}
+    bar.set_description("step_overhead")
+    results["step_overhead"] = bench_overhead(children, script, args.steps, args.reps)
+    bar.update()
+    bar.set_description("wire bytes")
+    results.update(bench_wire_bytes(script, ckpt, workdir))
+    bar.update()
+    bar.set_description("fleet_rss_mib")
+    results["fleet_rss_mib"] = bench_fleet_rss(children, script, ckpt)
+    bar.update()
     return results
 
 
@@ -195,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=2, help="alternating runs of each (>= 1)")
     parser.add_argument("--steps", type=int, default=4, help="steps per run, first dropped")
     parser.add_argument("--output", type=Path, default=Path("bench-results/train.json"))
+    parser.add_argument("--only", choices=GROUPS, help="run only these groups (default: all)")
     args = parser.parse_args(argv)
     if args.reps < 1 or args.steps < 2:
         parser.error("--reps must be >= 1 and --steps >= 2")
