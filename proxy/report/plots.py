@@ -9,7 +9,7 @@ no global figure state, safe to call from anywhere.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .load import Run
 from .summary import DeviceRow, StepRow, Summary
@@ -142,11 +142,7 @@ def plot_utilisation(summary: Summary, path: Path) -> Path:
     for i, (kind, share) in enumerate(zip(("compute", "downlink", "uplink"), shares, strict=True)):
         values = [100 * x for x in share]
         ax.bar(x + (i - 1) * width, values, width, color=COLOURS[kind], label=kind)
-    if len(devices) <= MAX_NAMED_TICKS:
-        ax.set_xticks(x, [d["name"] for d in devices], rotation=90, fontsize="small")
-        ax.set_xlabel("device")
-    else:
-        ax.set_xlabel("devices, by compute utilisation (rank)")
+    _device_axis(ax, x, devices)
     ax.set_ylabel("utilisation (% of the run)")
     ax.set_ylim(0, 100)
     ax.set_title(
@@ -156,6 +152,15 @@ def plot_utilisation(summary: Summary, path: Path) -> Path:
     ax.legend(fontsize="small")
     fig.savefig(path)
     return path
+
+
+def _device_axis(ax: Any, x: Any, devices: list[DeviceRow]) -> None:
+    """Devices along the x axis, busiest first: named while few, ranked when many."""
+    if len(devices) <= MAX_NAMED_TICKS:
+        ax.set_xticks(x, [d["name"] for d in devices], rotation=90, fontsize="small")
+        ax.set_xlabel("device")
+    else:
+        ax.set_xlabel("devices, by compute utilisation (rank)")
 
 
 def plot_device_time(summary: Summary, path: Path) -> Path:
@@ -173,11 +178,7 @@ def plot_device_time(summary: Summary, path: Path) -> Path:
         values = np.array([100 * d["time"][key] / span for d in devices])  # type: ignore[literal-required]
         ax.bar(x, values, 0.8, bottom=bottom, color=colour, label=label)
         bottom += values
-    if len(devices) <= MAX_NAMED_TICKS:
-        ax.set_xticks(x, [d["name"] for d in devices], rotation=90, fontsize="small")
-        ax.set_xlabel("device")
-    else:
-        ax.set_xlabel("devices, by compute utilisation (rank)")
+    _device_axis(ax, x, devices)
     ax.set_ylabel("% of the run")
     ax.set_title(f"Where each device's {span:.3g} s of virtual time went")
     ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))

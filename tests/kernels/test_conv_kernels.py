@@ -218,17 +218,8 @@ def convolutions(draw):
         groups, per_group, oc_per_group = (draw(st.integers(2, 3)) for _ in range(3))
     else:
         groups, per_group, oc_per_group = draw(st.integers(1, 4)), 1, draw(st.integers(1, 3))
-    geom = ConvGeometry(
-        kernel=(draw(st.integers(1, 3)), draw(st.integers(1, 3))),
-        stride=(draw(st.integers(1, 3)), draw(st.integers(1, 3))),
-        dilation=(draw(st.integers(1, 3)), draw(st.integers(1, 3))),
-        padding=tuple(draw(st.integers(0, 3)) for _ in range(4)),
-        groups=groups,
-    )
-    (kh, kw), (dh, dw) = geom.kernel, geom.dilation
-    top, bottom, left, right = geom.padding
-    height = max(draw(st.integers(1, 12)), dh * (kh - 1) + 1 - top - bottom)
-    width = max(draw(st.integers(1, 9)), dw * (kw - 1) + 1 - left - right)
+    geom, height, width = draw(_geometry(groups, kernel=3, stride=3, padding=3, width=9))
+    (kh, kw) = geom.kernel
     dtype = draw(st.sampled_from([np.float32, np.float64]))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     channels, oc = groups * per_group, groups * oc_per_group
@@ -236,6 +227,23 @@ def convolutions(draw):
         rng, draw(st.integers(1, 2)), channels, height, width, (oc, per_group, kh, kw), dtype
     )
     return x, w, geom, rng
+
+
+@st.composite
+def _geometry(draw, groups, *, kernel, stride, padding, width):
+    """A geometry of ``groups`` (kernel, stride and padding up to the bounds given, dilation
+    up to 3) and an input height and width its dilated kernel fits."""
+    geom = ConvGeometry(
+        kernel=(draw(st.integers(1, kernel)), draw(st.integers(1, kernel))),
+        stride=(draw(st.integers(1, stride)), draw(st.integers(1, stride))),
+        dilation=(draw(st.integers(1, 3)), draw(st.integers(1, 3))),
+        padding=tuple(draw(st.integers(0, padding)) for _ in range(4)),
+        groups=groups,
+    )
+    (kh, kw), (dh, dw) = geom.kernel, geom.dilation
+    top, bottom, left, right = geom.padding
+    height = max(draw(st.integers(1, 12)), dh * (kh - 1) + 1 - top - bottom)
+    return geom, height, max(draw(st.integers(1, width)), dw * (kw - 1) + 1 - left - right)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -249,17 +257,8 @@ def depthwise_convolutions(draw):
     """A depthwise convolution with the C kernels' edges: rows from 1 column to past their
     vector width, a multiplier, strides beyond the kernel, padding beyond its reach."""
     channels, multiplier = draw(st.integers(1, 3)), draw(st.integers(1, 4))
-    geom = ConvGeometry(
-        kernel=(draw(st.integers(1, 5)), draw(st.integers(1, 5))),
-        stride=(draw(st.integers(1, 4)), draw(st.integers(1, 4))),
-        dilation=(draw(st.integers(1, 3)), draw(st.integers(1, 3))),
-        padding=tuple(draw(st.integers(0, 6)) for _ in range(4)),
-        groups=channels,
-    )
-    (kh, kw), (dh, dw) = geom.kernel, geom.dilation
-    top, bottom, left, right = geom.padding
-    height = max(draw(st.integers(1, 12)), dh * (kh - 1) + 1 - top - bottom)
-    width = max(draw(st.integers(1, 40)), dw * (kw - 1) + 1 - left - right)
+    geom, height, width = draw(_geometry(channels, kernel=5, stride=4, padding=6, width=40))
+    (kh, kw) = geom.kernel
     dtype = draw(st.sampled_from([np.float32, np.float64]))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     shape = (channels * multiplier, 1, kh, kw)
