@@ -120,12 +120,17 @@ def test_quick_profile_conv_model_is_the_fit_and_score_of_its_own_measurements(q
     assert set(model.exact) == {*grid, *held}
     assert provenance["conv_grid_shapes"] == QUICK.conv_grid
     assert provenance["conv_heldout_shapes"] == QUICK.conv_heldout
-    refit = ConvModel.fit([(s, model.exact[s]) for s in grid])
+    # The fit, then PyTorch's own convolutions beside the kernels' (measured apart: the scale)
+    refit = ConvModel.fit([(s, model.exact[s]) for s in grid]).with_native(model.native)
     params, again = model.to_dict(), refit.to_dict()
     assert params.keys() == again.keys()
     for key in params.keys() - {"exact", "kind", "popcount"}:
         assert params[key] == pytest.approx(again[key], rel=1e-9), key
-    error = heldout_error(refit, [(s, model.exact[s]) for s in held])
+    assert provenance["conv_native"].startswith("measured: PyTorch's time over the kernels'")
+    assert model.native != dict.fromkeys(model.native, 1.0)
+    # the score is of the kernels' model, before the scale
+    unscaled = refit.with_native(dict.fromkeys(model.native, 1.0))
+    error = heldout_error(unscaled, [(s, model.exact[s]) for s in held])
     for key in ("median_ape", "p90_ape", "max_ape"):
         assert error[key] == pytest.approx(provenance[f"conv_heldout_{key}"], rel=1e-9), key
     assert 0 <= provenance["conv_heldout_repeat_p90"] < 1
