@@ -47,8 +47,10 @@ OP_CLASSES = (GEMM, CONV, *DISPATCH_CLASSES)
 # affine map, a softmax an exponential, a sum and a division, a pool compares or adds a
 # window. A plain add, copy or optimizer update does too little arithmetic per byte to be
 # anything but memory-bound: none is counted for it.
-_TRANSCENDENTAL = ("exp", "log", "tanh", "sigmoid", "gelu", "erf", "silu", "pow", "sqrt", "rsqrt",
-                   "sin", "cos", "softplus", "elu", "mish", "hardswish")  # fmt: skip
+_TRANSCENDENTAL = frozenset(("exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "tanh",
+                             "sigmoid", "log_sigmoid_forward", "gelu", "erf", "silu", "pow",
+                             "sqrt", "rsqrt", "sin", "cos", "softplus", "elu", "mish",
+                             "hardswish"))  # fmt: skip
 _FLOPS_PER_ELEMENT = {"normalization": 8.0, "softmax": 8.0, "pooling": 2.0}
 _TRANSCENDENTAL_FLOPS = 8.0
 
@@ -76,7 +78,7 @@ def op_class(name: str, *, is_view: bool = False, in_optimizer: bool = False) ->
 
 def op_flops(name: str, cls: str, elements: int) -> float:
     """Arithmetic of op ``name`` of class ``cls`` whose largest tensor has ``elements``."""
-    if cls == "elementwise" and name.strip("_").startswith(_TRANSCENDENTAL):
+    if cls == "elementwise" and name.strip("_").removesuffix("_backward") in _TRANSCENDENTAL:
         return _TRANSCENDENTAL_FLOPS * elements
     return _FLOPS_PER_ELEMENT.get(cls, 0.0) * elements
 

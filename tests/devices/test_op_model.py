@@ -20,6 +20,7 @@ from morphling.devices.models.ops import (
     OTHER,
     OpModel,
     op_class,
+    op_flops,
 )
 from morphling.devices.models.profiles import BUILTIN, load_profile
 from morphling.devices.profiler.op_timing import (
@@ -147,6 +148,15 @@ def _counted(fn) -> list[tuple[str, tuple[str, int, int, float]]]:  # type: igno
     with _Record() as record:
         fn()
     return record.ops
+
+
+@pytest.mark.parametrize(
+    ("name", "flops"),
+    [("exp", 80.0), ("tanh_backward", 80.0), ("sigmoid_", 80.0), ("logical_and", 0.0),
+     ("add", 0.0)],
+)  # fmt: skip
+def test_only_transcendental_elementwise_ops_count_arithmetic(name: str, flops: float) -> None:
+    assert op_flops(name, "elementwise", 10) == flops
 
 
 def test_counting_bytes_new_memory_and_arithmetic() -> None:
