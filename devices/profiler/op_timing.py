@@ -125,8 +125,9 @@ def measure_items(
     progress: Progress | None = None,
 ) -> list[Item]:  # fmt: skip
     """Every item at every size in ``SIZES``, counted once and timed: the fastest of
-    ``rounds`` rounds, each the mean of back-to-back calls lasting at least ``min_batch_s``
-    after a warm-up call. On ``threads`` torch threads."""
+    ``rounds`` rounds, each after a warm-up call one call, or where that is shorter than
+    ``min_batch_s`` the mean of back-to-back calls lasting that long. On ``threads`` torch
+    threads."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -143,11 +144,14 @@ def measure_items(
                 call()
                 start = time.perf_counter()
                 call()
-                count = max(1, math.ceil(min_batch_s / max(time.perf_counter() - start, 1e-7)))
-                start = time.perf_counter()
-                for _ in range(count):
-                    call()
-                best[i] = min(best[i], (time.perf_counter() - start) / count)
+                seconds = time.perf_counter() - start
+                if seconds < min_batch_s:  # too short to time alone: a batch of them
+                    count = math.ceil(min_batch_s / max(seconds, 1e-7))
+                    start = time.perf_counter()
+                    for _ in range(count):
+                        call()
+                    seconds = (time.perf_counter() - start) / count
+                best[i] = min(best[i], seconds)
                 if progress is not None:
                     progress(1)
     finally:
