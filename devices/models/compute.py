@@ -46,6 +46,7 @@ from .strict_map import check_keys, floats, positive
 from .work_terms import (
     ShapeModel,
     Terms,
+    exact_from,
     hats,
     least_squares,
     one_hot,
@@ -257,7 +258,6 @@ _Trial = tuple[float, _Form, np.ndarray]  # robust cost, structure, θ
 
 _ANALYTIC_KEYS = ("kind", "flops", "fp64_ratio", "exact")
 _FITTED_KEYS = ("kind", "vector_bytes", "regime_min", "log2_min", "log2_max", *_TERMS, "exact")
-_RECORD_KEYS = (*_SHAPE_FIELDS, "seconds")
 
 
 def _positive(name: str, value: object) -> float:
@@ -268,17 +268,8 @@ def _floats(name: str, value: object, length: int) -> tuple[float, ...]:
     return floats("compute", name, value, length)
 
 
-def _exact_from(records: object) -> dict[GemmShape, float]:
-    if not isinstance(records, list):
-        raise ValueError("compute field 'exact' must be a list of records")
-    exact = {}
-    for i, record in enumerate(records):
-        if not isinstance(record, dict):
-            raise ValueError(f"compute field 'exact'[{i}] must be a table, got {record!r:.60}")
-        check_keys(f"compute field 'exact'[{i}]", record, _RECORD_KEYS)
-        shape = GemmShape(**{key: record[key] for key in _SHAPE_FIELDS})
-        exact[shape] = _positive(f"exact[{i}].seconds", record["seconds"])
-    return exact
+def _exact(records: object) -> dict[GemmShape, float]:
+    return exact_from("compute", records, _SHAPE_FIELDS, lambda fields: GemmShape(**fields))
 
 
 class ComputeModel(ShapeModel[GemmShape]):
@@ -400,7 +391,7 @@ class ComputeModel(ShapeModel[GemmShape]):
             check_keys("compute model", d, _ANALYTIC_KEYS)
             flops = _positive("flops", d["flops"])
             fp64_ratio = _positive("fp64_ratio", d["fp64_ratio"])
-            return cls(_exact_from(d["exact"]), flops=flops, fp64_ratio=fp64_ratio)
+            return cls(_exact(d["exact"]), flops=flops, fp64_ratio=fp64_ratio)
         if kind != "fitted":
             raise ValueError(
                 f"compute field 'kind' must be 'analytic' or 'fitted', got {kind!r:.60}"
@@ -420,7 +411,7 @@ class ComputeModel(ShapeModel[GemmShape]):
             raise ValueError("compute field 'log2_min' must not exceed 'log2_max'")
         theta = [x for name, width in _TERMS.items() for x in _floats(name, d[name], width)]
         form = _Form(vector_bytes, regime_min, low, high)  # type: ignore[arg-type]
-        return cls(_exact_from(d["exact"]), form=form, theta=theta)
+        return cls(_exact(d["exact"]), form=form, theta=theta)
 
 
 def _descend(trial: Callable[[int, int, np.ndarray], _Trial], best: _Trial) -> _Trial:

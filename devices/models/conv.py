@@ -55,6 +55,7 @@ from .strict_map import check_keys, floats, positive
 from .work_terms import (
     ShapeModel,
     Terms,
+    exact_from,
     hats,
     least_squares,
     one_hot,
@@ -440,7 +441,6 @@ def native_key(shape: ConvShape) -> str:
     return f"{shape.kind}_depthwise" if shape.depthwise else shape.kind
 
 
-_RECORD_KEYS = (*SHAPE_FIELDS, "seconds")
 NO_MEM_BW = 0.0  # ``mem_bw`` value meaning "no memory term"
 
 
@@ -455,17 +455,8 @@ def _bandwidth(value: object) -> float:
     return _positive("mem_bw", value)
 
 
-def _exact_from(records: object) -> dict[ConvShape, float]:
-    if not isinstance(records, list):
-        raise ValueError("conv field 'exact' must be a list of records")
-    exact = {}
-    for i, record in enumerate(records):
-        if not isinstance(record, dict):
-            raise ValueError(f"conv field 'exact'[{i}] must be a table, got {record!r:.60}")
-        check_keys(f"conv field 'exact'[{i}]", record, _RECORD_KEYS)
-        shape = ConvShape.from_dict({key: record[key] for key in SHAPE_FIELDS})
-        exact[shape] = _positive(f"exact[{i}].seconds", record["seconds"])
-    return exact
+def _exact(records: object) -> dict[ConvShape, float]:
+    return exact_from("conv", records, SHAPE_FIELDS, ConvShape.from_dict)
 
 
 class ConvModel(ShapeModel[ConvShape]):
@@ -619,7 +610,7 @@ class ConvModel(ShapeModel[ConvShape]):
         if kind == "analytic":
             check_keys("conv model", d, _ANALYTIC_KEYS)
             return cls(
-                _exact_from(d["exact"]),
+                _exact(d["exact"]),
                 flops=_positive("flops", d["flops"]),
                 depthwise_flops=_positive("depthwise_flops", d["depthwise_flops"]),
                 fp64_ratio=_positive("fp64_ratio", d["fp64_ratio"]),
@@ -637,4 +628,4 @@ class ConvModel(ShapeModel[ConvShape]):
             raise ValueError(f"conv field 'popcount' must be a bool, got {split!r:.60}")
         theta = [x for name, width in _TERMS.items() for x in floats("conv", name, d[name], width)]
         form = _Form(vector_bytes, split)
-        return cls(_exact_from(d["exact"]), form=form, theta=theta, native=d["native"])
+        return cls(_exact(d["exact"]), form=form, theta=theta, native=d["native"])

@@ -41,10 +41,14 @@ def count_op(
         return cls, 0, 0, 0.0
     inputs = [*_tensors(args), *_tensors(kwargs.values())]
     outs = list(_tensors(out if isinstance(out, (list, tuple)) else (out,)))
-    nbytes = sum(t.numel() * t.element_size() for t in (*inputs, *outs))
-    read = {t.untyped_storage().data_ptr() for t in inputs}
-    sizes = [(t.numel() * t.element_size(), t.untyped_storage().data_ptr()) for t in outs]
-    fresh = sum(size for size, at in sizes if size > FRESH_MIN_BYTES and at not in read)
+    out_sizes = [t.numel() * t.element_size() for t in outs]
+    nbytes = sum(t.numel() * t.element_size() for t in inputs) + sum(out_sizes)
+    large = [t for t, size in zip(outs, out_sizes, strict=True) if size > FRESH_MIN_BYTES]
+    fresh = 0
+    if large:  # rare: only then are the storages looked up
+        read = {t.untyped_storage().data_ptr() for t in inputs}
+        fresh = sum(t.numel() * t.element_size() for t in large
+                    if t.untyped_storage().data_ptr() not in read)  # fmt: skip
     largest = max((t.numel() for t in (*inputs, *outs)), default=0)
     elements = max(largest, sum(t.numel() for t in outs))  # a _foreach_ op's, summed
     return cls, nbytes, fresh, op_flops(name, cls, elements)

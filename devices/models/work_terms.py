@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Mapping, Sequence
-from typing import Generic, Protocol, TypeVar
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 from scipy.optimize import least_squares as solve
 
-from .strict_map import positive
+from .strict_map import check_keys, positive
 
 # (work, design) per term: work [samples], design [samples, parameters of the term].
 Terms = list[tuple[np.ndarray, np.ndarray]]
@@ -182,3 +182,20 @@ def theta_by_term(theta: np.ndarray, widths: Mapping[str, int]) -> dict[str, lis
         out[name] = theta[start : start + width].tolist()
         start += width
     return out
+
+
+def exact_from(
+    what: str, records: object, fields: Sequence[str], shape: Callable[[dict[str, Any]], S]
+) -> dict[S, float]:
+    """A model's exact cache from ``to_dict``'s list of records (each shape's ``fields`` and
+    its ``seconds``), strictly: every error names ``what`` model's field."""
+    if not isinstance(records, list):
+        raise ValueError(f"{what} field 'exact' must be a list of records")
+    exact = {}
+    for i, record in enumerate(records):
+        if not isinstance(record, dict):
+            raise ValueError(f"{what} field 'exact'[{i}] must be a table, got {record!r:.60}")
+        check_keys(f"{what} field 'exact'[{i}]", record, (*fields, "seconds"))
+        key = shape({name: record[name] for name in fields})
+        exact[key] = positive(what, f"exact[{i}].seconds", record["seconds"])
+    return exact

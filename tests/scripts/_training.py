@@ -10,6 +10,7 @@ import sys
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 STEPS, BATCH, SEQ = 20, 2, 16
 
@@ -25,6 +26,19 @@ def fit(model: torch.nn.Module, step_loss: Callable[[], torch.Tensor]) -> list[f
         opt.step()
         losses.append(loss.item())
     return losses
+
+
+def classification_loss(
+    model: torch.nn.Module, input_shape: tuple[int, ...], classes: int
+) -> Callable[[], torch.Tensor]:
+    """The step loss of a classifier on random inputs of ``input_shape`` (batch first) and
+    random labels: what the convolution scripts train on."""
+
+    def step_loss() -> torch.Tensor:
+        inputs = torch.randn(*input_shape)
+        return F.cross_entropy(model(inputs), torch.randint(0, classes, (input_shape[0],)))
+
+    return step_loss
 
 
 def train(model: torch.nn.Module, step_loss: Callable[[], torch.Tensor]) -> None:

@@ -8,8 +8,7 @@ Used by tests/commands/test_run.py and tests/job/test_intercept_conv.py (see ``_
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
-from _training import train
+from _training import classification_loss, train
 from torch import nn
 
 BATCH, CHANNELS, LENGTH, CLASSES = 4, 4, 32, 5
@@ -35,12 +34,7 @@ class Conv1dNet(nn.Module):
 def build() -> tuple[nn.Module, Callable[[], torch.Tensor]]:
     torch.manual_seed(0)
     model = Conv1dNet()
-
-    def step_loss() -> torch.Tensor:
-        sequences = torch.randn(BATCH, CHANNELS, LENGTH)
-        return F.cross_entropy(model(sequences), torch.randint(0, CLASSES, (BATCH,)))
-
-    return model, step_loss
+    return model, classification_loss(model, (BATCH, CHANNELS, LENGTH), CLASSES)
 
 
 if __name__ == "__main__":
