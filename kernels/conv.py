@@ -45,7 +45,11 @@ Grad input, input rows [i0, i1) (all columns): the grad-output rows that touch t
 hi = min(OH, (i1 − 1 + top) // sh + 1) (``ConvGeometry.grad_output_rows``; when none
 does, the empty (m, m) with m = min(lo, OH), and the band's gradient is zero). The tile
 receives dy rows [oh_lo, oh_lo + R) covering [lo, hi) and the whole convolution's
-geometry; extra rows are allowed and contribute nothing to the band.
+geometry; extra rows are allowed and contribute nothing to the band. With stride 1 (off
+the depthwise path) the band is the forward convolution of those dy rows, zero-padded by
+the kernel's reach, through the weight with its taps flipped and its channel axes
+exchanged: only the band's rows are computed. A strided one multiplies each dy row given
+by the weight and folds (scatter-adds) every tap's share, then keeps the band's rows.
 
 Grad weight, an output-channel block × an input-channel block (whole channels: all kh·kw
 taps of each): x is the block's input channels, all rows, with the whole convolution's
@@ -54,8 +58,9 @@ complete, so tiles need no summing across devices.
 
 FLOPs (``conv_flops``): 2·N·OC·OH·OW·(C/groups)·kh·kw, the multiply-adds of the dense
 formulation, padding zeros included, for y (forward), the dy rows given (grad input: rows
-whose share falls outside the band are counted) or dy (grad weight). The scatter-adds of
-the grad input's fold (1/(OC/groups) of that) are not counted.
+whose share falls outside the band are counted, though only a strided one computes them) or
+dy (grad weight). The scatter-adds of the grad input's fold (1/(OC/groups) of that) are not
+counted.
 """
 
 from __future__ import annotations
@@ -72,6 +77,9 @@ from ._native import ffi, lib
 from .blas import gemm
 
 Array = npt.NDArray[Any]
+# The kernels' algorithm, as a profile records it: a model fitted to one revision's timings
+# does not describe another's (2: a stride-1 grad input is a forward convolution).
+REVISION = 2
 _DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
@@ -225,6 +233,10 @@ def conv_grad_input(
         band = (i0, i1 - i0, oh_lo, r)
         _direct("grad_input", _direct_geometry(geom, shape, oc, (oh, ow)), dy, w, dx, *band)
         return dx
+    if geom.stride == (1, 1):
+        return _grad_input_forward(
+            dy[:, :, need[0] - oh_lo : need[1] - oh_lo], w, geom, need, (i0, i1), dx
+        )
     share = _shares_gemm(dy, w, geom)
     (kh, _), (sh, _), (dh, _) = geom.kernel, geom.stride, geom.dilation
     top, _, left, right = geom.padding
@@ -361,6 +373,41 @@ def _channel_major(dy: Array, groups: int) -> Array:
 
 
 # --- GEMM path ----------------------------------------------------------------------------
+
+
+def _grad_input_forward(
+    dy: Array,
+    w: Array,
+    geom: ConvGeometry,
+    dy_rows: tuple[int, int],
+    rows: tuple[int, int],
+    dx: Array,
+) -> Array:
+    """A stride-1 grad input as the forward convolution it is: ``dy`` (grad-output rows
+    ``dy_rows``, all columns), zero-padded by the kernel's reach, through ``w`` with its taps
+    flipped and its two channel axes exchanged. Only the band's rows are computed, so a band
+    costs its share of the whole and no more (the fold below computes every row its dy rows
+    reach)."""
+    (kh, kw), (dh, dw) = geom.kernel, geom.dilation
+    top, _, left, _ = geom.padding
+    width, out_w = dx.shape[3], dy.shape[3]
+    # dX row i reads dy rows i + top − dh·(kh−1) .. i + top; columns alike.
+    start, stop = rows[0] + top - dh * (kh - 1), rows[1] + top
+    first, last = left - dw * (kw - 1), width + left
+    c0, c1 = max(first, 0), min(last, out_w)
+    if dy_rows[0] >= dy_rows[1] or c0 >= c1:  # no grad-output row or column reaches the band
+        dx[...] = 0
+        return dx
+    groups, (oc, per_group) = geom.groups, w.shape[:2]
+    # (both taps reversed: the flattened taps reversed)
+    flipped = (
+        w.reshape(groups, oc // groups, per_group, kh * kw)
+        .transpose(0, 2, 1, 3)[..., ::-1]
+        .reshape(groups * per_group, oc // groups, kh, kw)
+    )
+    padding = (dy_rows[0] - start, stop - dy_rows[1], c0 - first, last - c1)
+    reverse = ConvGeometry(geom.kernel, (1, 1), geom.dilation, padding, groups)
+    return conv_forward(dy[:, :, :, c0:c1], flipped, reverse, out=dx)
 
 
 def _shares_gemm(dy: Array, w: Array, geom: ConvGeometry) -> Callable[[int, int], Array]:

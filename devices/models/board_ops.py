@@ -71,8 +71,8 @@ MEMORY["rpi5"] = MEMORY["rpi4"] * 4267 / 3200
 # (2 x the FP64 figure, an estimate; the Cortex-A72's NEON peak is several times higher), once
 # the tiles' memory traffic is charged apart.
 CALIBRATION = {
-    "rpi4": {"conv_efficiency": 1.17, "depthwise_efficiency": 0.00991},
-    "rpi5": {"conv_efficiency": 1.12, "depthwise_efficiency": 0.00948},
+    "rpi4": {"conv_efficiency": 1.04, "depthwise_efficiency": 0.00879},
+    "rpi5": {"conv_efficiency": 0.991, "depthwise_efficiency": 0.00836},
 }
 
 _FLOWER = (

@@ -8,19 +8,22 @@ published figures, from ``conv_flops / flops`` (plus the kernel's memory traffic
 
 Why the fitted model has the form it has: it is a sum of work terms
 (``work_terms``: ``t = Σ_j W_j · exp(X_j · θ_j)``), one or two per stage of the kernel
-``kernels/conv.py`` runs, and each stage's work is what that stage does:
+``kernels/conv.py`` runs, and each stage's work is what that stage does. A shape is priced
+as the call the kernels make for it (``ConvShape.computed``: a stride-1 grad input is a
+forward convolution of dy, after a copy of its weight with the taps flipped), so the
+grad-input terms below are a strided one's:
 
 - calls: a constant per call for each kind and path (general or depthwise), and per kernel
   tap on the general path: it is numpy and BLAS calls made from Python, kh·kw of them per
   pass;
 - numpy's copies and adds — the padding (``np.pad``), the unfolding (one strided copy per
   tap), the output's or dy's channel-major transpose, the grad-input fold (one scatter-add
-  per tap) and its zeroed buffers — cost per element moved and per inner loop: numpy
-  loops over the innermost run its operands share (coalesced dimensions), so an unfolding
-  of 7-wide rows costs several times one of 56-wide rows for the same bytes, and a 1×1
-  convolution's copy is one run. Element costs depend on dtype, a stride over the source
-  (``sw > 1``) and where the pass's bytes fit in the cache hierarchy (a piecewise-linear
-  efficiency in log bytes);
+  per tap) and its zeroed buffers, the flipped weight — cost per element moved and per
+  inner loop: numpy loops over the innermost run its operands share (coalesced
+  dimensions), so an unfolding of 7-wide rows costs several times one of 56-wide rows for
+  the same bytes, and a 1×1 convolution's copy is one run. Element costs depend on dtype,
+  a stride over the source (``sw > 1``) and where the pass's bytes fit in the cache
+  hierarchy (a piecewise-linear efficiency in log bytes);
 - the GEMM over the unfolded input, one per group: m = OC/g, n = N·OH·OW, k = (C/g)·kh·kw
   (forward), with the roles exchanged for the gradients. As in the GEMM model, compute
   counts the columns the micro-kernel really computes (panels of ``vector_bytes``, a
@@ -101,6 +104,8 @@ _TERMS = {
     "zero_bytes": 2 + _MEM,
     "fold_loops": 3,
     "fold_bytes": 3 + _MEM,
+    "flip_loops": 1,
+    "flip_bytes": 2 + _MEM,
     "direct_rows": len(KINDS),
     "direct_loops": 3 * len(KINDS),
     "direct_macs": 3 * len(KINDS) + _MEM,
@@ -115,12 +120,15 @@ _FINAL_NFEV = 400
 
 
 class _Columns:
-    """The shapes' fields as float arrays, so a design is built for thousands at once."""
+    """The fields of the calls the kernels make for the shapes (``ConvShape.computed``) as
+    float arrays, so a design is built for thousands at once."""
 
     def __init__(self, shapes: Sequence[ConvShape]) -> None:
+        computed = [s.computed() for s in shapes]
         rows = [
             (
                 _KIND[s.kind],
+                s is not asked,  # a grad input computed as a forward convolution
                 s.depthwise,
                 s.n,
                 s.c,
@@ -137,11 +145,12 @@ class _Columns:
                 s.out_rows,
                 *s.out_size,
             )
-            for s in shapes
+            for s, asked in zip(computed, shapes, strict=True)
         ]
-        table = np.array(rows, dtype=np.float64).reshape(-1, 23)
+        table = np.array(rows, dtype=np.float64).reshape(-1, 24)
         (
             self.kind,
+            self.flipped,
             self.direct,
             self.n,
             self.c,
@@ -319,6 +328,17 @@ class _Stages:
             ),
         ]
 
+    def flip(self) -> Terms:
+        """A stride-1 grad input's weight, its taps flipped and its channel axes exchanged:
+        a copy in runs of kh·kw."""
+        c, x = self, self.cols
+        flips = x.flipped == 1
+        weights = x.oc * x.c / x.groups * c.taps
+        return [
+            (c.loops(flips, weights / c.taps), c.ones[:, None]),
+            (c.moved(flips, 2 * weights * x.item), c.efficiency(c.fp64, nbytes=weights * x.item)),
+        ]
+
     def depthwise(self) -> Terms:
         """The depthwise C kernel: per row, per tap loop over a row, per multiply-add, per
         element of the grad input's scatter (with a multiplier), per operand byte."""
@@ -404,15 +424,29 @@ class _Form:
             *s.transpose(),
             *s.gemm(self.vector_bytes, self.popcount),
             *s.fold(),
+            *s.flip(),
             *s.depthwise(),
         ]
 
 
+def work_flops(shape: ConvShape) -> float:
+    """FLOPs of the call the kernels make for ``shape`` (``ConvShape.computed``), as
+    ``ConvShape.flops`` counts them but for a depthwise grad input's band: the direct
+    kernel computes only the band's share of the whole, where the dense count is of every
+    dy row given. The analytic model's compute term."""
+    shape = shape.computed()
+    if shape.kind == "grad_input" and shape.depthwise:
+        return shape.flops * shape.out_size[0] / shape.dy_rows * shape.rows / shape.h
+    return float(shape.flops)
+
+
 def traffic_bytes(shape: ConvShape) -> int:
-    """Bytes the kernel moves at least: its operands and output, and for the general path
-    the unfolded copy written and read (forward, grad weight) or the fold's scatter-adds
-    (grad input); the depthwise path's passes are over rows held in the cache, so it
-    moves its operands and output once. The analytic model's memory term."""
+    """Bytes the kernel moves at least for the call it makes (``ConvShape.computed``): its
+    operands and output, and for the general path the unfolded copy written and read
+    (forward, grad weight) or the fold's scatter-adds (strided grad input); the depthwise
+    path's passes are over rows held in the cache, so it moves its operands and output once.
+    The analytic model's memory term."""
+    shape = shape.computed()
     kh, kw = shape.kernel
     out_h, out_w = shape.out_size
     n, c, oc, item = shape.n, shape.c, shape.oc, shape.itemsize
@@ -432,13 +466,20 @@ _Trial = tuple[float, _Form, np.ndarray]  # robust cost, structure, θ
 
 _ANALYTIC_KEYS = ("kind", "flops", "depthwise_flops", "fp64_ratio", "mem_bw", "exact")
 _FITTED_KEYS = ("kind", "vector_bytes", "popcount", *_TERMS, "native", "exact")
-# ``native``'s keys: each kind, on the general path and on the depthwise one.
-NATIVE_KEYS = (*KINDS, *(f"{kind}_depthwise" for kind in KINDS))
+# ``native``'s keys: each kind, for a k×k convolution on the general path, a pointwise (1×1)
+# one, and a depthwise one: PyTorch's algorithms and the kernels' differ most between these.
+NATIVE_CLASSES = ("", "_pointwise", "_depthwise")
+NATIVE_KEYS = tuple(f"{kind}{cls}" for cls in NATIVE_CLASSES for kind in KINDS)
+
+
+def native_class(kernel: tuple[int, int], depthwise: bool) -> str:
+    """The class of a convolution of ``kernel`` (one of ``NATIVE_CLASSES``)."""
+    return "_depthwise" if depthwise else "_pointwise" if kernel == (1, 1) else ""
 
 
 def native_key(shape: ConvShape) -> str:
     """``shape``'s key in ``native``."""
-    return f"{shape.kind}_depthwise" if shape.depthwise else shape.kind
+    return shape.kind + native_class(shape.kernel, shape.depthwise)
 
 
 NO_MEM_BW = 0.0  # ``mem_bw`` value meaning "no memory term"
@@ -466,7 +507,7 @@ class ConvModel(ShapeModel[ConvShape]):
 
     A fitted model describes the device's own kernels (``kernels/conv.py``), which compute
     the numerics; the board itself would run the script's convolutions with PyTorch's,
-    faster or slower. ``native`` (by ``NATIVE_KEYS``: kind and path) is PyTorch's time over
+    faster or slower. ``native`` (by ``NATIVE_KEYS``: kind and class) is PyTorch's time over
     the kernels' on this board, measured by ``morphling profile``
     (``profiler/conv_native.py``); predictions are multiplied by it, so the clock prices a
     convolution as the board's PyTorch runs it. Analytic models are of PyTorch's already."""
@@ -506,7 +547,7 @@ class ConvModel(ShapeModel[ConvShape]):
         cls, flops: float, *, depthwise_flops: float | None = None, fp64_ratio: float = 0.5,
         mem_bw: float = NO_MEM_BW,
     ) -> ConvModel:  # fmt: skip
-        """``conv_flops / flops`` (``depthwise_flops`` for a depthwise convolution, default
+        """``work_flops / flops`` (``depthwise_flops`` for a depthwise convolution, default
         ``flops``; fp64 at ``fp64_ratio`` of the rate), plus, with a memory bandwidth
         ``mem_bw`` in bytes/s, ``traffic_bytes / mem_bw``: published figures."""
         return cls({}, flops=flops, depthwise_flops=depthwise_flops, fp64_ratio=fp64_ratio,
@@ -563,6 +604,7 @@ class ConvModel(ShapeModel[ConvShape]):
 
     def _model(self, shapes: Sequence[ConvShape]) -> np.ndarray:
         if self._form is None:
+            shapes = [s.computed() for s in shapes]
             assert self.flops is not None and self.depthwise_flops is not None
             rate = np.array(
                 [
@@ -571,7 +613,7 @@ class ConvModel(ShapeModel[ConvShape]):
                     for s in shapes
                 ]
             )
-            seconds: np.ndarray = np.array([s.flops for s in shapes], dtype=np.float64) / rate
+            seconds: np.ndarray = np.array([work_flops(s) for s in shapes], np.float64) / rate
             if self.mem_bw != NO_MEM_BW:
                 seconds += np.array([traffic_bytes(s) for s in shapes], np.float64) / self.mem_bw
             return seconds

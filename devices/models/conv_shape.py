@@ -149,6 +149,26 @@ class ConvShape:
         """Each output channel reads one input channel: the kernels' direct path."""
         return self.c == self.groups
 
+    def computed(self) -> ConvShape:
+        """The call the kernels really make for this one, which the models price: a
+        stride-1 grad input off the depthwise path is the forward convolution of its dy
+        rows, padded by the kernel's reach, through the flipped weight (``kernels/conv.py``);
+        every other call is itself. Where the band's padding lies (above or below) is not
+        recorded; it is put above."""
+        if self.kind != "grad_input" or self.stride != (1, 1) or self.depthwise:
+            return self
+        (kh, kw), (dh, dw) = self.kernel, self.dilation
+        left = self.padding[2]
+        read = self.rows + dh * (kh - 1)  # dy rows the band reads, padding included
+        dy_rows = min(self.dy_rows, read)
+        first, last = left - dw * (kw - 1), self.w + left  # dy columns read, likewise
+        c0, c1 = max(first, 0), min(last, self.out_size[1])
+        padding = (read - dy_rows, 0, c0 - first, last - c1)
+        return ConvShape(
+            "forward", self.n, self.oc, dy_rows, c1 - c0, self.c, self.kernel, (1, 1),
+            self.dilation, padding, self.groups, self.dtype,
+        )  # fmt: skip
+
     @property
     def flops(self) -> int:
         """``kernels.conv.conv_flops``: 2 × the dense multiply-adds of the call."""

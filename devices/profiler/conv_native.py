@@ -6,8 +6,11 @@ depthwise C kernels), but a script on the board would run PyTorch's own convolut
 XNNPACK or its im2col fallback, depending on the build: ``REFERENCE.md``). Convolutions
 typical of CNN training — 3×3 and 1×1, strided, a 7×7 stem, depthwise — are timed both ways,
 whole, on the profile's threads, for each product (forward, input gradient, weight
-gradient); each kind's and path's scale is the geometric mean of PyTorch's time over the
-kernels'.
+gradient; not the stem's input gradient, an image's, which training never asks for). Each
+kind's and class's (``NATIVE_KEYS``: k×k, pointwise, depthwise) scale is PyTorch's total
+time over the kernels' on its convolutions: a step's time is a sum, so the large
+convolutions that dominate it dominate the scale, where a mean of ratios would weigh a
+small odd one as much.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import torch.nn.functional as F
 from morphling.kernels import set_threads
 from morphling.kernels.conv import ConvGeometry, conv_forward, conv_grad_input, conv_grad_weight
 
-from ..models.conv import NATIVE_KEYS
+from ..models.conv import NATIVE_KEYS, native_class
 from ..models.conv_shape import KINDS
 
 # (N, C, H=W, OC, kernel, stride, groups): CNN layers at batch 8 on small images, so that the
@@ -35,6 +38,7 @@ SHAPES = (
     (8, 32, 28, 64, 3, 2, 1),
     (8, 64, 28, 128, 1, 2, 1),
     (8, 256, 14, 64, 1, 1, 1),
+    (8, 32, 28, 192, 1, 1, 1),
     (8, 3, 56, 32, 7, 2, 1),
     (8, 96, 28, 96, 3, 1, 96),
     (8, 144, 14, 144, 3, 2, 144),
@@ -76,18 +80,20 @@ def _pair(shape: tuple[int, ...], kind: str) -> tuple[Callable[[], Any], Callabl
 
 
 def measure_native_scale(*, threads: int = 1, rounds: int = 3) -> dict[str, float]:
-    """``ConvModel.native``: PyTorch's time over the kernels', by kind and path."""
+    """``ConvModel.native``: PyTorch's time over the kernels', by kind and class."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     set_threads(threads)
-    ratios: dict[str, list[float]] = {key: [] for key in NATIVE_KEYS}
+    totals = {key: np.zeros(2) for key in NATIVE_KEYS}  # (PyTorch's, the kernels') seconds
     try:
         for shape in SHAPES:
-            depthwise = shape[6] == shape[1]
+            _, c, _, _, k, _, groups = shape
             for kind in KINDS:
+                if kind == "grad_input" and c == 3:  # an image's gradient
+                    continue
                 native, kernels = _pair(shape, kind)
-                key = f"{kind}_depthwise" if depthwise else kind
-                ratios[key].append(_best(native, rounds) / _best(kernels, rounds))
+                key = kind + native_class((k, k), c == groups)
+                totals[key] += (_best(native, rounds), _best(kernels, rounds))
     finally:
         torch.set_num_threads(previous)
-    return {key: float(np.exp(np.mean(np.log(r)))) for key, r in ratios.items()}
+    return {key: float(t[0] / t[1]) for key, t in totals.items()}

@@ -1,9 +1,9 @@
 """The built-in ``host`` profile: this host measured once and kept in the user's cache.
 
-A cached profile stands for this host while the CPU, the BLAS library and the thread count
-it was measured with are this host's now and it has every model a profile measures;
-otherwise the host is measured again (the quick plan). A lock keeps two processes from
-measuring at once, which would time each other.
+A cached profile stands for this host while the CPU, the BLAS library, the revision of the
+convolution kernels and the thread count it was measured with are this host's now and it
+has every model a profile measures; otherwise the host is measured again (the quick plan).
+A lock keeps two processes from measuring at once, which would time each other.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from morphling.kernels import blas_info
+from morphling.kernels import conv as conv_kernels
 from tqdm import tqdm
 
 from ..models.links import LINKS
@@ -28,8 +29,9 @@ log = logging.getLogger(__name__)
 
 HOST_THREADS_ENV = "MORPHLING_HOST_THREADS"
 # What a cached ``host`` profile must have been measured with ([provenance] keys) to stand for
-# this host now: another CPU, BLAS build or thread count computes at another speed.
-HOST_KEY = ("cpu", "blas", "blas_version", "threads")
+# this host now: another CPU, BLAS build, revision of the convolution kernels or thread count
+# computes at another speed.
+HOST_KEY = ("cpu", "blas", "blas_version", "conv_kernels", "threads")
 
 
 def host_threads() -> int:
@@ -53,7 +55,13 @@ def cache_dir() -> Path:
 def host_key(threads: int) -> dict[str, str | int]:
     """``HOST_KEY`` for this host now, measuring on ``threads`` threads."""
     info = blas_info()
-    return {"cpu": cpu_model(), "blas": info.name, "blas_version": info.version, "threads": threads}
+    return {
+        "cpu": cpu_model(),
+        "blas": info.name,
+        "blas_version": info.version,
+        "conv_kernels": conv_kernels.REVISION,
+        "threads": threads,
+    }
 
 
 def _stale(path: Path, key: dict[str, str | int]) -> str | None:
@@ -69,10 +77,6 @@ def _stale(path: Path, key: dict[str, str | int]) -> str | None:
     changed = [name for name in HOST_KEY if provenance.get(name) != key[name]]
     if changed:
         return f"the cached profile was measured with another {', '.join(changed)}"
-    if "conv" not in doc:  # measured before convolutions were
-        return "the cached profile has no convolution model"
-    if "native" not in doc["conv"]:  # measured before PyTorch's own convolutions were
-        return "the cached profile's convolution model has no native scale"
     if "ops" not in doc and op_timing is not None:  # measured before the op model was
         return "the cached profile has no op model"
     return None

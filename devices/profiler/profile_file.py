@@ -18,6 +18,7 @@ from types import ModuleType
 
 import numpy as np
 from morphling.kernels import blas_info
+from morphling.kernels import conv as conv_kernels
 
 from ..models.compute import ComputeModel, GemmShape, heldout_error
 from ..models.conv import ConvModel
@@ -193,6 +194,7 @@ def profile(
             "blas": info.name,
             "blas_version": info.version,
             "blas_path": info.path,
+            "conv_kernels": conv_kernels.REVISION,
             "threads": threads,
             "date": now.isoformat(),
             "grid_shapes": len(grid),

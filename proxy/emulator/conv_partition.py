@@ -20,11 +20,12 @@ the field, what does not fit) and ``ConvTask.tiles`` cuts the product, in
 A block's channels are whole groups or lie inside one group (a depthwise convolution's
 are whole groups). Tiles hold about block² outputs, as a GEMM's do (grad_weight: up to
 block output channels × block unfolded columns, as its implicit GEMM's tile), or one row
-of their channels where that is more; a grad_input band has at least twice the kernel's
-halo (dh·(kh − 1)) rows, since its tile computes the whole of every grad-output row that
-reaches it: then at most a third of that work falls outside the band (with bands of one
-row, a 3×3 kernel's tile would compute three times its share). The block doubles until
-the convolution has at most ``max_job_tiles`` tiles.
+of their channels where that is more. A strided grad_input off the depthwise path folds:
+its tile computes the whole of every grad-output row that reaches its band, so its band has
+at least twice the kernel's halo (dh·(kh − 1)) rows, and at most a third of that work falls
+outside it (with bands of one row, a 3×3 kernel's tile would compute three times its
+share); every other tile computes its share alone. The block doubles until the convolution
+has at most ``max_job_tiles`` tiles.
 """
 
 from __future__ import annotations
@@ -190,7 +191,8 @@ class ConvTask(Task):
         total, rows, cols = (oc, oh, ow) if kind == "forward" else (c, h, w)
         firsts = _channel_blocks(total, groups, block)
         widest = max(hi - lo for lo, hi, _ in firsts)
-        least = 1 if kind == "forward" else 2 * self.geometry.dilation[0] * (kh - 1)
+        folds = kind == "grad_input" and self.geometry.stride != (1, 1) and per_group > 1
+        least = 2 * self.geometry.dilation[0] * (kh - 1) if folds else 1
         bands = _spans(rows, max(1, least, target // (widest * n * cols)))
         return firsts, lambda first: bands
 

@@ -20,8 +20,10 @@ from .memory import Key
 def implicit_gemm(conv: ConvShape) -> GemmShape:
     """The GEMM a convolution comes to as the device computes it (unfold, then one product
     per group, summed here into one): forward W·cols, grad_input Wᵀ·dy, grad_weight
-    dy·colsᵀ, with the dense formulation's FLOPs. What the event log records of a whole
+    dy·colsᵀ, with the dense formulation's FLOPs (a stride-1 grad input is computed as a
+    forward convolution: ``ConvShape.computed``). What the event log records of a whole
     convolution; its tiles are priced by the device's convolution model."""
+    conv = conv.computed()
     kh, kw = conv.kernel
     per_group = conv.c // conv.groups * kh * kw  # the unfolded rows of one group
     positions = conv.n * conv.out_rows * conv.out_size[1]

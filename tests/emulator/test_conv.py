@@ -144,8 +144,8 @@ async def conv_fleet(fleet: Any, **config: Any) -> Any:
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])
 @pytest.mark.parametrize("case", CASES)
 async def test_every_kind_matches_torch(fleet, case, dtype, block):
-    """Block 3 cuts channels inside groups and bands of one row (grad_input: of twice the
-    kernel's halo); block 16, whole groups and bands of several rows."""
+    """Block 3 cuts channels inside groups and bands of one row (a strided grad_input: of
+    twice the kernel's halo); block 16, whole groups and bands of several rows."""
     problem = Problem(CASES[case], dtype, seed=len(case))
     f = await conv_fleet(fleet, block_size=block, policy="round-robin")
     client = await f.client()
@@ -324,23 +324,33 @@ async def test_no_convolution_tile_goes_to_a_device_without_caps_conv(fleet, cap
     await computing
 
 
+GRAD_INPUT_BANDS = {  # stride: (tiles, the dy rows each is given)
+    # strided, the fold: bands of twice the halo, 4 rows, each given its 2 or 3 dy rows
+    2: (4, [3, 3, 3, 2]),
+    # stride 1, a forward convolution of dy: bands of one row, with one dy row above and below
+    1: (16, [2, *[3] * 14, 2]),
+}
+
+
 @needs_torch
-async def test_grad_input_bands_are_at_least_twice_the_halo(fleet):
-    """A grad_input tile computes every grad-output row that reaches its band, halo
+@pytest.mark.parametrize("stride", sorted(GRAD_INPUT_BANDS))
+async def test_grad_input_bands_are_twice_the_halo_only_where_the_tile_folds(fleet, stride):
+    """A strided grad_input tile computes every grad-output row that reaches its band, halo
     included; where the block would give bands of one row (a 3×3 kernel: three dy rows
-    each, two thirds of the work outside the band), bands are of twice the halo, 4 rows:
-    the tiles are given at most 1.5 times dy's rows, and the product is torch's."""
-    case = (2, 8, 16, 16, 8, (3, 3), (1, 1), (1, 1, 1, 1), (1, 1), 1)
+    each, two thirds of the work outside the band), its bands are of twice the halo. A
+    stride-1 tile computes its band alone, so its bands are as the block gives them. Each
+    tile is given the dy rows that reach its band, and the product is torch's."""
+    case = (2, 8, 16, 16, 8, (3, 3), (stride, stride), (1, 1, 1, 1), (1, 1), 1)
     problem = Problem(case, np.float32, seed=9)
     f = await conv_fleet(fleet, block_size=8)  # 64 outputs: less than one row's 256
     client = await f.client()
     request, shape = conv_request(1, "grad_input", problem.dy, problem.w, **problem.geo)
     result = await client.submit(request, timeout=TIMEOUT)
     problem.check("grad_input", product_array(request, result, shape))
-    assert result.requeued == 0 and result.tiles == 4  # bands [0, 4), [4, 8), ... [12, 16)
-    dy_row = problem.dy.nbytes // 16
-    dy_rows = (result.bytes_down - result.tiles * problem.w.nbytes) / dy_row
-    assert dy_rows == 5 + 6 + 6 + 5 <= 1.5 * 16  # each band's rows and one above and below
+    tiles, rows = GRAD_INPUT_BANDS[stride]
+    assert result.requeued == 0 and result.tiles == tiles
+    dy_row = problem.dy.nbytes // problem.dy.shape[2]
+    assert (result.bytes_down - result.tiles * problem.w.nbytes) / dy_row == sum(rows)
     await f.close()
 
 
