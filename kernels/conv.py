@@ -78,7 +78,8 @@ from .blas import gemm
 
 Array = npt.NDArray[Any]
 # The kernels' algorithm, as a profile records it: a model fitted to one revision's timings
-# does not describe another's (2: a stride-1 grad input is a forward convolution).
+# does not describe another's (2: a stride-1 grad input is a forward convolution; the
+# unfolding reads the input itself, never a padded copy).
 REVISION = 2
 _DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
@@ -187,7 +188,7 @@ def conv_forward(x: Array, w: Array, geom: ConvGeometry, out: Array | None = Non
     if w.shape[1] == 1:
         _direct("forward", _direct_geometry(geom, x.shape, w.shape[0], (oh, ow)), x, w, y)
     else:
-        cols = _unfold(_padded(x, geom), geom, oh, ow)  # [G, K, N·P]
+        cols = _unfold(x, geom, oh, ow)  # [G, K, N·P]
         yk = gemm(_grouped(w, geom.groups), cols)  # [G, OC/G, N·P]
         y[...] = yk.reshape(w.shape[0], n, oh, ow).transpose(1, 0, 2, 3)
     return y
@@ -268,7 +269,7 @@ def conv_grad_weight(x: Array, dy: Array, geom: ConvGeometry, out: Array | None 
     if channels == groups:
         _direct("grad_weight", _direct_geometry(geom, x.shape, dy.shape[1], (oh, ow)), x, dy, dw)
     else:
-        cols = _unfold(_padded(x, geom), geom, oh, ow)  # [G, K, N·P]
+        cols = _unfold(x, geom, oh, ow)  # [G, K, N·P]
         gemm(
             _channel_major(dy, groups),
             cols.transpose(0, 2, 1),
@@ -332,14 +333,6 @@ def _output(
 # --- shared pieces ------------------------------------------------------------------------
 
 
-def _padded(x: Array, geom: ConvGeometry) -> Array:
-    """x with the geometry's zero rows and columns around it (x itself if there are none)."""
-    top, bottom, left, right = geom.padding
-    if not any(geom.padding):
-        return x
-    return np.pad(x, ((0, 0), (0, 0), (top, bottom), (left, right)))
-
-
 def _taps(geom: ConvGeometry, oh: int, ow: int) -> Iterator[tuple[int, int, tuple[slice, slice]]]:
     """Each tap (a, b) and the padded rows and columns it meets, one per output position."""
     (kh, kw), (sh, sw), (dh, dw) = geom.kernel, geom.stride, geom.dilation
@@ -350,15 +343,38 @@ def _taps(geom: ConvGeometry, oh: int, ow: int) -> Iterator[tuple[int, int, tupl
             yield a, b, (rows, cols)
 
 
-def _unfold(xp: Array, geom: ConvGeometry, oh: int, ow: int) -> Array:
+def _reach(start: int, size: int, out: int, stride: int) -> tuple[int, int, int]:
+    """Along one axis, the outputs [lo, hi) whose input ``o·stride − start`` lies in
+    [0, size), and the first one's input."""
+    lo = max(0, -(-start // stride))
+    hi = min(out, (size - 1 + start) // stride + 1) if size > 0 else lo
+    hi = max(hi, lo)
+    return lo, hi, lo * stride - start
+
+
+def _unfold(x: Array, geom: ConvGeometry, oh: int, ow: int) -> Array:
     """The unfolded input [G, (C/G)·kh·kw, N·OH·OW]: batch and positions in the columns,
-    so one GEMM per group (one batched call) covers both, or reduces over both (grad weight)."""
-    n, channels = xp.shape[:2]
-    kh, kw = geom.kernel
-    cols = np.empty((channels, kh, kw, n, oh, ow), xp.dtype)
-    by_channel = xp.transpose(1, 0, 2, 3)
-    for a, b, (rows, columns) in _taps(geom, oh, ow):
-        cols[:, a, b] = by_channel[:, :, rows, columns]
+    so one GEMM per group (one batched call) covers both, or reduces over both (grad weight).
+    ``x`` is not padded: each tap copies the positions it reads inside x and zeroes those
+    it reads in the padding, never a padded copy of x."""
+    n, channels, height, width = x.shape
+    (kh, kw), (sh, sw), (dh, dw) = geom.kernel, geom.stride, geom.dilation
+    top, _, left, _ = geom.padding
+    cols = np.empty((channels, kh, kw, n, oh, ow), x.dtype)
+    by_channel = x.transpose(1, 0, 2, 3)
+    for a in range(kh):
+        o0, o1, i0 = _reach(top - a * dh, height, oh, sh)
+        for b in range(kw):
+            p0, p1, j0 = _reach(left - b * dw, width, ow, sw)
+            tap = cols[:, a, b]
+            tap[:, :, :o0] = 0
+            tap[:, :, o1:] = 0
+            tap[:, :, o0:o1, :p0] = 0
+            tap[:, :, o0:o1, p1:] = 0
+            if o0 < o1 and p0 < p1:
+                rows = slice(i0, i0 + (o1 - o0 - 1) * sh + 1, sh)
+                columns = slice(j0, j0 + (p1 - p0 - 1) * sw + 1, sw)
+                tap[:, :, o0:o1, p0:p1] = by_channel[:, :, rows, columns]
     return cols.reshape(geom.groups, channels // geom.groups * kh * kw, n * oh * ow)
 
 

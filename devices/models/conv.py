@@ -16,14 +16,15 @@ grad-input terms below are a strided one's:
 - calls: a constant per call for each kind and path (general or depthwise), and per kernel
   tap on the general path: it is numpy and BLAS calls made from Python, kh·kw of them per
   pass;
-- numpy's copies and adds — the padding (``np.pad``), the unfolding (one strided copy per
-  tap), the output's or dy's channel-major transpose, the grad-input fold (one scatter-add
-  per tap) and its zeroed buffers, the flipped weight — cost per element moved and per
-  inner loop: numpy loops over the innermost run its operands share (coalesced
-  dimensions), so an unfolding of 7-wide rows costs several times one of 56-wide rows for
-  the same bytes, and a 1×1 convolution's copy is one run. Element costs depend on dtype,
-  a stride over the source (``sw > 1``) and where the pass's bytes fit in the cache
-  hierarchy (a piecewise-linear efficiency in log bytes);
+- numpy's copies and adds — the unfolding (per tap, one strided copy of what it reads in
+  the input and zeros where it reads the padding), the output's or dy's channel-major
+  transpose, the grad-input fold (one scatter-add per tap) and its zeroed buffers, the
+  flipped weight — cost per element moved and per inner loop: numpy loops over the
+  innermost run its operands share (coalesced dimensions), so an unfolding of 7-wide rows
+  costs several times one of 56-wide rows for the same bytes, and a 1×1 convolution's copy
+  is one run. Element costs depend on dtype, a stride over the source (``sw > 1``) and
+  where the pass's bytes fit in the cache hierarchy (a piecewise-linear efficiency in log
+  bytes);
 - the GEMM over the unfolded input, one per group: m = OC/g, n = N·OH·OW, k = (C/g)·kh·kw
   (forward), with the roles exchanged for the gradients. As in the GEMM model, compute
   counts the columns the micro-kernel really computes (panels of ``vector_bytes``, a
@@ -89,9 +90,8 @@ _MEM = len(_MEM_KNOTS)
 _TERMS = {
     "calls": _ROUTES,
     "taps": len(KINDS),
-    "pad_call": 1,
-    "pad_loops": 1,
-    "pad_bytes": 2 + _MEM,
+    "border_loops": 1,
+    "border_bytes": 2 + _MEM,
     "unfold_loops": 3,
     "unfold_bytes": 3 + _MEM,
     "transpose_loops": 1,
@@ -237,17 +237,17 @@ class _Stages:
             (np.where(self.general, self.taps, 0.0) * _REF_CALL_S, self.by_kind),
         ]
 
-    def pad(self) -> Terms:
-        """``np.pad`` (forward, grad weight): a call, the middle copied in (row by row when
-        columns are padded) and the edges written."""
+    def border(self) -> Terms:
+        """The unfolding's zeros (forward, grad weight): per tap, the positions that read
+        the padding, zeroed in strips: whole rows above and below, and in each row the
+        columns either side."""
         c, x = self, self.cols
-        padded = ((x.top + x.bottom + x.left + x.right) > 0) & c.general & ~c.grad_input
-        nbytes = x.n * x.c * (c.hp * c.wp + x.h * x.w) * x.item
-        count = x.n * x.c * np.where(c.side_pad, x.h + 2 * c.hp, 3)
+        unfolds = c.general & ~c.grad_input
+        rows, (_, pairs, strips) = _row_taps(x), _column_taps(x)
+        zeros = x.n * x.c * (c.taps * x.out_h * x.out_w - rows * pairs) * x.item
         return [
-            (np.where(padded, 10 * _REF_CALL_S, 0.0), c.ones[:, None]),
-            (c.loops(padded, count), c.ones[:, None]),
-            (c.moved(padded, nbytes), c.efficiency(c.fp64, nbytes=nbytes)),
+            (c.loops(unfolds, x.n * x.c * (2 * c.taps + rows * strips)), c.ones[:, None]),
+            (c.moved(unfolds, zeros), c.efficiency(c.fp64, nbytes=zeros)),
         ]
 
     def unfold(self) -> Terms:
@@ -352,7 +352,7 @@ class _Stages:
         # row the tap rows a stride lets reach it), at most its dy rows' and the whole's.
         band = np.minimum(np.minimum(x.rows * x.kh / x.sh, x.out_rows * x.kh), whole)
         reach = np.where(c.grad_input, band, whole)
-        column_taps, columns = _column_taps(x)
+        column_taps, columns, _ = _column_taps(x)
         passes = np.where(c.grad_input & many, x.oc / x.c + 1, x.oc / x.c)
         loops = x.n * x.c * reach * column_taps * passes
         macs = x.n * x.oc * reach * columns
@@ -393,10 +393,11 @@ def _row_taps(x: _Columns) -> np.ndarray:
     return count
 
 
-def _column_taps(x: _Columns) -> tuple[np.ndarray, np.ndarray]:
-    """Per output row, the tap columns that reach the input's columns, and the (output
-    column, tap column) pairs that do (the C kernel's ``mg_dw_columns``)."""
-    taps, pairs = np.zeros(x.size), np.zeros(x.size)
+def _column_taps(x: _Columns) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per output row, the tap columns that reach the input's columns, the (output column,
+    tap column) pairs that do (the C kernel's ``mg_dw_columns``), and the runs of output
+    columns, one either side, whose tap column falls in the padding."""
+    taps, pairs, strips = np.zeros(x.size), np.zeros(x.size), np.zeros(x.size)
     for b in range(int(x.kw.max(initial=1))):
         start = x.left - b * x.dw
         lo = np.maximum(-np.floor_divide(-start, x.sw), 0)
@@ -404,7 +405,8 @@ def _column_taps(x: _Columns) -> tuple[np.ndarray, np.ndarray]:
         reached = np.where(b < x.kw, np.maximum(hi - lo, 0), 0)
         taps += reached > 0
         pairs += reached
-    return taps, pairs
+        strips += np.where(b < x.kw, (lo > 0) + (hi < x.out_w), 0)
+    return taps, pairs, strips
 
 
 @dataclass(frozen=True, slots=True)
@@ -419,7 +421,7 @@ class _Form:
         s = _Stages(columns)
         return [
             *s.calls(),
-            *s.pad(),
+            *s.border(),
             *s.unfold(),
             *s.transpose(),
             *s.gemm(self.vector_bytes, self.popcount),

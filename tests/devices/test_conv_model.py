@@ -285,8 +285,8 @@ def _error_by_kind(model: ConvModel, held: list[tuple[ConvShape, float]]) -> dic
 @pytest.mark.xfail(
     strict=True,
     reason="issue 21's median target is not met on this recording's host (an Intel Xeon whose "
-    "repeat timings differ by 7 % at p90; the kernels before revision 2 fared no better on "
-    "it): 5.7 %, depthwise grad inputs and 1-D calls the worst; see BENCHMARKS.md",
+    "repeat timings differ by 8 % at p90; the kernels before revision 2 fared no better on "
+    "it): 5.6 %, depthwise grad inputs the worst; see BENCHMARKS.md",
 )
 def test_heldout_calls_are_predicted_within_5_percent_median(measured):
     model, held = measured
@@ -298,7 +298,7 @@ def test_heldout_calls_are_predicted_within_5_percent_median(measured):
 
 @pytest.mark.xfail(
     strict=True,
-    reason="issue 21's p90 target is not met yet: 15.5 % on this recording, the depthwise "
+    reason="issue 21's p90 target is not met yet: 14.4 % on this recording, the depthwise "
     "kernel's grad input (thin bands, multipliers) and the general path's weight gradients "
     "the worst; see BENCHMARKS.md",
 )
