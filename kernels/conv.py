@@ -346,9 +346,8 @@ def _taps(geom: ConvGeometry, oh: int, ow: int) -> Iterator[tuple[int, int, tupl
 def _reach(start: int, size: int, out: int, stride: int) -> tuple[int, int, int]:
     """Along one axis, the outputs [lo, hi) whose input ``o·stride − start`` lies in
     [0, size), and the first one's input."""
-    lo = max(0, -(-start // stride))
-    hi = min(out, (size - 1 + start) // stride + 1) if size > 0 else lo
-    hi = max(hi, lo)
+    lo = min(max(0, -(-start // stride)), out)
+    hi = max(min(out, (size - 1 + start) // stride + 1), lo)
     return lo, hi, lo * stride - start
 
 
@@ -367,10 +366,14 @@ def _unfold(x: Array, geom: ConvGeometry, oh: int, ow: int) -> Array:
         for b in range(kw):
             p0, p1, j0 = _reach(left - b * dw, width, ow, sw)
             tap = cols[:, a, b]
-            tap[:, :, :o0] = 0
-            tap[:, :, o1:] = 0
-            tap[:, :, o0:o1, :p0] = 0
-            tap[:, :, o0:o1, p1:] = 0
+            if o0 > 0:
+                tap[:, :, :o0] = 0
+            if o1 < oh:
+                tap[:, :, o1:] = 0
+            if p0 > 0:
+                tap[:, :, o0:o1, :p0] = 0
+            if p1 < ow:
+                tap[:, :, o0:o1, p1:] = 0
             if o0 < o1 and p0 < p1:
                 rows = slice(i0, i0 + (o1 - o0 - 1) * sh + 1, sh)
                 columns = slice(j0, j0 + (p1 - p0 - 1) * sw + 1, sw)
@@ -395,15 +398,15 @@ def _grad_input_forward(
     dy: Array,
     w: Array,
     geom: ConvGeometry,
-    dy_rows: tuple[int, int],
+    reached: tuple[int, int],
     rows: tuple[int, int],
     dx: Array,
 ) -> Array:
-    """A stride-1 grad input as the forward convolution it is: ``dy`` (grad-output rows
-    ``dy_rows``, all columns), zero-padded by the kernel's reach, through ``w`` with its taps
-    flipped and its two channel axes exchanged. Only the band's rows are computed, so a band
-    costs its share of the whole and no more (the fold below computes every row its dy rows
-    reach)."""
+    """A stride-1 grad input as the forward convolution it is: ``dy`` (the grad-output rows
+    ``reached`` that reach the band ``rows``, never none at stride 1; all columns),
+    zero-padded by the kernel's reach, through ``w`` with its taps flipped and its two
+    channel axes exchanged. Only the band's rows are computed, so a band costs its share of
+    the whole and no more (the fold below computes every row its dy rows reach)."""
     (kh, kw), (dh, dw) = geom.kernel, geom.dilation
     top, _, left, _ = geom.padding
     width, out_w = dx.shape[3], dy.shape[3]
@@ -411,9 +414,6 @@ def _grad_input_forward(
     start, stop = rows[0] + top - dh * (kh - 1), rows[1] + top
     first, last = left - dw * (kw - 1), width + left
     c0, c1 = max(first, 0), min(last, out_w)
-    if dy_rows[0] >= dy_rows[1] or c0 >= c1:  # no grad-output row or column reaches the band
-        dx[...] = 0
-        return dx
     groups, (oc, per_group) = geom.groups, w.shape[:2]
     # (both taps reversed: the flattened taps reversed)
     flipped = (
@@ -421,7 +421,7 @@ def _grad_input_forward(
         .transpose(0, 2, 1, 3)[..., ::-1]
         .reshape(groups * per_group, oc // groups, kh, kw)
     )
-    padding = (dy_rows[0] - start, stop - dy_rows[1], c0 - first, last - c1)
+    padding = (reached[0] - start, stop - reached[1], c0 - first, last - c1)
     reverse = ConvGeometry(geom.kernel, (1, 1), geom.dilation, padding, groups)
     return conv_forward(dy[:, :, :, c0:c1], flipped, reverse, out=dx)
 

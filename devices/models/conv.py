@@ -104,6 +104,7 @@ _TERMS = {
     "zero_bytes": 2 + _MEM,
     "fold_loops": 3,
     "fold_bytes": 3 + _MEM,
+    "flip_call": 1,
     "flip_loops": 1,
     "flip_bytes": 2 + _MEM,
     "direct_rows": len(KINDS),
@@ -211,7 +212,7 @@ class _Stages:
         self.by_kind = one_hot(kind, len(KINDS))
         self.route = one_hot(kind * 2 + self.direct, _ROUTES)
         self.taps = c.kh * c.kw
-        self.hp, self.wp = c.top + c.h + c.bottom, c.left + c.w + c.right
+        self.wp = c.left + c.w + c.right
         # The rows a tap touches are one run when nothing lies between them (stride 1 and
         # the full width) or there is one row.
         self.rows_run = (c.out_rows == 1) | ((c.sh == 1) & (c.sw == 1) & (c.out_w == self.wp))
@@ -239,25 +240,31 @@ class _Stages:
 
     def border(self) -> Terms:
         """The unfolding's zeros (forward, grad weight): per tap, the positions that read
-        the padding, zeroed in strips: whole rows above and below, and in each row the
-        columns either side."""
+        the padding, zeroed in strips: whole rows above and below (a run per image and
+        channel), and in each row the columns either side."""
         c, x = self, self.cols
         unfolds = c.general & ~c.grad_input
-        rows, (_, pairs, strips) = _row_taps(x), _column_taps(x)
+        (rows, row_strips), (_, pairs, strips) = _row_taps(x), _column_taps(x)
         zeros = x.n * x.c * (c.taps * x.out_h * x.out_w - rows * pairs) * x.item
+        loops = x.n * x.c * (row_strips * x.kw + rows * strips)
         return [
-            (c.loops(unfolds, x.n * x.c * (2 * c.taps + rows * strips)), c.ones[:, None]),
+            (c.loops(unfolds, loops), c.ones[:, None]),
             (c.moved(unfolds, zeros), c.efficiency(c.fp64, nbytes=zeros)),
         ]
 
     def unfold(self) -> Terms:
         """The unfolding (general path, forward and grad weight): per tap, a strided copy of
-        [C, N, OH, OW] into the columns; a 1×1 convolution of one image copies one run."""
+        the block of [C, N, OH, OW] it reads inside the input, a run per output row, or per
+        image and channel where its rows are whole and adjacent (a 1×1 convolution of one
+        image copies one run)."""
         c, x = self, self.cols
         unfolds = c.general & ~c.grad_input
-        whole = c.rows_run & (x.n == 1) & (c.taps == 1) & (x.out_rows * x.out_w == c.hp * c.wp)
-        elements = c.taps * x.n * x.c * x.out_h * x.out_w
-        runs = elements / (c.run * np.where(whole, x.c, 1))
+        (rows, _), (column_taps, pairs, _) = _row_taps(x), _column_taps(x)
+        adjacent = (x.out_h == 1) | ((x.kw == 1) & (x.sh == 1) & (x.sw == 1) & (x.out_w == x.w))
+        whole = adjacent & (x.n == 1) & (c.taps == 1) & (x.out_h * x.out_w == x.h * x.w)
+        elements = x.n * x.c * rows * pairs
+        runs = x.n * x.c * rows * column_taps
+        runs = runs / (np.where(adjacent, x.out_h, 1) * np.where(whole, x.c, 1))
         return [
             (c.loops(unfolds, runs), np.stack([c.ones, c.fp64, c.strided], axis=1)),
             (
@@ -308,8 +315,8 @@ class _Stages:
         ]
 
     def fold(self) -> Terms:
-        """Grad input (general path): the zeroed fold buffer, the band zeroed and copied out
-        of it, and per tap a scatter-add of [N, C, R, OW] into the buffer."""
+        """A strided grad input (general path): the zeroed fold buffer, the band zeroed and
+        copied out of it, and per tap a scatter-add of [N, C, R, OW] into the buffer."""
         c, x = self, self.cols
         folds = c.general & c.grad_input
         reach = (x.out_rows - 1) * x.sh + x.dh * (x.kh - 1) + 1
@@ -330,11 +337,12 @@ class _Stages:
 
     def flip(self) -> Terms:
         """A stride-1 grad input's weight, its taps flipped and its channel axes exchanged:
-        a copy in runs of kh·kw."""
+        the Python around it (a call) and a copy in runs of kh·kw."""
         c, x = self, self.cols
         flips = x.flipped == 1
         weights = x.oc * x.c / x.groups * c.taps
         return [
+            (np.where(flips, _REF_CALL_S, 0.0), c.ones[:, None]),
             (c.loops(flips, weights / c.taps), c.ones[:, None]),
             (c.moved(flips, 2 * weights * x.item), c.efficiency(c.fp64, nbytes=weights * x.item)),
         ]
@@ -347,7 +355,7 @@ class _Stages:
         # Output rows (the grad input: input rows) and, per row, the taps' loops and their
         # multiply-adds: the taps that reach the input and the columns each reaches.
         rows = np.where(c.grad_input, x.c * x.rows, x.oc * x.out_rows) * x.n
-        whole = _row_taps(x)
+        whole, _ = _row_taps(x)
         # A grad-input band of R input rows meets about R·kh/sh of the pairs (each input
         # row the tap rows a stride lets reach it), at most its dy rows' and the whole's.
         band = np.minimum(np.minimum(x.rows * x.kh / x.sh, x.out_rows * x.kh), whole)
@@ -381,16 +389,18 @@ class _Stages:
         ]
 
 
-def _row_taps(x: _Columns) -> np.ndarray:
+def _row_taps(x: _Columns) -> tuple[np.ndarray, np.ndarray]:
     """Per output plane, the (output row, tap row) pairs whose input row is in the array:
-    0 <= oh·sh + a·dh − top < h, for oh < OH (the whole output's rows) and a < kh."""
-    count = np.zeros(x.size)
+    0 <= oh·sh + a·dh − top < h, for oh < OH (the whole output's rows) and a < kh; and the
+    runs of output rows, one above and one below, whose tap row falls in the padding."""
+    count, strips = np.zeros(x.size), np.zeros(x.size)
     for a in range(int(x.kh.max(initial=1))):
         start = x.top - a * x.dh  # the output row oh reads input row oh·sh − start
         lo = np.maximum(-np.floor_divide(-start, x.sh), 0)
         hi = np.minimum(np.floor_divide(x.h - 1 + start, x.sh) + 1, x.out_h)
         count += np.where(a < x.kh, np.maximum(hi - lo, 0), 0)
-    return count
+        strips += np.where(a < x.kh, (lo > 0) + (hi < x.out_h), 0)
+    return count, strips
 
 
 def _column_taps(x: _Columns) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -96,4 +96,6 @@ def measure_native_scale(*, threads: int = 1, rounds: int = 3) -> dict[str, floa
                 totals[key] += (_best(native, rounds), _best(kernels, rounds))
     finally:
         torch.set_num_threads(previous)
+    unmeasured = [key for key, t in totals.items() if not t[1]]
+    assert not unmeasured, f"SHAPES has no convolution of {unmeasured}"
     return {key: float(t[0] / t[1]) for key, t in totals.items()}

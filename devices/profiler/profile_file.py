@@ -254,7 +254,7 @@ def _conv_model(
     else:
         model = model.with_native(conv_native.measure_native_scale(threads=threads))
         native = (f"measured: PyTorch's time over the kernels' on {len(conv_native.SHAPES)} "
-                  f"CNN convolutions, geometric mean by kind and path")  # fmt: skip
+                  f"CNN convolutions, total over total by kind and class")  # fmt: skip
     provenance: dict[str, TomlValue] = {
         "conv_native": native,
         "conv_grid_shapes": len(grid),

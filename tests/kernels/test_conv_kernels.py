@@ -410,15 +410,20 @@ def test_grad_input_band_no_output_reaches_is_zero():
     assert not dx.any()
 
 
-def test_grad_input_takes_extra_grad_output_rows():
+@pytest.mark.parametrize(
+    ("stride", "dy_size", "reach"),
+    [(2, (5, 4), (2, 4)), (1, (10, 8), (3, 8))],  # the fold; the forward convolution of dy
+    ids=["stride 2", "stride 1"],
+)
+def test_grad_input_takes_extra_grad_output_rows(stride, dy_size, reach):
     """Rows beyond those that reach the band contribute nothing to it."""
     rng = np.random.default_rng(6)
-    geom = ConvGeometry((3, 3), stride=(2, 2), padding=(1, 1, 1, 1))
+    geom = ConvGeometry((3, 3), stride=(stride, stride), padding=(1, 1, 1, 1))
     w = rng.standard_normal((4, 3, 3, 3))
-    dy = rng.standard_normal((2, 4, 5, 4))
+    dy = rng.standard_normal((2, 4, *dy_size))
     whole = conv_grad_input(dy, w, geom, input_size=(10, 8))
     lo, hi = geom.grad_output_rows(10, 4, 7)
-    assert (lo, hi) == (2, 4)
+    assert (lo, hi) == reach
     exact = conv_grad_input(dy[:, :, lo:hi], w, geom, input_size=(10, 8), oh_lo=lo, rows=(4, 7))
     extra = conv_grad_input(dy, w, geom, input_size=(10, 8), rows=(4, 7))
     np.testing.assert_allclose(exact, whole[:, :, 4:7], rtol=1e-12, atol=1e-12)
