@@ -3,7 +3,7 @@
 The virtual clock asks a device's ``ConvModel`` for every convolution tile, as it asks the
 ``ComputeModel`` for GEMM tiles: shapes the profiler measured come from an exact cache,
 others from a model fitted to those measurements, or, for built-in profiles with only
-published figures, from ``conv_flops / flops`` (plus the kernel's memory traffic over
+published figures, from ``work_flops / flops`` (plus the kernel's memory traffic over
 ``mem_bw`` where one is given).
 
 Why the fitted model has the form it has: it is a sum of work terms

@@ -153,8 +153,9 @@ class ConvShape:
         """The call the kernels really make for this one, which the models price: a
         stride-1 grad input off the depthwise path is the forward convolution of its dy
         rows, padded by the kernel's reach, through the flipped weight (``kernels/conv.py``);
-        every other call is itself. Where the band's padding lies (above or below) is not
-        recorded; it is put above."""
+        every other call is itself. Where the band lies is not recorded: its padding is put
+        above, and of more dy rows than it reads (tiles are given exactly those), as many as
+        its reach are counted, though at an edge the kernels use fewer."""
         if self.kind != "grad_input" or self.stride != (1, 1) or self.depthwise:
             return self
         (kh, kw), (dh, dw) = self.kernel, self.dilation
