@@ -64,7 +64,7 @@ def host_key(threads: int) -> dict[str, str | int]:
     }
 
 
-def _stale(path: Path, key: dict[str, str | int]) -> str | None:
+def why_stale(path: Path, key: dict[str, str | int]) -> str | None:
     """Why the cached profile at ``path`` cannot be used for ``key``; None when it can."""
     try:
         with path.open("rb") as f:
@@ -109,7 +109,7 @@ def cached_host_profile(
     path = directory / f"{HOST}-{threads}t.toml"
     key = host_key(threads)
     with _locked(directory / f"{HOST}.lock"):
-        why = _stale(path, key)
+        why = why_stale(path, key)
         if why is None:
             log.debug("host profile: using the cached %s", path)
             return path

@@ -35,6 +35,7 @@ from morphling.devices.profiler.host_cache import (
     cached_host_profile,
     host_key,
     host_threads,
+    why_stale,
 )
 from morphling.devices.profiler.profile_file import LARGE_GEMM, QUICK, Plan, profile
 from morphling.devices.profiler.sensors import read_temperature_c, top_clock_mhz
@@ -238,39 +239,46 @@ def test_host_profile_is_measured_on_first_use_then_loaded_from_the_cache(tmp_pa
     assert measured(caplog) == [] and path.stat().st_mtime_ns == written
 
 
-@pytest.mark.parametrize("key", ["cpu", "blas_version", "conv_kernels", "threads"])
-def test_a_profile_cached_for_another_host_is_measured_again(tmp_path, caplog, host_1t, key):
-    """Another revision of the convolution kernels is another host too: the model fitted to
-    the old one's timings does not describe the new one."""
-    caplog.set_level(logging.WARNING, logger="morphling.devices.profiler")
-    path = Path(shutil.copy(host_1t, tmp_path))
+def _cached_for_another(path: Path, key: str) -> object:
+    """Rewrite the profile at ``path`` as measured with another ``key``; this host's value."""
     now = host_key(1)[key]
     stale = now + 1 if isinstance(now, int) else "another one"
     text = path.read_text()
     line = f"{key} = {json.dumps(now)}\n"
     assert line in text
     path.write_text(text.replace(line, f"{key} = {json.dumps(stale)}\n"))
+    return now
+
+
+def test_a_profile_cached_for_another_host_is_measured_again(tmp_path, caplog, host_1t):
+    """Each key is checked (another revision of the convolution kernels is another host too:
+    the model fitted to the old one's timings does not describe the new one); one stale key
+    is measured again end to end."""
+    for key in HOST_KEY:
+        path = Path(shutil.copy(host_1t, tmp_path / f"{key}.toml"))
+        _cached_for_another(path, key)
+        assert why_stale(path, host_key(1)) == f"the cached profile was measured with another {key}"
+    caplog.set_level(logging.WARNING, logger="morphling.devices.profiler")
+    path = Path(shutil.copy(host_1t, tmp_path / "host-1t.toml"))
+    now = _cached_for_another(path, "conv_kernels")
     measured(caplog)
     cached_host_profile(threads=1, directory=tmp_path, plan=SMALL)
     [message] = measured(caplog)
-    assert f"another {key}" in message
+    assert "another conv_kernels" in message
     with path.open("rb") as f:
-        assert tomllib.load(f)["provenance"][key] == now
+        assert tomllib.load(f)["provenance"]["conv_kernels"] == now
 
 
-def test_a_cached_profile_without_an_op_model_is_measured_again(tmp_path, caplog, host_1t):
-    """A profile cached before the other ops were measured could not coordinate."""
-    caplog.set_level(logging.WARNING, logger="morphling.devices.profiler")
+def test_a_cached_profile_without_an_op_model_is_stale(tmp_path, host_1t):
+    """A profile cached before the other ops were measured could not coordinate: it is
+    measured again, as a stale key is (above)."""
     path = Path(shutil.copy(host_1t, tmp_path))
+    assert why_stale(path, host_key(1)) is None
     with path.open("rb") as f:
         doc = tomllib.load(f)
     del doc["ops"]
     path.write_text(dump_toml(doc))
-    measured(caplog)
-    cached_host_profile(threads=1, directory=tmp_path, plan=SMALL)
-    [message] = measured(caplog)
-    assert "no op model" in message
-    assert load_profile(str(path)).conv["kind"] == "fitted" and load_profile(str(path)).ops
+    assert why_stale(path, host_key(1)) == "the cached profile has no op model"
 
 
 def test_each_thread_count_has_its_own_cached_profile(tmp_path, caplog, host_1t):
