@@ -285,7 +285,7 @@ def test_script_sees_argv_and_main(echo: Path) -> None:
 
 
 def test_script_without_python_word(echo: Path) -> None:
-    got = succeeded(morphling_run("--embedded", "--devices", "1", "--", echo, "a"))
+    got = succeeded(morphling_run("--embedded", "--devices", "1", "--", echo, "a", cwd=echo.parent))
     assert json.loads(got.stdout)["argv"] == [str(echo), "a"]
 
 
@@ -322,9 +322,10 @@ def test_module_form(tmp_path: Path, where: str) -> None:
 
 @pytest.mark.parametrize(("exit_with", "code"), [("3", 3), ("raise", 1), ("bye", 1)])
 def test_script_exit_code_propagates(echo: Path, exit_with: str, code: int) -> None:
-    proc = morphling_run(
-        "--embedded", "--devices", "1", "--", "python", echo, env=child_env(ECHO_EXIT=exit_with)
-    )
+    proc = morphling_run(  # in tmp: the run directory goes there
+        "--embedded", "--devices", "1", "--", "python", echo, cwd=echo.parent,
+        env=child_env(ECHO_EXIT=exit_with),
+    )  # fmt: skip
     native = python(echo, env=child_env(ECHO_EXIT=exit_with))
     assert proc.returncode == native.returncode == code, proc.stderr
     if exit_with == "raise":
