@@ -40,8 +40,15 @@ def run_training(run_dir: Path, state: Path) -> dict:
     return json.loads((run_dir / "run.json").read_text())
 
 
-def test_same_run_same_timeline_however_loaded_the_host(tmp_path):
-    quiet = run_training(tmp_path / "quiet", tmp_path / "quiet.pt")
+@pytest.fixture(scope="module")
+def quiet(tmp_path_factory) -> Path:
+    """The run directory of the training on a quiet host."""
+    tmp = tmp_path_factory.mktemp("quiet")
+    run_training(tmp / "run", tmp / "state.pt")
+    return tmp / "run"
+
+
+def test_same_run_same_timeline_however_loaded_the_host(tmp_path, quiet):
     hogs = [subprocess.Popen([sys.executable, "-c", HOG], env=child_env())
             for _ in range(os.cpu_count() or 1)]  # fmt: skip
     try:
@@ -50,15 +57,16 @@ def test_same_run_same_timeline_however_loaded_the_host(tmp_path):
         for hog in hogs:
             hog.kill()
             hog.wait()
-    assert quiet["events"] > 1000 and quiet["events"] == loaded["events"]
-    assert quiet["digest"] == loaded["digest"]
-    quiet_log = (tmp_path / "quiet" / "events.jsonl.gz").read_bytes()
+    run = json.loads((quiet / "run.json").read_text())
+    assert run["events"] > 1000 and run["events"] == loaded["events"]
+    assert run["digest"] == loaded["digest"]
+    quiet_log = (quiet / "events.jsonl.gz").read_bytes()
     assert quiet_log == (tmp_path / "loaded" / "events.jsonl.gz").read_bytes()
 
 
-def test_run_directory_is_reported_and_report_reads_it_again(tmp_path):
-    run_dir = tmp_path / "run"
-    run = run_training(run_dir, tmp_path / "state.pt")
+def test_run_directory_is_reported_and_report_reads_it_again(tmp_path, quiet):
+    run_dir = quiet
+    run = json.loads((run_dir / "run.json").read_text())
     assert [d["profile"] for d in run["fleet"]] == ["rpi4", "rpi4", "orin-nano", "jetson-nano"]
     assert run["coordinator_time"] == "model"
     for name in ("summary.json", "trace.json", "timeline.png", "utilisation.png", "steps.png",
