@@ -218,6 +218,10 @@ class _Stages:
         self.rows_run = (c.out_rows == 1) | ((c.sh == 1) & (c.sw == 1) & (c.out_w == self.wp))
         self.run = c.out_w * np.where(self.rows_run, c.out_rows, 1)
         self.side_pad = (c.left + c.right) > 0
+        # Which taps reach the array, once for the stages that count them (``_row_taps``,
+        # ``_column_taps``).
+        self.row_taps, self.row_strips = _row_taps(c)
+        self.column_taps, self.pairs, self.column_strips = _column_taps(c)
 
     def moved(self, flag: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
         """Work of moving ``nbytes`` where ``flag`` holds."""
@@ -244,9 +248,9 @@ class _Stages:
         channel), and in each row the columns either side."""
         c, x = self, self.cols
         unfolds = c.general & ~c.grad_input
-        (rows, row_strips), (_, pairs, strips) = _row_taps(x), _column_taps(x)
+        rows, pairs = c.row_taps, c.pairs
         zeros = x.n * x.c * (c.taps * x.out_h * x.out_w - rows * pairs) * x.item
-        loops = x.n * x.c * (row_strips * x.kw + rows * strips)
+        loops = x.n * x.c * (c.row_strips * x.kw + rows * c.column_strips)
         return [
             (c.loops(unfolds, loops), c.ones[:, None]),
             (c.moved(unfolds, zeros), c.efficiency(c.fp64, nbytes=zeros)),
@@ -259,11 +263,11 @@ class _Stages:
         image copies one run)."""
         c, x = self, self.cols
         unfolds = c.general & ~c.grad_input
-        (rows, _), (column_taps, pairs, _) = _row_taps(x), _column_taps(x)
+        rows = c.row_taps
         adjacent = (x.out_h == 1) | ((x.kw == 1) & (x.sh == 1) & (x.sw == 1) & (x.out_w == x.w))
         whole = adjacent & (x.n == 1) & (c.taps == 1) & (x.out_h * x.out_w == x.h * x.w)
-        elements = x.n * x.c * rows * pairs
-        runs = x.n * x.c * rows * column_taps
+        elements = x.n * x.c * rows * c.pairs
+        runs = x.n * x.c * rows * c.column_taps
         runs = runs / (np.where(adjacent, x.out_h, 1) * np.where(whole, x.c, 1))
         return [
             (c.loops(unfolds, runs), np.stack([c.ones, c.fp64, c.strided], axis=1)),
@@ -355,12 +359,12 @@ class _Stages:
         # Output rows (the grad input: input rows) and, per row, the taps' loops and their
         # multiply-adds: the taps that reach the input and the columns each reaches.
         rows = np.where(c.grad_input, x.c * x.rows, x.oc * x.out_rows) * x.n
-        whole, _ = _row_taps(x)
+        whole = c.row_taps
         # A grad-input band of R input rows meets about R·kh/sh of the pairs (each input
         # row the tap rows a stride lets reach it), at most its dy rows' and the whole's.
         band = np.minimum(np.minimum(x.rows * x.kh / x.sh, x.out_rows * x.kh), whole)
         reach = np.where(c.grad_input, band, whole)
-        column_taps, columns, _ = _column_taps(x)
+        column_taps, columns = c.column_taps, c.pairs
         passes = np.where(c.grad_input & many, x.oc / x.c + 1, x.oc / x.c)
         loops = x.n * x.c * reach * column_taps * passes
         macs = x.n * x.oc * reach * columns
