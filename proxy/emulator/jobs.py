@@ -91,6 +91,7 @@ class Job:
                 f"OPEN.device_wait_s={msg.device_wait_s} is not >= 0", "bad_open"
             )
         emulator = self.emulator
+        device = self._pinned_device(msg.device) if msg.device else None
         self.block = msg.block or emulator.config.block_size
         self.device_wait_s = msg.device_wait_s
         self.name = msg.name or f"job-{self.id}"
@@ -111,7 +112,18 @@ class Job:
                 self.name,
                 who,
             )
-        emulator.timeline.open_job(self.id, self.name)
+        emulator.timeline.open_job(self.id, self.name, device=device)
+
+    def _pinned_device(self, name: str) -> int:
+        """The id of the ready device named ``name`` (OPEN.device: a rank's own board)."""
+        ready = self.emulator.registry.ready()
+        for record in ready:
+            if record.name == name:
+                return record.id
+        known = ", ".join(sorted(r.name for r in ready)) or "none"
+        raise RemoteProtocolError(
+            f"OPEN.device={name!r}: no such device is ready (ready: {known})", "bad_open"
+        )
 
     def map_weights(self) -> None:
         """The job maps the shared weights. Its weights' versions start again from 0, so a

@@ -319,11 +319,14 @@ class EmulatorError(RuntimeError):
 class JobConnection(PeerProtocol):
     """The job's side of its one connection."""
 
-    def __init__(self, token: str, name: str, block: int, device_wait_s: float) -> None:
+    def __init__(
+        self, token: str, name: str, block: int, device_wait_s: float, device: str = ""
+    ) -> None:
         super().__init__(Connection(Party.PEER, "job"))
         loop = asyncio.get_running_loop()
         self.token, self.name, self.block = token, name, block
         self.device_wait_s = device_wait_s
+        self.device = device
         self.welcomed_as: asyncio.Future[int] = loop.create_future()
         self.results: dict[int, asyncio.Future[Result]] = {}
         self.replies: deque[asyncio.Future[Step | Close]] = deque()  # STEP and CLOSE, in order
@@ -333,7 +336,8 @@ class JobConnection(PeerProtocol):
         return handshake.hello(greeting, self.token, "job", name=self.name)
 
     def welcomed(self, welcome: Welcome) -> None:
-        self.send(Open(name=self.name, block=self.block, device_wait_s=self.device_wait_s))
+        self.send(Open(name=self.name, block=self.block, device_wait_s=self.device_wait_s,
+                       device=self.device))  # fmt: skip
         self.welcomed_as.set_result(welcome.peer_id)
 
     def refused(self, code: str, reason: str) -> None:
@@ -378,14 +382,15 @@ class AsyncClient:
     @classmethod
     async def connect(
         cls, host: str, port: int, *, token: str = "", name: str = "", block: int = 0,
-        timeout: float = 30.0, device_wait_s: float = 0.0,
+        timeout: float = 30.0, device_wait_s: float = 0.0, device: str = "",
     ) -> AsyncClient:  # fmt: skip
         """Connect and open the job. ``device_wait_s``: the emulator fails it (EmulatorError
-        ``no_devices``) once its tiles have waited that long with no device ready (0: never)."""
+        ``no_devices``) once its tiles have waited that long with no device ready (0: never);
+        ``device``: the one device (a name) that computes its tiles."""
         loop = asyncio.get_running_loop()
         _, conn = await asyncio.wait_for(
-            loop.create_connection(lambda: JobConnection(token, name, block, device_wait_s),
-                                   host, port),
+            loop.create_connection(
+                lambda: JobConnection(token, name, block, device_wait_s, device), host, port),
             timeout,
         )  # fmt: skip
         job_id = await asyncio.wait_for(conn.welcomed_as, timeout)
@@ -498,13 +503,15 @@ class Client:
     ``map_weights`` says (HELLO ``caps.weights``) that the job will map the emulator's
     shared weights (``Session.share_weights``) and may train them; ``fresh_weights``
     has the emulator restore them from the checkpoint before the job starts (refused,
-    EmulatorError ``weights_busy``, while another job maps them).
+    EmulatorError ``weights_busy``, while another job maps them). ``device`` (a name) pins
+    every tile of the job to that device: a rank's own board.
     """
 
     def __init__(
         self, host: str, port: int, *, token: str = "", name: str = "", block: int = 0,
         timeout: float = 30.0, share_memory: bool = True, hand_over: bool = True,
         device_wait_s: float = 0.0, map_weights: bool = False, fresh_weights: bool = False,
+        device: str = "",
     ) -> None:  # fmt: skip
         sock = socket.create_connection((host, port), timeout)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -537,7 +544,7 @@ class Client:
             threading.Thread(target=self._beat, args=(welcome.heartbeat_s,), daemon=True,
                              name=f"morphling-heartbeat-{self.job_id}").start()  # fmt: skip
             self._send(Open(name=name, block=block, device_wait_s=device_wait_s,
-                            fresh_weights=fresh_weights))  # fmt: skip
+                            fresh_weights=fresh_weights, device=device))  # fmt: skip
             if fresh_weights:  # restored once OPEN answers: however long that takes
                 self._expect(Open, None)
                 self.weights = {**self.weights, "trained": [], "trained_jobs": 0}

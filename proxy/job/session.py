@@ -307,6 +307,7 @@ def emulate(
     max_devices: int = 0,
     device_wait_s: float = 0.0,
     fresh_weights: bool = False,
+    device: str = "",
 ) -> Iterator[Session]:
     """Run the body's GEMMs on a fleet: a running emulator at ``server``
     (``HOST:PORT``), or an embedded one with the virtual ``devices`` SPEC (the
@@ -325,8 +326,9 @@ def emulate(
     ``max_devices`` bounds the embedded fleet instead of the host's available memory
     (``devices.capacity``).
     ``device_wait_s`` (0: for ever) is how long the job's GEMMs may wait with no device
-    ready before it fails (``Client``). Should the body raise (Ctrl-C, say), the embedded
-    emulator's run directory is marked incomplete, with the reason.
+    ready before it fails (``Client``). ``device`` (a name) has every product computed by
+    that one device, as a rank's are by its own board. Should the body raise (Ctrl-C,
+    say), the embedded emulator's run directory is marked incomplete, with the reason.
     """
     if (server is None) == (devices is None):
         raise ValueError("give exactly one of server='HOST:PORT' or devices='SPEC' (embedded)")
@@ -351,7 +353,8 @@ def emulate(
             host, port = parse_server(server)
         session = Session(Client(host, port, token=token, name=name, block=block,
                                  share_memory=share_memory, device_wait_s=device_wait_s,
-                                 map_weights=ckpt is not None, fresh_weights=fresh_weights),
+                                 map_weights=ckpt is not None, fresh_weights=fresh_weights,
+                                 device=device),
                           min_flops=min_flops, coordinator=profile,
                           scale=scale)  # fmt: skip
         stack.callback(session.close)

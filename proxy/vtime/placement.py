@@ -91,10 +91,18 @@ class Placement:
                 self._conv_ids.remove(device_id)
             self._stale, self._kept = True, None
 
-    def can_place(self, conv: bool) -> bool:
-        """Whether some device can take a tile (a convolution's, ``conv``: one that computes
-        them)."""
-        return bool(self._conv_ids if conv else self._ids)
+    def can_place(self, conv: bool, device: int | None = None) -> bool:
+        """Whether some device (``device``, if given) can take a tile (a convolution's,
+        ``conv``: one that computes them)."""
+        ids = self._conv_ids if conv else self._ids
+        if device is None:
+            return bool(ids)
+        at = bisect.bisect_left(ids, device)
+        return at < len(ids) and ids[at] == device
+
+    def index(self, device: int) -> int:
+        """Device ``device``'s index in ``devices`` (one that is there)."""
+        return bisect.bisect_left(self._ids, device)
 
     def _rebuild(self) -> None:
         devices = self.devices

@@ -165,6 +165,7 @@ class _Job:
     step_end: float = 0.0  # when the last one closed
     released: bool = True  # not started, or idle too long: holds the clock back no more
     started: bool = False
+    device: int | None = None  # the one device its tiles go to (a rank's), or any
 
 
 class _Back(NamedTuple, Generic[T]):
@@ -232,8 +233,9 @@ class Timeline(Generic[T]):
         """No more tiles go to it; those it already has finish in virtual time."""
         self.placement.remove(device_id)
 
-    def open_job(self, job_id: int, name: str) -> None:
-        self.jobs[job_id] = _Job(job_id, name, clock=self.clock.now)
+    def open_job(self, job_id: int, name: str, *, device: int | None = None) -> None:
+        """A job joins; ``device``: all its tiles go to that device (a rank's own board)."""
+        self.jobs[job_id] = _Job(job_id, name, clock=self.clock.now, device=device)
         self._names[job_id] = name
         self._advance()
 
@@ -449,8 +451,8 @@ class Timeline(Generic[T]):
         if not gemm.tiles:
             self._finish(gemm, None)
             return
-        placement, task = self.placement, gemm.task
-        if not placement.can_place(task.op != GEMM_OP):
+        placement, task, pinned = self.placement, gemm.task, gemm.job.device
+        if not placement.can_place(task.op != GEMM_OP, pinned):
             self._stalled.append(gemm)
             return
         now = self.clock.now
@@ -465,7 +467,7 @@ class Timeline(Generic[T]):
         for tile in gemm.tiles:
             a, b = tile.operands()
             work = self._work(task, tile, a, b)
-            index = placement.choose(now, work)
+            index = placement.choose(now, work) if pinned is None else placement.index(pinned)
             device = placement.devices[index]
             self._tiles += 1
             admission, work = self._admit(gemm, times, device, a, b, work)

@@ -328,7 +328,9 @@ class Open(Message):
     long with no device ready (0: wait for ever). ``fresh_weights``: restore the shared
     weights from the checkpoint before the job starts; the server answers with OPEN once
     they are (until then the job sends nothing but HEARTBEAT), or refuses with ERROR
-    ``weights_busy`` while another job maps them.
+    ``weights_busy`` while another job maps them. ``device``: the name of the one device
+    all the job's tiles go to (a rank's own board; empty: any); ERROR ``bad_open`` when no
+    such device has joined.
     """
 
     TYPE = MsgType.OPEN
@@ -336,6 +338,7 @@ class Open(Message):
     block: int = 0
     device_wait_s: float = 0.0
     fresh_weights: bool = False
+    device: str = ""
 
 
 @dataclass(slots=True)

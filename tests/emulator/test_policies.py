@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from morphling.devices.models.links import LINKS
+from morphling.proxy.job.client import EmulatorError
 from serving import (
     TIMEOUT,
     assert_gemm_close,
@@ -64,3 +65,29 @@ async def test_greedy_prefers_the_faster_device(fleet):
     # 16 tiles of 67 MFLOP: 1.1 ms in all on the Orin, 2.8 ms for one on the Pi
     assert (orin_done, pi_done) == (16, 0)
     assert result.devices == [f.record(orin).id]
+
+
+async def test_a_job_pinned_to_a_device_has_all_its_tiles_computed_there(fleet):
+    """OPEN ``device``: a rank's products go to its own board, whatever the policy says."""
+    f = await fleet(policy="round-robin", block_size=16, window=2)
+    agents = [await f.add_device("rpi4") for _ in range(3)]
+    pinned = f.record(agents[1])
+    client = await f.client(device=pinned.name)
+    rng = np.random.default_rng(5)
+    a = rng.standard_normal((64, 24), dtype=np.float32)
+    b = rng.standard_normal((24, 64), dtype=np.float32)
+    request = gemm_request(a, b)
+    result = await client.submit(request, timeout=TIMEOUT)
+    assert_gemm_close(result_array(result, request, batched=False), a, b)
+    assert result.tiles == 16 and result.devices == [pinned.id]
+    assert [f.record(agent).completed for agent in agents] == [0, 16, 0]
+
+
+async def test_a_job_pinned_to_no_such_device_is_refused_naming_the_ready_ones(fleet):
+    f = await fleet()
+    agent = await f.add_device("rpi4")
+    client = await f.client(device="rpi9-7")
+    with pytest.raises(EmulatorError) as info:
+        await client.matmul(np.ones((4, 4)), np.ones((4, 4)), timeout=TIMEOUT)
+    assert info.value.code == "bad_open"
+    assert "rpi9-7" in info.value.reason and f.record(agent).name in info.value.reason
