@@ -101,7 +101,10 @@ class Placement:
         return at < len(ids) and ids[at] == device
 
     def index(self, device: int) -> int:
-        """Device ``device``'s index in ``devices`` (one that is there)."""
+        """Device ``device``'s index in ``devices`` (one that is there), for a tile that
+        goes there whatever the policy says (``placed`` follows)."""
+        if self._stale:
+            self._rebuild()
         return bisect.bisect_left(self._ids, device)
 
     def _rebuild(self) -> None:

@@ -67,9 +67,10 @@ async def test_greedy_prefers_the_faster_device(fleet):
     assert result.devices == [f.record(orin).id]
 
 
-async def test_a_job_pinned_to_a_device_has_all_its_tiles_computed_there(fleet):
+@pytest.mark.parametrize("policy", ["round-robin", "greedy"])
+async def test_a_job_pinned_to_a_device_has_all_its_tiles_computed_there(fleet, policy):
     """OPEN ``device``: a rank's products go to its own board, whatever the policy says."""
-    f = await fleet(policy="round-robin", block_size=16, window=2)
+    f = await fleet(policy=policy, block_size=16, window=2)
     agents = [await f.add_device("rpi4") for _ in range(3)]
     pinned = f.record(agents[1])
     client = await f.client(device=pinned.name)
