@@ -26,8 +26,13 @@ CONNECT_CONCURRENCY = 64
 BATCH = 1000
 
 
+def device_names(profiles: list[DeviceProfile]) -> list[str]:
+    """The names a fleet of ``profiles`` gives its devices, in order: ``<profile>-<index>``."""
+    return [f"{p.name}-{i}" for i, p in enumerate(profiles)]
+
+
 class Fleet:
-    """Virtual devices named ``<profile>-<index>``: ``await Fleet.build(...)``, then
+    """Virtual devices named as ``device_names`` says: ``await Fleet.build(...)``, then
     ``run()`` until ``stop()``."""
 
     def __init__(self, agents: list[DeviceAgent]) -> None:
@@ -47,11 +52,9 @@ class Fleet:
         """A device per profile, made ``BATCH`` at a time with the event loop run between."""
         log.info("fleet: making %d virtual devices", len(profiles))
         agents = []
-        for i, p in enumerate(profiles):
+        for i, (p, name) in enumerate(zip(profiles, device_names(profiles), strict=True)):
             agents.append(
-                DeviceAgent(
-                    p, workers, pool, name=f"{p.name}-{i}", token=token, virtual=True, tls=tls
-                )
+                DeviceAgent(p, workers, pool, name=name, token=token, virtual=True, tls=tls)
             )
             if i % BATCH == BATCH - 1:
                 await asyncio.sleep(0)

@@ -100,6 +100,11 @@ def _env(key: str) -> str:
     return ENV_PREFIX + key.upper()
 
 
+def env_names(schema: type) -> set[str]:
+    """The environment variables that set ``schema``'s fields."""
+    return {_env(f.name) for f in dataclasses.fields(schema)}
+
+
 def _keys(fields: list[_Field]) -> list[str]:
     """Every key a source may give: the fields, and the file form of each secret."""
     return [f.name for f in fields] + [f.file_key for f in fields if f.secret]

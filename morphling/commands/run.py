@@ -40,6 +40,7 @@ from morphling.proxy.vtime.eventlog import EVENT_LEVELS
 from morphling.proxy.vtime.placement import POLICIES
 from morphling.runtime import parse_server
 
+from .ranks import check_fleet
 from .run_dir import claim
 
 log = logging.getLogger("morphling.job")
@@ -51,6 +52,18 @@ class RunConfig:
         "", "emulator address HOST:PORT (one of --server, --embedded)", aliases=("--proxy_host",)
     )
     embedded: bool = _opt(False, "start an emulator and a virtual fleet in this process")
+    ranks: int = _opt(
+        0,
+        "start N ranks of the script as torchrun would (RANK, WORLD_SIZE, MASTER_ADDR, ...), "
+        "rank r wholly on device r of the --embedded fleet; 0: one script, its products "
+        "spread over the fleet",
+        min=0,
+    )
+    device: str = _opt(
+        "",
+        "compute every product on this one device (a name, e.g. rpi4-0), as a rank's are "
+        "on its own board (--ranks sets it for each rank)",
+    )
     devices: str = _opt(
         "4",
         "fleet SPEC for --embedded: NAME:COUNT,... or a count (NAME 'host': "
@@ -140,6 +153,7 @@ class RunConfig:
     )
     force: bool = _opt(False, "replace an earlier run in --run-dir (refused without it)")
     report: bool = _opt(True, "write the reports (summary, trace, plots) into the run directory")
+    table: bool = _opt(True, "print the per-step table on stderr at the end")
     json: str = _opt("", "also write the per-step report as JSON to this file")
 
 
@@ -256,8 +270,12 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
             raise configuration.ConfigError("give exactly one of --server HOST:PORT, --embedded")
         if cfg.fresh_weights and not cfg.ckpt:
             raise configuration.ConfigError("--fresh-weights needs --ckpt")
+        if cfg.ranks:
+            _check_ranks(cfg)
         if cfg.embedded:
-            expand_fleet(cfg.devices, max_devices=cfg.max_devices)
+            fleet = expand_fleet(cfg.devices, max_devices=cfg.max_devices)
+            if cfg.ranks:
+                check_fleet(cfg.ranks, len(fleet), cfg.devices)
         else:
             parse_server(cfg.server)
         coordinator_profile(cfg.coordinator, cfg.coordinator_time or None,
@@ -271,23 +289,16 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
         return 2
     log.info("effective configuration:\n%s", configuration.describe(cfg, sources))
 
+    if cfg.ranks:
+        return _run_ranks(cfg, target[1], args.command, json_path, signals)
+
     from morphling.proxy.job.session import emulate  # torch is imported only now
 
     session, run_dir, created = None, None, False
     try:
         if cfg.embedded:
             run_dir, created = claim(cfg.run_dir, target[1], force=cfg.force)
-        emulator = dataclasses.replace(
-            EmulatorConfig(),
-            policy=cfg.policy,
-            run_dir=str(run_dir or ""),
-            bottleneck_dl_bw=cfg.bottleneck_bw,
-            arena_bytes=cfg.arena_bytes,
-            events=cfg.events,
-            events_detail_steps=cfg.events_detail_steps,
-        )
-        if cfg.block_size:
-            emulator = dataclasses.replace(emulator, block_size=cfg.block_size)
+        emulator = _emulator_config(cfg, run_dir)
         with emulate(
             cfg.server or None,
             devices=cfg.devices if cfg.embedded else None,
@@ -306,6 +317,7 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
             max_devices=cfg.max_devices,
             device_wait_s=cfg.device_wait_s,
             fresh_weights=cfg.fresh_weights,
+            device=cfg.device,
         ) as session:
             try:
                 code = _run_script(*target)
@@ -326,7 +338,8 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
     finally:
         if session is None and created and run_dir is not None:
             shutil.rmtree(run_dir, ignore_errors=True)  # nothing ran: leave no empty run directory
-    print(session.table(), file=sys.stderr)
+    if cfg.table:
+        print(session.table(), file=sys.stderr)
     if json_path is not None:
         try:
             json_path.write_text(json.dumps(session.summary(), indent=1) + "\n")
@@ -336,6 +349,101 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
     if run_dir and cfg.report and cfg.events != "off":
         _report(run_dir)
     return code if signals.exit_code is None else signals.exit_code
+
+
+def _emulator_config(cfg: RunConfig, run_dir: Path | None) -> EmulatorConfig:
+    """The embedded emulator's settings (its run directory ``run_dir``, if any)."""
+    emulator = dataclasses.replace(
+        EmulatorConfig(),
+        policy=cfg.policy,
+        run_dir=str(run_dir or ""),
+        bottleneck_dl_bw=cfg.bottleneck_bw,
+        arena_bytes=cfg.arena_bytes,
+        events=cfg.events,
+        events_detail_steps=cfg.events_detail_steps,
+    )
+    if cfg.block_size:
+        emulator = dataclasses.replace(emulator, block_size=cfg.block_size)
+    return emulator
+
+
+def _check_ranks(cfg: RunConfig) -> None:
+    """What ``--ranks`` does not combine with (yet), refused by name."""
+    if not cfg.embedded:
+        raise configuration.ConfigError(
+            "--ranks needs --embedded for now: ranks joining an emulator elsewhere "
+            "(--server) are not supported yet"
+        )
+    for flag, given in (("--device", cfg.device), ("--ckpt", cfg.ckpt)):
+        if given:
+            why = {"--device": "it sets each rank's own", "--ckpt": "each rank trains a replica "
+                   "of its own, which one shared copy of the weights cannot be"}[flag]  # fmt: skip
+            raise configuration.ConfigError(f"--ranks does not take {flag}: {why}")
+
+
+def _rank_flags(cfg: RunConfig) -> list[str]:
+    """The ``morphling run`` flags each rank's job takes from this command's."""
+    flags = ["--coordinator", cfg.coordinator, "--coordinator-scale", str(cfg.coordinator_scale),
+             "--min-flops", str(cfg.min_flops), "--device-wait-s", str(cfg.device_wait_s),
+             "--share-memory" if cfg.share_memory else "--no-share-memory"]  # fmt: skip
+    if cfg.coordinator_time:
+        flags += ["--coordinator-time", cfg.coordinator_time]
+    if cfg.cooling:
+        flags += ["--cooling", cfg.cooling]
+    if cfg.block_size:
+        flags += ["--block-size", str(cfg.block_size)]
+    return flags
+
+
+def _run_ranks(
+    cfg: RunConfig, script: str, command: list[str], json_path: Path | None, signals: Signals
+) -> int:
+    """``--ranks N``: the embedded emulator and fleet here, the ranks as child processes
+    (``ranks``); each rank's report and the slowest rank's per step, then the run's."""
+    from morphling.proxy.job.embedded import EmbeddedFleet
+
+    from . import ranks
+
+    run_dir, created = None, False
+    try:
+        run_dir, created = claim(cfg.run_dir, script, force=cfg.force)
+        embedded = EmbeddedFleet(
+            cfg.devices, _emulator_config(cfg, run_dir), link=cfg.link or None,
+            cooling=cfg.cooling or None, max_devices=cfg.max_devices,
+            run_info={"ranks": cfg.ranks, "coordinator": cfg.coordinator, "link": cfg.link,
+                      "cooling": cfg.cooling, "devices": cfg.devices},
+        )  # fmt: skip
+        try:
+            embedded.start()
+            children, signalled = ranks.launch(
+                embedded, cfg.ranks, _rank_flags(cfg), command, signals,
+                configuration.env_names(RunConfig),
+            )  # fmt: skip
+        finally:
+            embedded.stop()
+    except Interrupted:
+        if created and run_dir is not None:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+    except ValueError as exc:
+        print(f"morphling run: {exc}", file=sys.stderr)
+        return 2
+    except (OSError, RuntimeError) as exc:
+        print(f"morphling run: {exc}", file=sys.stderr)
+        return 1
+    run = ranks.summary(children)
+    if cfg.table:
+        print(ranks.table(run), file=sys.stderr)
+    code = next((c.exit_code for c in children if c.exit_code and not c.stopped), 0)
+    if json_path is not None:
+        try:
+            json_path.write_text(json.dumps(run, indent=1) + "\n")
+        except OSError as exc:
+            print(f"morphling run: cannot write --json {cfg.json}: {exc.strerror}", file=sys.stderr)
+            code = code or 1
+    if cfg.report and cfg.events != "off":
+        _report(run_dir)
+    return signalled if signalled is not None else code or 0
 
 
 def _report(run_dir: Path) -> None:

@@ -1,0 +1,212 @@
+"""``morphling run --ranks N``: N ranks of one script, each wholly on its own device.
+
+The ranks are started as torchrun starts them: child processes with RANK, LOCAL_RANK,
+WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT set (and OMP_NUM_THREADS=1
+unless it is set, as torchrun does for several ranks on one host), so
+``init_process_group("gloo")`` works unchanged and the numerics are torchrun's. Each
+child is ``morphling run --server ... --device NAME``: a job of this process's embedded
+emulator pinned to device r of the fleet (SPEC order), so everything rank r computes on
+the fleet, device r computes. One rank failing stops the others, as torchrun does, and
+the report says which and how.
+
+Collectives are not priced yet: a rank's emulated time is its own work, the time its
+collectives would take on the emulated network left out, and the report says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from morphling.devices.fleet import device_names
+from morphling.interrupt import Interrupted, Signals
+from morphling.proxy.job.embedded import EmbeddedFleet
+
+log = logging.getLogger("morphling.job")
+
+STOP_GRACE_S = 10.0  # how long a rank stopped by SIGTERM may take to report before SIGKILL
+UNTIMED = (
+    "collectives are not timed yet: each rank's emulated time is its own work; what its "
+    "collectives would take on the emulated network is left out"
+)
+
+
+@dataclass
+class Rank:
+    """One child: its rank, device, process and its report (``--json``), once read."""
+
+    rank: int
+    device: str
+    process: subprocess.Popen[bytes]
+    report_path: Path
+    report: dict[str, Any] = field(default_factory=lambda: {"steps": []})
+    exit_code: int | None = None
+    stopped: bool = False  # stopped by us, another rank having failed (or on a signal)
+
+
+def check_fleet(ranks: int, devices: int, spec: str) -> None:
+    """ValueError unless the fleet has a device for every rank."""
+    if ranks > devices:
+        raise ValueError(
+            f"--ranks {ranks} needs {ranks} devices, one per rank: the fleet {spec!r} has {devices}"
+        )
+
+
+def child_env(rank: int, world: int, master_port: int, drop: set[str]) -> dict[str, str]:
+    """This process's environment as torchrun gives it to rank ``rank`` on one host, less
+    ``drop``: the variables of ``morphling run``'s settings, which its flags carry (a
+    ``MORPHLING_RANKS`` would have each rank start ranks of its own)."""
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank),
+        WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), ROLE_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port),
+    )  # fmt: skip
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on now (the rendezvous's, as torchrun picks one)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def launch(
+    embedded: EmbeddedFleet,
+    ranks: int,
+    job_flags: list[str],
+    command: list[str],
+    signals: Signals,
+    settings_env: set[str],
+) -> tuple[list[Rank], int | None]:
+    """Start the ranks against the started ``embedded`` emulator, wait for them all (one
+    failing stops the others), and return them with the signal's exit code if one came.
+
+    ``job_flags`` are ``morphling run`` flags every rank takes (the coordinator's, say);
+    ``settings_env`` the environment variables of its settings, which the ranks do not get."""
+    assert embedded.address is not None, "the embedded emulator is started"
+    host, port = embedded.address
+    names = device_names(embedded.profiles)
+    level = logging.getLevelName(logging.getLogger("morphling").getEffectiveLevel()).lower()
+    master = free_port()
+    command = command[1:] if command[:1] == ["--"] else command
+    workdir = Path(tempfile.mkdtemp(prefix="morphling-ranks-"))
+    children: list[Rank] = []
+    try:
+        for r in range(ranks):
+            report = workdir / f"rank-{r}.json"
+            cmd = [
+                sys.executable, "-m", "morphling", "--log-level", level, "run",
+                "--server", f"{host}:{port}", "--device", names[r], "--no-table",
+                "--json", str(report), *job_flags, "--", *command,
+            ]  # fmt: skip
+            log.info("rank %d on device %s: %s", r, names[r], " ".join(command))
+            env = child_env(r, ranks, master, settings_env)
+            process = subprocess.Popen(cmd, env=env)
+            children.append(Rank(r, names[r], process, report))
+        code = _wait(children, signals)
+        for child in children:
+            with contextlib.suppress(OSError, ValueError):  # none: it failed before writing
+                child.report = json.loads(child.report_path.read_text())
+        return children, code
+    finally:
+        for child in children:  # an error of ours: no rank outlives this process
+            if child.process.poll() is None:
+                child.process.kill()
+                child.process.wait()
+        for path in workdir.iterdir():
+            path.unlink()
+        workdir.rmdir()
+
+
+def _wait(children: list[Rank], signals: Signals) -> int | None:
+    """Wait for every rank; the first to fail, or a signal, stops the others. The
+    signal's exit code, if one came."""
+    stopping_since: float | None = None
+    code: int | None = None
+    while any(c.exit_code is None for c in children):
+        try:
+            signals.check()
+        except Interrupted as exc:
+            if code is None:
+                code = exc.exit_code
+                print(f"morphling run: {exc}; stopping the ranks", file=sys.stderr)
+                stopping_since = _stop(children, stopping_since)
+        for child in children:
+            if child.exit_code is None and (rc := child.process.poll()) is not None:
+                child.exit_code = rc
+                if rc != 0 and not child.stopped and stopping_since is None:
+                    print(
+                        f"morphling run: rank {child.rank} (device {child.device}) exited "
+                        f"with code {rc}; stopping the other ranks",
+                        file=sys.stderr,
+                    )
+                    stopping_since = _stop(children, stopping_since)
+        if stopping_since is not None and time.monotonic() - stopping_since > STOP_GRACE_S:
+            for child in children:
+                if child.exit_code is None:
+                    child.process.kill()
+        time.sleep(0.05)
+    return code
+
+
+def _stop(children: list[Rank], since: float | None) -> float:
+    """SIGTERM every rank still running (each reports what it ran, as on Ctrl-C)."""
+    for child in children:
+        if child.exit_code is None and child.process.poll() is None:
+            child.stopped = True
+            child.process.send_signal(signal.SIGTERM)
+    return since if since is not None else time.monotonic()
+
+
+def summary(children: list[Rank]) -> dict[str, Any]:
+    """``--json``: every rank's report (its device and exit code added) and, per step, the
+    slowest rank's: a step of the run ends when its slowest rank's does."""
+    ranks = [
+        {"rank": child.rank, "device": child.device, "exit_code": child.exit_code,
+         "stopped": child.stopped, **child.report}
+        for child in children
+    ]  # fmt: skip
+    steps = []
+    for index in range(max((len(r["steps"]) for r in ranks), default=0)):
+        times = [(r["steps"][index]["emulated_s"], r["rank"]) for r in ranks
+                 if index < len(r["steps"])]  # fmt: skip
+        slowest, rank = max(times)
+        steps.append({"step": index + 1, "emulated_s": slowest, "rank": rank,
+                      "ranks": len(times)})  # fmt: skip
+    return {"ranks": ranks, "steps": steps, "collectives": UNTIMED}
+
+
+def table(run: dict[str, Any]) -> str:
+    """Each rank's steps and each step's slowest rank, as fixed-width tables."""
+    head = (f"{'rank':>4} {'device':<14} {'steps':>5} {'emulated s/step':>15} "
+            f"{'GEMMs':>6} {'convs':>6} {'exit':>5}")  # fmt: skip
+    rows = [head, "-" * len(head)]
+    for r in run["ranks"]:
+        steps = r["steps"]
+        mean = sum(s["emulated_s"] for s in steps) / len(steps) if steps else float("nan")
+        exit_code = f"{r['exit_code']}" + ("*" if r["stopped"] else "")
+        rows.append(
+            f"{r['rank']:>4} {r['device']:<14} {len(steps):>5} {mean:>15.4f} "
+            f"{r.get('gemms_remote', 0):>6} {r.get('convs_remote', 0):>6} {exit_code:>5}"
+        )
+    if any(r["stopped"] for r in run["ranks"]):
+        rows.append("* stopped by morphling run when another rank failed or on a signal")
+    if run["steps"]:
+        rows += ["", f"{'step':>5} {'emulated s':>11} {'slowest rank':>12}"]
+        rows += [f"{s['step']:>5} {s['emulated_s']:>11.4f} {s['rank']:>12}" for s in run["steps"]]
+    rows.append(run["collectives"])
+    return "\n".join(rows)
