@@ -33,6 +33,7 @@ bench: setup
 	$(PY) scripts/bench_kernels.py
 	$(PY) scripts/bench_net.py
 	$(PY) scripts/bench_train.py
+	$(PY) scripts/bench_ranks.py
 	$(PY) scripts/bench_vtime.py
 	$(PY) scripts/bench_host.py
 	$(PY) scripts/bench_gpu.py

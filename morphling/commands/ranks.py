@@ -9,8 +9,8 @@ emulator pinned to device r of the fleet (SPEC order), so everything rank r comp
 the fleet, device r computes. One rank failing stops the others, as torchrun does, and
 the report says which and how.
 
-Collectives are not priced yet: a rank's emulated time is its own work, the time its
-collectives would take on the emulated network left out, and the report says so.
+Each rank's collectives are priced on the emulated network (``proxy/vtime/collectives``)
+and its own work by its device's op model.
 """
 
 from __future__ import annotations
@@ -36,10 +36,6 @@ from morphling.proxy.job.embedded import EmbeddedFleet
 log = logging.getLogger("morphling.job")
 
 STOP_GRACE_S = 10.0  # how long a rank stopped by SIGTERM may take to report before SIGKILL
-UNTIMED = (
-    "collectives are not timed yet: each rank's emulated time is its own work; what its "
-    "collectives would take on the emulated network is left out"
-)
 
 
 @dataclass
@@ -99,7 +95,8 @@ def launch(
     ``settings_env`` the environment variables of its settings, which the ranks do not get."""
     assert embedded.address is not None, "the embedded emulator is started"
     host, port = embedded.address
-    names = device_names(embedded.profiles)
+    profiles = embedded.profiles
+    names = device_names(profiles)
     level = logging.getLevelName(logging.getLogger("morphling").getEffectiveLevel()).lower()
     master = free_port()
     command = command[1:] if command[:1] == ["--"] else command
@@ -110,8 +107,10 @@ def launch(
             report = workdir / f"rank-{r}.json"
             cmd = [
                 sys.executable, "-m", "morphling", "--log-level", level, "run",
-                "--server", f"{host}:{port}", "--device", names[r], "--no-table",
-                "--json", str(report), *job_flags, "--", *command,
+                "--server", f"{host}:{port}", "--device", names[r], "--rank", str(r),
+                "--world", str(ranks), "--coordinator", profiles[r].name,
+                "--coordinator-time", "model", "--no-table", "--json", str(report),
+                *job_flags, "--", *command,
             ]  # fmt: skip
             log.info("rank %d on device %s: %s", r, names[r], " ".join(command))
             env = child_env(r, ranks, master, settings_env)
@@ -187,26 +186,49 @@ def summary(children: list[Rank]) -> dict[str, Any]:
         slowest, rank = max(times)
         steps.append({"step": index + 1, "emulated_s": slowest, "rank": rank,
                       "ranks": len(times)})  # fmt: skip
-    return {"ranks": ranks, "steps": steps, "collectives": UNTIMED}
+    return {"ranks": ranks, "steps": steps}
 
 
 def table(run: dict[str, Any]) -> str:
-    """Each rank's steps and each step's slowest rank, as fixed-width tables."""
-    head = (f"{'rank':>4} {'device':<14} {'steps':>5} {'emulated s/step':>15} "
-            f"{'GEMMs':>6} {'convs':>6} {'exit':>5}")  # fmt: skip
+    """Each rank's steps and each step's slowest rank, as fixed-width tables, and what the
+    ranks' collectives say: who waited for whom, or that there were none."""
+    head = (f"{'rank':>4} {'device':<14} {'steps':>5} {'emulated s/step':>15} {'comm s':>8} "
+            f"{'wait s':>8} {'GEMMs':>6} {'convs':>6} {'exit':>5}")  # fmt: skip
     rows = [head, "-" * len(head)]
     for r in run["ranks"]:
         steps = r["steps"]
-        mean = sum(s["emulated_s"] for s in steps) / len(steps) if steps else float("nan")
+        count = len(steps) or float("nan")
+        mean = sum(s["emulated_s"] for s in steps) / count
+        comm = sum(s["comm_s"] for s in steps) / count
+        wait = sum(s["comm_wait_s"] for s in steps) / count
         exit_code = f"{r['exit_code']}" + ("*" if r["stopped"] else "")
         rows.append(
-            f"{r['rank']:>4} {r['device']:<14} {len(steps):>5} {mean:>15.4f} "
-            f"{r.get('gemms_remote', 0):>6} {r.get('convs_remote', 0):>6} {exit_code:>5}"
+            f"{r['rank']:>4} {r['device']:<14} {len(steps):>5} {mean:>15.4f} {comm:>8.4f} "
+            f"{wait:>8.4f} {r.get('gemms_remote', 0):>6} {r.get('convs_remote', 0):>6} "
+            f"{exit_code:>5}"
         )
+    rows.append("comm s, wait s: per step, the time its collectives took on the network, and "
+                "the time it waited in them for the other ranks")  # fmt: skip
     if any(r["stopped"] for r in run["ranks"]):
         rows.append("* stopped by morphling run when another rank failed or on a signal")
+    rows += _collective_notes(run["ranks"])
     if run["steps"]:
         rows += ["", f"{'step':>5} {'emulated s':>11} {'slowest rank':>12}"]
         rows += [f"{s['step']:>5} {s['emulated_s']:>11.4f} {s['rank']:>12}" for s in run["steps"]]
-    rows.append(run["collectives"])
     return "\n".join(rows)
+
+
+def _collective_notes(ranks: list[dict[str, Any]]) -> list[str]:
+    """No collectives at all (independent copies), or the ranks that waited most."""
+    ran = [r for r in ranks if r["steps"]]
+    if len(ranks) > 1 and ran and not any(r.get("collectives") for r in ran):
+        return [f"no rank made a collective: {len(ranks)} independent copies of the script "
+                "(it never initialised a process group, or never used it)"]  # fmt: skip
+    waits = {r["rank"]: sum(s["comm_wait_s"] for s in r["steps"]) for r in ran}
+    if not waits or max(waits.values()) <= 0:
+        return []
+    slowest = min(waits, key=lambda r: waits[r])  # the one the others wait for
+    waiting = sorted((r for r in waits if waits[r] > 0), key=lambda r: -waits[r])
+    named = ", ".join(f"rank {r} {waits[r]:.4f} s" for r in waiting[:4])
+    return [f"stragglers: rank {slowest} waited least; in collectives the others waited "
+            f"for it: {named}"]  # fmt: skip

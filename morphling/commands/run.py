@@ -61,9 +61,17 @@ class RunConfig:
     )
     device: str = _opt(
         "",
-        "compute every product on this one device (a name, e.g. rpi4-0), as a rank's are "
-        "on its own board (--ranks sets it for each rank)",
+        "compute every product on this one device of the fleet (a name, e.g. rpi5-1), as a "
+        "single board trains; empty: spread over the fleet (--ranks sets each rank's)",
     )
+    rank: int = _opt(
+        -1,
+        "run as rank R of --world ranks of a distributed script, on --device itself: its "
+        "collectives priced on the emulated network, its own work by --coordinator's op "
+        "model (--ranks starts each rank so); -1: no rank",
+        min=-1,
+    )
+    world: int = _opt(0, "with --rank: how many ranks the distributed script has", min=0)
     devices: str = _opt(
         "4",
         "fleet SPEC for --embedded: NAME:COUNT,... or a count (NAME 'host': "
@@ -272,6 +280,11 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
             raise configuration.ConfigError("--fresh-weights needs --ckpt")
         if cfg.ranks:
             _check_ranks(cfg)
+        if cfg.rank >= 0 and not (cfg.device and cfg.rank < cfg.world):
+            raise configuration.ConfigError(
+                f"--rank {cfg.rank} needs --device (where it runs) and --world above it "
+                f"(got --world {cfg.world})"
+            )
         if cfg.embedded:
             fleet = expand_fleet(cfg.devices, max_devices=cfg.max_devices)
             if cfg.ranks:
@@ -318,6 +331,8 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
             device_wait_s=cfg.device_wait_s,
             fresh_weights=cfg.fresh_weights,
             device=cfg.device,
+            rank=cfg.rank if cfg.rank >= 0 else None,
+            world=cfg.world,
         ) as session:
             try:
                 code = _run_script(*target)
@@ -374,20 +389,25 @@ def _check_ranks(cfg: RunConfig) -> None:
             "--ranks needs --embedded for now: ranks joining an emulator elsewhere "
             "(--server) are not supported yet"
         )
-    for flag, given in (("--device", cfg.device), ("--ckpt", cfg.ckpt)):
+    refused = {
+        "--device": (cfg.device, "it sets each rank's own"),
+        "--rank": (cfg.rank >= 0, "it sets each rank's own"),
+        "--ckpt": (cfg.ckpt, "each rank trains a replica of its own, which one shared copy "
+                   "of the weights cannot be"),
+        "--coordinator": (cfg.coordinator != HOST, "each rank's own work is priced by its "
+                          "device's op model"),
+        "--coordinator-time measured": (cfg.coordinator_time == "measured", "a rank's wall "
+                                        "time holds its waits for the others"),
+    }  # fmt: skip
+    for flag, (given, why) in refused.items():
         if given:
-            why = {"--device": "it sets each rank's own", "--ckpt": "each rank trains a replica "
-                   "of its own, which one shared copy of the weights cannot be"}[flag]  # fmt: skip
             raise configuration.ConfigError(f"--ranks does not take {flag}: {why}")
 
 
 def _rank_flags(cfg: RunConfig) -> list[str]:
     """The ``morphling run`` flags each rank's job takes from this command's."""
-    flags = ["--coordinator", cfg.coordinator, "--coordinator-scale", str(cfg.coordinator_scale),
-             "--min-flops", str(cfg.min_flops), "--device-wait-s", str(cfg.device_wait_s),
+    flags = ["--min-flops", str(cfg.min_flops), "--device-wait-s", str(cfg.device_wait_s),
              "--share-memory" if cfg.share_memory else "--no-share-memory"]  # fmt: skip
-    if cfg.coordinator_time:
-        flags += ["--coordinator-time", cfg.coordinator_time]
     if cfg.cooling:
         flags += ["--cooling", cfg.cooling]
     if cfg.block_size:
@@ -410,8 +430,9 @@ def _run_ranks(
         embedded = EmbeddedFleet(
             cfg.devices, _emulator_config(cfg, run_dir), link=cfg.link or None,
             cooling=cfg.cooling or None, max_devices=cfg.max_devices,
-            run_info={"ranks": cfg.ranks, "coordinator": cfg.coordinator, "link": cfg.link,
-                      "cooling": cfg.cooling, "devices": cfg.devices},
+            run_info={"ranks": cfg.ranks, "coordinator": "each rank's device",
+                      "coordinator_time": "model", "link": cfg.link, "cooling": cfg.cooling,
+                      "devices": cfg.devices},
         )  # fmt: skip
         try:
             embedded.start()

@@ -28,9 +28,20 @@ import numpy as np
 from morphling.proxy.checkpoint.format import CheckpointError
 from morphling.proxy.shm import handover as local
 from morphling.proxy.vtime.eventlog import GEMM_OP
-from morphling.proxy.vtime.timeline import StepTimes
+from morphling.proxy.vtime.timeline import Operation, StepTimes
 from morphling.proxy.wire.errors import RemoteProtocolError
-from morphling.proxy.wire.messages import Close, Conv, Gemm, Notice, Open, Result, Slab, Step
+from morphling.proxy.wire.messages import (
+    COLLECTIVE_OPS,
+    Close,
+    Collective,
+    Conv,
+    Gemm,
+    Notice,
+    Open,
+    Result,
+    Slab,
+    Step,
+)
 
 from .conv_partition import AnyTask, AnyTile, make_conv_task
 from .partition import make_task
@@ -79,6 +90,7 @@ class Job:
         self.slab: np.ndarray | None = None  # its bytes of the arena (SLAB)
         self.slab_gemm = 0  # the GEMM in flight that uses the slab (one at a time)
         self.totals = Totals(gemms=0, tiles=0, model_ns=0, bytes_down=0, bytes_up=0, oom=0)
+        self.rank: int | None = None  # OPEN's, for a rank of a distributed script
         self._wire_at_step = (0, 0)  # totals' bytes at the last STEP
 
     # -- OPEN, and the shared weights -------------------------------------------------
@@ -92,6 +104,7 @@ class Job:
             )
         emulator = self.emulator
         device = self._pinned_device(msg.device) if msg.device else None
+        rank = self._rank(msg, device)
         self.block = msg.block or emulator.config.block_size
         self.device_wait_s = msg.device_wait_s
         self.name = msg.name or f"job-{self.id}"
@@ -112,7 +125,27 @@ class Job:
                 self.name,
                 who,
             )
-        emulator.timeline.open_job(self.id, self.name, device=device)
+        emulator.timeline.open_job(self.id, self.name, device=device, rank=rank)
+        self.rank = rank
+
+    def _rank(self, msg: Open, device: int | None) -> int | None:
+        """OPEN's ``rank``, checked: None for a job that is no rank."""
+        if msg.rank == -1:
+            return None
+        if not 0 <= msg.rank < msg.world:
+            raise RemoteProtocolError(
+                f"OPEN.rank={msg.rank} is not a rank of world={msg.world}", "bad_open"
+            )
+        if device is None:
+            raise RemoteProtocolError("OPEN.rank: a rank needs its device", "bad_open")
+        for peer in self.emulator.peers:
+            job = peer.job
+            if job is not None and job is not self and job.rank == msg.rank and peer.open:
+                raise RemoteProtocolError(
+                    f"OPEN.rank={msg.rank}: rank {msg.rank} is open already ({job.name})",
+                    "bad_open",
+                )
+        return msg.rank
 
     def _pinned_device(self, name: str) -> int:
         """The id of the ready device named ``name`` (OPEN.device: a rank's own board)."""
@@ -237,6 +270,43 @@ class Job:
         tiles = task.tiles(self.block, self.emulator.config.max_job_tiles)
         self._start(task, tiles, msg)
 
+    def collective(self, msg: Collective) -> None:
+        """A rank's COLLECTIVE: its part issued in virtual time (no answer)."""
+        name = f"COLLECTIVE {msg.gemm}"
+        if self.rank is None:
+            raise RemoteProtocolError(f"{name}: the job is no rank (OPEN.rank)", "bad_collective")
+        if msg.op not in COLLECTIVE_OPS:
+            raise RemoteProtocolError(
+                f"{name}: op {msg.op!r} is not one of {', '.join(COLLECTIVE_OPS)}",
+                "bad_collective",
+            )
+        ranks = msg.ranks
+        if (
+            not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in ranks)
+            or len(set(ranks)) != len(ranks)
+            or self.rank not in ranks
+        ):
+            raise RemoteProtocolError(
+                f"{name}: ranks={ranks!r:.80} must be distinct ranks including the sender's "
+                f"({self.rank})",
+                "bad_collective",
+            )
+        if msg.nbytes < 0 or msg.seq < 1 or (msg.root != -1 and msg.root not in ranks):
+            raise RemoteProtocolError(
+                f"{name}: nbytes={msg.nbytes} (>= 0), seq={msg.seq} (>= 1) and root="
+                f"{msg.root} (-1 or one of ranks) out of range",
+                "bad_collective",
+            )
+        group = tuple(ranks)
+        op = Operation(
+            (group, msg.seq), msg.op, msg.nbytes, group,
+            root=group.index(msg.root) if msg.root != -1 else 0, blocking=msg.blocking,
+        )  # fmt: skip
+        self.emulator.timeline.collective(
+            self.id, self.rank, msg.gemm, op, after=msg.after, host_s=msg.host_ns / 1e9,
+            host_split=msg.host_split, done=lambda issue, end: None,
+        )  # fmt: skip
+
     def _handed(self, msg: Gemm | Conv) -> local.JobOperands | None:
         """A new request's id checked, and the arrays it handed over in this process."""
         if msg.gemm in self.gemms:
@@ -359,6 +429,8 @@ class Job:
                     bytes_down=wire[0] - down0,
                     bytes_up=wire[1] - up0,
                     oom=times.oom,
+                    comm_ns=round(times.comm_s * 1e9),
+                    comm_wait_ns=round(times.comm_wait_s * 1e9),
                 )
             )
 

@@ -20,6 +20,7 @@ from morphling.proxy.wire.errors import RemoteProtocolError
 from morphling.proxy.wire.messages import (
     Bye,
     Close,
+    Collective,
     Conv,
     Error,
     Gemm,
@@ -97,6 +98,8 @@ class PeerConnection(FrameConnection):
             self.prober.challenge_requested(msg)
         elif isinstance(msg, Conv):
             self._job().conv(msg)
+        elif isinstance(msg, Collective):
+            self._job().collective(msg)
         elif isinstance(msg, Open):
             self._job().open(msg)
         elif isinstance(msg, Slab):

@@ -41,6 +41,7 @@ from morphling.proxy.wire.messages import (
     GEMM_DTYPES,
     Bye,
     Close,
+    Collective,
     Conv,
     Error,
     Gemm,
@@ -504,14 +505,15 @@ class Client:
     shared weights (``Session.share_weights``) and may train them; ``fresh_weights``
     has the emulator restore them from the checkpoint before the job starts (refused,
     EmulatorError ``weights_busy``, while another job maps them). ``device`` (a name) pins
-    every tile of the job to that device: a rank's own board.
+    every tile of the job to that device; ``rank`` (of ``world``) says the job is a rank
+    running on it.
     """
 
     def __init__(
         self, host: str, port: int, *, token: str = "", name: str = "", block: int = 0,
         timeout: float = 30.0, share_memory: bool = True, hand_over: bool = True,
         device_wait_s: float = 0.0, map_weights: bool = False, fresh_weights: bool = False,
-        device: str = "",
+        device: str = "", rank: int = -1, world: int = 0,
     ) -> None:  # fmt: skip
         sock = socket.create_connection((host, port), timeout)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -544,7 +546,8 @@ class Client:
             threading.Thread(target=self._beat, args=(welcome.heartbeat_s,), daemon=True,
                              name=f"morphling-heartbeat-{self.job_id}").start()  # fmt: skip
             self._send(Open(name=name, block=block, device_wait_s=device_wait_s,
-                            fresh_weights=fresh_weights, device=device))  # fmt: skip
+                            fresh_weights=fresh_weights, device=device, rank=rank,
+                            world=world))  # fmt: skip
             if fresh_weights:  # restored once OPEN answers: however long that takes
                 self._expect(Open, None)
                 self.weights = {**self.weights, "trained": [], "trained_jobs": 0}
@@ -695,6 +698,25 @@ class Client:
                 self._fail(EmulatorError("bad_slab", f"SLAB from the emulator: {exc}"))
         self._arena = arena
         return reply.nbytes
+
+    def collective(
+        self, op: str, nbytes: int, *, ranks: list[int], seq: int, root: int = -1,
+        blocking: bool = True, host_ns: int | None = None,
+        host_split: dict[str, int] | None = None,
+    ) -> None:  # fmt: skip
+        """A rank's part in collective ``op`` (the fields: ``Collective``), sent without
+        waiting: the emulator does not answer. A ``blocking`` one is what the next request
+        comes after, as a GEMM's result is; ``host_ns`` and ``host_split`` as in
+        ``matmul``."""
+        with self._call_lock:
+            request_id = next(self._ids)
+            host = self.elapsed_ns() if host_ns is None else host_ns
+            self._send(Collective(
+                gemm=request_id, op=op, nbytes=nbytes, ranks=ranks, seq=seq, root=root,
+                blocking=blocking, after=self._after, host_ns=host, host_split=host_split or {},
+            ))  # fmt: skip
+            if blocking:
+                self._after, self._since_ns = request_id, time.perf_counter_ns()
 
     def step(
         self, step: int, *, host_ns: int | None = None, local_gemms: int = 0,

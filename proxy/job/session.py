@@ -44,6 +44,7 @@ from morphling.runtime import parse_server
 from morphling.text import elide, elided_line
 
 from .client import Client
+from .collectives import Collectives
 from .conv import ConvCall
 from .coordinator import HostWork, coordinator_profile
 from .embedded import EmbeddedFleet
@@ -72,6 +73,10 @@ class StepReport:
     wire_up: int
     oom: int  # tiles that did not fit a device's emulated memory
     coord_split: dict[str, float]  # coord_s by op class (modelled time; empty: measured)
+    # a rank's collectives: their time on the network (beside its compute, for those it
+    # did not wait for at once) and its time waiting in them for the other members
+    comm_s: float = 0.0
+    comm_wait_s: float = 0.0
 
 
 class Session:
@@ -97,6 +102,10 @@ class Session:
         self._counts = ProductCounts()
         self._conv_counts = ProductCounts()
         self._marked_ns = 0  # when the last step mark went back to the script
+        # modelled coordinator time sent with a collective the rank did not wait for: the
+        # next request comes after the same one, so its time includes this too
+        self._carried: dict[str, int] = {}
+        self._collectives: dict[tuple[str, tuple[int, ...]], int] = {}  # each group's count
 
     def share_weights(self, ckpt: str) -> None:
         """Map the emulator's shared copy of checkpoint ``ckpt``; see ``bind``."""
@@ -161,6 +170,10 @@ class Session:
         """
         if self.work is not None:
             split = self.work.take()
+            if self._carried:
+                split = {c: split.get(c, 0) + self._carried.get(c, 0)
+                         for c in split.keys() | self._carried.keys()}  # fmt: skip
+                self._carried = {}
             return sum(split.values()), split
         since = max(self.interceptor.returned_ns, self._marked_ns)
         return (round((until_ns - since) * self.scale) if since else 0), {}
@@ -171,6 +184,19 @@ class Session:
         if self._step_start is None:
             self._step_start = time.perf_counter()
         return self._host_time(self.interceptor.entered_ns)
+
+    def collective(self, op: str, nbytes: int, ranks: list[int], root: int, blocking: bool) -> None:
+        """A rank's collective (``collectives.Collectives`` reports each before it runs),
+        numbered in its group as every member numbers it; modelled time only (a rank's
+        waits in gloo are no work of its own)."""
+        assert self.work is not None, "a rank's coordinator time is modelled (emulate)"
+        host_ns, split = self._request_host_time()
+        if not blocking:
+            self._carried = split
+        key = ("p2p" if op in ("send", "recv") else "group", tuple(ranks))
+        seq = self._collectives[key] = self._collectives.get(key, 0) + 1
+        self.client.collective(op, nbytes, ranks=ranks, seq=seq, root=root, blocking=blocking,
+                               host_ns=host_ns, host_split=split)  # fmt: skip
 
     def _remote(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         host_ns, split = self._request_host_time()
@@ -220,6 +246,8 @@ class Session:
             wire_up=reply.bytes_up,
             oom=reply.oom,
             coord_split={cls: ns / 1e9 for cls, ns in reply.coord_split.items()},
+            comm_s=reply.comm_ns / 1e9,
+            comm_wait_s=reply.comm_wait_ns / 1e9,
         )
         self.steps.append(report)
         self._counts = self.counts.snapshot()
@@ -271,6 +299,7 @@ class Session:
             "convs_remote": self.conv_counts.remote,
             "convs_copied": self.conv_counts.copied,
             "convs_local": dict(self.conv_counts.local),
+            "collectives": sum(self._collectives.values()),
         }
 
 
@@ -308,6 +337,8 @@ def emulate(
     device_wait_s: float = 0.0,
     fresh_weights: bool = False,
     device: str = "",
+    rank: int | None = None,
+    world: int = 0,
 ) -> Iterator[Session]:
     """Run the body's GEMMs on a fleet: a running emulator at ``server``
     (``HOST:PORT``), or an embedded one with the virtual ``devices`` SPEC (the
@@ -327,14 +358,20 @@ def emulate(
     (``devices.capacity``).
     ``device_wait_s`` (0: for ever) is how long the job's GEMMs may wait with no device
     ready before it fails (``Client``). ``device`` (a name) has every product computed by
-    that one device, as a rank's are by its own board. Should the body raise (Ctrl-C,
-    say), the embedded emulator's run directory is marked incomplete, with the reason.
+    that one device. A ``rank`` (of ``world``) runs on ``device`` itself: its products
+    cross no link, its torch.distributed operations are priced on the network
+    (``collectives``), and its own work is modelled by the coordinator profile (its
+    device's). Should the body raise (Ctrl-C, say), the embedded emulator's run directory
+    is marked incomplete, with the reason.
     """
     if (server is None) == (devices is None):
         raise ValueError("give exactly one of server='HOST:PORT' or devices='SPEC' (embedded)")
     if fresh_weights and ckpt is None:
         raise ValueError("fresh_weights needs ckpt: the weights to restore are a checkpoint's")
     profile = coordinator_profile(coordinator, coordinator_time, cooling=cooling)
+    if rank is not None and (profile is None or not device):
+        raise ValueError("a rank runs on its device, its own work modelled by its op model: "
+                         "give device and a modelled coordinator")  # fmt: skip
     with contextlib.ExitStack() as stack:
         if devices is not None:
             if ckpt is not None:
@@ -354,7 +391,8 @@ def emulate(
         session = Session(Client(host, port, token=token, name=name, block=block,
                                  share_memory=share_memory, device_wait_s=device_wait_s,
                                  map_weights=ckpt is not None, fresh_weights=fresh_weights,
-                                 device=device),
+                                 device=device, rank=-1 if rank is None else rank,
+                                 world=world),
                           min_flops=min_flops, coordinator=profile,
                           scale=scale)  # fmt: skip
         stack.callback(session.close)
@@ -376,6 +414,8 @@ def emulate(
             hook = register_optimizer_step_pre_hook(in_optimizer)
             stack.callback(hook.remove)
         stack.enter_context(sdpa_kernel([SDPBackend.MATH]))
+        if rank is not None:
+            stack.enter_context(Collectives(session.collective))
         stack.enter_context(session.interceptor)
         try:
             yield session

@@ -179,6 +179,10 @@ class Step:
     compute_s: float | None = None
     upload_queue_s: float | None = None
     upload_s: float | None = None
+    # its rank's collectives: their time on the network, and the time it waited for the
+    # other members to reach them (None: a job that is no rank, or a log from before ranks)
+    comm_s: float | None = None
+    comm_wait_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,6 +221,22 @@ class Oom:
 
 
 @dataclass(frozen=True, slots=True)
+class CollectivePart:
+    """A rank's part in a collective: when it reached it (``t``), when the collective
+    started (its last member there) and ended."""
+
+    job: int
+    request: int
+    step: int
+    op: str
+    nbytes: int
+    members: int
+    t: float
+    start: float
+    end: float
+
+
+@dataclass(frozen=True, slots=True)
 class Freq:
     """A device's thermal frequency change."""
 
@@ -226,7 +246,7 @@ class Freq:
     temp_c: float | None
 
 
-Record = Tile | Gemm | Coord | Step | DeviceStep | Oom | Freq
+Record = Tile | Gemm | Coord | Step | DeviceStep | Oom | Freq | CollectivePart
 # Each kind by its ``ev``, the name a line carries.
 KINDS: dict[str, type[Record]] = {
     "tile": Tile,
@@ -236,6 +256,7 @@ KINDS: dict[str, type[Record]] = {
     "device_step": DeviceStep,
     "oom": Oom,
     "freq": Freq,
+    "collective": CollectivePart,
 }
 _EV = {kind: ev for ev, kind in KINDS.items()}
 # Each kind's fields, in order, with their default (``MISSING``: required).

@@ -38,10 +38,12 @@ from morphling.devices.models.compute import GemmShape
 from morphling.devices.models.conv_shape import ConvShape
 from morphling.devices.models.profiles import DeviceProfile
 
+from .collectives import Link, collective_s
 from .engine import Clock, Fifo, Span
 from .eventlog import (
     COMPONENTS,
     GEMM_OP,
+    CollectivePart,
     DeviceStep,
     EventLog,
     Freq,
@@ -140,6 +142,8 @@ class StepTimes:
     # its devices' totals, when the log keeps them instead of its tiles (``EventLog.detail``)
     totals: bool = False
     devices: dict[int, DeviceTotals] = field(default_factory=dict)
+    comm_s: float = 0.0  # its collectives' time on the network (a rank's)
+    comm_wait_s: float = 0.0  # ... and waiting for their other members
 
     @property
     def emulated_s(self) -> float:
@@ -166,6 +170,9 @@ class _Job:
     released: bool = True  # not started, or idle too long: holds the clock back no more
     started: bool = False
     device: int | None = None  # the one device its tiles go to (a rank's), or any
+    resident: bool = False  # it runs on ``device`` itself (a rank): its tiles cross no link
+    counted: float = 0.0  # its coordinator time is counted up to here
+    overlapped: float = 0.0  # the end of its latest collective it did not wait for at once
 
 
 class _Back(NamedTuple, Generic[T]):
@@ -190,6 +197,34 @@ class _Gemm(Generic[T]):
     seq: int  # its submission number in its job
 
 
+@dataclass(frozen=True)
+class Operation:
+    """A collective as one rank issues it: ``key`` names it among every member's (its
+    group and number), ``members`` the group's ranks in group order, ``root`` the root's or
+    source's index among them."""
+
+    key: tuple[object, ...]
+    op: str
+    nbytes: int
+    members: tuple[int, ...]
+    root: int = 0
+    blocking: bool = True
+
+
+@dataclass(eq=False)
+class _Part:
+    """A rank's part in a collective, from when it reaches it."""
+
+    job: _Job
+    rank: int
+    request: int
+    seq: int  # its submission number in its job
+    op: Operation
+    at: float
+    step: int
+    done: Callable[[float, float], None]
+
+
 class Timeline(Generic[T]):
     """A fleet's virtual clock; see the module docstring. ``T``: the caller's tiles, which
     ``submit`` hands back to it placed."""
@@ -207,6 +242,9 @@ class Timeline(Generic[T]):
         self._names: dict[int, str] = {}  # every job ever opened
         self._stalled: list[_Gemm[T]] = []  # issued while no device could take them
         self._tiles = 0  # tiles placed so far: their numbers in the log
+        self._gathering: dict[tuple[object, ...], dict[int, _Part]] = {}  # collectives, by key
+        self._rank_epoch: float | None = None  # when the open ranks started
+        self._rank_jobs: dict[int, _Job] = {}  # each rank's job
         self._works: dict[_WorkKey, Work] = {}  # see ``_work``
 
     # -- fleet and jobs ----------------------------------------------------------------
@@ -233,9 +271,27 @@ class Timeline(Generic[T]):
         """No more tiles go to it; those it already has finish in virtual time."""
         self.placement.remove(device_id)
 
-    def open_job(self, job_id: int, name: str, *, device: int | None = None) -> None:
-        """A job joins; ``device``: all its tiles go to that device (a rank's own board)."""
-        self.jobs[job_id] = _Job(job_id, name, clock=self.clock.now, device=device)
+    def open_job(
+        self,
+        job_id: int,
+        name: str,
+        *,
+        device: int | None = None,
+        rank: int | None = None,
+    ) -> None:
+        """A job joins; ``device``: all its tiles go to that device. A ``rank`` runs on
+        ``device`` itself, so its tiles cross no link, and its time is its own: it starts
+        with the other ranks, whenever it joins, and never holds the clock back, since
+        nothing of it is shared but its collectives (each event of it carries its own time:
+        events of the past do not move the clock back, and need not)."""
+        job = _Job(job_id, name, clock=self.clock.now, device=device, resident=rank is not None)
+        if rank is not None:
+            if self._rank_epoch is None or not self._rank_jobs:
+                self._rank_epoch = self.clock.now
+            job.clock = job.step_end = self._rank_epoch
+            job.released, job.started = False, True
+            self._rank_jobs[rank] = job
+        self.jobs[job_id] = job
         self._names[job_id] = name
         self._advance()
 
@@ -243,7 +299,8 @@ class Timeline(Generic[T]):
         return [{"id": job_id, "name": name} for job_id, name in self._names.items()]
 
     def close_job(self, job_id: int) -> None:
-        self.jobs.pop(job_id, None)
+        job = self.jobs.pop(job_id, None)
+        self._rank_jobs = {r: j for r, j in self._rank_jobs.items() if j is not job}
         self._stalled = [gemm for gemm in self._stalled if gemm.job.id != job_id]  # its memory
         self._advance()
 
@@ -267,23 +324,71 @@ class Timeline(Generic[T]):
         devices once they are placed; ``done(issue, end)`` is called when the GEMM ends
         in virtual time."""
         job = self._active(job_id)
-        job.waiting += 1
-        waits = job.inflight.get(job.latest.get(after, 0))  # ``after`` as it was until now
-        job.submitted += 1
-        seq = job.latest[task.id] = job.submitted
-        job.inflight[seq] = []
 
-        def issue(base: float) -> None:
-            at = max(base + host_s, self.clock.now)  # later only for a released job
-            times = self._step_of(job, at)
-            self._coordinator(job, times, base, at, host_split)
+        def issue(at: float, times: StepTimes, seq: int) -> None:
             gemm = _Gemm(job, task, tiles, at, times.step, place, done, seq)
             self.clock.at(at, self._issue, gemm, job=job.id, tile=task.id)
 
+        self._request(job, task.id, after, host_s, host_split, issue)
+
+    def collective(
+        self,
+        job_id: int,
+        rank: int,
+        request_id: int,
+        op: Operation,
+        *,
+        after: int,
+        host_s: float,
+        done: Callable[[float, float], None],
+        host_split: Mapping[str, int] | None = None,
+    ) -> None:
+        """The rank's part in collective ``op``, issued as ``submit`` issues a GEMM. It
+        starts when its last member has issued its part and takes ``collectives``' time
+        over the members' devices' links; then each member's part ends (``done(issue,
+        end)``). A ``blocking`` part holds its rank until then; another lets it compute on,
+        and only its step's end waits for it."""
+        job = self._active(job_id)
+
+        def issue(at: float, times: StepTimes, seq: int) -> None:
+            part = _Part(job, rank, request_id, seq, op, at, times.step, done)
+            self.clock.at(at, self._arrive, part, job=job.id, tile=request_id)
+
+        self._request(job, request_id, after, host_s, host_split, issue, blocking=op.blocking)
+
+    def _request(
+        self,
+        job: _Job,
+        request_id: int,
+        after: int,
+        host_s: float,
+        host_split: Mapping[str, int] | None,
+        issue: Callable[[float, StepTimes, int], None],
+        *,
+        blocking: bool = True,
+    ) -> None:
+        """A GEMM's or collective's bookkeeping: in flight until it ends, issued ``host_s``
+        after ``after`` ended (``issue(at, step, seq)``, once it has). A ``blocking`` one
+        holds the job: while it is in flight, the job is not computing on the host."""
+        if blocking:
+            job.waiting += 1
+        waits = job.inflight.get(job.latest.get(after, 0))  # ``after`` as it was until now
+        job.submitted += 1
+        seq = job.latest[request_id] = job.submitted
+        job.inflight[seq] = []
+
+        def start(base: float) -> None:
+            at = base + host_s
+            if not job.resident:  # a released job's starts no earlier than the clock
+                at = max(at, self.clock.now)
+            times = self._step_of(job, at)
+            self._coordinator(job, times, base, at, host_split)
+            issue(at, times, seq)
+
         if waits is not None:
-            waits.append(issue)
+            waits.append(start)
         else:
-            issue(job.ends[after][1] if after in job.ends else job.clock)
+            start(job.ends[after][1] if after in job.ends else job.clock)
         self._advance()
 
     def mark_step(
@@ -317,7 +422,7 @@ class Timeline(Generic[T]):
         if job.inflight:
             job.barrier.append(close)
         else:
-            close(job.clock)
+            close(max(job.clock, job.overlapped))
         self._advance()
 
     def _log_step(self, job: _Job, times: StepTimes, local_gemms: int) -> None:
@@ -340,6 +445,8 @@ class Timeline(Generic[T]):
                 bytes_down=times.link_down,
                 bytes_up=times.link_up,
                 **times.critical,
+                comm_s=times.comm_s if job.resident else None,
+                comm_wait_s=times.comm_wait_s if job.resident else None,
             )
         )
         for device, t in sorted(times.devices.items()):
@@ -369,7 +476,7 @@ class Timeline(Generic[T]):
         (Asked before every event: a loop, as ``min`` over a generator costs six times more.)"""
         horizon = math.inf
         for job in self.jobs.values():
-            if not job.waiting and not job.released and job.clock < horizon:
+            if not job.waiting and not job.released and not job.resident and job.clock < horizon:
                 horizon = job.clock
         return horizon
 
@@ -378,9 +485,14 @@ class Timeline(Generic[T]):
         return self.clock.next_time() < math.inf and self.clock.next_time() >= self._horizon()
 
     def release_idle(self) -> list[int]:
-        """Stop waiting for the jobs that hold the clock back; their ids."""
+        """Stop waiting for the jobs that hold the clock back; their ids. Never a rank: the
+        others wait for it in their collectives anyway, and it must not run late."""
         horizon = self._horizon()
-        idle = [j for j in self.jobs.values() if not j.waiting and j.clock <= horizon]
+        idle = [
+            j
+            for j in self.jobs.values()
+            if not j.waiting and not j.resident and j.clock <= horizon and not j.released
+        ]
         for job in idle:
             job.released = True
             log.warning(
@@ -425,9 +537,11 @@ class Timeline(Generic[T]):
         split: Mapping[str, int] | None,
     ) -> None:
         """The script computed on the host from ``base`` to ``at``: coordinator time, by op
-        class as ``split`` divides it. The part before the step's start is left out, and
-        the split with it in proportion (``attribute``)."""
-        start = max(base, times.t0)
+        class as ``split`` divides it. The part before the step's start, or already counted
+        (a rank's time before a collective it did not wait for is the next request's too),
+        is left out, and the split with it in proportion (``attribute``)."""
+        start = max(base, times.t0, job.counted)
+        job.counted = max(job.counted, at)
         if at > start:
             seconds = at - start
             times.coord_s += seconds
@@ -455,7 +569,7 @@ class Timeline(Generic[T]):
         if not placement.can_place(task.op != GEMM_OP, pinned):
             self._stalled.append(gemm)
             return
-        now = self.clock.now
+        now = gemm.issue if gemm.job.resident else self.clock.now  # (a stalled one's: later)
         times = self._step_of(gemm.job, now)
         times.gemms += 1
         head = self.log.tile_head(gemm.job.id, task.id, gemm.step, task.op)
@@ -471,6 +585,8 @@ class Timeline(Generic[T]):
             device = placement.devices[index]
             self._tiles += 1
             admission, work = self._admit(gemm, times, device, a, b, work)
+            if gemm.job.resident:  # its operands are on the device already, its output stays
+                work = Work(0, 0, work.shape)
             stages = self._run(now, device, head, work, times)
             placement.placed(index)
             link_down += work.bytes_down
@@ -549,7 +665,7 @@ class Timeline(Generic[T]):
                     gemm.step,
                     self._tiles,
                     device.id,
-                    self.clock.now,
+                    gemm.issue,
                     need,
                     memory.capacity,
                 )
@@ -585,7 +701,9 @@ class Timeline(Generic[T]):
         if thermal is not None and len(thermal.changes) > changes:
             for t, mhz, temp_c in thermal.changes[changes:]:
                 self.log.write(Freq(device.id, t, mhz, temp_c))
-        if bottleneck is None:
+        if not work.bytes_up:  # a rank's own tile: its output stays on the device
+            up = (compute[1], compute[1])
+        elif bottleneck is None:
             up = device.up.serve(compute[1], profile.upload_s(work.bytes_up))
         else:
             nic_up = self.nic_up.serve(compute[1], work.bytes_up / bottleneck.ul_bw)
@@ -605,7 +723,8 @@ class Timeline(Generic[T]):
 
     def _finish(self, gemm: _Gemm[T], last: _Back[T] | None) -> None:
         """The GEMM's last tile is back (``last``; None for an empty GEMM)."""
-        now, job, task = self.clock.now, gemm.job, gemm.task
+        job, task = gemm.job, gemm.task
+        now = self.clock.now if last is None or not job.resident else last.time
         g = task.header
         back = None if last is None else (last.tile, last.device)
         shape = (g.m, g.n, g.k, g.batch)
@@ -621,21 +740,74 @@ class Timeline(Generic[T]):
                     times.critical[part] += seconds
                 if last.device in times.devices:
                     times.devices[last.device].last_in += 1
-        job.clock = max(job.clock, now)
-        job.waiting -= 1
-        if job.latest.get(task.id) == gemm.seq:
-            del job.latest[task.id]
-        if job.ends.get(task.id, (0, 0.0))[0] < gemm.seq:  # not an earlier GEMM of its id
-            job.ends[task.id] = (gemm.seq, now)
+        gemm.done(gemm.issue, now)
+        self._settle(job, task.id, gemm.seq, now, blocking=True)
+
+    def _arrive(self, part: _Part) -> None:
+        """A rank reached a collective; the last to come starts it."""
+        op = part.op
+        parts = self._gathering.setdefault(op.key, {})
+        parts[part.rank] = part
+        if len(parts) < len(op.members):
+            return
+        del self._gathering[op.key]
+        links = [_link(self._member_device(rank)) for rank in op.members]
+        nbytes = max(p.op.nbytes for p in parts.values())
+        bottleneck = self.bottleneck.dl_bw if self.bottleneck is not None else math.inf
+        start = max(p.at for p in parts.values())
+        end = start + collective_s(op.op, nbytes, links, op.root, bottleneck)
+        self.clock.at(end, self._collective_end, (list(parts.values()), start, end))
+
+    def _member_device(self, rank: int) -> VirtualDevice | None:
+        job = self._rank_jobs.get(rank)
+        return None if job is None or job.device is None else self.devices.get(job.device)
+
+    def _collective_end(self, ended: tuple[list[_Part], float, float]) -> None:
+        """Every member's part ends: logged, counted in its step, settled."""
+        parts, start, now = ended
+        for part in parts:
+            job = part.job
+            times = job.step
+            if times is not None:
+                times.comm_s += now - start
+                times.comm_wait_s += start - part.at
+            op = part.op
+            self.log.write(CollectivePart(job.id, part.request, part.step, op.op, op.nbytes,
+                                          len(op.members), part.at, start, now))  # fmt: skip
+            part.done(part.at, now)
+            if self.jobs.get(job.id) is job:  # (a member that left has nothing to settle)
+                self._settle(job, part.request, part.seq, now, blocking=op.blocking)
+
+    def _settle(self, job: _Job, request_id: int, seq: int, now: float, *, blocking: bool) -> None:
+        """Request ``request_id`` (submission ``seq``) of ``job`` ended at ``now``: what
+        waited for it goes on, and once nothing is in flight, its step's end. A
+        ``blocking`` one held the job, whose clock moves here; another ran beside its
+        computing."""
+        if blocking:
+            job.clock = max(job.clock, now)
+            job.waiting -= 1
+        else:
+            job.overlapped = max(job.overlapped, now)
+        if job.latest.get(request_id) == seq:
+            del job.latest[request_id]
+        if job.ends.get(request_id, (0, 0.0))[0] < seq:  # not an earlier request of its id
+            job.ends[request_id] = (seq, now)
             if len(job.ends) > ENDS_KEPT:
                 del job.ends[next(iter(job.ends))]
-        gemm.done(gemm.issue, now)
-        for action in job.inflight.pop(gemm.seq):
+        for action in job.inflight.pop(seq):
             action(now)
         if not job.inflight:
             barrier, job.barrier = job.barrier, []
             for action in barrier:
-                action(job.clock)
+                action(max(job.clock, job.overlapped))
+
+
+def _link(device: VirtualDevice | None) -> Link:
+    """A member's links: its device's, or none (a job on no one device: the host's own)."""
+    if device is None:
+        return Link(0.0, math.inf, 0.0, math.inf)
+    p = device.profile
+    return Link(p.ul_lat_s, p.ul_bw, p.dl_lat_s, p.dl_bw)
 
 
 def _gemm_shape(key: _GemmKey) -> GemmShape:

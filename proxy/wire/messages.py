@@ -48,6 +48,7 @@ class MsgType(IntEnum):
     SLAB = 35
     NOTICE = 36
     CONV = 37
+    COLLECTIVE = 38
 
 
 ROLES = ("device", "job", "probe")
@@ -56,6 +57,11 @@ REFUSALS = frozenset({"auth", "bad_hello", "bad_version"})
 GEMM_DTYPES = ("float32", "float64")  # what a GEMM or a convolution (and its tiles) computes in
 # A convolution's product: the output (forward), the input's gradient, the weight's gradient.
 CONV_KINDS = ("forward", "grad_input", "grad_weight")
+# What a rank's COLLECTIVE may be (torch.distributed's operations, by their c10d names).
+COLLECTIVE_OPS = (
+    "allreduce", "broadcast", "reduce", "allgather", "reduce_scatter", "gather", "scatter",
+    "alltoall", "barrier", "send", "recv",
+)  # fmt: skip
 DTYPES = (*GEMM_DTYPES, "uint8")  # a payload segment's: an operand's, or plain bytes
 # ``host_split``: at most this many op classes, so a header stays small whatever the job sends.
 MAX_SPLIT_CLASSES = 32
@@ -329,8 +335,9 @@ class Open(Message):
     weights from the checkpoint before the job starts; the server answers with OPEN once
     they are (until then the job sends nothing but HEARTBEAT), or refuses with ERROR
     ``weights_busy`` while another job maps them. ``device``: the name of the one device
-    all the job's tiles go to (a rank's own board; empty: any); ERROR ``bad_open`` when no
-    such device has joined.
+    all the job's tiles go to (empty: any); ERROR ``bad_open`` when no such device has
+    joined. ``rank`` (-1: none) of ``world``: the job is a rank of a distributed script
+    running on ``device`` itself, so its tiles cross no link, and it may send COLLECTIVE.
     """
 
     TYPE = MsgType.OPEN
@@ -339,6 +346,8 @@ class Open(Message):
     device_wait_s: float = 0.0
     fresh_weights: bool = False
     device: str = ""
+    rank: int = -1
+    world: int = 0
 
 
 @dataclass(slots=True)
@@ -386,6 +395,35 @@ class Gemm(Message):
     # as arrays (``local``), under the emulator's token, this job's id and ``gemm``: segments
     # empty, RESULT's too.
     local: bool = False
+
+
+@dataclass(slots=True)
+class Collective(Message):
+    """Job → server: a rank's torch.distributed operation, priced on the emulated network.
+
+    ``ranks`` are the sender's group's global ranks (in group order; send and recv:
+    [source, destination]), ``seq`` its number among that group's operations as this
+    rank counts them, from 1 (every member's n-th is the same operation), ``root`` the
+    root's or peer's global rank where the operation has one (else -1), and ``nbytes``
+    what the sender's tensors hold. It starts in virtual time when its last member reaches
+    it and ends when the algorithm's transfers are over. ``gemm`` is its id, from the same
+    ids as GEMMs: a job that waited for it names it as the next request's ``after``
+    (``blocking``: the rank waits for it at once, as a synchronous operation; otherwise it
+    computes on, and its step ends no earlier than the operation). No answer.
+    ``after``, ``host_ns`` and ``host_split`` are as in GEMM.
+    """
+
+    TYPE = MsgType.COLLECTIVE
+    gemm: int
+    op: str
+    nbytes: int
+    ranks: list[int]
+    seq: int
+    root: int = -1
+    blocking: bool = True
+    after: int = 0
+    host_ns: int = 0
+    host_split: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -460,7 +498,9 @@ class Step(Message):
     the bytes that crossed this emulator's sockets since the last STEP
     (``bytes_*``), and its emulated out-of-memory events. ``host_split`` is as in GEMM;
     ``coord_split`` is the step's coordinator time by op class, as the jobs' splits
-    attribute it (the rest of ``coord_ns`` was not split).
+    attribute it (the rest of ``coord_ns`` was not split). A rank's ``comm_ns`` is the time
+    its collectives took on the network, ``comm_wait_ns`` the time it waited in them for
+    the other members.
     """
 
     TYPE = MsgType.STEP
@@ -478,6 +518,8 @@ class Step(Message):
     bytes_down: int = 0
     bytes_up: int = 0
     oom: int = 0  # tiles whose operands did not fit a device's emulated memory
+    comm_ns: int = 0
+    comm_wait_ns: int = 0
 
 
 @dataclass(slots=True)
@@ -579,7 +621,9 @@ def _schema(cls: type[Message]) -> _Schema:
 
 _SCHEMAS = {msg_type: _schema(cls) for msg_type, cls in MESSAGES.items()}
 _ABSENT = object()
-_SPLIT = frozenset({MsgType.GEMM, MsgType.CONV, MsgType.STEP})  # the messages with a host_split
+_SPLIT = frozenset(
+    {MsgType.GEMM, MsgType.CONV, MsgType.COLLECTIVE, MsgType.STEP}
+)  # the messages with a host_split
 
 
 def check_host_split(name: str, split: dict[str, Any], host_ns: int) -> None:

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from morphling.devices.models.links import LINKS
 from morphling.proxy.job.client import EmulatorError
+from morphling.proxy.wire.messages import Collective, Open
 from serving import (
     TIMEOUT,
     assert_gemm_close,
@@ -92,3 +93,30 @@ async def test_a_job_pinned_to_no_such_device_is_refused_naming_the_ready_ones(f
         await client.matmul(np.ones((4, 4)), np.ones((4, 4)), timeout=TIMEOUT)
     assert info.value.code == "bad_open"
     assert "rpi9-7" in info.value.reason and f.record(agent).name in info.value.reason
+
+
+async def test_ranks_and_collectives_that_do_not_fit_are_refused_naming_the_field(fleet):
+    """A rank needs its device and a world it belongs to; only a rank sends COLLECTIVE, of
+    an op Morphling knows, in a group that holds it. The emulator serves on."""
+    f = await fleet()
+    agent = await f.add_device("rpi4")
+    name = f.record(agent).name
+    cases = [
+        (Open(rank=0, world=2), "bad_open", "a rank needs its device"),
+        (Open(device=name, rank=2, world=2), "bad_open", "OPEN.rank=2 is not a rank of world=2"),
+        (Open(), "bad_collective", "the job is no rank"),
+        (Open(device=name, rank=0, world=2), "bad_collective", "op 'gossip' is not one of"),
+        (Open(device=name, rank=0, world=2), "bad_collective", "including the sender's (0)"),
+    ]
+    collectives = [None, None, Collective(gemm=1, op="allreduce", nbytes=4, ranks=[0, 1], seq=1),
+                   Collective(gemm=1, op="gossip", nbytes=4, ranks=[0, 1], seq=1),
+                   Collective(gemm=1, op="allreduce", nbytes=4, ranks=[1, 2], seq=1)]  # fmt: skip
+    for (open_msg, code, reason), collective in zip(cases, collectives, strict=True):
+        raw = await f.raw_peer()
+        await raw.hello("job", name="raw")
+        raw.send(open_msg)
+        if collective is not None:
+            raw.send(collective)
+        error = await raw.expect_error(code)
+        assert reason in error.reason, error.reason
+    await check_serving(await f.client())

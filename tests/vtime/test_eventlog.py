@@ -28,7 +28,7 @@ from morphling.proxy.vtime.eventlog import (
     open_event_file,
     to_json,
 )
-from morphling.proxy.vtime.timeline import Bottleneck, Timeline
+from morphling.proxy.vtime.timeline import Bottleneck, Operation, Timeline
 from morphling.proxy.vtime.vdevice import Work
 from timeline_driver import (
     Recorder,
@@ -222,6 +222,9 @@ def test_the_report_reads_back_what_the_timeline_wrote(tmp_path):
         block=8,
         after=2,
     )
+    for job in recorders:  # the jobs as ranks 0 and 1 (on no device) in an all-reduce
+        allreduce = Operation(("world", 1), "allreduce", 4096, (0, 1))
+        tl.collective(job, job - 1, 9, allreduce, after=0, host_s=0.001, done=lambda *_: None)
     mark(2, 1, host_s=0.0)
     mark(1, 2, host_s=0.0)
     for job in recorders:

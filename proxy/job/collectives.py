@@ -1,0 +1,135 @@
+"""A rank's torch.distributed operations, seen where every one of them passes.
+
+DDP's reducer calls the process group from C++, so wrapping ``torch.distributed``'s Python
+functions would miss its gradient all-reduces. Every operation, from Python or C++, is a
+``c10d`` op of the dispatcher, though: ``Collectives`` replaces their CPU kernels (as the
+interceptor replaces the GEMMs'), tells ``report`` what each is (its op, the bytes its
+tensors hold, its group's global ranks, its root, whether the rank waits for it at once),
+and runs the original kernel: gloo computes it for real.
+
+``async_op`` tells blocking from not: ``dist.all_reduce(t)`` waits at once, DDP's buckets
+and ``async_op=True`` do not (their wait, in ``Work.wait``, is not seen: the rank's step
+ends no earlier than they do). Send and receive are taken as blocking, as their blocking
+forms are. A receive from any source cannot be paired with its send in virtual time: it
+is run and counted as untimed.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import ProcessGroup
+
+log = logging.getLogger(__name__)
+
+
+class _Reader(NamedTuple):
+    """Where a c10d op's schema (positional arguments) has what the report needs."""
+
+    op: str  # COLLECTIVE_OPS
+    data: int  # the argument whose tensors' bytes count (each member's part)
+    group: int  # the process group
+    root: int | None = None  # the root's (or peer's) group rank
+    async_op: int | None = None  # None: blocking
+
+
+_READERS = {
+    "allreduce_": _Reader("allreduce", 0, 1, async_op=4),
+    "allreduce_coalesced_": _Reader("allreduce", 0, 1, async_op=3),
+    "broadcast_": _Reader("broadcast", 0, 1, root=2, async_op=4),
+    "reduce_": _Reader("reduce", 0, 1, root=3, async_op=5),
+    "allgather_": _Reader("allgather", 1, 2, async_op=3),
+    "_allgather_base_": _Reader("allgather", 1, 2, async_op=3),
+    "allgather_coalesced_": _Reader("allgather", 1, 2, async_op=3),
+    "allgather_into_tensor_coalesced_": _Reader("allgather", 1, 2, async_op=3),
+    "reduce_scatter_": _Reader("reduce_scatter", 1, 2, async_op=4),
+    "_reduce_scatter_base_": _Reader("reduce_scatter", 1, 2, async_op=4),
+    "reduce_scatter_tensor_coalesced_": _Reader("reduce_scatter", 1, 2, async_op=4),
+    "gather_": _Reader("gather", 1, 2, root=3, async_op=4),
+    "scatter_": _Reader("scatter", 0, 2, root=3, async_op=4),
+    "alltoall_": _Reader("alltoall", 1, 2, async_op=3),
+    "alltoall_base_": _Reader("alltoall", 1, 2, async_op=5),
+    "barrier": _Reader("barrier", 0, 1, async_op=3),
+    "monitored_barrier_": _Reader("barrier", 0, 1),
+    "send": _Reader("send", 0, 1, root=2),
+    "recv_": _Reader("recv", 0, 1, root=2),
+}
+UNPAIRED = "recv_any_source_"  # run, and counted as untimed
+
+# report(op, nbytes, ranks, root, blocking): ``ranks`` the group's global ranks (send and
+# recv: [source, destination]), ``root`` a global rank or -1
+Report = Callable[[str, int, list[int], int, bool], None]
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, list | tuple):
+        return sum(_nbytes(v) for v in value)
+    return 0
+
+
+class Collectives:
+    """While active (a context manager), every c10d op of this process is reported to
+    ``report`` before it runs; ``untimed`` counts those that cannot be."""
+
+    def __init__(self, report: Report) -> None:
+        self.report = report
+        self.untimed = 0
+        self._library: torch.library.Library | None = None
+
+    def __enter__(self) -> Collectives:
+        library = torch.library.Library("c10d", "IMPL")
+        with warnings.catch_warnings():  # "Overriding a previously registered kernel": meant
+            warnings.simplefilter("ignore", UserWarning)
+            for name, reader in _READERS.items():
+                original = torch.library.get_kernel(f"c10d::{name}", "CPU")
+                schema = getattr(torch.ops.c10d, name).default._schema
+                kernel = self._kernel(reader, schema, original)
+                library.impl(name, kernel, "CPU", with_keyset=True)
+            original = torch.library.get_kernel(f"c10d::{UNPAIRED}", "CPU")
+            library.impl(UNPAIRED, self._unpaired(original), "CPU", with_keyset=True)
+        self._library = library
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        library, self._library = self._library, None
+        if library is not None:
+            library._destroy()
+
+    def _kernel(self, reader: _Reader, schema: Any, original: Any) -> Callable[..., Any]:
+        def kernel(keyset: Any, *given: Any, **named: Any) -> Any:
+            args = (
+                [*given]
+                + [  # the arguments not given positionally: named, or defaults
+                    named.get(a.name, a.default_value) for a in schema.arguments[len(given) :]
+                ]
+            )
+            ranks = self._group_ranks(args[reader.group])
+            root = -1 if reader.root is None else ranks[args[reader.root]]
+            if reader.op in ("send", "recv"):
+                me = dist.get_rank()
+                ranks = [me, root] if reader.op == "send" else [root, me]
+            blocking = reader.async_op is None or not args[reader.async_op]
+            self.report(reader.op, _nbytes(args[reader.data]), ranks, root, blocking)
+            return original.call_boxed(keyset, *given, **named)
+
+        return kernel
+
+    def _unpaired(self, original: Any) -> Callable[..., Any]:
+        def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
+            self.untimed += 1
+            if self.untimed == 1:
+                log.warning("a receive from any source is not timed: its sender is unknown")
+            return original.call_boxed(keyset, *args, **kwargs)
+
+        return kernel
+
+    @staticmethod
+    def _group_ranks(boxed: Any) -> list[int]:
+        return dist.get_process_group_ranks(ProcessGroup.unbox(boxed))

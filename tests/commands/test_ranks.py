@@ -1,0 +1,139 @@
+"""``morphling run --ranks N``: real ranks over gloo, each on its own virtual board.
+
+Each script in ``tests/scripts/ranks_*.py`` prints one JSON line per rank with its losses;
+a run under ``morphling run --ranks`` must print the same as ``torchrun`` does, and its
+collectives must take their closed forms in virtual time on the ranks' links.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from morphling.devices.models.links import LINKS
+from morphling.devices.models.profiles import BUILTIN
+from morphling.proxy.vtime.eventlog import COMPRESSED_EVENTS_FILE
+from processes import SCRIPTS, _child, morphling_run, succeeded
+
+
+def losses(stdout: str) -> dict[int, list[float]]:
+    """Each rank's losses, from its JSON object (the ranks share stdout: two may end up on
+    one line)."""
+    decoder, found, at = json.JSONDecoder(), {}, stdout.find('{"rank"')
+    while at != -1:
+        obj, end = decoder.raw_decode(stdout, at)
+        found[obj["rank"]] = obj["losses"]
+        at = stdout.find('{"rank"', end)
+    return found
+
+
+def torchrun(script: str, *args: str, ranks: int = 2) -> dict[int, list[float]]:
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
+               str(SCRIPTS / script), *args]  # fmt: skip
+    return losses(succeeded(_child(command, None, None)).stdout)
+
+
+def ranks_run(tmp: Path, script: str, *args: str, devices: str = "rpi4:2", flags=()):
+    """``morphling run --ranks 2`` of ``script``: the process, its --json and run dir."""
+    run_dir, report = tmp / "run", tmp / "ranks.json"
+    proc = morphling_run("--ranks", "2", "--embedded", "--devices", devices, "--min-flops", "0",
+                         "--run-dir", run_dir, "--json", report, *flags, "--", "python",
+                         SCRIPTS / script, *args, cwd=tmp)  # fmt: skip
+    return proc, report, run_dir
+
+
+def collectives(run_dir: Path) -> list[dict]:
+    lines = gzip.decompress((run_dir / COMPRESSED_EVENTS_FILE).read_bytes()).splitlines()
+    return [r for r in map(json.loads, lines) if r["ev"] == "collective"]
+
+
+@pytest.mark.parametrize("script", ["ranks_ddp.py", "ranks_fedavg.py", "ranks_pipeline.py"])
+def test_ranks_train_as_torchrun_does(tmp_path: Path, script: str) -> None:
+    proc, report, _ = ranks_run(tmp_path, script)
+    succeeded(proc)
+    got, expected = losses(proc.stdout), torchrun(script)
+    assert got.keys() == expected.keys() == {0, 1}
+    for rank, values in expected.items():
+        assert got[rank] == pytest.approx(values, rel=1e-5, abs=1e-6), rank
+    run = json.loads(report.read_text())
+    assert [r["device"] for r in run["ranks"]] == ["rpi4-0", "rpi4-1"]
+    assert all(r["collectives"] > 0 and r["exit_code"] == 0 for r in run["ranks"])
+    assert all(s["comm_s"] > 0 for r in run["ranks"] for s in r["steps"][1:]) or script == (
+        "ranks_fedavg.py"  # its all-reduces come every other step
+    )
+
+
+def test_a_ddp_allreduce_takes_the_ring_closed_form_on_each_link(tmp_path: Path) -> None:
+    """Two ranks on the built-in Pi 4's gigabit LAN and on Wi-Fi: each gradient all-reduce
+    of S bytes takes 2(n−1)/n·S/bw plus 2(n−1) latencies each way, and Wi-Fi's the same
+    form on its links."""
+    seconds = {}
+    for link in ("lan", "wifi"):
+        (tmp_path / link).mkdir()
+        proc, _, run_dir = ranks_run(tmp_path / link, "ranks_ddp.py", "3", flags=("--link", link))
+        succeeded(proc)
+        p = LINKS[link].apply(BUILTIN["rpi4"])
+        reduces = [c for c in collectives(run_dir) if c["op"] == "allreduce"]
+        assert len(reduces) == 2 * 3  # each rank's bucket, each step
+        for c in reduces:
+            closed = c["nbytes"] / min(p.ul_bw, p.dl_bw) + 2 * (p.ul_lat_s + p.dl_lat_s)
+            assert c["end"] - c["start"] == pytest.approx(closed, rel=1e-9)
+        seconds[link] = reduces[0]["end"] - reduces[0]["start"]
+    assert seconds["wifi"] > 3 * seconds["lan"]
+
+
+def test_a_slow_board_is_the_straggler_the_others_wait_for(tmp_path: Path) -> None:
+    proc, report, _ = ranks_run(tmp_path, "ranks_ddp.py", devices="rpi4:1,rpi5:1")
+    succeeded(proc)
+    run = json.loads(report.read_text())
+    waited = {r["device"]: sum(s["comm_wait_s"] for s in r["steps"]) for r in run["ranks"]}
+    assert waited["rpi4-0"] == 0 and waited["rpi5-1"] > 0, waited
+    assert "stragglers: rank 0 waited least" in proc.stderr
+
+
+def test_more_ranks_than_devices_is_refused_naming_both(tmp_path: Path) -> None:
+    proc = morphling_run("--ranks", "3", "--embedded", "--devices", "rpi4:2", "--", "python",
+                         SCRIPTS / "ranks_ddp.py", cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 2
+    assert "--ranks 3 needs 3 devices" in proc.stderr and "has 2" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--coordinator", "rpi5"], "--ranks does not take --coordinator"),
+        (["--coordinator-time", "measured"], "--ranks does not take --coordinator-time measured"),
+        (["--device", "rpi4-0"], "--ranks does not take --device"),
+        (["--server", "127.0.0.1:1"], "--ranks needs --embedded"),
+    ],
+)
+def test_what_ranks_do_not_take_is_refused(tmp_path: Path, flags: list[str], message: str) -> None:
+    embedded = [] if "--server" in flags else ["--embedded"]
+    proc = morphling_run("--ranks", "2", *embedded, *flags, "--", "python",
+                         SCRIPTS / "ranks_ddp.py", cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+def test_a_rank_that_fails_stops_the_others_and_is_named(tmp_path: Path) -> None:
+    proc, report, _ = ranks_run(tmp_path, "ranks_ddp.py", "4", "2")  # rank 1 raises at step 2
+    assert proc.returncode == 1, proc.stderr
+    assert "rank 1 (device rpi4-1) exited with code 1" in proc.stderr
+    assert "rank 1 fails on purpose" in proc.stderr
+    run = json.loads(report.read_text())
+    assert run["ranks"][1]["exit_code"] == 1
+
+
+def test_a_script_without_a_process_group_runs_as_independent_copies(tmp_path: Path) -> None:
+    script = tmp_path / "alone.py"
+    script.write_text(
+        "import torch\nfrom torch import nn\nmodel = nn.Linear(64, 64)\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\nfor _ in range(2):\n"
+        "    model(torch.randn(8, 64)).sum().backward()\n    opt.step()\n"
+    )
+    proc = morphling_run("--ranks", "2", "--embedded", "--devices", "rpi4:2", "--min-flops",
+                         "0", "--no-report", "--", "python", script, cwd=tmp_path)  # fmt: skip
+    succeeded(proc)
+    assert "no rank made a collective: 2 independent copies" in proc.stderr

@@ -1,0 +1,31 @@
+"""DDP over gloo, as torchrun runs it: an MLP, each rank its own data; prints its losses."""
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+STEPS = int(sys.argv[1]) if len(sys.argv) > 1 else 4
+CRASH_AT = int(sys.argv[2]) if len(sys.argv) > 2 else -1  # rank 1 raises at this step
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 10))
+ddp = nn.parallel.DistributedDataParallel(model)
+opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+data = torch.Generator().manual_seed(100 + rank)
+losses = []
+for step in range(STEPS):
+    if rank == 1 and step == CRASH_AT:
+        raise RuntimeError("rank 1 fails on purpose")
+    x, y = torch.randn(64, 256, generator=data), torch.randint(0, 10, (64,), generator=data)
+    loss = nn.functional.cross_entropy(ddp(x), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    losses.append(loss.item())
+print(json.dumps({"rank": rank, "losses": losses}), flush=True)
+dist.destroy_process_group()

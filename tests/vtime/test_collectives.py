@@ -1,0 +1,147 @@
+"""Ranks' collectives in virtual time, against their closed forms.
+
+Each rank is a job resident on its own device; a collective starts when its last member
+reaches it and takes the algorithm's transfers over the members' links
+(``proxy/vtime/collectives.py``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from morphling.devices.models.links import LINKS
+from morphling.devices.models.profiles import BUILTIN
+from morphling.proxy.vtime.collectives import Link, collective_s
+from morphling.proxy.vtime.timeline import Bottleneck, Operation, Timeline
+from timeline_driver import Recorder, new_timeline, profile, submit, task
+
+MB = 1e6
+
+
+def ranks(tl: Timeline, profiles: list) -> list[int]:
+    """A job per profile, each resident on a device of that profile: ranks 0..n−1."""
+    jobs = []
+    for r, p in enumerate(profiles):
+        tl.add_device(r, f"{p.name}-{r}", p)
+        tl.open_job(r + 1, f"rank-{r}", device=r, rank=r)
+        jobs.append(r + 1)
+    return jobs
+
+
+def ring_allreduce_s(n: int, nbytes: int, bw: float, lat: float) -> float:
+    """The closed form: 2(n−1)/n·S/bw plus 2(n−1) latencies each way (up and down)."""
+    return 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * 2 * lat
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+def test_a_ring_allreduce_takes_its_closed_form_from_the_last_arrival(n):
+    tl, _ = new_timeline()
+    jobs = ranks(tl, [profile(bw=10 * MB, lat=0.002)] * n)
+    ended, nbytes = {}, 4_000_000
+    op = Operation(("world", 1), "allreduce", nbytes, tuple(range(len(jobs))))
+    for r, job in enumerate(jobs):  # each reaches it after its own host time
+        tl.collective(job, job - 1, 7, op, after=0, host_s=0.01 * r,
+                      done=lambda issue, end, r=r: ended.__setitem__(r, (issue, end)))  # fmt: skip
+    assert len(ended) == n
+    last = 0.01 * (n - 1)
+    expected = last + ring_allreduce_s(n, nbytes, 10 * MB, 0.002)
+    for r, (issue, end) in ended.items():
+        assert issue == pytest.approx(0.01 * r)
+        assert end == pytest.approx(expected, rel=1e-12)
+
+
+def test_a_collective_waits_for_its_last_member_and_holds_blocking_ranks():
+    """Rank 0 reaches the all-reduce first and waits; its next GEMM starts after it."""
+    tl, _ = new_timeline()
+    jobs = ranks(tl, [profile(bw=10 * MB, lat=0.001)] * 2)
+    rec, ended = Recorder(), {}
+    op = Operation(("world", 1), "allreduce", 1_000_000, tuple(range(len(jobs))))
+    tl.collective(
+        jobs[0], jobs[0] - 1, 5, op, after=0, host_s=0.0, done=lambda i, e: ended.setdefault(0, e)
+    )
+    assert not ended  # rank 1 has not reached it
+    tl.collective(
+        jobs[1], jobs[1] - 1, 5, op, after=0, host_s=0.5, done=lambda i, e: ended.setdefault(1, e)
+    )
+    end = 0.5 + ring_allreduce_s(2, 1_000_000, 10 * MB, 0.001)
+    assert ended == {0: pytest.approx(end), 1: pytest.approx(end)}
+    submit(tl, rec, jobs[0], task(9, 64, 64, 64), 64, after=5, host_s=0.25)
+    issue, _ = rec.ended[9]
+    assert issue == pytest.approx(end + 0.25)
+
+
+def test_a_wifi_fleet_is_slower_than_a_lan_fleet_by_its_links():
+    size, n = 40_000_000, 4
+    times = {}
+    for name in ("lan", "wifi"):
+        tl, _ = new_timeline()
+        p = LINKS[name].apply(BUILTIN["rpi4"])
+        jobs = ranks(tl, [p] * n)
+        op = Operation(("world", 1), "allreduce", size, tuple(range(len(jobs))))
+        for job in jobs:
+            tl.collective(job, job - 1, 1, op, after=0, host_s=0.0,
+                          done=lambda i, e, n=name: times.__setitem__(n, e))  # fmt: skip
+        # each round, a chunk goes up one link and down the next: at the slower one's rate
+        closed = 2 * (n - 1) / n * size / min(p.ul_bw, p.dl_bw)
+        closed += 2 * (n - 1) * (p.ul_lat_s + p.dl_lat_s)
+        assert times[name] == pytest.approx(closed)
+    assert times["wifi"] > 2 * times["lan"]
+
+
+def test_an_access_point_shared_by_the_ranks_bounds_every_round():
+    """Each ring round moves n chunks through the access point: n·(S/n)/bw_ap at least."""
+    n, size, ap = 4, 8_000_000, 5 * MB
+    tl, _ = new_timeline(bottleneck=Bottleneck(ap, ap))
+    jobs = ranks(tl, [profile(bw=100 * MB, lat=0.0)] * n)
+    ended = []
+    op = Operation(("world", 1), "allreduce", size, tuple(range(len(jobs))))
+    for job in jobs:
+        tl.collective(job, job - 1, 1, op, after=0, host_s=0.0, done=lambda i, e: ended.append(e))
+    assert ended == [pytest.approx(2 * (n - 1) * size / ap)] * n
+
+
+def test_an_async_collective_overlaps_the_ranks_compute_and_ends_its_step():
+    """DDP's buckets: the rank computes on while its all-reduce runs; its step does not end
+    before the all-reduce."""
+    tl, _ = new_timeline()
+    jobs = ranks(tl, [profile(bw=1 * MB, lat=0.0)] * 2)
+    rec, steps = Recorder(), {}
+    op = Operation(("world", 1), "allreduce", 2_000_000, (0, 1), blocking=False)
+    comm = ring_allreduce_s(2, 2_000_000, 1 * MB, 0.0)  # 2 s
+    for job in jobs:
+        tl.collective(job, job - 1, 3, op, after=0, host_s=0.0, done=lambda i, e: None)
+    submit(tl, rec, jobs[0], task(4, 64, 64, 64), 64, host_s=0.1)  # not after the all-reduce
+    for job in jobs:
+        tl.mark_step(job, 1, host_s=0.05, done=lambda t, job=job: steps.setdefault(job, t))
+    issue, end = rec.ended[4]
+    assert issue == pytest.approx(0.1) and end < comm
+    assert {job: t.t1 for job, t in steps.items()} == {j: pytest.approx(comm + 0.05) for j in jobs}
+    assert steps[jobs[0]].comm_s == pytest.approx(comm)
+
+
+def test_send_and_recv_are_one_transfer_from_source_to_destination():
+    tl, _ = new_timeline()
+    fast, slow = profile(bw=100 * MB, lat=0.001), profile(bw=10 * MB, lat=0.003)
+    jobs = ranks(tl, [fast, slow])
+    ended = {}
+    for job, name in zip(jobs, ("send", "recv"), strict=True):
+        op = Operation(((0, 1), 1), name, 1_000_000, (0, 1))
+        tl.collective(job, job - 1, 2, op, after=0, host_s=0.0,
+                      done=lambda i, e, n=name: ended.setdefault(n, e))  # fmt: skip
+    one_way = 0.001 + 0.003 + 1_000_000 / (10 * MB)  # the slower end's rate
+    assert ended == {"send": pytest.approx(one_way), "recv": pytest.approx(one_way)}
+
+
+def test_the_rooted_and_gathering_operations_price_as_documented():
+    links = [Link(0.001, 10 * MB, 0.001, 10 * MB)] * 4
+    hop = 0.002 + 1_000_000 / (10 * MB)
+    assert collective_s("broadcast", 1_000_000, links, root=2) == pytest.approx(3 * hop)
+    assert collective_s("reduce", 1_000_000, links, root=0) == pytest.approx(3 * hop)
+    assert collective_s("allgather", 1_000_000, links) == pytest.approx(3 * hop)
+    assert collective_s("reduce_scatter", 4_000_000, links) == pytest.approx(3 * hop)
+    assert collective_s("barrier", 0, links) == pytest.approx(6 * 0.002)
+    assert collective_s("allreduce", 10**9, links[:1]) == 0.0
+    assert math.isfinite(collective_s("alltoall", 1_000_000, links))
+    with pytest.raises(ValueError, match="'mystery'"):
+        collective_s("mystery", 1, links)
