@@ -54,6 +54,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+RANK_BLOCK = 1 << 16  # a rank's tile edge, unless its OPEN says: its products whole
+
 
 class Totals(TypedDict):
     """A job's totals so far, as CLOSE gives them."""
@@ -105,7 +107,8 @@ class Job:
         emulator = self.emulator
         device = self._pinned_device(msg.device) if msg.device else None
         rank = self._rank(msg, device)
-        self.block = msg.block or emulator.config.block_size
+        # a rank computes each product whole on its own board: one tile, as one op
+        self.block = msg.block or (RANK_BLOCK if rank is not None else emulator.config.block_size)
         self.device_wait_s = msg.device_wait_s
         self.name = msg.name or f"job-{self.id}"
         trainers = emulator.trainers
