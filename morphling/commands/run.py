@@ -51,6 +51,11 @@ class RunConfig:
         "", "emulator address HOST:PORT (one of --server, --embedded)", aliases=("--proxy_host",)
     )
     embedded: bool = _opt(False, "start an emulator and a virtual fleet in this process")
+    device: str = _opt(
+        "",
+        "compute every product on this one device of the fleet (a name, e.g. rpi5-1), as a "
+        "single board trains; empty: spread over the fleet",
+    )
     devices: str = _opt(
         "4",
         "fleet SPEC for --embedded: NAME:COUNT,... or a count (NAME 'host': "
@@ -306,6 +311,7 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
             max_devices=cfg.max_devices,
             device_wait_s=cfg.device_wait_s,
             fresh_weights=cfg.fresh_weights,
+            device=cfg.device,
         ) as session:
             try:
                 code = _run_script(*target)
