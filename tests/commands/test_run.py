@@ -26,6 +26,7 @@ import torch
 from morphling.proxy.checkpoint.format import write_checkpoint
 from morphling.proxy.checkpoint.hf_models import load_config
 from morphling.proxy.job.embedded import EmbeddedFleet
+from morphling.proxy.report.analysis import summarize
 from morphling.proxy.report.load import load_run
 from processes import (
     MORPHLING_RUN,
@@ -250,6 +251,20 @@ def test_min_flops(tmp_path: Path) -> None:
     assert report["gemms_remote"] == 2 * 2
     assert report["gemms_local"] == {"small": 2 * 3}
     assert [(s["gemms"], s["local_gemms"]) for s in report["steps"]] == [(2, 3), (2, 3)]
+
+
+def test_device_computes_every_product(tmp_path: Path) -> None:
+    """--device: one board of the fleet trains the script, the others get nothing."""
+    script, run_dir = tmp_path / "two_steps.py", tmp_path / "run"
+    script.write_text(TWO_STEPS)
+    flags = ["--embedded", "--devices", "rpi4:1,rpi5:2", "--device", "rpi5-1", "--min-flops", "0",
+             "--run-dir", run_dir]  # fmt: skip
+    succeeded(morphling_run(*flags, "--", "python", script))
+    tiles = {d["name"]: d["tiles"] for d in summarize(load_run(run_dir))["devices"]}
+    assert tiles["rpi5-1"] > 0 and tiles == {"rpi4-0": 0, "rpi5-1": tiles["rpi5-1"], "rpi5-2": 0}
+    failed = morphling_run("--embedded", "--devices", "2", "--device", "rpi9-0", "--", "python",
+                           script, cwd=tmp_path)  # fmt: skip
+    assert failed.returncode == 1 and "OPEN.device='rpi9-0'" in failed.stderr, failed.stderr
 
 
 # -- the command line's contract --------------------------------------------------------
