@@ -123,17 +123,10 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=3, help="alternating runs of each (>= 1)")
-    parser.add_argument("--steps", type=int, default=8, help="steps per run, first dropped")
-    parser.add_argument("--output", type=Path, default=Path("bench-results/ranks.json"))
-    args = parser.parse_args(argv)
-    if args.reps < 1 or args.steps < 2:
-        parser.error("--reps must be >= 1 and --steps >= 2")
-    from benchlib import write_results
+    from benchlib import step_main
 
-    write_results(run(args), args.output)
-    return 0
+    return step_main(run, __doc__.splitlines()[0], output="bench-results/ranks.json", reps=3,
+                     steps=8, argv=argv)  # fmt: skip
 
 
 if __name__ == "__main__":

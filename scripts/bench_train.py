@@ -291,18 +291,13 @@ def bench_transformer(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=2, help="alternating runs of each (>= 1)")
-    parser.add_argument("--steps", type=int, default=4, help="steps per run, first dropped")
-    parser.add_argument("--output", type=Path, default=Path("bench-results/train.json"))
-    parser.add_argument("--only", choices=GROUPS, help="run only these groups (default: all)")
-    args = parser.parse_args(argv)
-    if args.reps < 1 or args.steps < 2:
-        parser.error("--reps must be >= 1 and --steps >= 2")
-    from benchlib import write_results
+    from benchlib import step_main
 
-    write_results(run(args), args.output)
-    return 0
+    def only(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--only", choices=GROUPS, help="run only these groups (default: all)")
+
+    return step_main(run, __doc__.splitlines()[0], output="bench-results/train.json", reps=2,
+                     steps=4, argv=argv, extend=only)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1,11 +1,14 @@
-"""What every benchmark script shares: the run's metadata and writing the results."""
+"""What every benchmark script shares: the run's metadata, writing the results, and the
+command line of the step benchmarks."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,3 +37,29 @@ def write_results(results: dict[str, Any], path: Path) -> None:
     text = json.dumps(results, indent=2) + "\n"
     path.write_text(text)
     print(text, end="")
+
+
+def step_main(
+    run: Callable[[argparse.Namespace], dict[str, Any]],
+    description: str,
+    *,
+    output: str,
+    reps: int,
+    steps: int,
+    argv: list[str] | None = None,
+    extend: Callable[[argparse.ArgumentParser], object] | None = None,
+) -> int:
+    """The command line of a benchmark of training steps run alternating (``--reps``,
+    ``--steps`` with the first dropped, ``--output``; ``extend`` adds its own flags):
+    ``run``'s results written to the output."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--reps", type=int, default=reps, help="alternating runs of each (>= 1)")
+    parser.add_argument("--steps", type=int, default=steps, help="steps per run, first dropped")
+    parser.add_argument("--output", type=Path, default=Path(output))
+    if extend is not None:
+        extend(parser)
+    args = parser.parse_args(argv)
+    if args.reps < 1 or args.steps < 2:
+        parser.error("--reps must be >= 1 and --steps >= 2")
+    write_results(run(args), args.output)
+    return 0

@@ -27,11 +27,13 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from morphling.devices.fleet import device_names
 from morphling.interrupt import Interrupted, Signals
-from morphling.proxy.job.embedded import EmbeddedFleet
+
+if TYPE_CHECKING:
+    from morphling.proxy.job.embedded import EmbeddedFleet
 
 log = logging.getLogger("morphling.job")
 
@@ -49,14 +51,6 @@ class Rank:
     report: dict[str, Any] = field(default_factory=lambda: {"steps": []})
     exit_code: int | None = None
     stopped: bool = False  # stopped by us, another rank having failed (or on a signal)
-
-
-def check_fleet(ranks: int, devices: int, spec: str) -> None:
-    """ValueError unless the fleet has a device for every rank."""
-    if ranks > devices:
-        raise ValueError(
-            f"--ranks {ranks} needs {ranks} devices, one per rank: the fleet {spec!r} has {devices}"
-        )
 
 
 def child_env(rank: int, world: int, master_port: int, drop: set[str]) -> dict[str, str]:
@@ -87,9 +81,9 @@ def launch(
     command: list[str],
     signals: Signals,
     settings_env: set[str],
-) -> tuple[list[Rank], int | None]:
+) -> tuple[list[Rank], Interrupted | None]:
     """Start the ranks against the started ``embedded`` emulator, wait for them all (one
-    failing stops the others), and return them with the signal's exit code if one came.
+    failing stops the others), and return them with the signal, if one came.
 
     ``job_flags`` are ``morphling run`` flags every rank takes (the coordinator's, say);
     ``settings_env`` the environment variables of its settings, which the ranks do not get."""
@@ -116,11 +110,11 @@ def launch(
             env = child_env(r, ranks, master, settings_env)
             process = subprocess.Popen(cmd, env=env)
             children.append(Rank(r, names[r], process, report))
-        code = _wait(children, signals)
+        interrupted = _wait(children, signals)
         for child in children:
             with contextlib.suppress(OSError, ValueError):  # none: it failed before writing
                 child.report = json.loads(child.report_path.read_text())
-        return children, code
+        return children, interrupted
     finally:
         for child in children:  # an error of ours: no rank outlives this process
             if child.process.poll() is None:
@@ -131,17 +125,17 @@ def launch(
         workdir.rmdir()
 
 
-def _wait(children: list[Rank], signals: Signals) -> int | None:
+def _wait(children: list[Rank], signals: Signals) -> Interrupted | None:
     """Wait for every rank; the first to fail, or a signal, stops the others. The
-    signal's exit code, if one came."""
+    signal, if one came."""
     stopping_since: float | None = None
-    code: int | None = None
+    interrupted: Interrupted | None = None
     while any(c.exit_code is None for c in children):
         try:
             signals.check()
         except Interrupted as exc:
-            if code is None:
-                code = exc.exit_code
+            if interrupted is None:
+                interrupted = exc
                 print(f"morphling run: {exc}; stopping the ranks", file=sys.stderr)
                 stopping_since = _stop(children, stopping_since)
         for child in children:
@@ -159,7 +153,12 @@ def _wait(children: list[Rank], signals: Signals) -> int | None:
                 if child.exit_code is None:
                     child.process.kill()
         time.sleep(0.05)
-    return code
+    return interrupted
+
+
+def failed(children: list[Rank]) -> Rank | None:
+    """The rank that failed first (not one stopped for it), if any."""
+    return next((c for c in children if c.exit_code and not c.stopped), None)
 
 
 def _stop(children: list[Rank], since: float | None) -> float:

@@ -40,7 +40,6 @@ from morphling.proxy.vtime.eventlog import EVENT_LEVELS
 from morphling.proxy.vtime.placement import POLICIES
 from morphling.runtime import parse_server
 
-from .ranks import check_fleet
 from .run_dir import claim
 
 log = logging.getLogger("morphling.job")
@@ -287,8 +286,11 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
             )
         if cfg.embedded:
             fleet = expand_fleet(cfg.devices, max_devices=cfg.max_devices)
-            if cfg.ranks:
-                check_fleet(cfg.ranks, len(fleet), cfg.devices)
+            if cfg.ranks > len(fleet):
+                raise configuration.ConfigError(
+                    f"--ranks {cfg.ranks} needs {cfg.ranks} devices, one per rank: the fleet "
+                    f"{cfg.devices!r} has {len(fleet)}"
+                )
         else:
             parse_server(cfg.server)
         coordinator_profile(cfg.coordinator, cfg.coordinator_time or None,
@@ -436,13 +438,21 @@ def _run_ranks(
         )  # fmt: skip
         try:
             embedded.start()
-            children, signalled = ranks.launch(
+            signals.raising = False  # from now on the ranks report what they ran, and we wait
+            children, interrupted = ranks.launch(
                 embedded, cfg.ranks, _rank_flags(cfg), command, signals,
                 configuration.env_names(RunConfig),
             )  # fmt: skip
+            failure = ranks.failed(children)
+            if interrupted is not None:  # run.json says the run did not end
+                embedded.run_info["incomplete"] = str(interrupted)
+            elif failure is not None:
+                embedded.run_info["incomplete"] = (
+                    f"rank {failure.rank} exited with code {failure.exit_code}"
+                )
         finally:
             embedded.stop()
-    except Interrupted:
+    except Interrupted:  # while the fleet started: nothing ran
         if created and run_dir is not None:
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
@@ -455,7 +465,9 @@ def _run_ranks(
     run = ranks.summary(children)
     if cfg.table:
         print(ranks.table(run), file=sys.stderr)
-    code = next((c.exit_code for c in children if c.exit_code and not c.stopped), 0)
+    code = 0
+    if failure is not None and failure.exit_code is not None:  # a signal's: as a shell has it
+        code = failure.exit_code if failure.exit_code > 0 else 128 - failure.exit_code
     if json_path is not None:
         try:
             json_path.write_text(json.dumps(run, indent=1) + "\n")
@@ -464,7 +476,7 @@ def _run_ranks(
             code = code or 1
     if cfg.report and cfg.events != "off":
         _report(run_dir)
-    return signalled if signalled is not None else code or 0
+    return interrupted.exit_code if interrupted is not None else code
 
 
 def _report(run_dir: Path) -> None:

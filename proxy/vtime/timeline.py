@@ -24,6 +24,12 @@ job that stays open and idle later would hold the others back for ever, so
 the emulator calls ``release_idle`` when the clock has been held for a
 while: the idle jobs stop counting until they issue again, and what they
 issue then starts no earlier than the clock (a warning says so).
+
+A rank of a distributed script (``open_job(rank=...)``) runs on its own device, which
+serves it alone, and shares nothing with the other jobs but its collectives: its time is
+its own. Its events carry their own times, so it never holds the clock back and is never
+released; a collective starts when its last member reaches it (``collective``) and takes
+its transfers' time on the members' links (``collectives``).
 """
 
 from __future__ import annotations
@@ -485,13 +491,11 @@ class Timeline(Generic[T]):
         return self.clock.next_time() < math.inf and self.clock.next_time() >= self._horizon()
 
     def release_idle(self) -> list[int]:
-        """Stop waiting for the jobs that hold the clock back; their ids. Never a rank: the
-        others wait for it in their collectives anyway, and it must not run late."""
+        """Stop waiting for the jobs that hold the clock back; their ids (never a rank's: a
+        rank holds nothing back)."""
         horizon = self._horizon()
         idle = [
-            j
-            for j in self.jobs.values()
-            if not j.waiting and not j.resident and j.clock <= horizon and not j.released
+            j for j in self.jobs.values() if not j.waiting and not j.resident and j.clock <= horizon
         ]
         for job in idle:
             job.released = True

@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import gzip
 import json
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from morphling.devices.models.links import LINKS
 from morphling.devices.models.profiles import BUILTIN
+from morphling.proxy.report.load import load_run
 from morphling.proxy.vtime.eventlog import COMPRESSED_EVENTS_FILE
-from processes import SCRIPTS, _child, morphling_run, succeeded
+from processes import MORPHLING_RUN, SCRIPTS, _child, child_env, morphling_run, succeeded
 
 
 def losses(stdout: str) -> dict[int, list[float]]:
@@ -137,3 +141,34 @@ def test_a_script_without_a_process_group_runs_as_independent_copies(tmp_path: P
                          "0", "--no-report", "--", "python", script, cwd=tmp_path)  # fmt: skip
     succeeded(proc)
     assert "no rank made a collective: 2 independent copies" in proc.stderr
+
+
+def test_a_signal_stops_every_rank_and_the_run_says_so(tmp_path: Path) -> None:
+    """SIGINT to ``morphling run`` alone: each rank ends as on Ctrl-C (its steps reported),
+    the run directory is marked incomplete, the exit code is 130."""
+    script = tmp_path / "forever.py"
+    script.write_text(
+        "import torch, torch.distributed as dist\nfrom torch import nn\n"
+        "dist.init_process_group('gloo')\nddp = nn.parallel.DistributedDataParallel("
+        "nn.Linear(64, 64))\nopt = torch.optim.SGD(ddp.parameters(), lr=0.01)\nstep = 0\n"
+        "while True:\n    ddp(torch.randn(8, 64)).sum().backward()\n    opt.step()\n"
+        "    step += 1\n    print('step', step, flush=True)\n"
+    )
+    run_dir, report, out = tmp_path / "run", tmp_path / "ranks.json", tmp_path / "out.txt"
+    with out.open("w") as stdout:
+        proc = subprocess.Popen(
+            [*MORPHLING_RUN, "--ranks", "2", "--embedded", "--devices", "rpi4:2", "--min-flops",
+             "0", "--run-dir", str(run_dir), "--json", str(report), "--", "python", str(script)],
+            stdout=stdout, stderr=subprocess.STDOUT, text=True, env=child_env(), cwd=tmp_path,
+        )  # fmt: skip
+        deadline = time.monotonic() + 120
+        while out.read_text().count("step 3") < 2:  # both ranks are training
+            assert proc.poll() is None and time.monotonic() < deadline, out.read_text()[-3000:]
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=120) == 130, out.read_text()[-3000:]
+    text = out.read_text()
+    assert "morphling run: interrupted by SIGINT; stopping the ranks" in text
+    run = json.loads(report.read_text())
+    assert all(r["stopped"] and len(r["steps"]) >= 3 for r in run["ranks"]), run["ranks"]
+    assert load_run(run_dir).incomplete == "interrupted by SIGINT"
