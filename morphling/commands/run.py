@@ -321,7 +321,7 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
             token=cfg.token,
             block=cfg.block_size,
             min_flops=cfg.min_flops,
-            name=target[1],
+            name=target[1] if cfg.rank < 0 else f"{target[1]} rank {cfg.rank}",
             ckpt=cfg.ckpt or None,
             coordinator=cfg.coordinator,
             coordinator_time=cfg.coordinator_time or None,
