@@ -301,8 +301,9 @@ class Job:
                 "bad_collective",
             )
         group = tuple(ranks)
+        kind = "p2p" if msg.op in ("send", "recv") else "group"  # numbered apart (PROTOCOL.md)
         op = Operation(
-            (group, msg.seq), msg.op, msg.nbytes, group,
+            (kind, group, msg.seq), msg.op, msg.nbytes, group,
             root=group.index(msg.root) if msg.root != -1 else 0, blocking=msg.blocking,
         )  # fmt: skip
         self.emulator.timeline.collective(

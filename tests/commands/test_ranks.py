@@ -56,7 +56,7 @@ def collectives(run_dir: Path) -> list[dict]:
 
 @pytest.mark.parametrize("script", ["ranks_ddp.py", "ranks_fedavg.py", "ranks_pipeline.py"])
 def test_ranks_train_as_torchrun_does(tmp_path: Path, script: str) -> None:
-    proc, report, _ = ranks_run(tmp_path, script)
+    proc, report, run_dir = ranks_run(tmp_path, script)
     succeeded(proc)
     got, expected = losses(proc.stdout), torchrun(script)
     assert got.keys() == expected.keys() == {0, 1}
@@ -68,6 +68,9 @@ def test_ranks_train_as_torchrun_does(tmp_path: Path, script: str) -> None:
     assert all(s["comm_s"] > 0 for r in run["ranks"] for s in r["steps"][1:]) or script == (
         "ranks_fedavg.py"  # its all-reduces come every other step
     )
+    if script == "ranks_pipeline.py":  # each its own operation: a pair's apart from the group's
+        ops = sorted((c["op"], c["members"]) for c in collectives(run_dir))
+        assert ops == sorted([("send", 2), ("recv", 2)] * 2 * 3 + [("allreduce", 2)] * 2), ops
 
 
 def test_a_ddp_allreduce_takes_the_ring_closed_form_on_each_link(tmp_path: Path) -> None:

@@ -1,5 +1,6 @@
 """A two-stage pipeline with send/recv: rank 0 holds the first layer and sends its
-activations, rank 1 the second and sends their gradient back; prints its losses."""
+activations, rank 1 the second and sends their gradient back; then an all-reduce of the
+step count over both (a group's operation beside the pair's); prints its losses."""
 
 import json
 
@@ -35,5 +36,8 @@ for _ in range(STEPS):
         dist.send(h.grad, dst=0)
         losses.append(loss.item())
     opt.step()
+steps = torch.tensor([float(STEPS)])
+dist.all_reduce(steps)
+assert steps.item() == 2 * STEPS
 print(json.dumps({"rank": rank, "losses": losses}), flush=True)
 dist.destroy_process_group()
