@@ -149,7 +149,10 @@ def plan_explicit(
 
 
 def as_array(x: Any, name: str) -> np.ndarray:
-    """A numpy view of ``x`` (numpy array or CPU torch tensor), never a copy."""
+    """A numpy view of ``x`` (numpy array or CPU torch tensor), never a copy.
+
+    Through DLPack, not ``Tensor.numpy()``: that marks the tensor's storage as never to be
+    resized again, and FSDP frees its all-gather buffers by resizing their storage to 0."""
     if isinstance(x, np.ndarray):
         return x
     if type(x).__module__.startswith("torch"):
@@ -157,7 +160,7 @@ def as_array(x: Any, name: str) -> np.ndarray:
             raise ValueError(f"{name}: tensor is on {x.device}; the CPU kernels take host memory")
         if str(x.layout) != "torch.strided":
             raise ValueError(f"{name}: layout {x.layout} is not strided")
-        return x.detach().numpy()
+        return np.from_dlpack(x.detach())
     raise ValueError(f"{name}: expected a numpy array or torch tensor, got {type(x).__name__}")
 
 

@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 from morphling.kernels import ConvGeometry, blas_operand
+from morphling.kernels.layout import as_array
 from morphling.proxy.net.blocking import BlockingChannel, ChannelError
 from morphling.proxy.net.peer import PeerProtocol
 from morphling.proxy.net.protocol import SMALL_PAYLOAD
@@ -297,7 +298,7 @@ def _into(c: np.ndarray, out: Any) -> Any:
     """``c``, or ``out`` (an array or a tensor) with ``c`` copied in when given."""
     if out is None:
         return c
-    np.copyto(out if isinstance(out, np.ndarray) else out.numpy(), c)
+    np.copyto(as_array(out, "out"), c)
     return out
 
 

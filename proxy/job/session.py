@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 from morphling.devices.models.profiles import HOST, DeviceProfile
+from morphling.kernels.layout import as_array
 from morphling.proxy.checkpoint.format import Checkpoint, CheckpointError
 from morphling.proxy.emulator.settings import DEFAULT_MIN_FLOPS, EmulatorConfig
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -209,7 +210,7 @@ class Session:
         geometry = call.geometry
         return torch.from_numpy(
             self.client.conv(
-                kind, a.detach().numpy(), b.detach().numpy(),
+                kind, as_array(a, "a"), as_array(b, "b"),
                 input_shape=call.input, weight_shape=call.weight, stride=geometry.stride,
                 padding=geometry.padding, dilation=geometry.dilation, groups=geometry.groups,
                 host_ns=host_ns, host_split=split,

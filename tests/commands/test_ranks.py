@@ -54,7 +54,9 @@ def collectives(run_dir: Path) -> list[dict]:
     return [r for r in map(json.loads, lines) if r["ev"] == "collective"]
 
 
-@pytest.mark.parametrize("script", ["ranks_ddp.py", "ranks_fedavg.py", "ranks_pipeline.py"])
+@pytest.mark.parametrize(
+    "script", ["ranks_ddp.py", "ranks_fedavg.py", "ranks_pipeline.py", "ranks_fsdp.py"]
+)
 def test_ranks_train_as_torchrun_does(tmp_path: Path, script: str) -> None:
     proc, report, run_dir = ranks_run(tmp_path, script)
     succeeded(proc)
@@ -68,6 +70,8 @@ def test_ranks_train_as_torchrun_does(tmp_path: Path, script: str) -> None:
     assert all(s["comm_s"] > 0 for r in run["ranks"] for s in r["steps"][1:]) or script == (
         "ranks_fedavg.py"  # its all-reduces come every other step
     )
+    if script == "ranks_fsdp.py":  # parameters all-gathered, gradients reduce-scattered
+        assert {c["op"] for c in collectives(run_dir)} >= {"allgather", "reduce_scatter"}
     if script == "ranks_pipeline.py":  # each its own operation: a pair's apart from the group's
         ops = sorted((c["op"], c["members"]) for c in collectives(run_dir))
         assert ops == sorted([("send", 2), ("recv", 2)] * 2 * 3 + [("allreduce", 2)] * 2), ops

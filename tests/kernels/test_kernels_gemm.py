@@ -109,6 +109,15 @@ def test_torch_views_including_grad_tensors():
     np.testing.assert_allclose(out, (x @ w.T).detach().numpy(), rtol=1e-5, atol=1e-5)
 
 
+def test_torch_operands_can_still_be_resized():
+    """``Tensor.numpy()`` would mark their storage never to be resized again, and FSDP
+    frees its all-gather buffers by resizing them to 0 (it failed under --ranks)."""
+    x, w, out = torch.randn(5, 7), torch.randn(7, 3), torch.empty(5, 3)
+    gemm(x, w, out)
+    for t in (x, w, out):
+        t.untyped_storage().resize_(0)
+
+
 def test_explicit_contract_on_pool_buffers():
     """The wire-level contract: explicit m, n, k, ld, transposes and batch strides."""
     rng = np.random.default_rng(0)
