@@ -34,8 +34,8 @@ def losses(stdout: str) -> dict[int, list[float]]:
 
 
 def torchrun(script: str, *args: str, ranks: int = 2) -> dict[int, list[float]]:
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-               str(SCRIPTS / script), *args]  # fmt: skip
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",  # a free port
+               "--nproc-per-node", str(ranks), str(SCRIPTS / script), *args]  # fmt: skip
     return losses(succeeded(_child(command, None, None)).stdout)
 
 
