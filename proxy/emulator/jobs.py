@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, TypedDict
 import numpy as np
 from morphling.proxy.checkpoint.format import CheckpointError
 from morphling.proxy.shm import handover as local
+from morphling.proxy.vtime.collectives import PAIR
 from morphling.proxy.vtime.eventlog import GEMM_OP
 from morphling.proxy.vtime.timeline import Operation, StepTimes
 from morphling.proxy.wire.errors import RemoteProtocolError
@@ -301,7 +302,7 @@ class Job:
                 "bad_collective",
             )
         group = tuple(ranks)
-        kind = "p2p" if msg.op in ("send", "recv") else "group"  # numbered apart (PROTOCOL.md)
+        kind = "p2p" if msg.op in PAIR else "group"  # numbered apart (PROTOCOL.md)
         op = Operation(
             (kind, group, msg.seq), msg.op, msg.nbytes, group,
             root=group.index(msg.root) if msg.root != -1 else 0, blocking=msg.blocking,

@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+from morphling.proxy.vtime.collectives import PAIR
 from torch._C._distributed_c10d import ProcessGroup
 
 log = logging.getLogger(__name__)
@@ -112,7 +113,7 @@ class Collectives:
             )
             ranks = self._group_ranks(args[reader.group])
             root = -1 if reader.root is None else ranks[args[reader.root]]
-            if reader.op in ("send", "recv"):
+            if reader.op in PAIR:
                 me = dist.get_rank()
                 ranks = [me, root] if reader.op == "send" else [root, me]
             blocking = reader.async_op is None or not args[reader.async_op]

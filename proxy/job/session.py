@@ -33,6 +33,7 @@ from morphling.devices.models.profiles import HOST, DeviceProfile
 from morphling.kernels.layout import as_array
 from morphling.proxy.checkpoint.format import Checkpoint, CheckpointError
 from morphling.proxy.emulator.settings import DEFAULT_MIN_FLOPS, EmulatorConfig
+from morphling.proxy.vtime.collectives import PAIR
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import (
@@ -194,7 +195,7 @@ class Session:
         host_ns, split = self._request_host_time()
         if not blocking:
             self._carried = split
-        key = ("p2p" if op in ("send", "recv") else "group", tuple(ranks))
+        key = ("p2p" if op in PAIR else "group", tuple(ranks))
         seq = self._collectives[key] = self._collectives.get(key, 0) + 1
         self.client.collective(op, nbytes, ranks=ranks, seq=seq, root=root, blocking=blocking,
                                host_ns=host_ns, host_split=split)  # fmt: skip
