@@ -39,6 +39,21 @@ def morphling_run(
     return _child([*MORPHLING_RUN, *map(str, args)], cwd, env)
 
 
+def morphling_here(capsys: pytest.CaptureFixture[str], *args: str | Path) -> tuple[int, str, str]:
+    """``morphling ARGS`` in this process, for what a command refuses before it starts
+    anything (a usage error: the same code as in a child, without its start-up); its exit
+    code, stdout and stderr. The test runs it from the directory it means (``chdir``)."""
+    from morphling.cli import main
+
+    capsys.readouterr()
+    try:
+        code = main(["--log-level", "warning", *map(str, args)])
+    except SystemExit as exc:  # argparse's own refusals
+        code = exc.code if isinstance(exc.code, int) else 1
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
 def python(
     *args: str | Path, cwd: Path | None = None, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:

@@ -23,7 +23,7 @@ import pytest
 from morphling.devices.models.capacity import DEVICE_BYTES
 from morphling.proxy.job.client import AsyncClient, Client, EmulatorError
 from morphling.proxy.wire.messages import Gemm, Result
-from processes import MORPHLING, Procs, child_env, free_port
+from processes import MORPHLING, Procs, child_env, free_port, morphling_here
 
 try:
     import torch
@@ -490,20 +490,23 @@ def test_a_fleet_stopped_while_its_devices_are_made_exits_143_before_connecting(
         "toml-bool-window",
     ],
 )
-def test_bad_configuration_exits_2_naming_the_key(tmp_path, args, env, toml, expect):
-    cmd = [*MORPHLING, "emulator", "--listen-ip", "127.0.0.1", "--listen-port", "0", *args]
+def test_bad_configuration_exits_2_naming_the_key(
+    tmp_path, capsys, monkeypatch, args, env, toml, expect
+):
+    """Refused before it listens (in this process: the exit code is the command's own)."""
+    cmd = ["emulator", "--listen-ip", "127.0.0.1", "--listen-port", "0", *args]
     if toml is not None:
         path = tmp_path / "emulator.toml"
         path.write_text(toml)
         cmd += ["--config", str(path)]
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=30, env={**child_env(), **env}
-    )
-    assert proc.returncode == 2, proc.stderr
-    assert expect in proc.stderr
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    code, _, stderr = morphling_here(capsys, *cmd)
+    assert code == 2, stderr
+    assert expect in stderr
     if toml is not None and "unknown key" in expect:
-        assert "did you mean 'window'?" in proc.stderr
-    assert "listening" not in proc.stderr
+        assert "did you mean 'window'?" in stderr
+    assert "listening" not in stderr
 
 
 # -- jobs stay connected while idle ---------------------------------------------------------

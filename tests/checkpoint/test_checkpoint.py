@@ -363,16 +363,15 @@ def a_thesis(directory: Path) -> None:
         (a_thesis, "no index.json"),
     ],
 )
-def test_force_never_replaces_a_directory_that_is_not_a_checkpoint(tmp_path, make, why):
+def test_force_never_replaces_a_directory_that_is_not_a_checkpoint(tmp_path, capsys, make, why):
     out = tmp_path / "out"
     make(out)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
-    proc = morphling_save("--model", "opt-tiny", "--random-init", "--output", out, "--force")
-    assert proc.returncode == 2, proc.stderr
-    assert proc.stderr == (
-        f"morphling save: {out}: not a Morphling checkpoint ({why}); "
-        "refusing to replace it even with --force\n"
-    )
+    capsys.readouterr()
+    code = save("--model", "opt-tiny", "--random-init", "--output", out, "--force")
+    refused = (f"morphling save: {out}: not a Morphling checkpoint ({why}); refusing to "
+               "replace it even with --force\n")  # fmt: skip
+    assert (code, capsys.readouterr().err) == (2, refused)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no staging leftovers
 
@@ -446,23 +445,26 @@ def test_a_signal_while_the_model_is_written_removes_the_staging_directory(tmp_p
 
 
 @pytest.mark.parametrize("output", [".", "../ck"])
-def test_the_current_directory_is_refused_before_writing(tmp_path, output):
+def test_the_current_directory_is_refused_before_writing(tmp_path, capsys, monkeypatch, output):
     """Run inside the checkpoint: the whole model was written, then the swap failed with a
-    raw '[Errno 16] Device or resource busy', exit 1. Now one line before writing, exit 2."""
+    raw '[Errno 16] Device or resource busy', exit 1. Now one line before writing, exit 2.
+    (In this process: the checks are the command's own; its exit code, ``save``'s.)"""
     out = tmp_path / "ck"
     assert save("--model", "opt-tiny", "--random-init", "--output", out) == 0
     before = {p.name: p.read_bytes() for p in out.iterdir()}
-    proc = morphling_save("--model", "opt-tiny", "--random-init", "--seed", 1, "--output",
-                          output, "--force", cwd=out)  # fmt: skip
-    assert (proc.returncode, proc.stderr) == (2, (
+    monkeypatch.chdir(out)
+    capsys.readouterr()
+    code = save("--model", "opt-tiny", "--random-init", "--seed", 1, "--output", output, "--force")
+    assert (code, capsys.readouterr().err) == (2, (
         f"morphling save: {output}: is the current directory; a save replaces the directory "
         "itself, which would leave this shell in a removed one: run it from the parent "
         "directory\n"))  # fmt: skip
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
-    proc = morphling_save("--model", "opt-tiny", "--random-init", "--seed", 1, "--output",
-                          "ck", "--force", cwd=tmp_path)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
+    monkeypatch.chdir(tmp_path)
+    assert (
+        save("--model", "opt-tiny", "--random-init", "--seed", 1, "--output", "ck", "--force") == 0
+    )
     with Checkpoint.open(out) as ckpt:
         assert ckpt.source == "random-init opt-tiny seed=1"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
@@ -477,12 +479,13 @@ def test_the_current_directory_is_refused_before_writing(tmp_path, output):
         ("link", "is a symbolic link; give the directory it points to"),
     ],
 )
-def test_an_unusable_output_is_one_line_and_exit_2(tmp_path, output, problem):
+def test_an_unusable_output_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch, output, problem):
     (tmp_path / "afile").write_text("kept")
     (tmp_path / "dir").mkdir()
     (tmp_path / "link").symlink_to("dir")
-    proc = morphling_save("--model", "opt-tiny", "--random-init", "--output", output, cwd=tmp_path)
-    assert (proc.returncode, proc.stderr) == (2, f"morphling save: {output}: {problem}\n")
+    monkeypatch.chdir(tmp_path)
+    code = save("--model", "opt-tiny", "--random-init", "--output", output)
+    assert (code, capsys.readouterr().err) == (2, f"morphling save: {output}: {problem}\n")
     assert (tmp_path / "afile").read_text() == "kept"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "dir", "link"]
 
