@@ -79,7 +79,7 @@ class Emulator:
             self._events, level=config.events, detail_steps=config.events_detail_steps
         )
         self.timeline: Timeline[AnyTile] = Timeline(
-            config.policy, log=events, bottleneck=bottleneck
+            config.policy, log=events, bottleneck=bottleneck, algorithm=config.collective
         )
         self.run_info: dict[str, Any] = {}  # extra keys for run.json (the command, settings)
         self.allocate = pool_allocator(self.pool)
@@ -212,6 +212,7 @@ class Emulator:
             "policy": cfg.policy,
             "block": cfg.block_size,
             "bottleneck": bottleneck,
+            "collective": timeline.algorithm,
             "fleet": [_run_entry(device) for device in devices],
             "jobs": timeline.job_names(),
             "event_log": cfg.events,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass
 
+from morphling.proxy.vtime.collectives import ALGORITHMS
 from morphling.proxy.vtime.eventlog import DETAIL_STEPS, EVENT_LEVELS
 from morphling.proxy.vtime.placement import POLICIES
 from morphling.proxy.wire import challenge
@@ -151,6 +152,12 @@ class EmulatorConfig:
     )
     bottleneck_ul_bw: float = _opt(
         0.0, "bytes/s of the same shared FIFO for uploads; 0: as downloads", min=0.0
+    )
+    collective: str = _opt(
+        "ring",
+        "how ranks' collectives move their bytes in virtual time: ring (gloo's), tree (a "
+        "binary tree from the root) or star (a parameter server on this host)",
+        choices=ALGORITHMS,
     )
     profile_source: str = _opt(
         "auto",

@@ -222,8 +222,9 @@ class Oom:
 
 @dataclass(frozen=True, slots=True)
 class CollectivePart:
-    """A rank's part in a collective: when it reached it (``t``), when the collective
-    started (its last member there) and ended."""
+    """A rank's part in a collective: when it reached it (``t``), when its last member
+    had (``ready``), when it started on the network (once the members' links were done
+    with their earlier collectives) and ended."""
 
     job: int
     request: int
@@ -234,6 +235,7 @@ class CollectivePart:
     t: float
     start: float
     end: float
+    ready: float
 
 
 @dataclass(frozen=True, slots=True)

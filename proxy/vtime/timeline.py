@@ -28,14 +28,17 @@ issue then starts no earlier than the clock (a warning says so).
 A rank of a distributed script (``open_job(rank=...)``) runs on its own device, which
 serves it alone, and shares nothing with the other jobs but its collectives: its time is
 its own. Its events carry their own times, so it never holds the clock back and is never
-released; a collective starts when its last member reaches it (``collective``) and takes
-its transfers' time on the members' links (``collectives``).
+released; a collective starts when its last member reaches it (``collective``) and the
+members' links are done with the collectives each reached before it (one at a time, in
+each rank's order: DDP's buckets queue behind each other), and takes its transfers' time
+on the members' links by the timeline's algorithm (``collectives``).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, NamedTuple, TypeVar
@@ -44,7 +47,7 @@ from morphling.devices.models.compute import GemmShape
 from morphling.devices.models.conv_shape import ConvShape
 from morphling.devices.models.profiles import DeviceProfile
 
-from .collectives import Link, collective_s
+from .collectives import ALGORITHMS, Link, collective_s
 from .engine import Clock, Fifo, Span
 from .eventlog import (
     COMPONENTS,
@@ -236,8 +239,19 @@ class Timeline(Generic[T]):
     ``submit`` hands back to it placed."""
 
     def __init__(
-        self, policy: str, *, log: EventLog | None = None, bottleneck: Bottleneck | None = None
+        self,
+        policy: str,
+        *,
+        log: EventLog | None = None,
+        bottleneck: Bottleneck | None = None,
+        algorithm: str = "ring",
     ) -> None:
+        """``algorithm``: how collectives move their bytes (``collectives.ALGORITHMS``)."""
+        if algorithm not in ALGORITHMS:
+            raise ValueError(
+                f"collective algorithm {algorithm!r}: not one of {', '.join(ALGORITHMS)}"
+            )
+        self.algorithm = algorithm
         self.clock = Clock()
         self.placement = Placement(policy)
         self.log = log or EventLog()
@@ -249,6 +263,8 @@ class Timeline(Generic[T]):
         self._stalled: list[_Gemm[T]] = []  # issued while no device could take them
         self._tiles = 0  # tiles placed so far: their numbers in the log
         self._gathering: dict[tuple[object, ...], dict[int, _Part]] = {}  # collectives, by key
+        self._reached: dict[int, deque[tuple[object, ...]]] = {}  # each rank's, not started
+        self._comm_free: dict[int, float] = {}  # when each rank's links are done with them
         self._rank_epoch: float | None = None  # when the open ranks started
         self._rank_jobs: dict[int, _Job] = {}  # each rank's job
         self._works: dict[_WorkKey, Work] = {}  # see ``_work``
@@ -306,7 +322,10 @@ class Timeline(Generic[T]):
 
     def close_job(self, job_id: int) -> None:
         job = self.jobs.pop(job_id, None)
-        self._rank_jobs = {r: j for r, j in self._rank_jobs.items() if j is not job}
+        for rank in [r for r, j in self._rank_jobs.items() if j is job]:
+            del self._rank_jobs[rank]
+            self._reached.pop(rank, None)  # what it reached and left will never start
+            self._comm_free.pop(rank, None)
         self._stalled = [gemm for gemm in self._stalled if gemm.job.id != job_id]  # its memory
         self._advance()
 
@@ -748,36 +767,60 @@ class Timeline(Generic[T]):
         self._settle(job, task.id, gemm.seq, now, blocking=True)
 
     def _arrive(self, part: _Part) -> None:
-        """A rank reached a collective; the last to come starts it."""
+        """A rank reached a collective; once its last member has, it starts when every
+        member's links are done with the collectives each reached before it."""
         op = part.op
+        self._reached.setdefault(part.rank, deque()).append(op.key)
         parts = self._gathering.setdefault(op.key, {})
         parts[part.rank] = part
-        if len(parts) < len(op.members):
-            return
-        del self._gathering[op.key]
-        links = [_link(self._member_device(rank)) for rank in op.members]
-        nbytes = max(p.op.nbytes for p in parts.values())
-        bottleneck = self.bottleneck.dl_bw if self.bottleneck is not None else math.inf
-        start = max(p.at for p in parts.values())
-        end = start + collective_s(op.op, nbytes, links, op.root, bottleneck)
-        self.clock.at(end, self._collective_end, (list(parts.values()), start, end))
+        if len(parts) == len(op.members):
+            self._start_ready([op.key])
+
+    def _start_ready(self, keys: list[tuple[object, ...]]) -> None:
+        """Start each collective of ``keys`` whose members are all there and have started
+        every collective they reached before it, and then those that waited on them: a
+        member's links carry its collectives one at a time, in the order it reached them
+        (the same on every run, whatever the order the ranks' messages came in)."""
+        while keys:
+            key = keys.pop()
+            parts = self._gathering.get(key)
+            if parts is None:
+                continue
+            members = next(iter(parts.values())).op.members
+            if len(parts) < len(members) or any(self._reached[r][0] != key for r in members):
+                continue
+            del self._gathering[key]
+            op = parts[members[0]].op
+            links = [_link(self._member_device(rank)) for rank in members]
+            nbytes = max(p.op.nbytes for p in parts.values())
+            bottleneck = self.bottleneck.dl_bw if self.bottleneck is not None else math.inf
+            ready = max(p.at for p in parts.values())  # its last member there
+            start = max(ready, *(self._comm_free.get(r, 0.0) for r in members))
+            end = start + collective_s(op.op, nbytes, links, op.root, bottleneck, self.algorithm)
+            for rank in members:
+                self._comm_free[rank] = end
+                self._reached[rank].popleft()
+                if self._reached[rank]:
+                    keys.append(self._reached[rank][0])
+            self.clock.at(end, self._collective_end, (list(parts.values()), ready, start, end))
 
     def _member_device(self, rank: int) -> VirtualDevice | None:
         job = self._rank_jobs.get(rank)
         return None if job is None or job.device is None else self.devices.get(job.device)
 
-    def _collective_end(self, ended: tuple[list[_Part], float, float]) -> None:
-        """Every member's part ends: logged, counted in its step, settled."""
-        parts, start, now = ended
+    def _collective_end(self, ended: tuple[list[_Part], float, float, float]) -> None:
+        """Every member's part ends: logged, counted in its step (waiting for the other
+        members; then on the network, queued behind earlier collectives included), settled."""
+        parts, ready, start, now = ended
         for part in parts:
             job = part.job
             times = job.step
             if times is not None:
-                times.comm_s += now - start
-                times.comm_wait_s += start - part.at
+                times.comm_s += now - ready
+                times.comm_wait_s += ready - part.at
             op = part.op
             self.log.write(CollectivePart(job.id, part.request, part.step, op.op, op.nbytes,
-                                          len(op.members), part.at, start, now))  # fmt: skip
+                                          len(op.members), part.at, start, now, ready))  # fmt: skip
             part.done(part.at, now)
             if self.jobs.get(job.id) is job:  # (a member that left has nothing to settle)
                 self._settle(job, part.request, part.seq, now, blocking=op.blocking)

@@ -145,3 +145,90 @@ def test_the_rooted_and_gathering_operations_price_as_documented():
     assert math.isfinite(collective_s("alltoall", 1_000_000, links))
     with pytest.raises(ValueError, match="'mystery'"):
         collective_s("mystery", 1, links)
+
+
+@pytest.mark.parametrize(("n", "hops"), [(2, 2), (4, 6), (7, 8)])
+def test_a_tree_allreduce_reduces_up_and_broadcasts_down_a_level_at_a_time(n, hops):
+    """Binary tree: a level's parent takes its children in turn, up then down. Four
+    members: 3→1, then 1 and 2→0 (two in turn), and back: 6 hops; seven (full): 8."""
+    hop = 0.002 + 1_000_000 / (10 * MB)
+    links = [Link(0.001, 10 * MB, 0.001, 10 * MB)] * n
+    seconds = collective_s("allreduce", 1_000_000, links, algorithm="tree")
+    assert seconds == pytest.approx(hops * hop)
+
+
+def test_a_tree_rooted_elsewhere_uses_the_roots_link_at_the_top():
+    """The root's slow uplink carries its broadcast to both children, in turn."""
+    fast, slow = Link(0.0, 100 * MB, 0.0, 100 * MB), Link(0.0, 1 * MB, 0.0, 100 * MB)
+    links = [fast, fast, slow]
+    seconds = collective_s("broadcast", 1_000_000, links, root=2, algorithm="tree")
+    assert seconds == pytest.approx(2 * 1.0)
+
+
+def test_a_star_sends_everything_up_to_the_server_then_down():
+    """A parameter server on the host: every member's uplink at once, then every downlink;
+    an access point carries each phase's bytes at its own rate."""
+    n, size, lat = 4, 2_000_000, 0.003
+    links = [Link(lat, 10 * MB, lat, 20 * MB)] * n
+    one_way = lat + size / (10 * MB), lat + size / (20 * MB)
+    assert collective_s("allreduce", size, links, algorithm="star") == pytest.approx(sum(one_way))
+    gathered = collective_s("allgather", size, links, algorithm="star")
+    assert gathered == pytest.approx(one_way[0] + lat + (n - 1) * size / (20 * MB))
+    ap = 4 * MB
+    shared = collective_s("allreduce", size, links, bottleneck_bw=ap, algorithm="star")
+    assert shared == pytest.approx(2 * n * size / ap)
+    with pytest.raises(ValueError, match="'mesh'"):
+        collective_s("allreduce", size, links, algorithm="mesh")
+
+
+def test_every_algorithm_prices_every_operation_and_a_pair_the_same():
+    links = [Link(0.001, 10 * MB, 0.002, 5 * MB)] * 5
+    ops = ("allreduce", "barrier", "reduce", "broadcast", "allgather", "reduce_scatter",
+           "alltoall", "gather", "scatter")  # fmt: skip
+    for algorithm in ("ring", "tree", "star"):
+        for op in ops:
+            assert collective_s(op, 1_000_000, links, root=3, algorithm=algorithm) > 0, op
+        pair = collective_s("send", 1_000_000, links[:2], algorithm=algorithm)
+        assert pair == pytest.approx(0.003 + 1_000_000 / (5 * MB))
+
+
+def test_a_ranks_collectives_queue_on_its_links_in_the_order_it_reached_them():
+    """DDP's buckets: two async all-reduces issued back to back cross the links one after
+    the other, not at once."""
+    tl, _ = new_timeline()
+    jobs = ranks(tl, [profile(bw=1 * MB, lat=0.0)] * 2)
+    ends: dict[int, float] = {}
+    for bucket in (1, 2):
+        op = Operation(("world", bucket), "allreduce", 1_000_000, (0, 1), blocking=False)
+        for job in jobs:
+            tl.collective(job, job - 1, 10 + bucket, op, after=0, host_s=0.0,
+                          done=lambda i, e, b=bucket: ends.__setitem__(b, e))  # fmt: skip
+    comm = ring_allreduce_s(2, 1_000_000, 1 * MB, 0.0)
+    assert ends == {1: pytest.approx(comm), 2: pytest.approx(2 * comm)}
+
+
+@pytest.mark.parametrize("late_first", [True, False])
+def test_a_collective_of_a_shared_member_waits_for_its_earlier_one_whatever_the_message_order(
+    late_first,
+):
+    """Rank 0 reaches A (with rank 1) and then B (with rank 2), both async. Whether rank 2's
+    part of B or rank 1's late part of A comes in first, B starts when A is off rank 0's
+    links."""
+    tl, _ = new_timeline()
+    jobs = ranks(tl, [profile(bw=1 * MB, lat=0.0)] * 3)
+    a = Operation(("group", (0, 1), 1), "allreduce", 1_000_000, (0, 1), blocking=False)
+    b = Operation(("group", (0, 2), 1), "allreduce", 1_000_000, (0, 2), blocking=False)
+    ends: dict[str, float] = {}
+
+    def reach(job: int, op: Operation, host_s: float) -> None:
+        name = "A" if op is a else "B"
+        tl.collective(job, job - 1, ord(name), op, after=0, host_s=host_s,
+                      done=lambda i, e: ends.__setitem__(name, e))  # fmt: skip
+
+    reach(jobs[0], a, 0.0)
+    reach(jobs[0], b, 0.0)
+    calls = [(jobs[1], a, 3.0), (jobs[2], b, 0.0)]
+    for call in calls if late_first else calls[::-1]:
+        reach(*call)
+    comm = ring_allreduce_s(2, 1_000_000, 1 * MB, 0.0)
+    assert ends == {"A": pytest.approx(3.0 + comm), "B": pytest.approx(3.0 + 2 * comm)}
