@@ -27,6 +27,8 @@ from .records import FORMAT_VERSION
 from .summary import (
     Bottleneck,
     ByClass,
+    CollectiveRow,
+    Collectives,
     CriticalPath,
     Detail,
     DeviceRow,
@@ -134,7 +136,26 @@ def summarize(run: Run) -> Summary:
             devices=None if run.logged is None else _stragglers(run, devices),
         ),
         ooms=Ooms(count=len(run.ooms), events=ooms),
+        collectives=Collectives(algorithm=run.collective, rows=_collectives(run)),
     )
+
+
+def _collectives(run: Run) -> list[CollectiveRow]:
+    """Each rank's collectives over the steps shown, summed by kind."""
+    names = {j.id: j.name for j in run.jobs}
+    rows: dict[tuple[int, str], CollectiveRow] = {}
+    for c in run.collectives:
+        row = rows.get((c.job, c.op))
+        if row is None:
+            row = rows[c.job, c.op] = CollectiveRow(
+                job=c.job, name=names[c.job], op=c.op, count=0, bytes=0, network_s=0.0,
+                waited_s=0.0,
+            )  # fmt: skip
+        row["count"] += 1
+        row["bytes"] += c.nbytes
+        row["network_s"] += c.end - c.ready
+        row["waited_s"] += c.ready - c.t
+    return [rows[key] for key in sorted(rows)]
 
 
 def _stragglers(run: Run, devices: list[DeviceRow]) -> list[Straggler]:

@@ -29,6 +29,7 @@ from morphling.proxy.vtime.eventlog import (
     GEMM_OP,
     RUN_FILE,
     STEP_TOTALS,
+    CollectivePart,
     Coord,
     DeviceStep,
     Freq,
@@ -161,6 +162,7 @@ class Run:
     logged: StepRange | None  # the steps whose tiles the log has (None: none)
     window: StepRange  # the steps asked for in detail
     bottleneck: dict[str, float] | None
+    collective: str | None  # the ranks' collectives' algorithm, when the run says
     command: tuple[str, ...]
     fleet: tuple[Device, ...]
     jobs: tuple[Job, ...]
@@ -172,6 +174,7 @@ class Run:
     gemms: tuple[Gemm, ...]
     coords: tuple[Coord, ...]
     ooms: tuple[Oom, ...]
+    collectives: tuple[CollectivePart, ...]  # ranks' parts in them, of the steps in ``window``
     span_s: float  # the last thing that happened
     incomplete: str | None = None  # why the run ended early (SIGTERM, ...), None when it did not
 
@@ -363,6 +366,7 @@ class _Reader:
         self.gemms: list[tuple[Gemm, int]] = []  # with their lines
         self.coords: list[tuple[Coord, int]] = []
         self.ooms: list[Oom] = []
+        self.collectives: list[CollectivePart] = []
         self.span_s = 0.0
 
     def add(self, line: int, record: Record) -> None:
@@ -382,6 +386,8 @@ class _Reader:
                 self._oom(record, line)
             case Freq():
                 self._freq(record, line)
+            case CollectivePart():
+                self._collective(record, line)
 
     # -- records ------------------------------------------------------------------------
 
@@ -531,6 +537,17 @@ class _Reader:
         self.samples[f.device].append((f.t, f.freq_mhz, f.temp_c))
         self.span_s = max(self.span_s, f.t)
 
+    def _collective(self, c: CollectivePart, line: int) -> None:
+        self._known(line, job=c.job)
+        if not c.t <= c.ready <= c.start <= c.end:
+            raise ValueError(
+                f"line {line}: collective {c.request} of job {c.job} is out of order: reached "
+                f"at {c.t}, its last member at {c.ready}, started at {c.start}, ended at {c.end}"
+            )
+        if c.step in self.window:
+            self.collectives.append(c)
+        self.span_s = max(self.span_s, c.end)
+
     # -- helpers ------------------------------------------------------------------------
 
     def _known(self, line: int, *, job: int | None = None, device: int | None = None) -> None:
@@ -641,6 +658,7 @@ class _Reader:
             logged=self.logged,
             window=self.window,
             bottleneck=meta.bottleneck,
+            collective=meta.collective,
             command=meta.command,
             fleet=self.fleet,
             jobs=self.jobs,
@@ -652,6 +670,7 @@ class _Reader:
             gemms=tuple(g for g, _ in self.gemms),
             coords=tuple(c for c, _ in self.coords),
             ooms=tuple(self.ooms),
+            collectives=tuple(self.collectives),
             span_s=self.span_s,
             incomplete=meta.incomplete,
         )

@@ -21,6 +21,7 @@ from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, NewType, TypeVar, cast, get_type_hints
 
+from morphling.proxy.vtime.collectives import ALGORITHMS
 from morphling.proxy.vtime.engine import Span
 from morphling.proxy.vtime.eventlog import (
     COMPRESSED_EVENTS_FILE,
@@ -81,6 +82,7 @@ class Meta:
     command: tuple[str, ...]
     incomplete: str | None  # why the run ended early
     bottleneck: dict[str, float] | None  # its parameters
+    collective: str | None  # the ranks' collectives' algorithm (None: a run before ranks)
     lines: int | None  # the log's line count and sha256, when the engine wrote them
     digest: str | None
     fleet: object  # as read, for ``read_fleet``
@@ -239,6 +241,9 @@ def _meta(meta: object) -> Meta:
         if not isinstance(bottleneck, dict):
             raise ValueError(f"field 'bottleneck' must be null or an object, got {bottleneck!r}")
         bottleneck = {k: _rate(v, f"bottleneck.{k}") for k, v in bottleneck.items()}
+    collective = meta.get("collective")
+    if collective is not None and collective not in ALGORITHMS:
+        raise ValueError(f"field 'collective' must be one of {ALGORITHMS}, got {collective!r}")
     lines, digest = meta.get("events"), meta.get("digest")
     return Meta(
         policy=_text(meta["policy"], "policy"),
@@ -250,6 +255,7 @@ def _meta(meta: object) -> Meta:
         command=tuple(command),
         incomplete=incomplete,
         bottleneck=bottleneck,
+        collective=collective,
         lines=None if lines is None else _count(lines, "events"),
         digest=None if digest is None else _text(digest, "digest"),
         fleet=meta.get("fleet"),

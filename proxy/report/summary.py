@@ -204,6 +204,25 @@ class Untimed(TypedDict):
     local_note: str
 
 
+class CollectiveRow(TypedDict):
+    """A rank's collectives of one kind over the steps shown: how many, their bytes, their
+    time on the network (queued behind earlier ones included) and its time waiting in them
+    for the other members, as its steps' ``comm_s`` and ``comm_wait_s`` count them."""
+
+    job: int
+    name: str
+    op: str
+    count: int
+    bytes: int
+    network_s: float
+    waited_s: float
+
+
+class Collectives(TypedDict):
+    algorithm: str | None  # None: a run before ranks, or one that does not say
+    rows: list[CollectiveRow]  # by job, then op
+
+
 class Summary(TypedDict):
     version: int
     run: RunInfo
@@ -213,3 +232,4 @@ class Summary(TypedDict):
     devices: list[DeviceRow]
     stragglers: Stragglers
     ooms: Ooms
+    collectives: Collectives

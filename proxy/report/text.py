@@ -82,7 +82,31 @@ def format_summary(summary: Summary) -> str:
     ]
     if ooms["count"] > TOP_DEVICES:
         out.append(f"  ... and {ooms['count'] - TOP_DEVICES} more (summary.json lists all)")
+    out += _collectives_table(summary)
     return "\n".join(out)
+
+
+def _tail(text: str, width: int) -> str:
+    """``text``, or its end when it is wider (a job's name ends with its script and rank)."""
+    return text if len(text) <= width else "…" + text[-(width - 1) :]
+
+
+def _collectives_table(summary: Summary) -> list[str]:
+    """The ranks' collectives over the steps shown, by rank and kind (none: nothing)."""
+    collectives = summary["collectives"]
+    if not collectives["rows"]:
+        return []
+    shown = summary["run"]["detail"]["window"]
+    head = (f"{'job':>4} {'name':<24} {'op':<14} {'count':>6} {'bytes':>10} {'network s':>10} "
+            f"{'waited s':>9}")  # fmt: skip
+    out = ["", f"collectives ({collectives['algorithm'] or 'algorithm not recorded'}; steps "
+           f"{shown}):", head, "-" * len(head)]  # fmt: skip
+    out += [
+        f"{r['job']:>4} {_tail(r['name'], 24):<24} {r['op']:<14} {r['count']:>6} "
+        f"{format_bytes(r['bytes']):>10} {r['network_s']:>10.4f} {r['waited_s']:>9.4f}"
+        for r in collectives["rows"]
+    ]
+    return out
 
 
 def _steps_table(summary: Summary) -> list[str]:

@@ -1,8 +1,10 @@
 """A run as a Chrome trace (the JSON Perfetto and chrome://tracing open).
 
-One process per job (tracks: steps, GEMMs, coordinator) listed first, then one per
-device (tracks: downlink, compute, uplink; counters for temperature and frequency;
-OOMs as instant events), then the shared bottleneck when the run had one. Complete
+One process per job (tracks: steps, GEMMs, coordinator; a rank's also its collectives,
+with a flow from the part of the member that started each to every other member's)
+listed first, then one per device (tracks: downlink, compute, uplink; counters for
+temperature and frequency; OOMs as instant events), then the shared bottleneck when the
+run had one. Complete
 ("X") events carry ts and dur in microseconds of virtual time. The trace covers the
 steps the run was loaded for (``Run.window``: by default each job's first 50): their
 tiles, GEMMs and coordinator spans where the log has them, and the OOMs and thermal
@@ -13,18 +15,20 @@ From a ``steps`` log there are no tiles, GEMMs or coordinator spans: the header 
 from __future__ import annotations
 
 import json
+from collections import defaultdict
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from morphling.proxy.vtime.engine import Span
-from morphling.proxy.vtime.eventlog import attribute
+from morphling.proxy.vtime.eventlog import CollectivePart, attribute
 
 from .load import Run, StepFigures, steps_text
 
 US_PER_S = 1e6
 DOWNLINK, COMPUTE, UPLINK = 1, 2, 3
-STEPS, GEMMS, COORDINATOR = 1, 2, 3
+STEPS, GEMMS, COORDINATOR, COLLECTIVES = 1, 2, 3, 4
 JOB_THREADS = {STEPS: "steps", GEMMS: "GEMMs", COORDINATOR: "coordinator"}
+RANK_THREADS = JOB_THREADS | {COLLECTIVES: "collectives"}
 DEVICE_THREADS = {DOWNLINK: "downlink", COMPUTE: "compute", UPLINK: "uplink"}
 NIC_THREADS = {DOWNLINK: "downlink", UPLINK: "uplink"}
 Event = dict[str, object]  # a trace event, as JSON
@@ -65,9 +69,11 @@ def _pids(run: Run) -> tuple[dict[int, int], dict[int, int], int]:
 def trace_events(run: Run) -> Iterator[Event]:
     """Every trace event of the run, metadata first."""
     job_pid, device_pid, nic_pid = _pids(run)
+    ranks = {c.job for c in run.collectives}
     for job in run.jobs:
         pid = job_pid[job.id]
-        yield from _process(pid, f"job {job.id}: {job.name}", pid, JOB_THREADS)
+        threads = RANK_THREADS if job.id in ranks else JOB_THREADS
+        yield from _process(pid, f"job {job.id}: {job.name}", pid, threads)
     for d in run.fleet:
         pid = device_pid[d.id]
         yield from _process(pid, f"device {d.id}: {d.name} ({d.profile})", pid, DEVICE_THREADS)
@@ -89,6 +95,7 @@ def trace_events(run: Run) -> Iterator[Event]:
         if c.split is not None:  # the job's op classes, seconds of this span
             args["ops"] = attribute(c.t1 - c.t0, c.split)
         yield _x("coordinator", "coordinator", thread, (c.t0, c.t1), args)
+    yield from _collectives(run, job_pid)
 
     for t in run.tiles:
         pid, name = device_pid[t.device], f"{t.op} {t.gemm} tile {t.tile}"
@@ -126,6 +133,29 @@ def trace_events(run: Run) -> Iterator[Event]:
                 yield _counter("temperature (°C)", pid, ts, {"temp_c": temp})
             if mhz is not None:
                 yield _counter("frequency (MHz)", pid, ts, {"freq_mhz": mhz})
+
+
+def _collectives(run: Run, job_pid: Mapping[int, int]) -> Iterator[Event]:
+    """Each rank's part in each collective, from when it reached it to the end, and a flow
+    from the part of the member that came last (which started it) to each other's."""
+    together: dict[tuple[str, int, float, float], list[CollectivePart]] = defaultdict(list)
+    for c in run.collectives:
+        args = {"step": c.step, "bytes": c.nbytes, "members": c.members,
+                "algorithm": run.collective, "waited_s": c.ready - c.t,
+                "queued_s": c.start - c.ready, "network_s": c.end - c.start}  # fmt: skip
+        yield _x(c.op, "collective", (job_pid[c.job], COLLECTIVES), (c.t, c.end), args)
+        together[c.op, c.members, c.start, c.end].append(c)
+    flow = 0
+    for parts in together.values():
+        last = max(parts, key=lambda c: c.t)
+        for other in parts:
+            if other is last:
+                continue
+            flow += 1
+            for phase, part in (("s", last), ("f", other)):
+                yield {"name": part.op, "cat": "collective", "ph": phase, "id": flow, "bp": "e",
+                       "pid": job_pid[part.job], "tid": COLLECTIVES,
+                       "ts": part.start * US_PER_S}  # fmt: skip
 
 
 def _counter(name: str, pid: int, ts: float, args: dict[str, float]) -> Event:
