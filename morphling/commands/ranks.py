@@ -7,7 +7,8 @@ unless it is set, as torchrun does for several ranks on one host), so
 child is ``morphling run --server ... --device NAME``: a job of this process's embedded
 emulator pinned to device r of the fleet (SPEC order), so everything rank r computes on
 the fleet, device r computes. One rank failing stops the others, as torchrun does, and
-the report says which and how.
+the report says which and how, with its last lines of stderr (which every rank's lines
+reach marked with its rank).
 
 Each rank's collectives are priced on the emulated network (``proxy/vtime/collectives``)
 and its own work by its device's op model.
@@ -24,10 +25,12 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from morphling.devices.fleet import device_names
 from morphling.interrupt import Interrupted, Signals
@@ -38,6 +41,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("morphling.job")
 
 STOP_GRACE_S = 10.0  # how long a rank stopped by SIGTERM may take to report before SIGKILL
+LAST_WORDS = 6  # the lines of a rank's stderr kept to say why it failed
+LAST_WORDS_CHARS = 600
+ECHO_JOIN_S = 2.0  # how long its stderr may take to drain once it has exited
 
 
 @dataclass
@@ -51,6 +57,29 @@ class Rank:
     report: dict[str, Any] = field(default_factory=lambda: {"steps": []})
     exit_code: int | None = None
     stopped: bool = False  # stopped by us, another rank having failed (or on a signal)
+    last_words: deque[str] = field(default_factory=lambda: deque(maxlen=LAST_WORDS))
+    echo: threading.Thread | None = None
+
+    def why(self) -> str:
+        """How it ended, and the last lines it wrote (gloo's error, say)."""
+        code = self.exit_code
+        how = (f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0
+               else f"exited with code {code}")  # fmt: skip
+        said = " | ".join(line for line in self.last_words if line.strip())
+        return f"rank {self.rank} (device {self.device}) {how}" + (
+            f"; its last words: {said[-LAST_WORDS_CHARS:]}" if said else ""
+        )
+
+
+def _echo(child: Rank, stream: IO[bytes]) -> None:
+    """Copy a rank's stderr to ours, each line marked with its rank (as torchrun's
+    ``--tee`` does), and keep its last lines."""
+    mark = f"[rank{child.rank}]: "
+    for raw in stream:
+        line = raw.decode(errors="replace").rstrip("\n")
+        child.last_words.append(line)
+        sys.stderr.write(line + "\n" if line.startswith("[rank") else mark + line + "\n")
+        sys.stderr.flush()
 
 
 def child_env(rank: int, world: int, master_port: int, drop: set[str]) -> dict[str, str]:
@@ -76,41 +105,49 @@ def free_port() -> int:
 
 def launch(
     embedded: EmbeddedFleet,
-    ranks: int,
+    devices: list[str],
     job_flags: list[str],
     command: list[str],
     signals: Signals,
     settings_env: set[str],
 ) -> tuple[list[Rank], Interrupted | None]:
-    """Start the ranks against the started ``embedded`` emulator, wait for them all (one
-    failing stops the others), and return them with the signal, if one came.
+    """Start a rank on each of ``devices`` (names of the started ``embedded`` emulator's
+    fleet, in rank order), wait for them all (one failing stops the others), and return
+    them with the signal, if one came.
 
     ``job_flags`` are ``morphling run`` flags every rank takes (the coordinator's, say);
     ``settings_env`` the environment variables of its settings, which the ranks do not get."""
     assert embedded.address is not None, "the embedded emulator is started"
     host, port = embedded.address
-    profiles = embedded.profiles
-    names = device_names(profiles)
+    profiles = dict(zip(device_names(embedded.profiles), embedded.profiles, strict=True))
+    ranks = len(devices)
     level = logging.getLevelName(logging.getLogger("morphling").getEffectiveLevel()).lower()
     master = free_port()
     command = command[1:] if command[:1] == ["--"] else command
     workdir = Path(tempfile.mkdtemp(prefix="morphling-ranks-"))
     children: list[Rank] = []
     try:
-        for r in range(ranks):
+        for r, name in enumerate(devices):
             report = workdir / f"rank-{r}.json"
             cmd = [
                 sys.executable, "-m", "morphling", "--log-level", level, "run",
-                "--server", f"{host}:{port}", "--device", names[r], "--rank", str(r),
-                "--world", str(ranks), "--coordinator", profiles[r].name,
+                "--server", f"{host}:{port}", "--device", name, "--rank", str(r),
+                "--world", str(ranks), "--coordinator", profiles[name].name,
                 "--coordinator-time", "model", "--no-table", "--json", str(report),
                 *job_flags, "--", *command,
             ]  # fmt: skip
-            log.info("rank %d on device %s: %s", r, names[r], " ".join(command))
+            log.info("rank %d on device %s: %s", r, name, " ".join(command))
             env = child_env(r, ranks, master, settings_env)
-            process = subprocess.Popen(cmd, env=env)
-            children.append(Rank(r, names[r], process, report))
+            process = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE)
+            child = Rank(r, name, process, report)
+            assert process.stderr is not None
+            child.echo = threading.Thread(target=_echo, args=(child, process.stderr), daemon=True)
+            child.echo.start()
+            children.append(child)
         interrupted = _wait(children, signals)
+        for child in children:  # what it wrote last (a process it started may hold the pipe)
+            if child.echo is not None:
+                child.echo.join(timeout=ECHO_JOIN_S)
         for child in children:
             with contextlib.suppress(OSError, ValueError):  # none: it failed before writing
                 child.report = json.loads(child.report_path.read_text())
@@ -142,11 +179,10 @@ def _wait(children: list[Rank], signals: Signals) -> Interrupted | None:
             if child.exit_code is None and (rc := child.process.poll()) is not None:
                 child.exit_code = rc
                 if rc != 0 and not child.stopped and stopping_since is None:
-                    print(
-                        f"morphling run: rank {child.rank} (device {child.device}) exited "
-                        f"with code {rc}; stopping the other ranks",
-                        file=sys.stderr,
-                    )
+                    if child.echo is not None:
+                        child.echo.join(timeout=ECHO_JOIN_S)
+                    print(f"morphling run: {child.why()}; stopping the other ranks",
+                          file=sys.stderr)  # fmt: skip
                     stopping_since = _stop(children, stopping_since)
         if stopping_since is not None and time.monotonic() - stopping_since > STOP_GRACE_S:
             for child in children:
@@ -175,7 +211,8 @@ def summary(children: list[Rank]) -> dict[str, Any]:
     slowest rank's: a step of the run ends when its slowest rank's does."""
     ranks = [
         {"rank": child.rank, "device": child.device, "exit_code": child.exit_code,
-         "stopped": child.stopped, **child.report}
+         "stopped": child.stopped, "last_words": list(child.last_words) if child.exit_code
+         else [], **child.report}
         for child in children
     ]  # fmt: skip
     steps = []

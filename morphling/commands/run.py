@@ -28,6 +28,7 @@ from pathlib import Path
 
 from morphling import config as configuration
 from morphling.config import option as _opt
+from morphling.devices.fleet import device_names
 from morphling.devices.models.capacity import MAX_DEVICES_HELP
 from morphling.devices.models.links import LINKS
 from morphling.devices.models.profiles import HOST, expand_fleet
@@ -36,6 +37,7 @@ from morphling.interrupt import Interrupted, Signals
 from morphling.outputs import check_file_writable
 from morphling.proxy.emulator.settings import DEFAULT_MIN_FLOPS, EmulatorConfig
 from morphling.proxy.job.coordinator import MODES, coordinator_profile
+from morphling.proxy.vtime.collectives import ALGORITHMS
 from morphling.proxy.vtime.eventlog import EVENT_LEVELS
 from morphling.proxy.vtime.placement import POLICIES
 from morphling.runtime import parse_server
@@ -57,6 +59,11 @@ class RunConfig:
         "rank r wholly on device r of the --embedded fleet; 0: one script, its products "
         "spread over the fleet",
         min=0,
+    )
+    rank_devices: str = _opt(
+        "",
+        "with --ranks: the device of each rank in rank order, as names of the --embedded "
+        "fleet (e.g. rpi5-3,rpi4-0); empty: rank r on device r",
     )
     device: str = _opt(
         "",
@@ -106,6 +113,12 @@ class RunConfig:
         0.0,
         "bytes/s of a FIFO all transfers share, e.g. the access point (--embedded; 0: none)",
         min=0.0,
+    )
+    collective: str = _opt(
+        "ring",
+        "how --ranks' collectives move their bytes (--embedded): ring (gloo's), tree (a "
+        "binary tree from the root) or star (a parameter server on this host)",
+        choices=ALGORITHMS,
     )
     coordinator: str = _opt(
         HOST,
@@ -279,6 +292,8 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
             raise configuration.ConfigError("--fresh-weights needs --ckpt")
         if cfg.ranks:
             _check_ranks(cfg)
+        elif cfg.rank_devices:
+            raise configuration.ConfigError("--rank-devices needs --ranks")
         if cfg.rank >= 0 and not (cfg.device and cfg.rank < cfg.world):
             raise configuration.ConfigError(
                 f"--rank {cfg.rank} needs --device (where it runs) and --world above it "
@@ -291,6 +306,8 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
                     f"--ranks {cfg.ranks} needs {cfg.ranks} devices, one per rank: the fleet "
                     f"{cfg.devices!r} has {len(fleet)}"
                 )
+            if cfg.rank_devices:
+                rank_devices(cfg.rank_devices, cfg.ranks, device_names(fleet))
         else:
             parse_server(cfg.server)
         coordinator_profile(cfg.coordinator, cfg.coordinator_time or None,
@@ -375,6 +392,7 @@ def _emulator_config(cfg: RunConfig, run_dir: Path | None) -> EmulatorConfig:
         policy=cfg.policy,
         run_dir=str(run_dir or ""),
         bottleneck_dl_bw=cfg.bottleneck_bw,
+        collective=cfg.collective,
         arena_bytes=cfg.arena_bytes,
         events=cfg.events,
         events_detail_steps=cfg.events_detail_steps,
@@ -404,6 +422,23 @@ def _check_ranks(cfg: RunConfig) -> None:
     for flag, (given, why) in refused.items():
         if given:
             raise configuration.ConfigError(f"--ranks does not take {flag}: {why}")
+
+
+def rank_devices(spec: str, ranks: int, names: list[str]) -> list[str]:
+    """``--rank-devices``: one device of the fleet (``names``) per rank, each once."""
+    chosen = [name.strip() for name in spec.split(",")]
+    if not ranks or len(chosen) != ranks:
+        raise configuration.ConfigError(
+            f"--rank-devices names {len(chosen)} devices: it needs one per rank (--ranks {ranks})"
+        )
+    unknown = [name for name in chosen if name not in names]
+    if unknown or len(set(chosen)) != len(chosen):
+        why = f"{', '.join(unknown)} not in the fleet" if unknown else "a device named twice"
+        raise configuration.ConfigError(
+            f"--rank-devices {spec!r}: {why} (its devices: {', '.join(names[:8])}"
+            f"{', ...' if len(names) > 8 else ''})"
+        )
+    return chosen
 
 
 def _rank_flags(cfg: RunConfig) -> list[str]:
@@ -439,17 +474,21 @@ def _run_ranks(
         try:
             embedded.start()
             signals.raising = False  # from now on the ranks report what they ran, and we wait
+            names = device_names(embedded.profiles)
+            chosen = (
+                rank_devices(cfg.rank_devices, cfg.ranks, names)
+                if cfg.rank_devices
+                else (names[: cfg.ranks])
+            )
             children, interrupted = ranks.launch(
-                embedded, cfg.ranks, _rank_flags(cfg), command, signals,
+                embedded, chosen, _rank_flags(cfg), command, signals,
                 configuration.env_names(RunConfig),
             )  # fmt: skip
             failure = ranks.failed(children)
             if interrupted is not None:  # run.json says the run did not end
                 embedded.run_info["incomplete"] = str(interrupted)
             elif failure is not None:
-                embedded.run_info["incomplete"] = (
-                    f"rank {failure.rank} exited with code {failure.exit_code}"
-                )
+                embedded.run_info["incomplete"] = failure.why()
         finally:
             embedded.stop()
     except Interrupted:  # while the fleet started: nothing ran

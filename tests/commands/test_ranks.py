@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -17,9 +18,19 @@ from pathlib import Path
 
 import pytest
 from morphling.devices.models.profiles import BUILTIN
+from morphling.proxy.report.analysis import summarize
 from morphling.proxy.report.load import load_run
+from morphling.proxy.report.trace import chrome_trace
 from morphling.proxy.vtime.eventlog import COMPRESSED_EVENTS_FILE
-from processes import MORPHLING_RUN, SCRIPTS, _child, child_env, morphling_run, succeeded
+from processes import (
+    MORPHLING_RUN,
+    SCRIPTS,
+    _child,
+    child_env,
+    morphling_here,
+    morphling_run,
+    succeeded,
+)
 
 
 def losses(stdout: str) -> dict[int, list[float]]:
@@ -84,12 +95,55 @@ def test_ranks_train_as_torchrun_does(tmp_path: Path, script: str) -> None:
 
 
 def test_a_slow_board_is_the_straggler_the_others_wait_for(tmp_path: Path) -> None:
-    proc, report, _ = ranks_run(tmp_path, "ranks_ddp.py", devices="rpi4:1,rpi5:1")
+    """On a parameter server (``--collective star``): each all-reduce sends its bytes up
+    every rank's uplink at once, then down every downlink; the report and the trace show
+    each rank's collectives, with a flow from the rank that started each to the other."""
+    proc, report, run_dir = ranks_run(tmp_path, "ranks_ddp.py", devices="rpi4:1,rpi5:1",
+                                      flags=["--collective", "star"])  # fmt: skip
     succeeded(proc)
     run = json.loads(report.read_text())
     waited = {r["device"]: sum(s["comm_wait_s"] for s in r["steps"]) for r in run["ranks"]}
     assert waited["rpi4-0"] == 0 and waited["rpi5-1"] > 0, waited
     assert "stragglers: rank 0 waited least" in proc.stderr
+    boards = [BUILTIN["rpi4"], BUILTIN["rpi5"]]
+    parts = collectives(run_dir)
+    for c in parts:
+        up = max(p.ul_lat_s + c["nbytes"] / p.ul_bw for p in boards)
+        down = max(p.dl_lat_s + c["nbytes"] / p.dl_bw for p in boards)
+        assert c["end"] - c["start"] == pytest.approx(up + down, rel=1e-9)
+    loaded = load_run(run_dir)
+    rows = summarize(loaded)["collectives"]
+    assert rows["algorithm"] == "star"
+    reduces = [(r["job"], r["count"]) for r in rows["rows"] if r["op"] == "allreduce"]
+    assert reduces == [(1, 4), (2, 4)]  # each step's bucket; DDP's set-up adds the others
+    assert {r["op"] for r in rows["rows"]} == {"allreduce", "allgather", "broadcast"}
+    events = chrome_trace(loaded)["traceEvents"]
+    tracks = [e for e in events if e["ph"] == "M" and e["args"].get("name") == "collectives"]
+    spans = [e for e in events if e["ph"] == "X" and e["cat"] == "collective"]
+    flows = sorted((e["id"], e["ph"], e["pid"]) for e in events if e["ph"] in "sf")
+    assert len(tracks) == 2 and len(spans) == len(parts)
+    assert len(flows) == len(parts)  # a start and a finish per collective of the two ranks
+    for start, finish in zip(flows[1::2], flows[::2], strict=True):
+        assert start[:2] == (finish[0], "s") and finish[1] == "f" and start[2] != finish[2]
+
+
+def test_collectives_of_different_sizes_fail_with_gloos_error_marked_with_its_rank(
+    tmp_path: Path,
+) -> None:
+    proc, report, run_dir = ranks_run(tmp_path, "ranks_mismatch.py")
+    assert proc.returncode != 0
+    said = [line for line in proc.stderr.splitlines() if "collective mismatch" in line]
+    assert any(line.startswith("[rank0]: ") for line in said), proc.stderr[-3000:]
+    assert re.search(
+        r"morphling run: rank \d \(device rpi4-\d\) (was killed by SIGABRT|"
+        r"exited with code 1); its last words: ",
+        proc.stderr,
+    ), proc.stderr[-3000:]
+    run = json.loads(report.read_text())
+    failed = [r for r in run["ranks"] if r["exit_code"] and not r["stopped"]]
+    assert len(failed) == 1 and failed[0]["last_words"]
+    incomplete = json.loads((run_dir / "run.json").read_text())["incomplete"]
+    assert incomplete.startswith(f"rank {failed[0]['rank']} (device ")
 
 
 def test_more_ranks_than_devices_is_refused_naming_both(tmp_path: Path) -> None:
@@ -106,22 +160,29 @@ def test_more_ranks_than_devices_is_refused_naming_both(tmp_path: Path) -> None:
         (["--coordinator-time", "measured"], "--ranks does not take --coordinator-time measured"),
         (["--device", "rpi4-0"], "--ranks does not take --device"),
         (["--server", "127.0.0.1:1"], "--ranks needs --embedded"),
+        (["--rank-devices", "rpi4-0"], "--rank-devices names 1 devices: it needs one per rank"),
+        (["--rank-devices", "rpi4-0,rpi5-0"], "'rpi4-0,rpi5-0': rpi5-0 not in the fleet"),
+        (["--rank-devices", "rpi4-0,rpi4-0"], "a device named twice"),
     ],
 )
-def test_what_ranks_do_not_take_is_refused(tmp_path: Path, flags: list[str], message: str) -> None:
+def test_what_ranks_do_not_take_is_refused(capsys, flags: list[str], message: str) -> None:
+    """Refused before anything starts (in this process; the test above runs a child)."""
     embedded = [] if "--server" in flags else ["--embedded"]
-    proc = morphling_run("--ranks", "2", *embedded, *flags, "--", "python",
-                         SCRIPTS / "ranks_ddp.py", cwd=tmp_path)  # fmt: skip
-    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    code, _, stderr = morphling_here(capsys, "run", "--ranks", "2", *embedded, *flags, "--",
+                                     "python", SCRIPTS / "ranks_ddp.py")  # fmt: skip
+    assert code == 2 and message in stderr, stderr
 
 
 def test_a_rank_that_fails_stops_the_others_and_is_named(tmp_path: Path) -> None:
-    proc, report, _ = ranks_run(tmp_path, "ranks_ddp.py", "4", "2")  # rank 1 raises at step 2
+    """Rank 1 raises at step 2; the ranks run on the devices --rank-devices gives."""
+    proc, report, _ = ranks_run(tmp_path, "ranks_ddp.py", "4", "2",
+                                flags=["--rank-devices", "rpi4-1,rpi4-0"])  # fmt: skip
     assert proc.returncode == 1, proc.stderr
-    assert "rank 1 (device rpi4-1) exited with code 1" in proc.stderr
-    assert "rank 1 fails on purpose" in proc.stderr
+    assert "rank 1 (device rpi4-0) exited with code 1; its last words: " in proc.stderr
+    assert "[rank1]: RuntimeError: rank 1 fails on purpose" in proc.stderr
     run = json.loads(report.read_text())
-    assert run["ranks"][1]["exit_code"] == 1
+    assert run["ranks"][1]["exit_code"] == 1 and run["ranks"][0]["device"] == "rpi4-1"
+    assert "RuntimeError: rank 1 fails on purpose" in run["ranks"][1]["last_words"]
 
 
 def test_a_script_without_a_process_group_runs_as_independent_copies(tmp_path: Path) -> None:

@@ -34,6 +34,7 @@ from processes import (
     TIMEOUT_S,
     child_env,
     load_script,
+    morphling_here,
     morphling_run,
     python,
     succeeded,
@@ -421,13 +422,17 @@ USAGE_ERRORS = [
 
 
 @pytest.mark.parametrize(("args", "message"), USAGE_ERRORS)
-def test_usage_errors_exit_2(echo: Path, args: list[str], message: str) -> None:
-    """Usage errors: exit 2 and one line naming the problem; the script never runs."""
-    proc = morphling_run(*(str(echo) if a == "ECHO" else a for a in args), cwd=echo.parent)
-    assert proc.returncode == 2, proc.stderr
-    assert message in proc.stderr
-    assert "Traceback" not in proc.stderr and "Exception in thread" not in proc.stderr
-    assert proc.stdout == ""
+def test_usage_errors_exit_2(echo: Path, capsys, monkeypatch, args: list[str], message: str):
+    """Usage errors: exit 2 and one line naming the problem; the script never runs. (In this
+    process: ``test_bad_device_spec_and_server_address_are_usage_errors`` runs a child.)"""
+    monkeypatch.chdir(echo.parent)
+    code, stdout, stderr = morphling_here(
+        capsys, "run", *(str(echo) if a == "ECHO" else a for a in args)
+    )
+    assert code == 2, stderr
+    assert message in stderr
+    assert "Traceback" not in stderr and "Exception in thread" not in stderr
+    assert stdout == ""
     assert not list(echo.parent.glob("morphling-runs/*"))  # no run directory left behind
 
 
