@@ -16,7 +16,7 @@ import logging
 from morphling.kernels import BufferPool, WorkerPool
 
 from .agent import DeviceAgent, Tls
-from .models.profiles import DeviceProfile
+from .models.profiles import DeviceProfile, device_names
 
 log = logging.getLogger(__name__)
 
@@ -24,11 +24,6 @@ CONNECT_CONCURRENCY = 64
 # Devices made, or started, between two turns of the event loop: a fleet of many takes
 # a while to start, and a signal is acted on only when the loop runs.
 BATCH = 1000
-
-
-def device_names(profiles: list[DeviceProfile]) -> list[str]:
-    """The names a fleet of ``profiles`` gives its devices, in order: ``<profile>-<index>``."""
-    return [f"{p.name}-{i}" for i, p in enumerate(profiles)]
 
 
 class Fleet:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 from processes import Procs
@@ -15,3 +18,51 @@ def procs(tmp_path: Path):
         yield group
     finally:
         group.stop_all()
+
+
+class Namespace(NamedTuple):
+    """A network namespace (``ip netns exec NAME``) and the veth pair joining it to ours."""
+
+    name: str
+    host_ip: str  # our end's address
+    ip: str  # its end's
+    host_interface: str
+    interface: str
+
+
+@pytest.fixture
+def namespace():
+    """A network namespace joined to ours by a veth pair: another host, as far as the
+    network goes (skipped without root)."""
+    tag = os.getpid() % 10000
+    name, ours, theirs = f"morphling-{tag}", f"mphh{tag}", f"mphd{tag}"
+    subnet = f"10.231.{tag % 250}"
+    host_ip, device_ip = f"{subnet}.1", f"{subnet}.2"
+    steps = [
+        ["ip", "netns", "add", name],
+        ["ip", "link", "add", ours, "type", "veth", "peer", "name", theirs],
+        ["ip", "link", "set", theirs, "netns", name],
+        ["ip", "addr", "add", f"{host_ip}/30", "dev", ours],
+        ["ip", "link", "set", ours, "up"],
+        ["ip", "-n", name, "addr", "add", f"{device_ip}/30", "dev", theirs],
+        ["ip", "-n", name, "link", "set", theirs, "up"],
+        ["ip", "-n", name, "link", "set", "lo", "up"],
+    ]
+
+    def clean() -> None:
+        for cmd in (["ip", "netns", "del", name], ["ip", "link", "del", ours]):
+            subprocess.run(cmd, capture_output=True, check=False)
+
+    for cmd in steps:
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=10)
+        except FileNotFoundError:
+            pytest.skip("no `ip` command (iproute2) to create a network namespace")
+        if done.returncode != 0:
+            clean()
+            pytest.skip(f"cannot create a network namespace ({' '.join(cmd)}: "
+                        f"{done.stderr.strip()}); needs root or CAP_NET_ADMIN")  # fmt: skip
+    try:
+        yield Namespace(name, host_ip, device_ip, ours, theirs)
+    finally:
+        clean()

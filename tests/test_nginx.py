@@ -9,7 +9,6 @@ and real ``morphling device`` processes; jobs talk to the emulator directly.
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import time
@@ -354,45 +353,8 @@ async def test_wrong_token_is_refused_with_a_clear_message_on_the_device(install
 # -- a device on its own host ----------------------------------------------------------------
 
 
-@pytest.fixture
-def namespace():
-    """A network namespace joined to ours by a veth pair: (name, our address, its address)."""
-    tag = os.getpid() % 10000
-    name, ours, theirs = f"morphling-{tag}", f"mphh{tag}", f"mphd{tag}"
-    subnet = f"10.231.{tag % 250}"
-    host_ip, device_ip = f"{subnet}.1", f"{subnet}.2"
-    steps = [
-        ["ip", "netns", "add", name],
-        ["ip", "link", "add", ours, "type", "veth", "peer", "name", theirs],
-        ["ip", "link", "set", theirs, "netns", name],
-        ["ip", "addr", "add", f"{host_ip}/30", "dev", ours],
-        ["ip", "link", "set", ours, "up"],
-        ["ip", "-n", name, "addr", "add", f"{device_ip}/30", "dev", theirs],
-        ["ip", "-n", name, "link", "set", theirs, "up"],
-        ["ip", "-n", name, "link", "set", "lo", "up"],
-    ]
-
-    def clean() -> None:
-        for cmd in (["ip", "netns", "del", name], ["ip", "link", "del", ours]):
-            subprocess.run(cmd, capture_output=True, check=False)
-
-    for cmd in steps:
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=10)
-        except FileNotFoundError:
-            pytest.skip("no `ip` command (iproute2) to create a network namespace")
-        if done.returncode != 0:
-            clean()
-            pytest.skip(f"cannot create a network namespace ({' '.join(cmd)}: "
-                        f"{done.stderr.strip()}); needs root or CAP_NET_ADMIN")  # fmt: skip
-    try:
-        yield name, host_ip, device_ip
-    finally:
-        clean()
-
-
 async def test_device_in_its_own_network_namespace_through_nginx(install, procs: Procs, namespace):
-    name, host_ip, device_ip = namespace
+    name, host_ip, device_ip = namespace.name, namespace.host_ip, namespace.ip
     emulator, port = procs.emulator()
     proxy_port = free_port()
     proxy = Nginx(NginxConfig(listen=f"{host_ip}:{proxy_port}", emulators=f"127.0.0.1:{port}"),

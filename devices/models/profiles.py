@@ -444,6 +444,18 @@ def _parse_entries(spec: str) -> list[tuple[DeviceProfile, int]]:
     return fleet
 
 
+def device_names(profiles: list[DeviceProfile]) -> list[str]:
+    """The names a fleet of ``profiles`` gives its devices, in order: ``<profile>-<index>``."""
+    return [f"{p.name}-{i}" for i, p in enumerate(profiles)]
+
+
+def fleet_order(name: str) -> tuple[float, str]:
+    """A key that sorts devices as their fleet's SPEC made them (by the index
+    ``device_names`` ends a name with), then boards named otherwise, by name."""
+    _, _, index = name.rpartition("-")
+    return (int(index) if index.isdigit() else math.inf, name)
+
+
 def expand_fleet(
     spec: str, *, link_name: str | None = None, cooling: str | None = None, max_devices: int = 0
 ) -> list[DeviceProfile]:

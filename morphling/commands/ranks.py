@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from morphling.devices.fleet import device_names
+from morphling.devices.models.profiles import device_names
 from morphling.interrupt import Interrupted, Signals
 
 if TYPE_CHECKING:

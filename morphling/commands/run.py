@@ -28,10 +28,9 @@ from pathlib import Path
 
 from morphling import config as configuration
 from morphling.config import option as _opt
-from morphling.devices.fleet import device_names
 from morphling.devices.models.capacity import MAX_DEVICES_HELP
 from morphling.devices.models.links import LINKS
-from morphling.devices.models.profiles import HOST, expand_fleet
+from morphling.devices.models.profiles import HOST, device_names, expand_fleet
 from morphling.devices.models.thermal import COOLING
 from morphling.interrupt import Interrupted, Signals
 from morphling.outputs import check_file_writable
@@ -72,9 +71,10 @@ class RunConfig:
     )
     rank: int = _opt(
         -1,
-        "run as rank R of --world ranks of a distributed script, on --device itself: its "
-        "collectives priced on the emulated network, its own work by --coordinator's op "
-        "model (--ranks starts each rank so); -1: no rank",
+        "run as rank R of --world ranks of a distributed script, on --device itself (none: "
+        "device R of the emulator's fleet): its collectives priced on the emulated network, "
+        "its own work by --coordinator's op model (--ranks starts each rank so); -1: no "
+        "rank, or with --server the environment's RANK of WORLD_SIZE (torchrun's)",
         min=-1,
     )
     world: int = _opt(0, "with --rank: how many ranks the distributed script has", min=0)
@@ -294,10 +294,17 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
             _check_ranks(cfg)
         elif cfg.rank_devices:
             raise configuration.ConfigError("--rank-devices needs --ranks")
-        if cfg.rank >= 0 and not (cfg.device and cfg.rank < cfg.world):
+        cfg = _rank_from_env(cfg)
+        if cfg.rank >= 0 and not cfg.rank < cfg.world:
             raise configuration.ConfigError(
-                f"--rank {cfg.rank} needs --device (where it runs) and --world above it "
-                f"(got --world {cfg.world})"
+                f"--rank {cfg.rank} needs --world above it (got --world {cfg.world})"
+            )
+        if cfg.rank >= 0 and coordinator_profile(cfg.coordinator, cfg.coordinator_time or None,
+                                                 cooling=cfg.cooling or None) is None:  # fmt: skip
+            raise configuration.ConfigError(
+                f"--rank {cfg.rank}: its own work is priced by its board's op model: give "
+                "--coordinator PROFILE (its device's), or --coordinator-time model (a rank's "
+                "wall time holds its waits for the others)"
             )
         if cfg.embedded:
             fleet = expand_fleet(cfg.devices, max_devices=cfg.max_devices)
@@ -400,6 +407,22 @@ def _emulator_config(cfg: RunConfig, run_dir: Path | None) -> EmulatorConfig:
     if cfg.block_size:
         emulator = dataclasses.replace(emulator, block_size=cfg.block_size)
     return emulator
+
+
+def _rank_from_env(cfg: RunConfig) -> RunConfig:
+    """A job of an emulator elsewhere (``--server``) started by torchrun, or with its
+    environment, without ``--rank``: the rank RANK of WORLD_SIZE it says."""
+    if cfg.rank >= 0 or not cfg.server or not {"RANK", "WORLD_SIZE"} <= os.environ.keys():
+        return cfg
+    try:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    except ValueError:
+        raise configuration.ConfigError(
+            f"RANK={os.environ['RANK']!r}, WORLD_SIZE={os.environ['WORLD_SIZE']!r}: a "
+            "distributed script's environment has integers there"
+        ) from None
+    log.info("rank %d of %d, as the environment (RANK, WORLD_SIZE) says", rank, world)
+    return dataclasses.replace(cfg, rank=rank, world=world)
 
 
 def _check_ranks(cfg: RunConfig) -> None:

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, TypedDict
 
 import numpy as np
+from morphling.devices.models.profiles import fleet_order
 from morphling.proxy.checkpoint.format import CheckpointError
 from morphling.proxy.shm import handover as local
 from morphling.proxy.vtime.collectives import PAIR
@@ -106,8 +107,10 @@ class Job:
                 f"OPEN.device_wait_s={msg.device_wait_s} is not >= 0", "bad_open"
             )
         emulator = self.emulator
+        rank = self._rank(msg)
         device = self._pinned_device(msg.device) if msg.device else None
-        rank = self._rank(msg, device)
+        if device is None and rank is not None:
+            device = self._rank_device(rank)
         # a rank computes each product whole on its own board: one tile, as one op
         self.block = msg.block or (RANK_BLOCK if rank is not None else emulator.config.block_size)
         self.device_wait_s = msg.device_wait_s
@@ -132,7 +135,7 @@ class Job:
         emulator.timeline.open_job(self.id, self.name, device=device, rank=rank)
         self.rank = rank
 
-    def _rank(self, msg: Open, device: int | None) -> int | None:
+    def _rank(self, msg: Open) -> int | None:
         """OPEN's ``rank``, checked: None for a job that is no rank."""
         if msg.rank == -1:
             return None
@@ -140,8 +143,6 @@ class Job:
             raise RemoteProtocolError(
                 f"OPEN.rank={msg.rank} is not a rank of world={msg.world}", "bad_open"
             )
-        if device is None:
-            raise RemoteProtocolError("OPEN.rank: a rank needs its device", "bad_open")
         for peer in self.emulator.peers:
             job = peer.job
             if job is not None and job is not self and job.rank == msg.rank and peer.open:
@@ -150,6 +151,20 @@ class Job:
                     "bad_open",
                 )
         return msg.rank
+
+    def _rank_device(self, rank: int) -> int:
+        """The device of a rank that names none (OPEN.rank without OPEN.device): device
+        ``rank`` of the ready fleet in ``fleet_order``, as ``morphling run --ranks`` gives
+        rank r device r of its SPEC."""
+        ready = sorted(self.emulator.registry.ready(), key=lambda r: fleet_order(r.name))
+        if not 0 <= rank < len(ready):
+            names = ", ".join(r.name for r in ready[:8]) or "none"
+            raise RemoteProtocolError(
+                f"OPEN.rank={rank} without OPEN.device runs on device {rank} of the fleet, and "
+                f"{len(ready)} are ready ({names}): start more devices or name one",
+                "bad_open",
+            )
+        return ready[rank].id
 
     def _pinned_device(self, name: str) -> int:
         """The id of the ready device named ``name`` (OPEN.device: a rank's own board)."""

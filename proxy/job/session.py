@@ -360,7 +360,8 @@ def emulate(
     (``devices.capacity``).
     ``device_wait_s`` (0: for ever) is how long the job's GEMMs may wait with no device
     ready before it fails (``Client``). ``device`` (a name) has every product computed by
-    that one device. A ``rank`` (of ``world``) runs on ``device`` itself: its products
+    that one device. A ``rank`` (of ``world``) runs on ``device`` itself (none: device
+    ``rank`` of the emulator's fleet, ``profiles.fleet_order``): its products
     cross no link, its torch.distributed operations are priced on the network
     (``collectives``), and its own work is modelled by the coordinator profile (its
     device's). Should the body raise (Ctrl-C, say), the embedded emulator's run directory
@@ -371,9 +372,9 @@ def emulate(
     if fresh_weights and ckpt is None:
         raise ValueError("fresh_weights needs ckpt: the weights to restore are a checkpoint's")
     profile = coordinator_profile(coordinator, coordinator_time, cooling=cooling)
-    if rank is not None and (profile is None or not device):
-        raise ValueError("a rank runs on its device, its own work modelled by its op model: "
-                         "give device and a modelled coordinator")  # fmt: skip
+    if rank is not None and profile is None:
+        raise ValueError("a rank's own work is modelled by its board's op model: give a "
+                         "modelled coordinator")  # fmt: skip
     with contextlib.ExitStack() as stack:
         if devices is not None:
             if ckpt is not None:

@@ -27,6 +27,7 @@ from processes import (
     SCRIPTS,
     _child,
     child_env,
+    free_port,
     morphling_here,
     morphling_run,
     succeeded,
@@ -229,3 +230,48 @@ def test_a_signal_stops_every_rank_and_the_run_says_so(tmp_path: Path) -> None:
     # a rank blocked inside gloo when stopped cannot report, and is killed after 10 s
     assert any(len(r["steps"]) >= 3 for r in run["ranks"]), run["ranks"]
     assert load_run(run_dir).incomplete == "interrupted by SIGINT"
+
+
+def test_ranks_on_two_hosts_join_one_emulator(tmp_path: Path, procs, namespace) -> None:
+    """Rank 0 on this host, rank 1 in a network namespace (another host, as far as the
+    network goes), each a ``morphling run --server`` with torchrun's environment and no
+    --rank or --device: each runs on device RANK of a standalone emulator's fleet, gloo
+    crosses the hosts, and the losses are torchrun's."""
+    run_dir = tmp_path / "run"
+    emulator, port = procs.emulator("--listen-ip", "0.0.0.0", "--no-probe", "--run-dir",
+                                    str(run_dir))  # fmt: skip
+    procs.fleet(port, "rpi4:2")
+    procs.wait_for(emulator, "joined as device", 2)
+    master = free_port()
+    ranks = []
+    for rank, (wrap, interface) in enumerate(
+        [((), namespace.host_interface), (("ip", "netns", "exec", namespace.name),
+                                           namespace.interface)]
+    ):  # fmt: skip
+        env = {**child_env(), "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+               "MASTER_ADDR": namespace.host_ip, "MASTER_PORT": str(master),
+               "GLOO_SOCKET_IFNAME": interface, "OMP_NUM_THREADS": "1"}  # fmt: skip
+        command = [*wrap, *MORPHLING_RUN, "--server", f"{namespace.host_ip}:{port}",
+                   "--coordinator", "rpi4", "--min-flops", "0", "--json",
+                   str(tmp_path / f"rank-{rank}.json"), "--", "python",
+                   str(SCRIPTS / "ranks_ddp.py")]  # fmt: skip
+        ranks.append(subprocess.Popen(command, env=env, cwd=tmp_path, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))  # fmt: skip
+    outputs = [rank.communicate(timeout=180) for rank in ranks]
+    for rank, (_, stderr) in zip(ranks, outputs, strict=True):
+        assert rank.returncode == 0, stderr[-3000:]
+    got = {r: v for stdout, _ in outputs for r, v in losses(stdout).items()}
+    expected = torchrun("ranks_ddp.py")
+    for rank, values in expected.items():
+        assert got[rank] == pytest.approx(values, rel=1e-5, abs=1e-6), rank
+    emulator.signal(signal.SIGTERM)
+    assert emulator.wait(timeout=10) == 0
+    p = BUILTIN["rpi4"]
+    reduces = [c for c in collectives(run_dir) if c["op"] == "allreduce"]
+    assert len(reduces) == 2 * 4  # each rank's bucket, each step, priced on rpi4's links
+    for c in reduces:
+        closed = c["nbytes"] / min(p.ul_bw, p.dl_bw) + 2 * (p.ul_lat_s + p.dl_lat_s)
+        assert c["end"] - c["start"] == pytest.approx(closed, rel=1e-9)
+    jobs = json.loads((run_dir / "run.json").read_text())["jobs"]
+    assert sorted(j["name"] for j in jobs) == [f"{SCRIPTS / 'ranks_ddp.py'} rank {r}"
+                                               for r in (0, 1)]  # fmt: skip

@@ -418,6 +418,16 @@ USAGE_ERRORS = [
         "--coordinator rpi4 runs on modelled time: only this host's",
         id="measured-profile-coordinator",
     ),
+    pytest.param(
+        ["--server", "127.0.0.1:1", "--rank", "0", "--world", "2", "--", "ECHO"],
+        "--rank 0: its own work is priced by its board's op model: give --coordinator",
+        id="rank-on-measured-time",
+    ),
+    pytest.param(
+        ["--server", "127.0.0.1:1", "--rank", "2", "--world", "2", "--", "ECHO"],
+        "--rank 2 needs --world above it (got --world 2)",
+        id="rank-outside-world",
+    ),
 ]
 
 

@@ -96,13 +96,19 @@ async def test_a_job_pinned_to_no_such_device_is_refused_naming_the_ready_ones(f
 
 
 async def test_ranks_and_collectives_that_do_not_fit_are_refused_naming_the_field(fleet):
-    """A rank needs its device and a world it belongs to; only a rank sends COLLECTIVE, of
-    an op Morphling knows, in a group that holds it. The emulator serves on."""
+    """A rank needs its device (named, or device RANK of the fleet) and a world it belongs
+    to; only a rank sends COLLECTIVE, of an op Morphling knows, in a group that holds it.
+    The emulator serves on."""
     f = await fleet()
     agent = await f.add_device("rpi4")
     name = f.record(agent).name
     cases = [
-        (Open(rank=0, world=2), "bad_open", "a rank needs its device"),
+        (
+            Open(rank=1, world=2),
+            "bad_open",
+            "OPEN.rank=1 without OPEN.device runs on device 1 "
+            "of the fleet, and 1 are ready (rpi4-0)",
+        ),
         (Open(device=name, rank=2, world=2), "bad_open", "OPEN.rank=2 is not a rank of world=2"),
         (Open(), "bad_collective", "the job is no rank"),
         (Open(device=name, rank=0, world=2), "bad_collective", "op 'gossip' is not one of"),
