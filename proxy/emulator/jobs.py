@@ -43,6 +43,7 @@ from morphling.proxy.wire.messages import (
     Result,
     Slab,
     Step,
+    Wait,
 )
 
 from .conv_partition import AnyTask, AnyTile, make_conv_task
@@ -325,6 +326,21 @@ class Job:
         self.emulator.timeline.collective(
             self.id, self.rank, msg.gemm, op, after=msg.after, host_s=msg.host_ns / 1e9,
             host_split=msg.host_split, done=lambda issue, end: None,
+        )  # fmt: skip
+
+    def wait(self, msg: Wait) -> None:
+        """A rank's WAIT: it waits for its earlier COLLECTIVE ``msg.wait`` here (no answer)."""
+        if self.rank is None:
+            raise RemoteProtocolError(f"WAIT {msg.gemm}: the job is no rank (OPEN.rank)",
+                                      "bad_collective")  # fmt: skip
+        if not 0 < msg.wait < msg.gemm:
+            raise RemoteProtocolError(
+                f"WAIT {msg.gemm}: wait={msg.wait} is not an earlier request's id",
+                "bad_collective",
+            )
+        self.emulator.timeline.wait(
+            self.id, msg.wait, msg.gemm, after=msg.after, host_s=msg.host_ns / 1e9,
+            host_split=msg.host_split,
         )  # fmt: skip
 
     def _handed(self, msg: Gemm | Conv) -> local.JobOperands | None:

@@ -35,6 +35,7 @@ from morphling.proxy.wire.messages import (
     Slab,
     Step,
     TileResult,
+    Wait,
 )
 from morphling.proxy.wire.states import Party
 
@@ -100,6 +101,8 @@ class PeerConnection(FrameConnection):
             self._job().conv(msg)
         elif isinstance(msg, Collective):
             self._job().collective(msg)
+        elif isinstance(msg, Wait):
+            self._job().wait(msg)
         elif isinstance(msg, Open):
             self._job().open(msg)
         elif isinstance(msg, Slab):

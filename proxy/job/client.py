@@ -55,6 +55,7 @@ from morphling.proxy.wire.messages import (
     Result,
     Slab,
     Step,
+    Wait,
     Welcome,
 )
 from morphling.proxy.wire.operands import (
@@ -704,11 +705,11 @@ class Client:
         self, op: str, nbytes: int, *, ranks: list[int], seq: int, root: int = -1,
         blocking: bool = True, host_ns: int | None = None,
         host_split: dict[str, int] | None = None,
-    ) -> None:  # fmt: skip
+    ) -> int:  # fmt: skip
         """A rank's part in collective ``op`` (the fields: ``Collective``), sent without
         waiting: the emulator does not answer. A ``blocking`` one is what the next request
         comes after, as a GEMM's result is; ``host_ns`` and ``host_split`` as in
-        ``matmul``."""
+        ``matmul``. Its id, for ``wait``."""
         with self._call_lock:
             request_id = next(self._ids)
             host = self.elapsed_ns() if host_ns is None else host_ns
@@ -718,6 +719,20 @@ class Client:
             ))  # fmt: skip
             if blocking:
                 self._after, self._since_ns = request_id, time.perf_counter_ns()
+            return request_id
+
+    def wait(
+        self, request: int, *, host_ns: int | None = None,
+        host_split: dict[str, int] | None = None,
+    ) -> None:  # fmt: skip
+        """The rank waits here for its earlier non-blocking collective ``request`` (WAIT;
+        no answer): what the next request comes after."""
+        with self._call_lock:
+            wait_id = next(self._ids)
+            host = self.elapsed_ns() if host_ns is None else host_ns
+            self._send(Wait(gemm=wait_id, wait=request, after=self._after, host_ns=host,
+                            host_split=host_split or {}))  # fmt: skip
+            self._after, self._since_ns = wait_id, time.perf_counter_ns()
 
     def step(
         self, step: int, *, host_ns: int | None = None, local_gemms: int = 0,

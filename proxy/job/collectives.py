@@ -8,10 +8,12 @@ tensors hold, its group's global ranks, its root, whether the rank waits for it 
 and runs the original kernel: gloo computes it for real.
 
 ``async_op`` tells blocking from not: ``dist.all_reduce(t)`` waits at once, DDP's buckets
-and ``async_op=True`` do not (their wait, in ``Work.wait``, is not seen: the rank's step
-ends no earlier than they do). Send and receive are taken as blocking, as their blocking
-forms are. A receive from any source cannot be paired with its send in virtual time: it
-is run and counted as untimed.
+and ``async_op=True`` do not. Their wait, in ``Work.wait``, is not seen (DDP's is in
+C++), but the data it guards is: ``Pending`` has the rank wait for such an operation
+where an op first uses one of its tensors (DDP copying a reduced bucket back into the
+gradients), and its step ends no earlier than the operations it never used. Send and
+receive are taken as blocking, as their blocking forms are. A receive from any source
+cannot be paired with its send in virtual time: it is run and counted as untimed.
 """
 
 from __future__ import annotations
@@ -62,9 +64,18 @@ _READERS = {
 }
 UNPAIRED = "recv_any_source_"  # run, and counted as untimed
 
-# report(op, nbytes, ranks, root, blocking): ``ranks`` the group's global ranks (send and
-# recv: [source, destination]), ``root`` a global rank or -1
-Report = Callable[[str, int, list[int], int, bool], None]
+# report(op, nbytes, ranks, root, blocking, tensors): ``ranks`` the group's global ranks
+# (send and recv: [source, destination]), ``root`` a global rank or -1, ``tensors`` every
+# tensor the operation reads or writes
+Report = Callable[[str, int, list[int], int, bool, list[torch.Tensor]], None]
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, list | tuple):
+        return [t for v in value for t in _tensors(v)]
+    return []
 
 
 def _nbytes(value: Any) -> int:
@@ -117,7 +128,8 @@ class Collectives:
                 me = dist.get_rank()
                 ranks = [me, root] if reader.op == "send" else [root, me]
             blocking = reader.async_op is None or not args[reader.async_op]
-            self.report(reader.op, _nbytes(args[reader.data]), ranks, root, blocking)
+            tensors = [] if blocking else _tensors(args)
+            self.report(reader.op, _nbytes(args[reader.data]), ranks, root, blocking, tensors)
             return original.call_boxed(keyset, *given, **named)
 
         return kernel
@@ -134,3 +146,35 @@ class Collectives:
     @staticmethod
     def _group_ranks(boxed: Any) -> list[int]:
         return dist.get_process_group_ranks(ProcessGroup.unbox(boxed))
+
+
+class Pending:
+    """A rank's operations it did not wait for at once, by the storages of their tensors,
+    until an op uses one of them: ``wait(request)`` then, and it is no longer pending."""
+
+    def __init__(self, wait: Callable[[int], None]) -> None:
+        self._wait = wait
+        self._storages: dict[int, int] = {}  # a storage's address → the request using it
+
+    def __bool__(self) -> bool:
+        return bool(self._storages)
+
+    def add(self, request: int, tensors: list[torch.Tensor]) -> None:
+        for tensor in tensors:
+            if address := tensor.untyped_storage().data_ptr():  # 0: freed (FSDP)
+                self._storages[address] = request
+
+    def used(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """An op's arguments: the rank waits for each pending operation they use."""
+        for value in (*args, *kwargs.values()):
+            for tensor in _tensors(value):
+                request = self._storages.get(tensor.untyped_storage().data_ptr())
+                if request is not None:
+                    self._storages = {a: r for a, r in self._storages.items() if r != request}
+                    self._wait(request)
+
+    def wait_all(self) -> None:
+        """A step ends: it waits for those it never used, in the order it issued them."""
+        for request in sorted(set(self._storages.values())):
+            self._wait(request)
+        self._storages.clear()

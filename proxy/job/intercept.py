@@ -50,7 +50,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from morphling.devices.models.op_count import count_op
@@ -58,6 +58,9 @@ from morphling.devices.models.ops import CONV, GEMM
 from morphling.kernels import LayoutError, blas_operand
 from morphling.proxy.wire.messages import GEMM_DTYPES
 from torch.utils._python_dispatch import TorchDispatchMode
+
+if TYPE_CHECKING:
+    from .collectives import Pending
 
 from .conv import ConvCall, conv_call, laid_out_like
 from .coordinator import HostWork
@@ -140,6 +143,7 @@ class Interceptor:
         # bias applied.
         self.entered_ns = 0
         self.returned_ns = 0
+        self.pending: Pending | None = None  # a rank's operations it has not waited for
 
     @property
     def sent(self) -> int:
@@ -192,6 +196,8 @@ class Interceptor:
     def dispatch(self, func: Any, args: tuple, kwargs: dict[str, Any], work: HostWork) -> Any:
         """One aten op under ``_CountingMode``: a GEMM or a convolution to its handler, the
         rest run and counted in ``work`` (the host's)."""
+        if self.pending and func.namespace != "c10d":  # a rank waits where it uses their data
+            self.pending.used(args, kwargs)
         handler = self._counted.get(func)
         if handler is not None and not _forked:
             return handler(func, *args, **kwargs)

@@ -46,7 +46,7 @@ from morphling.runtime import parse_server
 from morphling.text import elide, elided_line
 
 from .client import Client
-from .collectives import Collectives
+from .collectives import Collectives, Pending
 from .conv import ConvCall
 from .coordinator import HostWork, coordinator_profile
 from .embedded import EmbeddedFleet
@@ -187,18 +187,33 @@ class Session:
             self._step_start = time.perf_counter()
         return self._host_time(self.interceptor.entered_ns)
 
-    def collective(self, op: str, nbytes: int, ranks: list[int], root: int, blocking: bool) -> None:
+    def collective(
+        self, op: str, nbytes: int, ranks: list[int], root: int, blocking: bool,
+        tensors: list[torch.Tensor],
+    ) -> None:  # fmt: skip
         """A rank's collective (``collectives.Collectives`` reports each before it runs),
         numbered in its group as every member numbers it; modelled time only (a rank's
-        waits in gloo are no work of its own)."""
+        waits in gloo are no work of its own). One it does not wait for at once is pending
+        until an op uses its ``tensors`` (``_wait``)."""
         assert self.work is not None, "a rank's coordinator time is modelled (emulate)"
         host_ns, split = self._request_host_time()
         if not blocking:
             self._carried = split
         key = ("p2p" if op in PAIR else "group", tuple(ranks))
         seq = self._collectives[key] = self._collectives.get(key, 0) + 1
-        self.client.collective(op, nbytes, ranks=ranks, seq=seq, root=root, blocking=blocking,
-                               host_ns=host_ns, host_split=split)  # fmt: skip
+        request = self.client.collective(op, nbytes, ranks=ranks, seq=seq, root=root,
+                                         blocking=blocking, host_ns=host_ns,
+                                         host_split=split)  # fmt: skip
+        if not blocking:
+            if self.interceptor.pending is None:
+                self.interceptor.pending = Pending(self._wait)
+            self.interceptor.pending.add(request, tensors)
+
+    def _wait(self, request: int) -> None:
+        """The rank uses the tensors of its pending collective ``request``: it waits for it
+        here, after the modelled time since its last request."""
+        host_ns, split = self._request_host_time()
+        self.client.wait(request, host_ns=host_ns, host_split=split)
 
     def _remote(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         host_ns, split = self._request_host_time()
@@ -220,6 +235,8 @@ class Session:
 
     def end_step(self) -> StepReport:
         """Close the current step (called after every optimizer step)."""
+        if self.interceptor.pending:  # the step's end waits for all of them
+            self.interceptor.pending.wait_all()
         host_ns, split = self._host_time(time.perf_counter_ns())
         if self.work is not None:
             self.work.in_optimizer = False  # its step is over

@@ -381,6 +381,40 @@ class Timeline(Generic[T]):
 
         self._request(job, request_id, after, host_s, host_split, issue, blocking=op.blocking)
 
+    def wait(
+        self,
+        job_id: int,
+        awaited: int,
+        request_id: int,
+        *,
+        after: int,
+        host_s: float,
+        host_split: Mapping[str, int] | None = None,
+    ) -> None:
+        """The job waits, ``host_s`` after ``after`` ended, for its earlier request
+        ``awaited`` (a collective it did not wait for at once): this request ends when that
+        one has, or at once if it has, and holds the job until then."""
+        job = self._active(job_id)
+
+        def issue(at: float, times: StepTimes, seq: int) -> None:
+            def end(then: float) -> None:
+                over = max(at, then)  # a rank's own time, which may be the clock's past
+                self.clock.at(over, self._waited, (job, request_id, seq, over),
+                              job=job.id, tile=request_id)  # fmt: skip
+
+            pending = job.latest.get(awaited)
+            if pending is not None and pending in job.inflight:
+                job.inflight[pending].append(end)
+            else:  # over already (or never known: nothing to wait for)
+                end(job.ends.get(awaited, (0, at))[1])
+
+        self._request(job, request_id, after, host_s, host_split, issue)
+
+    def _waited(self, waited: tuple[_Job, int, int, float]) -> None:
+        job, request_id, seq, now = waited
+        if self.jobs.get(job.id) is job:
+            self._settle(job, request_id, seq, now, blocking=True)
+
     def _request(
         self,
         job: _Job,

@@ -49,6 +49,7 @@ class MsgType(IntEnum):
     NOTICE = 36
     CONV = 37
     COLLECTIVE = 38
+    WAIT = 39
 
 
 ROLES = ("device", "job", "probe")
@@ -427,6 +428,22 @@ class Collective(Message):
 
 
 @dataclass(slots=True)
+class Wait(Message):
+    """Job → server: a rank waits here for its earlier COLLECTIVE ``wait``, one it did not
+    wait for at once (``blocking`` false): it first uses the operation's tensors now. It is
+    issued as a GEMM is (``gemm`` its id, ``after``, ``host_ns``, ``host_split`` as in GEMM)
+    and ends when that operation has, or at once if it has: the next request names it as
+    ``after``. No answer."""
+
+    TYPE = MsgType.WAIT
+    gemm: int
+    wait: int
+    after: int = 0
+    host_ns: int = 0
+    host_split: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
 class Conv(Message):
     """Job → server: a 2-D convolution's product (``kind``); RESULT answers it as a GEMM.
 
@@ -622,7 +639,7 @@ def _schema(cls: type[Message]) -> _Schema:
 _SCHEMAS = {msg_type: _schema(cls) for msg_type, cls in MESSAGES.items()}
 _ABSENT = object()
 _SPLIT = frozenset(
-    {MsgType.GEMM, MsgType.CONV, MsgType.COLLECTIVE, MsgType.STEP}
+    {MsgType.GEMM, MsgType.CONV, MsgType.COLLECTIVE, MsgType.WAIT, MsgType.STEP}
 )  # the messages with a host_split
 
 

@@ -86,7 +86,7 @@ SENDS: dict[Party, dict[State, frozenset[MsgType]]] = {
         S.PROBE: _ALWAYS | _PROBE_REQUESTS | {M.PROBE_FLOPS_REQUEST, M.PROBE_FLOPS_RESULT},
         S.JOB_OPEN: _ALWAYS | {M.OPEN},
         S.JOB_RESTORING: _ALWAYS,
-        S.JOB: _ALWAYS | {M.GEMM, M.CONV, M.COLLECTIVE, M.STEP, M.CLOSE, M.SLAB},
+        S.JOB: _ALWAYS | {M.GEMM, M.CONV, M.COLLECTIVE, M.WAIT, M.STEP, M.CLOSE, M.SLAB},
         S.CLOSED: frozenset(),
     },
 }

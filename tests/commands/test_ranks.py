@@ -60,9 +60,13 @@ def ranks_run(tmp: Path, script: str, *args: str, devices: str = "rpi4:2", flags
     return proc, report, run_dir
 
 
-def collectives(run_dir: Path) -> list[dict]:
+def records(run_dir: Path, kind: str) -> list[dict]:
     lines = gzip.decompress((run_dir / COMPRESSED_EVENTS_FILE).read_bytes()).splitlines()
-    return [r for r in map(json.loads, lines) if r["ev"] == "collective"]
+    return [r for r in map(json.loads, lines) if r["ev"] == kind]
+
+
+def collectives(run_dir: Path) -> list[dict]:
+    return records(run_dir, "collective")
 
 
 @pytest.mark.parametrize(
@@ -88,6 +92,14 @@ def test_ranks_train_as_torchrun_does(tmp_path: Path, script: str) -> None:
         for c in reduces:
             closed = c["nbytes"] / min(p.ul_bw, p.dl_bw) + 2 * (p.ul_lat_s + p.dl_lat_s)
             assert c["end"] - c["start"] == pytest.approx(closed, rel=1e-9)
+        # The rank waits for its bucket's all-reduce where the backward pass copies the
+        # bucket back, and computes on from its end: the copy, then the optimizer.
+        coords = records(run_dir, "coord")
+        for c in reduces:
+            after = [s for s in coords if (s["job"], s["step"]) == (c["job"], c["step"])
+                     and s["t0"] >= c["end"]]  # fmt: skip
+            assert after and after[0]["t0"] == c["end"], (c, after)
+            assert "optimizer" in (after[-1].get("split") or {}), after
     if script == "ranks_fsdp.py":  # parameters all-gathered, gradients reduce-scattered
         assert {c["op"] for c in collectives(run_dir)} >= {"allgather", "reduce_scatter"}
     if script == "ranks_pipeline.py":  # each its own operation: a pair's apart from the group's

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from morphling.devices.models.links import LINKS
 from morphling.proxy.job.client import EmulatorError
-from morphling.proxy.wire.messages import Collective, Open
+from morphling.proxy.wire.messages import Collective, Open, Wait
 from serving import (
     TIMEOUT,
     assert_gemm_close,
@@ -113,10 +113,13 @@ async def test_ranks_and_collectives_that_do_not_fit_are_refused_naming_the_fiel
         (Open(), "bad_collective", "the job is no rank"),
         (Open(device=name, rank=0, world=2), "bad_collective", "op 'gossip' is not one of"),
         (Open(device=name, rank=0, world=2), "bad_collective", "including the sender's (0)"),
+        (Open(device=name, rank=0, world=2), "bad_collective", "wait=5 is not an earlier"),
+        (Open(), "bad_collective", "WAIT 2: the job is no rank"),
     ]
     collectives = [None, None, Collective(gemm=1, op="allreduce", nbytes=4, ranks=[0, 1], seq=1),
                    Collective(gemm=1, op="gossip", nbytes=4, ranks=[0, 1], seq=1),
-                   Collective(gemm=1, op="allreduce", nbytes=4, ranks=[1, 2], seq=1)]  # fmt: skip
+                   Collective(gemm=1, op="allreduce", nbytes=4, ranks=[1, 2], seq=1),
+                   Wait(gemm=2, wait=5), Wait(gemm=2, wait=1)]  # fmt: skip
     for (open_msg, code, reason), collective in zip(cases, collectives, strict=True):
         raw = await f.raw_peer()
         await raw.hello("job", name="raw")

@@ -232,3 +232,24 @@ def test_a_collective_of_a_shared_member_waits_for_its_earlier_one_whatever_the_
         reach(*call)
     comm = ring_allreduce_s(2, 1_000_000, 1 * MB, 0.0)
     assert ends == {"A": pytest.approx(3.0 + comm), "B": pytest.approx(3.0 + 2 * comm)}
+
+
+def test_a_rank_waits_for_an_async_collective_where_it_uses_its_data():
+    """DDP: the bucket's all-reduce runs beside the rest of the backward pass; the rank waits
+    for it where it copies the bucket back (WAIT), and computes on from its end. A wait for
+    one that has ended already costs nothing."""
+    tl, _ = new_timeline()
+    jobs = ranks(tl, [profile(bw=1 * MB, lat=0.0)] * 2)
+    rec = Recorder()
+    op = Operation(("world", 1), "allreduce", 2_000_000, (0, 1), blocking=False)
+    comm = ring_allreduce_s(2, 2_000_000, 1 * MB, 0.0)  # 2 s
+    for job in jobs:
+        tl.collective(job, job - 1, 3, op, after=0, host_s=0.0, done=lambda i, e: None)
+    submit(tl, rec, jobs[0], task(4, 64, 64, 64), 64, host_s=0.1)  # beside the all-reduce
+    tl.wait(jobs[0], 3, 5, after=4, host_s=0.05)  # then its data is needed
+    submit(tl, rec, jobs[0], task(6, 64, 64, 64), 64, after=5, host_s=0.25)
+    assert rec.ended[4][0] == pytest.approx(0.1) and rec.ended[4][1] < comm
+    assert rec.ended[6][0] == pytest.approx(comm + 0.25)
+    tl.wait(jobs[0], 3, 7, after=6, host_s=0.0)  # over already: no time
+    submit(tl, rec, jobs[0], task(8, 64, 64, 64), 64, after=7, host_s=0.5)
+    assert rec.ended[8][0] == pytest.approx(rec.ended[6][1] + 0.5)
