@@ -821,7 +821,9 @@ class Timeline(Generic[T]):
             if parts is None:
                 continue
             members = next(iter(parts.values())).op.members
-            if len(parts) < len(members) or any(self._reached[r][0] != key for r in members):
+            # (a member that reached it and left since has no queue: it holds nothing up)
+            queues = {r: q for r in members if (q := self._reached.get(r)) is not None}
+            if len(parts) < len(members) or any(q[0] != key for q in queues.values()):
                 continue
             del self._gathering[key]
             op = parts[members[0]].op
@@ -831,11 +833,11 @@ class Timeline(Generic[T]):
             ready = max(p.at for p in parts.values())  # its last member there
             start = max(ready, *(self._comm_free.get(r, 0.0) for r in members))
             end = start + collective_s(op.op, nbytes, links, op.root, bottleneck, self.algorithm)
-            for rank in members:
+            for rank, queue in queues.items():
                 self._comm_free[rank] = end
-                self._reached[rank].popleft()
-                if self._reached[rank]:
-                    keys.append(self._reached[rank][0])
+                queue.popleft()
+                if queue:
+                    keys.append(queue[0])
             self.clock.at(end, self._collective_end, (list(parts.values()), ready, start, end))
 
     def _member_device(self, rank: int) -> VirtualDevice | None:

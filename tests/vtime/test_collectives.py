@@ -253,3 +253,16 @@ def test_a_rank_waits_for_an_async_collective_where_it_uses_its_data():
     tl.wait(jobs[0], 3, 7, after=6, host_s=0.0)  # over already: no time
     submit(tl, rec, jobs[0], task(8, 64, 64, 64), 64, after=7, host_s=0.5)
     assert rec.ended[8][0] == pytest.approx(rec.ended[6][1] + 0.5)
+
+
+def test_a_collective_completes_after_a_member_that_reached_it_has_left():
+    """Rank 1 reaches the all-reduce and its job closes (its process ended); rank 0's part
+    still completes it, and only rank 0 settles."""
+    tl, _ = new_timeline()
+    jobs = ranks(tl, [profile(bw=1 * MB, lat=0.0)] * 2)
+    ended: list[float] = []
+    op = Operation(("world", 1), "allreduce", 1_000_000, (0, 1))
+    tl.collective(jobs[1], 1, 2, op, after=0, host_s=0.5, done=lambda i, e: None)
+    tl.close_job(jobs[1])
+    tl.collective(jobs[0], 0, 2, op, after=0, host_s=0.0, done=lambda i, e: ended.append(e))
+    assert ended == [pytest.approx(0.5 + ring_allreduce_s(2, 1_000_000, 1 * MB, 0.0))]
