@@ -71,6 +71,7 @@ Report = Callable[[str, int, list[int], int, bool, list[torch.Tensor]], None]
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors in an argument (a tensor, or lists of them)."""
     if isinstance(value, torch.Tensor):
         return [value]
     if isinstance(value, list | tuple):
@@ -79,11 +80,12 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 
 
 def _nbytes(value: Any) -> int:
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, list | tuple):
-        return sum(_nbytes(v) for v in value)
-    return 0
+    return sum(t.numel() * t.element_size() for t in _tensors(value))
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    """Its storage's address (0: none, as a sparse tensor's or a freed one's)."""
+    return tensor.untyped_storage().data_ptr() if tensor.layout == torch.strided else 0
 
 
 class Collectives:
@@ -161,14 +163,14 @@ class Pending:
 
     def add(self, request: int, tensors: list[torch.Tensor]) -> None:
         for tensor in tensors:
-            if address := tensor.untyped_storage().data_ptr():  # 0: freed (FSDP)
+            if address := _storage(tensor):  # (FSDP frees some)
                 self._storages[address] = request
 
     def used(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """An op's arguments: the rank waits for each pending operation they use."""
         for value in (*args, *kwargs.values()):
             for tensor in _tensors(value):
-                request = self._storages.get(tensor.untyped_storage().data_ptr())
+                request = self._storages.get(_storage(tensor))
                 if request is not None:
                     self._storages = {a: r for a, r in self._storages.items() if r != request}
                     self._wait(request)
