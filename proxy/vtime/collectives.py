@@ -76,27 +76,20 @@ def _tree_bytes(op: str, size: float, n: int, s: int) -> tuple[float | None, flo
 
 def _star_bytes(op: str, size: float, n: int, root: bool) -> tuple[float | None, float | None]:
     """What a star member (the ``root`` or not) sends the server, and what the server sends
-    it (None: nothing that way)."""
+    it (None: nothing that way). Every member is a leaf of the server: in the operations
+    every member contributes to, it moves what a tree's leaf does."""
     match op:
-        case "allreduce":
-            return size, size
-        case "barrier":
-            return 0.0, 0.0
         case "reduce":
             return size, size if root else None
         case "broadcast":
             return (size, None) if root else (None, size)
-        case "allgather":
-            return size, (n - 1) * size
-        case "reduce_scatter":
-            return size, size / n
         case "alltoall":
             return (n - 1) / n * size, (n - 1) / n * size
         case "gather":
             return (None, (n - 1) * size) if root else (size, None)
         case "scatter":
             return ((n - 1) * size, None) if root else (None, size)
-    raise ValueError(f"collective {op!r}: no star")
+    return _tree_bytes(op, size, n, 1)
 
 
 class Link(NamedTuple):
