@@ -181,8 +181,8 @@ def _wait(children: list[Rank], signals: Signals) -> Interrupted | None:
                 if rc != 0 and not child.stopped and stopping_since is None:
                     if child.echo is not None:
                         child.echo.join(timeout=ECHO_JOIN_S)
-                    print(f"morphling run: {child.why()}; stopping the other ranks",
-                          file=sys.stderr)  # fmt: skip
+                    print(f"morphling run: {child.why()}{_left(children)}; stopping the other "
+                          "ranks", file=sys.stderr)  # fmt: skip
                     stopping_since = _stop(children, stopping_since)
         if stopping_since is not None and time.monotonic() - stopping_since > STOP_GRACE_S:
             for child in children:
@@ -190,6 +190,16 @@ def _wait(children: list[Rank], signals: Signals) -> Interrupted | None:
                     child.process.kill()
         time.sleep(0.05)
     return interrupted
+
+
+def _left(children: list[Rank]) -> str:
+    """The ranks that ended well before the others (whose collectives then fail), if any."""
+    gone = [c for c in children if c.exit_code == 0]
+    if not gone or len(gone) == len(children):
+        return ""
+    named = ", ".join(f"rank {c.rank}" for c in gone[:4])
+    return (f" (after {named} had exited with code 0, leaving collectives the others still "
+            "make: a rank that stops early fails the others)")  # fmt: skip
 
 
 def failed(children: list[Rank]) -> Rank | None:

@@ -140,6 +140,22 @@ def test_a_slow_board_is_the_straggler_the_others_wait_for(tmp_path: Path) -> No
         assert start[:2] == (finish[0], "s") and finish[1] == "f" and start[2] != finish[2]
 
 
+def test_a_rank_that_ends_early_fails_the_others_and_the_run_says_why(tmp_path: Path) -> None:
+    """Rank 1 leaves (exit 0) at step 2; rank 0's next all-reduce fails in gloo: nothing
+    hangs, and the failure names rank 0 with gloo's words and the rank that left."""
+    proc, report, run_dir = ranks_run(tmp_path, "ranks_ddp.py", "4", "-1", "2")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert re.search(r"morphling run: rank 0 \(device rpi4-0\) exited with code 1; its last "
+                     r"words: .*Connection closed by peer.* \(after rank 1 had exited with "
+                     r"code 0", proc.stderr), proc.stderr[-3000:]  # fmt: skip
+    run = json.loads(report.read_text())
+    assert [(r["exit_code"], len(r["steps"])) for r in run["ranks"]] == [(1, 2), (0, 2)]
+    assert (
+        "rank 0 (device rpi4-0) exited with code 1"
+        in json.loads((run_dir / "run.json").read_text())["incomplete"]
+    )
+
+
 def test_collectives_of_different_sizes_fail_with_gloos_error_marked_with_its_rank(
     tmp_path: Path,
 ) -> None:

@@ -9,6 +9,7 @@ from torch import nn
 
 STEPS = int(sys.argv[1]) if len(sys.argv) > 1 else 4
 CRASH_AT = int(sys.argv[2]) if len(sys.argv) > 2 else -1  # rank 1 raises at this step
+LEAVE_AT = int(sys.argv[3]) if len(sys.argv) > 3 else -1  # rank 1 ends well at this step
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -21,6 +22,8 @@ losses = []
 for step in range(STEPS):
     if rank == 1 and step == CRASH_AT:
         raise RuntimeError("rank 1 fails on purpose")
+    if rank == 1 and step == LEAVE_AT:
+        sys.exit(0)
     x, y = torch.randn(64, 256, generator=data), torch.randint(0, 10, (64,), generator=data)
     loss = nn.functional.cross_entropy(ddp(x), y)
     opt.zero_grad()
