@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from morphling.proxy.emulator.settings import EmulatorConfig
 from morphling.proxy.shm.files import shm_dir
-from processes import child_env, free_port
+from processes import child_env, free_port, morphling_here
 
 from morphling import __version__
 from morphling import config as configuration
@@ -68,14 +68,22 @@ BIN = Path(sys.executable).parent
     ],
     ids=lambda v: v if isinstance(v, str) else " ".join(Path(a).name for a in v[:2]),
 )
-def test_an_unknown_flag_is_the_subcommands_error_with_its_usage(argv, prog, tmp_path):
+def test_an_unknown_flag_is_the_subcommands_error_with_its_usage(
+    argv, prog, tmp_path, capsys, monkeypatch
+):
     """Not the top-level usage, which lists only the subcommands: the one whose flags
-    were mistyped, so that the right ones are on screen."""
-    proc = subprocess.run([*map(str, argv), "--frob"], capture_output=True, text=True,
-                          timeout=60, cwd=tmp_path)  # fmt: skip
-    assert proc.returncode == 2
-    assert proc.stderr.startswith(f"usage: {prog} "), proc.stderr
-    assert proc.stderr.endswith(f"{prog}: error: unrecognized arguments: --frob\n")
+    were mistyped, so that the right ones are on screen. ``morphling SUBCOMMAND`` in this
+    process (the same parser), the other console scripts as children."""
+    if Path(argv[0]).name == "morphling":
+        monkeypatch.chdir(tmp_path)
+        code, _, stderr = morphling_here(capsys, *argv[1:], "--frob")
+    else:
+        proc = subprocess.run([*map(str, argv), "--frob"], capture_output=True, text=True,
+                              timeout=60, cwd=tmp_path)  # fmt: skip
+        code, stderr = proc.returncode, proc.stderr
+    assert code == 2
+    assert stderr.startswith(f"usage: {prog} "), stderr
+    assert stderr.endswith(f"{prog}: error: unrecognized arguments: --frob\n")
 
 
 def shared_files_of(pid: int) -> list[Path]:
