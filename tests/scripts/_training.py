@@ -2,7 +2,8 @@
 
 Each script is run natively and through ``morphling run`` (its directory is first on
 ``sys.path`` either way): it prints the per-step losses as one JSON line on stdout and
-saves the final state_dict to the path in argv[1].
+saves the final state_dict to the path in argv[1]; argv[2], if given, is how many steps
+(20).
 """
 
 import json
@@ -12,7 +13,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-STEPS, BATCH, SEQ = 20, 2, 16
+STEPS = int(sys.argv[2]) if len(sys.argv) > 2 else 20
+BATCH, SEQ = 2, 16
 
 
 def fit(model: torch.nn.Module, step_loss: Callable[[], torch.Tensor]) -> list[float]:

@@ -32,11 +32,12 @@ from morphling.text import FIRST_ROWS, LAST_ROWS
 FLEET = ("--embedded", "--devices", "rpi4:2,orin-nano:1,jetson-nano:1", "--block-size", "16",
          "--min-flops", "0", "--coordinator", "rpi4")  # fmt: skip
 HOG = "import itertools\nfor _ in itertools.count(): pass\n"
+OPT_STEPS = 6  # thousands of events: enough for a timeline the host's load could move
 
 
 def run_training(run_dir: Path, state: Path) -> dict:
     succeeded(morphling_run(*FLEET, "--run-dir", run_dir, "--", "python",
-                            SCRIPTS / "train_opt.py", state))  # fmt: skip
+                            SCRIPTS / "train_opt.py", state, OPT_STEPS))  # fmt: skip
     return json.loads((run_dir / "run.json").read_text())
 
 
