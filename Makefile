@@ -26,8 +26,11 @@ demo: setup
 system-deps:
 	sh scripts/install-system-deps.sh
 
+# Two workers, each a whole test file at a time: most tests wait on child processes
+# (start-up, heartbeats, deadlines), so two overlap well on two cores; a file's module
+# fixtures still run once. `pytest -n 0` (or plain pytest) runs one at a time.
 test: setup system-deps
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 bench: setup
 	$(PY) scripts/bench_kernels.py
