@@ -127,6 +127,8 @@ def test_a_slow_board_is_the_straggler_the_others_wait_for(tmp_path: Path) -> No
     loaded = load_run(run_dir)
     rows = summarize(loaded)["collectives"]
     assert rows["algorithm"] == "star"
+    table = proc.stderr[proc.stderr.index("collectives (star; steps ") :]
+    assert re.search(r"\n +1 .*ranks_ddp\.py rank \d +allreduce +4 ", table), table
     reduces = [(r["job"], r["count"]) for r in rows["rows"] if r["op"] == "allreduce"]
     assert reduces == [(1, 4), (2, 4)]  # each step's bucket; DDP's set-up adds the others
     assert {r["op"] for r in rows["rows"]} == {"allreduce", "allgather", "broadcast"}
