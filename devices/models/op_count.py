@@ -15,12 +15,14 @@ import torch
 from .ops import FRESH_MIN_BYTES, op_class, op_flops
 
 
-def _tensors(values: Iterable[Any]) -> Iterable[torch.Tensor]:
+def tensors_in(values: Iterable[Any]) -> Iterable[torch.Tensor]:
+    """The tensors among an op's arguments, in lists too (_foreach_* ops, cat, stack; a
+    collective's lists of lists)."""
     for value in values:
         if isinstance(value, torch.Tensor):
             yield value
-        elif isinstance(value, (list, tuple)):  # _foreach_* ops, cat, stack: lists of tensors
-            yield from (t for t in value if isinstance(t, torch.Tensor))
+        elif isinstance(value, (list, tuple)):
+            yield from tensors_in(value)
 
 
 def count_op(
@@ -39,8 +41,8 @@ def count_op(
     cls = op_class(name, is_view=func.is_view, in_optimizer=in_optimizer)
     if cls == "other":
         return cls, 0, 0, 0.0
-    inputs = [*_tensors(args), *_tensors(kwargs.values())]
-    outs = list(_tensors(out if isinstance(out, (list, tuple)) else (out,)))
+    inputs = [*tensors_in(args), *tensors_in(kwargs.values())]
+    outs = list(tensors_in(out if isinstance(out, (list, tuple)) else (out,)))
     out_sizes = [t.numel() * t.element_size() for t in outs]
     nbytes = sum(t.numel() * t.element_size() for t in inputs) + sum(out_sizes)
     large = [t for t, size in zip(outs, out_sizes, strict=True) if size > FRESH_MIN_BYTES]

@@ -299,13 +299,6 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
             raise configuration.ConfigError(
                 f"--rank {cfg.rank} needs --world above it (got --world {cfg.world})"
             )
-        if cfg.rank >= 0 and coordinator_profile(cfg.coordinator, cfg.coordinator_time or None,
-                                                 cooling=cfg.cooling or None) is None:  # fmt: skip
-            raise configuration.ConfigError(
-                f"--rank {cfg.rank}: its own work is priced by its board's op model: give "
-                "--coordinator PROFILE (its device's), or --coordinator-time model (a rank's "
-                "wall time holds its waits for the others)"
-            )
         if cfg.embedded:
             fleet = expand_fleet(cfg.devices, max_devices=cfg.max_devices)
             if cfg.ranks > len(fleet):
@@ -317,8 +310,14 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
                 rank_devices(cfg.rank_devices, cfg.ranks, device_names(fleet))
         else:
             parse_server(cfg.server)
-        coordinator_profile(cfg.coordinator, cfg.coordinator_time or None,
-                            cooling=cfg.cooling or None)  # fmt: skip
+        profile = coordinator_profile(cfg.coordinator, cfg.coordinator_time or None,
+                                      cooling=cfg.cooling or None)  # fmt: skip
+        if cfg.rank >= 0 and profile is None:
+            raise configuration.ConfigError(
+                f"--rank {cfg.rank}: its own work is priced by its board's op model: give "
+                "--coordinator PROFILE (its device's), or --coordinator-time model (a rank's "
+                "wall time holds its waits for the others)"
+            )
         target = script_target(args.command)
         if target[0] == "module":
             check_module(target[1])

@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+from morphling.devices.models.op_count import tensors_in
 from morphling.proxy.vtime.collectives import PAIR
 from torch._C._distributed_c10d import ProcessGroup
 
@@ -70,17 +71,8 @@ UNPAIRED = "recv_any_source_"  # run, and counted as untimed
 Report = Callable[[str, int, list[int], int, bool, list[torch.Tensor]], None]
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
-    """The tensors in an argument (a tensor, or lists of them)."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, list | tuple):
-        return [t for v in value for t in _tensors(v)]
-    return []
-
-
 def _nbytes(value: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in _tensors(value))
+    return sum(t.numel() * t.element_size() for t in tensors_in((value,)))
 
 
 def _storage(tensor: torch.Tensor) -> int:
@@ -130,7 +122,7 @@ class Collectives:
                 me = dist.get_rank()
                 ranks = [me, root] if reader.op == "send" else [root, me]
             blocking = reader.async_op is None or not args[reader.async_op]
-            tensors = [] if blocking else _tensors(args)
+            tensors = [] if blocking else list(tensors_in(args))
             self.report(reader.op, _nbytes(args[reader.data]), ranks, root, blocking, tensors)
             return original.call_boxed(keyset, *given, **named)
 
@@ -168,12 +160,11 @@ class Pending:
 
     def used(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """An op's arguments: the rank waits for each pending operation they use."""
-        for value in (*args, *kwargs.values()):
-            for tensor in _tensors(value):
-                request = self._storages.get(_storage(tensor))
-                if request is not None:
-                    self._storages = {a: r for a, r in self._storages.items() if r != request}
-                    self._wait(request)
+        for tensor in tensors_in((*args, *kwargs.values())):
+            request = self._storages.get(_storage(tensor))
+            if request is not None:
+                self._storages = {a: r for a, r in self._storages.items() if r != request}
+                self._wait(request)
 
     def wait_all(self) -> None:
         """A step ends: it waits for those it never used, in the order it issued them."""

@@ -820,13 +820,13 @@ class Timeline(Generic[T]):
             parts = self._gathering.get(key)
             if parts is None:
                 continue
-            members = next(iter(parts.values())).op.members
+            op = next(iter(parts.values())).op
+            members = op.members
             # (a member that reached it and left since has no queue: it holds nothing up)
             queues = {r: q for r in members if (q := self._reached.get(r)) is not None}
             if len(parts) < len(members) or any(q[0] != key for q in queues.values()):
                 continue
             del self._gathering[key]
-            op = parts[members[0]].op
             links = [_link(self._member_device(rank)) for rank in members]
             nbytes = max(p.op.nbytes for p in parts.values())
             bottleneck = self.bottleneck.dl_bw if self.bottleneck is not None else math.inf
