@@ -2,10 +2,16 @@
 
 DDP's reducer calls the process group from C++, so wrapping ``torch.distributed``'s Python
 functions would miss its gradient all-reduces. Every operation, from Python or C++, is a
-``c10d`` op of the dispatcher, though: ``Collectives`` replaces their CPU kernels (as the
-interceptor replaces the GEMMs'), tells ``report`` what each is (its op, the bytes its
-tensors hold, its group's global ranks, its root, whether the rank waits for it at once),
-and runs the original kernel: gloo computes it for real.
+``c10d`` op of the dispatcher, though: ``Collectives`` puts a kernel of its own in front
+of them, at ``BackendSelect`` (the dispatch key every call passes just before its
+backend's), tells ``report`` what each CPU one is (its op, the bytes its tensors hold, its
+group's global ranks, its root, whether the rank waits for it at once), and redispatches
+to the backend's kernel: gloo computes it for real.
+
+It must not replace the CPU kernel and call the original from Python, as the interceptor
+does the GEMMs': that call holds the GIL, and gloo's enqueue waits for the lock under
+which a worker thread frees a finished operation, which takes the GIL when a tensor it
+frees is one Python has let go of. A redispatch releases the GIL first.
 
 ``async_op`` tells blocking from not: ``dist.all_reduce(t)`` waits at once, DDP's buckets
 and ``async_op=True`` do not. Their wait, in ``Work.wait``, is not seen (DDP's is in
@@ -19,7 +25,6 @@ cannot be paired with its send in virtual time: it is run and counted as untimed
 from __future__ import annotations
 
 import logging
-import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -27,6 +32,7 @@ import torch
 import torch.distributed as dist
 from morphling.devices.models.op_count import tensors_in
 from morphling.proxy.vtime.collectives import PAIR
+from torch._C import DispatchKey
 from torch._C._distributed_c10d import ProcessGroup
 
 log = logging.getLogger(__name__)
@@ -64,6 +70,8 @@ _READERS = {
     "recv_": _Reader("recv", 0, 1, root=2),
 }
 UNPAIRED = "recv_any_source_"  # run, and counted as untimed
+_KEY = DispatchKey.BackendSelect
+_BELOW = torch._C._dispatch_keyset_full_after(_KEY)  # the backends' keys
 
 # report(op, nbytes, ranks, root, blocking, tensors): ``ranks`` the group's global ranks
 # (send and recv: [source, destination]), ``root`` a global rank or -1, ``tensors`` every
@@ -91,15 +99,11 @@ class Collectives:
 
     def __enter__(self) -> Collectives:
         library = torch.library.Library("c10d", "IMPL")
-        with warnings.catch_warnings():  # "Overriding a previously registered kernel": meant
-            warnings.simplefilter("ignore", UserWarning)
-            for name, reader in _READERS.items():
-                original = torch.library.get_kernel(f"c10d::{name}", "CPU")
-                schema = getattr(torch.ops.c10d, name).default._schema
-                kernel = self._kernel(reader, schema, original)
-                library.impl(name, kernel, "CPU", with_keyset=True)
-            original = torch.library.get_kernel(f"c10d::{UNPAIRED}", "CPU")
-            library.impl(UNPAIRED, self._unpaired(original), "CPU", with_keyset=True)
+        for name, reader in _READERS.items():
+            op = getattr(torch.ops.c10d, name).default
+            library.impl(name, self._kernel(reader, op), _KEY.name, with_keyset=True)
+        op = getattr(torch.ops.c10d, UNPAIRED).default
+        library.impl(UNPAIRED, self._unpaired(op), _KEY.name, with_keyset=True)
         self._library = library
         return self
 
@@ -108,8 +112,12 @@ class Collectives:
         if library is not None:
             library._destroy()
 
-    def _kernel(self, reader: _Reader, schema: Any, original: Any) -> Callable[..., Any]:
+    def _kernel(self, reader: _Reader, op: Any) -> Callable[..., Any]:
+        schema = op._schema
+
         def kernel(keyset: Any, *given: Any, **named: Any) -> Any:
+            if not keyset.has(DispatchKey.CPU):  # (a sparse tensor's, a fake one's)
+                return op.redispatch(keyset & _BELOW, *given, **named)
             args = (
                 [*given]
                 + [  # the arguments not given positionally: named, or defaults
@@ -124,16 +132,17 @@ class Collectives:
             blocking = reader.async_op is None or not args[reader.async_op]
             tensors = [] if blocking else list(tensors_in(args))
             self.report(reader.op, _nbytes(args[reader.data]), ranks, root, blocking, tensors)
-            return original.call_boxed(keyset, *given, **named)
+            return op.redispatch(keyset & _BELOW, *given, **named)
 
         return kernel
 
-    def _unpaired(self, original: Any) -> Callable[..., Any]:
+    def _unpaired(self, op: Any) -> Callable[..., Any]:
         def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
-            self.untimed += 1
-            if self.untimed == 1:
-                log.warning("a receive from any source is not timed: its sender is unknown")
-            return original.call_boxed(keyset, *args, **kwargs)
+            if keyset.has(DispatchKey.CPU):
+                self.untimed += 1
+                if self.untimed == 1:
+                    log.warning("a receive from any source is not timed: its sender is unknown")
+            return op.redispatch(keyset & _BELOW, *args, **kwargs)
 
         return kernel
 
