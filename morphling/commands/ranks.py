@@ -8,7 +8,10 @@ child is ``morphling run --server ... --device NAME``: a job of this process's e
 emulator pinned to device r of the fleet (SPEC order), so everything rank r computes on
 the fleet, device r computes. One rank failing stops the others, as torchrun does, and
 the report says which and how, with its last lines of stderr (which every rank's lines
-reach marked with its rank).
+reach marked with its rank). A rank whose job the emulator dropped (silent past its
+heartbeat timeout) but whose process lives on is stuck, and stops the run too: it is asked
+for its Python stacks (``STACKS_SIGNAL``, which each rank's ``faulthandler`` answers),
+which its stderr then shows, and stopped.
 
 Each rank's collectives are priced on the emulated network (``proxy/vtime/collectives``)
 and its own work by its device's op model.
@@ -28,6 +31,7 @@ import tempfile
 import threading
 import time
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
@@ -44,6 +48,9 @@ STOP_GRACE_S = 10.0  # how long a rank stopped by SIGTERM may take to report bef
 LAST_WORDS = 6  # the lines of a rank's stderr kept to say why it failed
 LAST_WORDS_CHARS = 600
 ECHO_JOIN_S = 2.0  # how long its stderr may take to drain once it has exited
+LOST_GRACE_S = 5.0  # how long a rank may outlive its job before it is taken for stuck
+STACKS_SIGNAL = signal.SIGUSR1  # a rank dumps its threads' Python stacks on it
+STACKS_WAIT_S = 1.0  # how long they may take to reach its stderr before it is stopped
 
 
 @dataclass
@@ -57,18 +64,27 @@ class Rank:
     report: dict[str, Any] = field(default_factory=lambda: {"steps": []})
     exit_code: int | None = None
     stopped: bool = False  # stopped by us, another rank having failed (or on a signal)
+    lost: str = ""  # why the emulator dropped its job while its process ran on
+    lost_at: float = 0.0  # when that was seen
+    stuck: bool = False  # it outlived its job by LOST_GRACE_S: it stopped the run
     last_words: deque[str] = field(default_factory=lambda: deque(maxlen=LAST_WORDS))
     echo: threading.Thread | None = None
 
     def why(self) -> str:
-        """How it ended, and the last lines it wrote (gloo's error, say)."""
+        """How it ended (or why it is being stopped), and the last lines it wrote (gloo's
+        error, say)."""
         code = self.exit_code
         how = (f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0
                else f"exited with code {code}")  # fmt: skip
+        name = f"rank {self.rank} (device {self.device})"
+        if self.stuck:  # its last words are its stacks' outer frames: not repeated here
+            stopped = f"; it {how} when stopped" if code is not None else ""
+            return (
+                f"{name} was stuck: the emulator dropped its job ({self.lost}) and its "
+                f"process did not end (its Python stacks are in its stderr){stopped}"
+            )
         said = " | ".join(line for line in self.last_words if line.strip())
-        return f"rank {self.rank} (device {self.device}) {how}" + (
-            f"; its last words: {said[-LAST_WORDS_CHARS:]}" if said else ""
-        )
+        return f"{name} {how}" + (f"; its last words: {said[-LAST_WORDS_CHARS:]}" if said else "")
 
 
 def _echo(child: Rank, stream: IO[bytes]) -> None:
@@ -144,7 +160,8 @@ def launch(
             child.echo = threading.Thread(target=_echo, args=(child, process.stderr), daemon=True)
             child.echo.start()
             children.append(child)
-        interrupted = _wait(children, signals)
+        assert embedded.emulator is not None, "the embedded emulator is started"
+        interrupted = _wait(children, signals, embedded.emulator.ranks_lost)
         for child in children:  # what it wrote last (a process it started may hold the pipe)
             if child.echo is not None:
                 child.echo.join(timeout=ECHO_JOIN_S)
@@ -162,9 +179,10 @@ def launch(
         workdir.rmdir()
 
 
-def _wait(children: list[Rank], signals: Signals) -> Interrupted | None:
-    """Wait for every rank; the first to fail, or a signal, stops the others. The
-    signal, if one came."""
+def _wait(children: list[Rank], signals: Signals, lost: Mapping[int, str]) -> Interrupted | None:
+    """Wait for every rank; the first to fail or to be stuck (its job in ``lost``, the
+    emulator's, its process still running), or a signal, stops the others. The signal,
+    if one came."""
     stopping_since: float | None = None
     interrupted: Interrupted | None = None
     while any(c.exit_code is None for c in children):
@@ -184,12 +202,33 @@ def _wait(children: list[Rank], signals: Signals) -> Interrupted | None:
                     print(f"morphling run: {child.why()}{_left(children)}; stopping the other "
                           "ranks", file=sys.stderr)  # fmt: skip
                     stopping_since = _stop(children, stopping_since)
+        if stopping_since is None and (stuck := _stuck(children, lost)) is not None:
+            print(f"morphling run: {stuck.why()}; stopping the ranks", file=sys.stderr)
+            stopping_since = _stop(children, stopping_since)
         if stopping_since is not None and time.monotonic() - stopping_since > STOP_GRACE_S:
             for child in children:
                 if child.exit_code is None:
                     child.process.kill()
         time.sleep(0.05)
     return interrupted
+
+
+def _stuck(children: list[Rank], lost: Mapping[int, str]) -> Rank | None:
+    """A rank that outlived its job by ``LOST_GRACE_S`` (asked for its stacks, and given
+    ``STACKS_WAIT_S`` to write them), if any."""
+    now = time.monotonic()
+    for child in children:
+        if child.exit_code is not None or child.rank not in lost:
+            continue
+        if not child.lost:
+            child.lost, child.lost_at = lost[child.rank], now
+        elif now - child.lost_at > LOST_GRACE_S:
+            with contextlib.suppress(ProcessLookupError):
+                child.process.send_signal(STACKS_SIGNAL)
+            time.sleep(STACKS_WAIT_S)
+            child.stuck = True
+            return child
+    return None
 
 
 def _left(children: list[Rank]) -> str:
@@ -203,8 +242,8 @@ def _left(children: list[Rank]) -> str:
 
 
 def failed(children: list[Rank]) -> Rank | None:
-    """The rank that failed first (not one stopped for it), if any."""
-    return next((c for c in children if c.exit_code and not c.stopped), None)
+    """The rank that failed first (not one stopped for it) or was stuck, if any."""
+    return next((c for c in children if c.stuck or (c.exit_code and not c.stopped)), None)
 
 
 def _stop(children: list[Rank], since: float | None) -> float:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import importlib.util
 import json
 import logging
@@ -41,6 +42,7 @@ from morphling.proxy.vtime.eventlog import EVENT_LEVELS
 from morphling.proxy.vtime.placement import POLICIES
 from morphling.runtime import parse_server
 
+from . import ranks
 from .run_dir import claim
 
 log = logging.getLogger("morphling.job")
@@ -337,6 +339,8 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
         if cfg.embedded:
             run_dir, created = claim(cfg.run_dir, target[1], force=cfg.force)
         emulator = _emulator_config(cfg, run_dir)
+        if cfg.rank >= 0:  # a launcher asks a stuck rank where it is (``ranks``)
+            faulthandler.register(ranks.STACKS_SIGNAL, all_threads=True)
         with emulate(
             cfg.server or None,
             devices=cfg.devices if cfg.embedded else None,
@@ -481,8 +485,6 @@ def _run_ranks(
     (``ranks``); each rank's report and the slowest rank's per step, then the run's."""
     from morphling.proxy.job.embedded import EmbeddedFleet
 
-    from . import ranks
-
     run_dir, created = None, False
     try:
         run_dir, created = claim(cfg.run_dir, script, force=cfg.force)
@@ -527,7 +529,9 @@ def _run_ranks(
     if cfg.table:
         print(ranks.table(run), file=sys.stderr)
     code = 0
-    if failure is not None and failure.exit_code is not None:  # a signal's: as a shell has it
+    if failure is not None and failure.stuck:  # its signal was ours
+        code = 1
+    elif failure is not None and failure.exit_code is not None:  # a signal's: as a shell has it
         code = failure.exit_code if failure.exit_code > 0 else 128 - failure.exit_code
     if json_path is not None:
         try:

@@ -97,6 +97,7 @@ class Job:
         self.totals = Totals(gemms=0, tiles=0, model_ns=0, bytes_down=0, bytes_up=0, oom=0)
         self.rank: int | None = None  # OPEN's, for a rank of a distributed script
         self._wire_at_step = (0, 0)  # totals' bytes at the last STEP
+        self.closed = False  # it said CLOSE
 
     # -- OPEN, and the shared weights -------------------------------------------------
 
@@ -135,6 +136,8 @@ class Job:
             )
         emulator.timeline.open_job(self.id, self.name, device=device, rank=rank)
         self.rank = rank
+        if rank is not None:
+            emulator.ranks_lost.pop(rank, None)
 
     def _rank(self, msg: Open) -> int | None:
         """OPEN's ``rank``, checked: None for a job that is no rank."""
@@ -472,6 +475,7 @@ class Job:
 
     def close(self) -> None:
         """CLOSE: the job's totals, and goodbye."""
+        self.closed = True
         self.conn.send(Close(**self.totals))
         self.conn.close()
 
@@ -480,6 +484,8 @@ class Job:
         still out uses it), and it no longer counts as training the weights."""
         emulator = self.emulator
         emulator.waiting.discard(self)
+        if self.rank is not None and not self.closed:
+            emulator.ranks_lost[self.rank] = self.conn.failure or "its connection closed"
         if self.trained is not None:
             self.trained["running"] = False
         emulator.timeline.close_job(self.id)

@@ -85,6 +85,9 @@ class Emulator:
         self.allocate = pool_allocator(self.pool)
         self.peers: set[PeerConnection] = set()
         self.waiting: set[Job] = set()  # jobs whose tiles wait for a device
+        # ranks whose job ended without CLOSE, and why: a launcher stops a rank process
+        # that outlives its job (stuck where it can neither heartbeat nor notice)
+        self.ranks_lost: dict[int, str] = {}
         self.trainers = Trainers(self.timeline)  # of the shared weights
         self.weights: SharedWeights | None = None  # the checkpoint's, once started
         self.arena: OperandArena | None = None  # jobs' operands, once started

@@ -66,6 +66,7 @@ class FrameConnection(asyncio.BufferedProtocol, abc.ABC):
         self.partner: FrameConnection | None = None  # the other end, in this process
         self._pairing: pairing.Key | None = None  # this end's offer to pair
         self._closing_since: float | None = None  # see ``abort_if_lingering``
+        self.failure = ""  # why ``fail`` closed it ("code: reason"), if it did
         self._drained: asyncio.Event | None = None
         self._tasks: set[asyncio.Task[None]] = set()  # cancelled when the connection goes
 
@@ -257,6 +258,7 @@ class FrameConnection(asyncio.BufferedProtocol, abc.ABC):
         the connection at once, unsent bytes and all (a peer that reads nothing would
         never take them)."""
         log.warning("%s: %s: %s; closing the connection", self.peername, code, reason)
+        self.failure = self.failure or f"{code}: {reason}"
         if self.open:
             assert self.transport is not None
             self.transport.writelines(self.wire.send_error(code, reason))

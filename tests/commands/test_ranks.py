@@ -158,6 +158,24 @@ def test_a_rank_that_ends_early_fails_the_others_and_the_run_says_why(tmp_path: 
     )
 
 
+def test_a_stuck_rank_is_dropped_dumps_its_stacks_and_stops_the_run(tmp_path: Path) -> None:
+    """Rank 1 blocks holding the GIL at step 2 (no heartbeat, deaf to the emulator closing
+    its connection); rank 0 waits for it in gloo. The emulator drops rank 1's job once it is
+    silent past the heartbeat timeout; the run then stops both, names rank 1 as stuck, and
+    its stderr shows where it was."""
+    proc, report, run_dir = ranks_run(tmp_path, "ranks_ddp.py", "4", "-1", "-1", "2")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert re.search(r"morphling run: rank 1 \(device rpi4-1\) was stuck: the emulator dropped "
+                     r"its job \(timeout: nothing received for 15(\.0)? s\)", proc.stderr), (
+        proc.stderr[-3000:])  # fmt: skip
+    dumped = [line for line in proc.stderr.splitlines() if line.startswith("[rank1]: ")]
+    assert any('ranks_ddp.py", line' in line for line in dumped), proc.stderr[-3000:]
+    run = json.loads(report.read_text())
+    assert [(r["exit_code"] != 0, r["stopped"]) for r in run["ranks"]] == [(True, True)] * 2
+    incomplete = json.loads((run_dir / "run.json").read_text())["incomplete"]
+    assert incomplete.startswith("rank 1 (device rpi4-1) was stuck")
+
+
 def test_collectives_of_different_sizes_fail_with_gloos_error_marked_with_its_rank(
     tmp_path: Path,
 ) -> None:

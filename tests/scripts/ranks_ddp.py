@@ -1,5 +1,6 @@
 """DDP over gloo, as torchrun runs it: an MLP, each rank its own data; prints its losses."""
 
+import ctypes
 import json
 import sys
 
@@ -10,6 +11,7 @@ from torch import nn
 STEPS = int(sys.argv[1]) if len(sys.argv) > 1 else 4
 CRASH_AT = int(sys.argv[2]) if len(sys.argv) > 2 else -1  # rank 1 raises at this step
 LEAVE_AT = int(sys.argv[3]) if len(sys.argv) > 3 else -1  # rank 1 ends well at this step
+STUCK_AT = int(sys.argv[4]) if len(sys.argv) > 4 else -1  # rank 1 blocks holding the GIL
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -24,6 +26,8 @@ for step in range(STEPS):
         raise RuntimeError("rank 1 fails on purpose")
     if rank == 1 and step == LEAVE_AT:
         sys.exit(0)
+    while rank == 1 and step == STUCK_AT:  # as in a deadlock in C: not even a heartbeat
+        ctypes.PyDLL(None).sleep(3600)  # (a PyDLL call keeps the GIL; a signal ends it)
     x, y = torch.randn(64, 256, generator=data), torch.randint(0, 10, (64,), generator=data)
     loss = nn.functional.cross_entropy(ddp(x), y)
     opt.zero_grad()
