@@ -14,6 +14,7 @@ report printed, the run directory marked incomplete), exiting 143 or 130.
 from __future__ import annotations
 
 import argparse
+import atexit
 import dataclasses
 import faulthandler
 import importlib.util
@@ -26,6 +27,7 @@ import sys
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 from morphling import config as configuration
 from morphling.config import option as _opt
@@ -392,7 +394,22 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
             code = code or 1
     if run_dir and cfg.report and cfg.events != "off":
         _report(run_dir)
-    return code if signals.exit_code is None else signals.exit_code
+    code = code if signals.exit_code is None else signals.exit_code
+    if cfg.rank >= 0:
+        _end_rank(code)
+    return code
+
+
+def _end_rank(code: int) -> NoReturn:
+    """A rank's process ends here, its report written, and not through the interpreter's
+    finalization: a gloo worker thread may still hold the rank's last operation then, and
+    freeing its tensors, which Python let go of while finalizing, takes the GIL, which
+    aborts the process ("terminate called without an active exception"). The atexit
+    handlers run first, as they would."""
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _emulator_config(cfg: RunConfig, run_dir: Path | None) -> EmulatorConfig:

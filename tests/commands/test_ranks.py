@@ -47,7 +47,8 @@ def losses(stdout: str) -> dict[int, list[float]]:
 
 def torchrun(script: str, *args: str, ranks: int = 2) -> dict[int, list[float]]:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",  # a free port
-               "--nproc-per-node", str(ranks), str(SCRIPTS / script), *args]  # fmt: skip
+               "--nproc-per-node", str(ranks), str(SCRIPTS / "_without_finalizing.py"),
+               str(SCRIPTS / script), *args]  # fmt: skip
     return losses(succeeded(_child(command, None, None)).stdout)
 
 
@@ -189,8 +190,8 @@ def test_collectives_of_different_sizes_fail_with_gloos_error_marked_with_its_ra
         proc.stderr,
     ), proc.stderr[-3000:]
     run = json.loads(report.read_text())
-    failed = [r for r in run["ranks"] if r["exit_code"] and not r["stopped"]]
-    assert len(failed) == 1 and failed[0]["last_words"]
+    failed = [r for r in run["ranks"] if r["exit_code"] and not r["stopped"]]  # (both may
+    assert failed and all(r["last_words"] for r in failed)  # fail before either is stopped)
     incomplete = json.loads((run_dir / "run.json").read_text())["incomplete"]
     assert incomplete.startswith(f"rank {failed[0]['rank']} (device ")
 

@@ -11,9 +11,9 @@ OPERATIONS = 2000
 
 
 def test_collectives_of_tensors_python_lets_go_neither_deadlock_nor_go_unreported() -> None:
-    script = SCRIPTS / "collectives_let_go.py"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", "2", str(script), str(OPERATIONS)]  # fmt: skip
+               "--nproc-per-node", "2", str(SCRIPTS / "_without_finalizing.py"),
+               str(SCRIPTS / "collectives_let_go.py"), str(OPERATIONS)]  # fmt: skip
     proc = succeeded(_child(command, None, None))
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert sorted(r["rank"] for r in lines) == [0, 1]
