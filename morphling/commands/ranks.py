@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import signal
 import socket
@@ -63,6 +64,7 @@ class Rank:
     report_path: Path
     report: dict[str, Any] = field(default_factory=lambda: {"steps": []})
     exit_code: int | None = None
+    ended_at: float | None = None  # when its process ended (monotonic), once it has
     stopped: bool = False  # stopped by us, another rank having failed (or on a signal)
     lost: str = ""  # why the emulator dropped its job while its process ran on
     lost_at: float = 0.0  # when that was seen
@@ -159,6 +161,7 @@ def launch(
             assert process.stderr is not None
             child.echo = threading.Thread(target=_echo, args=(child, process.stderr), daemon=True)
             child.echo.start()
+            threading.Thread(target=_reap, args=(child,), daemon=True).start()
             children.append(child)
         assert embedded.emulator is not None, "the embedded emulator is started"
         interrupted = _wait(children, signals, embedded.emulator.ranks_lost)
@@ -193,15 +196,15 @@ def _wait(children: list[Rank], signals: Signals, lost: Mapping[int, str]) -> In
                 interrupted = exc
                 print(f"morphling run: {exc}; stopping the ranks", file=sys.stderr)
                 stopping_since = _stop(children, stopping_since)
-        for child in children:
-            if child.exit_code is None and (rc := child.process.poll()) is not None:
-                child.exit_code = rc
-                if rc != 0 and not child.stopped and stopping_since is None:
-                    if child.echo is not None:
-                        child.echo.join(timeout=ECHO_JOIN_S)
-                    print(f"morphling run: {child.why()}{_left(children)}; stopping the other "
-                          "ranks", file=sys.stderr)  # fmt: skip
-                    stopping_since = _stop(children, stopping_since)
+        ended = [c for c in children if c.exit_code is None and c.ended_at is not None]
+        for child in sorted(ended, key=_ended):  # the first to end is what the others died of
+            child.exit_code = rc = child.process.returncode
+            if rc != 0 and not child.stopped and stopping_since is None:
+                if child.echo is not None:
+                    child.echo.join(timeout=ECHO_JOIN_S)
+                print(f"morphling run: {child.why()}{_left(children)}; stopping the other "
+                      "ranks", file=sys.stderr)  # fmt: skip
+                stopping_since = _stop(children, stopping_since)
         if stopping_since is None and (stuck := _stuck(children, lost)) is not None:
             print(f"morphling run: {stuck.why()}; stopping the ranks", file=sys.stderr)
             stopping_since = _stop(children, stopping_since)
@@ -211,6 +214,17 @@ def _wait(children: list[Rank], signals: Signals, lost: Mapping[int, str]) -> In
                     child.process.kill()
         time.sleep(0.05)
     return interrupted
+
+
+def _reap(child: Rank) -> None:
+    """Wait for a rank's process and note when it ended: ranks seen to have ended at one
+    look are told apart so (a rank fails in gloo just after its peer ended)."""
+    child.process.wait()
+    child.ended_at = time.monotonic()
+
+
+def _ended(child: Rank) -> float:
+    return math.inf if child.ended_at is None else child.ended_at
 
 
 def _stuck(children: list[Rank], lost: Mapping[int, str]) -> Rank | None:
@@ -242,8 +256,9 @@ def _left(children: list[Rank]) -> str:
 
 
 def failed(children: list[Rank]) -> Rank | None:
-    """The rank that failed first (not one stopped for it) or was stuck, if any."""
-    return next((c for c in children if c.stuck or (c.exit_code and not c.stopped)), None)
+    """The rank that was stuck or else failed first (not one stopped for it), if any."""
+    failures = [c for c in children if c.exit_code and not c.stopped]
+    return next((c for c in children if c.stuck), None) or min(failures, key=_ended, default=None)
 
 
 def _stop(children: list[Rank], since: float | None) -> float:

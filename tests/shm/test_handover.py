@@ -190,7 +190,15 @@ async def test_paired_ends_hand_tiles_and_results_over_on_the_loop(emulator, wor
     bytes skip the socket, and a lost device's end is unpaired."""
     host, port, emu, agents = await emulator(workers, workers)
     ends = [d.conn for d in emu.registry.devices.values()]
-    assert all(end.partner is not None and end.partner.partner is end for end in ends)
+
+    def paired() -> bool:
+        return all(end.partner is not None and end.partner.partner is end for end in ends)
+
+    for _ in range(500):  # a device's end offers once it reads WELCOME: maybe after it is ready
+        if paired():
+            break
+        await asyncio.sleep(0.01)
+    assert paired()
     a, b = cases()[0]
     encoded.clear()
     c = await asyncio.to_thread(product, host, port, a, b)
