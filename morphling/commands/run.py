@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import dataclasses
 import faulthandler
+import gc
 import importlib.util
+import io
 import json
 import logging
 import os
@@ -405,10 +408,14 @@ def _end_rank(code: int) -> NoReturn:
     finalization: a gloo worker thread may still hold the rank's last operation then, and
     freeing its tensors, which Python let go of while finalizing, takes the GIL, which
     aborts the process ("terminate called without an active exception"). The atexit
-    handlers run first, as they would."""
+    handlers run first, as they would, and every file still open is flushed, as
+    finalization would (a script's log it never closed, say): nothing is freed, since
+    freeing a process group joins gloo's threads."""
     atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in gc.get_objects():
+        if isinstance(stream, io.IOBase) and not stream.closed:
+            with contextlib.suppress(OSError, ValueError):
+                stream.flush()
     os._exit(code)
 
 

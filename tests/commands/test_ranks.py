@@ -236,16 +236,22 @@ def test_a_rank_that_fails_stops_the_others_and_is_named(tmp_path: Path) -> None
 
 
 def test_a_script_without_a_process_group_runs_as_independent_copies(tmp_path: Path) -> None:
+    """Each copy also logs to a file it never closes, which a function keeps alive: a
+    rank's process ends without finalizing, and still flushes it."""
     script = tmp_path / "alone.py"
     script.write_text(
-        "import torch\nfrom torch import nn\nmodel = nn.Linear(64, 64)\n"
-        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\nfor _ in range(2):\n"
-        "    model(torch.randn(8, 64)).sum().backward()\n    opt.step()\n"
+        "import os, torch\nfrom torch import nn\nmodel = nn.Linear(64, 64)\n"
+        "log = open(f\"log-{os.environ['RANK']}.txt\", 'w')\n"
+        "def step():\n    model(torch.randn(8, 64)).sum().backward()\n    opt.step()\n"
+        "    print('stepped', file=log)\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\nfor _ in range(2):\n    step()\n"
     )
     proc = morphling_run("--ranks", "2", "--embedded", "--devices", "rpi4:2", "--min-flops",
                          "0", "--no-report", "--", "python", script, cwd=tmp_path)  # fmt: skip
     succeeded(proc)
     assert "no rank made a collective: 2 independent copies" in proc.stderr
+    for rank in (0, 1):
+        assert (tmp_path / f"log-{rank}.txt").read_text() == "stepped\n" * 2
 
 
 def test_a_signal_stops_every_rank_and_the_run_says_so(tmp_path: Path) -> None:
