@@ -8,6 +8,7 @@ fixture's finalizer, in conftest.py) stops every child.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import socket
 import subprocess
@@ -16,12 +17,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
 MORPHLING = [sys.executable, "-m", "morphling"]
 MORPHLING_RUN = [*MORPHLING, "--log-level", "warning", "run"]
 SCRIPTS = Path(__file__).parent / "scripts"  # the training scripts the runs train
+# torchrun runs a reference script through it: see its docstring
+WITHOUT_FINALIZING = Path(__file__).parents[1] / "scripts" / "without_finalizing.py"
 TIMEOUT_S = 180
 
 
@@ -219,3 +223,14 @@ class Procs:
             except subprocess.TimeoutExpired:
                 p.popen.kill()
                 p.popen.wait(timeout=5)
+
+
+def rank_objects(stdout: str) -> list[dict[str, Any]]:
+    """The JSON objects ranks printed (``{"rank": ...}``): they share stdout, so two may end
+    up on one line."""
+    decoder, found, at = json.JSONDecoder(), [], stdout.find('{"rank"')
+    while at != -1:
+        obj, end = decoder.raw_decode(stdout, at)
+        found.append(obj)
+        at = stdout.find('{"rank"', end)
+    return found

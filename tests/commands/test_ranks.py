@@ -25,29 +25,25 @@ from morphling.proxy.vtime.eventlog import COMPRESSED_EVENTS_FILE
 from processes import (
     MORPHLING_RUN,
     SCRIPTS,
+    WITHOUT_FINALIZING,
     _child,
     child_env,
     free_port,
     morphling_here,
     morphling_run,
+    rank_objects,
     succeeded,
 )
 
 
 def losses(stdout: str) -> dict[int, list[float]]:
-    """Each rank's losses, from its JSON object (the ranks share stdout: two may end up on
-    one line)."""
-    decoder, found, at = json.JSONDecoder(), {}, stdout.find('{"rank"')
-    while at != -1:
-        obj, end = decoder.raw_decode(stdout, at)
-        found[obj["rank"]] = obj["losses"]
-        at = stdout.find('{"rank"', end)
-    return found
+    """Each rank's losses, from its JSON object."""
+    return {obj["rank"]: obj["losses"] for obj in rank_objects(stdout)}
 
 
 def torchrun(script: str, *args: str, ranks: int = 2) -> dict[int, list[float]]:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",  # a free port
-               "--nproc-per-node", str(ranks), str(SCRIPTS / "_without_finalizing.py"),
+               "--nproc-per-node", str(ranks), str(WITHOUT_FINALIZING),
                str(SCRIPTS / script), *args]  # fmt: skip
     return losses(succeeded(_child(command, None, None)).stdout)
 
