@@ -14,13 +14,9 @@ report printed, the run directory marked incomplete), exiting 143 or 130.
 from __future__ import annotations
 
 import argparse
-import atexit
-import contextlib
 import dataclasses
 import faulthandler
-import gc
 import importlib.util
-import io
 import json
 import logging
 import os
@@ -30,7 +26,6 @@ import sys
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
 
 from morphling import config as configuration
 from morphling.config import option as _opt
@@ -38,6 +33,7 @@ from morphling.devices.models.capacity import MAX_DEVICES_HELP
 from morphling.devices.models.links import LINKS
 from morphling.devices.models.profiles import HOST, device_names, expand_fleet
 from morphling.devices.models.thermal import COOLING
+from morphling.exiting import exit_without_finalizing
 from morphling.interrupt import Interrupted, Signals
 from morphling.outputs import check_file_writable
 from morphling.proxy.emulator.settings import DEFAULT_MIN_FLOPS, EmulatorConfig
@@ -398,25 +394,9 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
     if run_dir and cfg.report and cfg.events != "off":
         _report(run_dir)
     code = code if signals.exit_code is None else signals.exit_code
-    if cfg.rank >= 0:
-        _end_rank(code)
+    if cfg.rank >= 0:  # its report is written: see ``exiting``
+        exit_without_finalizing(code)
     return code
-
-
-def _end_rank(code: int) -> NoReturn:
-    """A rank's process ends here, its report written, and not through the interpreter's
-    finalization: a gloo worker thread may still hold the rank's last operation then, and
-    freeing its tensors, which Python let go of while finalizing, takes the GIL, which
-    aborts the process ("terminate called without an active exception"). The atexit
-    handlers run first, as they would, and every file still open is flushed, as
-    finalization would (a script's log it never closed, say): nothing is freed, since
-    freeing a process group joins gloo's threads."""
-    atexit._run_exitfuncs()
-    for stream in gc.get_objects():
-        if isinstance(stream, io.IOBase) and not stream.closed:
-            with contextlib.suppress(OSError, ValueError):
-                stream.flush()
-    os._exit(code)
 
 
 def _emulator_config(cfg: RunConfig, run_dir: Path | None) -> EmulatorConfig:
