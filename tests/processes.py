@@ -225,6 +225,15 @@ class Procs:
                 p.popen.wait(timeout=5)
 
 
+def torchrun(script: str, *args: str, ranks: int = 2) -> subprocess.CompletedProcess[str]:
+    """``torchrun`` (a free rendezvous port) of ``tests/scripts/SCRIPT ARGS`` on one host,
+    through ``WITHOUT_FINALIZING``: the reference a run under Morphling is held to."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", str(ranks), str(WITHOUT_FINALIZING), str(SCRIPTS / script),
+               *args]  # fmt: skip
+    return _child(command, None, None)
+
+
 def rank_objects(stdout: str) -> list[dict[str, Any]]:
     """The JSON objects ranks printed (``{"rank": ...}``): they share stdout, so two may end
     up on one line."""

@@ -12,7 +12,6 @@ import json
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -25,14 +24,13 @@ from morphling.proxy.vtime.eventlog import COMPRESSED_EVENTS_FILE
 from processes import (
     MORPHLING_RUN,
     SCRIPTS,
-    WITHOUT_FINALIZING,
-    _child,
     child_env,
     free_port,
     morphling_here,
     morphling_run,
     rank_objects,
     succeeded,
+    torchrun,
 )
 
 
@@ -41,11 +39,8 @@ def losses(stdout: str) -> dict[int, list[float]]:
     return {obj["rank"]: obj["losses"] for obj in rank_objects(stdout)}
 
 
-def torchrun(script: str, *args: str, ranks: int = 2) -> dict[int, list[float]]:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",  # a free port
-               "--nproc-per-node", str(ranks), str(WITHOUT_FINALIZING),
-               str(SCRIPTS / script), *args]  # fmt: skip
-    return losses(succeeded(_child(command, None, None)).stdout)
+def torchrun_losses(script: str, *args: str) -> dict[int, list[float]]:
+    return losses(succeeded(torchrun(script, *args)).stdout)
 
 
 def ranks_run(tmp: Path, script: str, *args: str, devices: str = "rpi4:2", flags=()):
@@ -72,7 +67,7 @@ def collectives(run_dir: Path) -> list[dict]:
 def test_ranks_train_as_torchrun_does(tmp_path: Path, script: str) -> None:
     proc, report, run_dir = ranks_run(tmp_path, script)
     succeeded(proc)
-    got, expected = losses(proc.stdout), torchrun(script)
+    got, expected = losses(proc.stdout), torchrun_losses(script)
     assert got.keys() == expected.keys() == {0, 1}
     for rank, values in expected.items():
         assert got[rank] == pytest.approx(values, rel=1e-5, abs=1e-6), rank
@@ -312,7 +307,7 @@ def test_ranks_on_two_hosts_join_one_emulator(tmp_path: Path, procs, namespace) 
     for rank, (_, stderr) in zip(ranks, outputs, strict=True):
         assert rank.returncode == 0, stderr[-3000:]
     got = {r: v for stdout, _ in outputs for r, v in losses(stdout).items()}
-    expected = torchrun("ranks_ddp.py")
+    expected = torchrun_losses("ranks_ddp.py")
     for rank, values in expected.items():
         assert got[rank] == pytest.approx(values, rel=1e-5, abs=1e-6), rank
     emulator.signal(signal.SIGTERM)
