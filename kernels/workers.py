@@ -287,7 +287,11 @@ class _Worker:
             else:
                 out = self.backend.call(plan)
         except Exception as exc:
-            error = exc
+            # Without its traceback: the frames would keep the plan's buffers in a reference
+            # cycle, and CPython's collector can crash clearing a memoryview a cffi pointer
+            # still exports (the plan's operands are often memoryviews of received frames).
+            log.debug("worker %d: the call failed", self.index, exc_info=True)
+            error = exc.with_traceback(None)
         elapsed = time.perf_counter_ns() - t0
         task.plan = task.keep = plan = None  # unpin leases before anyone is told we are done
         self.on_finished(self, None if error else elapsed)

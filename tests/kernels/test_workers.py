@@ -145,6 +145,29 @@ async def test_futures_complete_on_the_loop_and_errors_propagate():
             pool.submit(np.ones((2, 3)), np.ones((2, 3)))  # raised at submit, not later
 
 
+class FailingBackend(CpuBackend):
+    """A build whose GEMM raises (a device's broken kernel)."""
+
+    def run(self, plan):
+        raise RuntimeError("broken kernel")
+
+
+async def test_a_failed_call_holds_no_frames_and_so_none_of_its_operands():
+    """The error an awaiter gets has no traceback: its frames would hold the plan, whose
+    cffi pointers export the operands' memoryviews, in a reference cycle, and CPython's
+    collector crashed clearing those (the emulator test of a tile no device can compute
+    segfaulted). Nothing of the failed call outlives it but the error."""
+    a, b = memoryview(bytearray(64)), memoryview(bytearray(64))
+    plan = plan_explicit(np.float32, False, False, 4, 4, 4, a, 4, b, 4, bytearray(64), 4)
+    with WorkerPool([FailingBackend(1)]) as pool, pytest.raises(RuntimeError) as info:
+        await pool.submit_plan(plan)
+    assert str(info.value) == "broken kernel"
+    assert info.value.__traceback__.tb_next is None, "only the awaiting frame"
+    del plan
+    a.release()  # refused while anything still exports it (the plan's pointers)
+    b.release()
+
+
 async def test_host_functions_run_on_the_workers_timed_like_gemms():
     """``submit_call`` runs a function on a worker's thread (not the loop's): its value is
     the result's ``out``, its run time ``compute_ns``, and what it raises the awaiter's; the
