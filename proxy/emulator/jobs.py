@@ -532,6 +532,11 @@ class Job:
             self.slab = None  # held by ``task`` until it is done, and then for late writes
             task.slab_retired = True
 
+    def give_up(self, reason: str) -> None:
+        """One of the job's tiles lost its device every time it was sent (``devices.lost``):
+        the job is told why, and its requests are dropped as it goes."""
+        self.conn.fail("tile_failed", reason)
+
     # -- waiting for devices -------------------------------------------------------------
 
     def watch_wait(self, now: float, ready: int, ready_conv: int, connected: int) -> None:

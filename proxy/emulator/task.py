@@ -36,6 +36,9 @@ class Owner(Protocol):
     def retire_slab(self, task: Task) -> None:
         """A device lost while writing ``task``'s C (in the job's slab) may still write."""
 
+    def give_up(self, reason: str) -> None:
+        """No device could compute one of its tiles: end the job, saying why."""
+
 
 @dataclass(eq=False)
 class Task:

@@ -66,7 +66,7 @@ class FrameConnection(asyncio.BufferedProtocol, abc.ABC):
         self.partner: FrameConnection | None = None  # the other end, in this process
         self._pairing: pairing.Key | None = None  # this end's offer to pair
         self._closing_since: float | None = None  # see ``abort_if_lingering``
-        self.failure = ""  # why ``fail`` closed it ("code: reason"), if it did
+        self.failure = ""  # why it ended ("code: reason"): ``fail``, or the peer's ERROR
         self._drained: asyncio.Event | None = None
         self._tasks: set[asyncio.Task[None]] = set()  # cancelled when the connection goes
 

@@ -10,10 +10,12 @@ import re
 import socket
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
 from morphling.devices.agent import backoff_s
+from morphling.kernels import CpuBackend, WorkerPool
 from morphling.proxy.job.client import EmulatorError
 from morphling.proxy.wire.messages import (
     Gemm,
@@ -90,6 +92,45 @@ async def test_a_job_without_devices_is_told_and_fails_past_its_device_wait(flee
     assert "job 1 (patient): no device is ready" in caplog.text, "the emulator logs it too"
     await f.add_device(name="late")  # the emulator serves on
     await check_serving(await f.client())
+
+
+class NoDoubles(CpuBackend):
+    """A device build whose float64 GEMM is broken: its float32 FLOPS challenge passes,
+    every float64 tile fails (the agent answers ERROR compute_failed and reconnects)."""
+
+    def run(self, plan: Any) -> None:
+        if plan.dtype == 1:
+            raise RuntimeError("dgemm is broken in this build")
+        super().run(plan)
+
+
+async def test_a_tile_no_device_can_compute_ends_its_job_instead_of_going_round(fleet, caplog):
+    """Both devices fail every float64 tile and come straight back: each tile would be
+    re-queued for ever. After its third device is lost the job gets ``tile_failed``
+    naming the request, the tile and the device's error; float32 work is served on."""
+    caplog.set_level(logging.INFO, logger="morphling")
+    f = await fleet(block_size=16)
+    broken = WorkerPool([NoDoubles(1)])
+    try:
+        agents = [f.agent(name=f"broken-{i}", workers=broken) for i in range(2)]
+        for agent in agents:
+            f.run(agent, reconnect=True)
+            await f.wait_ready(agent)
+        client = await f.client()
+        a = np.ones((20, 20))  # float64: 4 tiles
+        with pytest.raises(EmulatorError) as info:
+            await client.matmul(a, a, timeout=TIMEOUT)
+        assert info.value.code == "tile_failed"
+        reason = (
+            r"GEMM 1: tile \d+ was sent 3 times and its device was lost each time; the last, "
+            r"device \d+ \(broken-\d\): compute_failed: TILE \d+: dgemm is broken in this build"
+        )
+        assert re.fullmatch(reason, info.value.reason), info.value.reason
+        for agent in agents:
+            await f.wait_ready(agent)  # (back after its last failure)
+        await check_serving(await f.client())  # float32
+    finally:
+        broken.close()
 
 
 async def test_a_job_is_told_when_devices_are_back_and_its_gemm_completes(fleet, caplog):
