@@ -124,8 +124,8 @@ def lost(emulator: Emulator, device: DeviceRecord, why: str) -> None:
         emulator.scheduler.cancel(task)
         task.owner.give_up(
             f"{type(task.request).__name__.upper()} {task.id}: tile {tile.id} was sent "
-            f"{tile.attempts} times and its device was lost each time; the last, device "
-            f"{device.id} ({device.name}): {why}"
+            f"{tile.attempts} times and its device was lost each time; the last to hold "
+            f"it, device {device.id} ({device.name}), ended with: {why}"
         )
     emulator.scheduler.dispatch()
 
