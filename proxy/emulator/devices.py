@@ -4,13 +4,10 @@ A device that joins is measured (``probes``) unless probing is off, and gets til
 once its FLOPS challenge checks; the profile the timeline schedules it with is
 chosen then (``probes.choose_profile``). A device lost has its tiles re-queued on
 the others; where it may still write into an output in the operand arena, that
-output is kept from reuse a while. A tile that has lost its device
-``MAX_TILE_ATTEMPTS`` times is one the devices cannot compute (a broken build, a
-kernel that brings them down, on a fleet that reconnects at once): its job is told
-and its request dropped, rather than the tile going round the fleet for ever.
-``Prober`` is each connection's side of the probes: the emulator's questions waiting
-for their replies, and the FLOPS challenges a peer (a device, or ``morphling-bench``)
-asks for.
+output is kept from reuse a while, and a tile no device could compute is given up
+(``Scheduler.give_up_on``). ``Prober`` is each connection's side of the probes: the
+emulator's questions waiting for their replies, and the FLOPS challenges a peer (a
+device, or ``morphling-bench``) asks for.
 """
 
 from __future__ import annotations
@@ -44,8 +41,6 @@ if TYPE_CHECKING:
     from .server import Emulator
 
 log = logging.getLogger(__name__)
-
-MAX_TILE_ATTEMPTS = 3
 
 Reply = ProbeEcho | ProbeAck | ProbePulled | ProbeFlopsResult  # what answers a probe of ours
 R = TypeVar("R", bound=Message)
@@ -96,8 +91,8 @@ def ready(emulator: Emulator, device: DeviceRecord, measured: probes.Measurement
 
 def lost(emulator: Emulator, device: DeviceRecord, why: str) -> None:
     """``device``'s connection is gone (``why``): forget it, and send its tiles to the
-    others, but for those no device could compute (see the module docstring)."""
-    doomed = [t for t in device.outstanding.values() if t.attempts >= MAX_TILE_ATTEMPTS]
+    others, but for those no device could compute (``Scheduler.give_up_on``)."""
+    held = list(device.outstanding.values())
     emulator.registry.remove(device.id)
     emulator.timeline.remove_device(device.id)
     in_flight, queued = len(device.outstanding), len(device.queue)
@@ -117,16 +112,8 @@ def lost(emulator: Emulator, device: DeviceRecord, why: str) -> None:
         )
     else:
         log.info("device %d (%s) disconnected", device.id, device.name)
-    for tile in doomed:
-        task = tile.gemm
-        if task.owner is None or task.cancelled:  # (told already: one of its tiles before)
-            continue
-        emulator.scheduler.cancel(task)
-        task.owner.give_up(
-            f"{type(task.request).__name__.upper()} {task.id}: tile {tile.id} was sent "
-            f"{tile.attempts} times and its device was lost each time; the last to hold "
-            f"it, device {device.id} ({device.name}), ended with: {why}"
-        )
+    for tile in held:
+        emulator.scheduler.give_up_on(tile, device, why)
     emulator.scheduler.dispatch()
 
 

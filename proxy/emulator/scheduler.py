@@ -19,7 +19,11 @@ A device that leaves has its queued and outstanding tiles sent to the
 device with the least work waiting (ties: lowest id), as bytes: the virtual
 timeline keeps them where they were placed, and the log says they moved. A
 convolution's tile goes only to a device that computes them (``DeviceRecord.conv``),
-and waits while none is ready.
+and waits while none is ready. A tile sent ``MAX_TILE_ATTEMPTS`` times that failed
+each time (its device lost while holding it, or its result unusable) is one the
+devices cannot compute (a broken build, a kernel that brings them down): its request
+is dropped and its job told why (``give_up_on``), rather than the tile going round a
+fleet that reconnects for ever.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ from .registry import DeviceRecord, Placed, Registry
 from .task import Task
 
 log = logging.getLogger(__name__)
+
+MAX_TILE_ATTEMPTS = 3
 
 
 class TileMessages(Protocol):
@@ -105,6 +111,22 @@ class Scheduler:
         sent was unusable (and that device is being dropped)."""
         tile.gemm.requeued += 1
         self.orphans.appendleft((tile, None))
+
+    def give_up_on(self, tile: AnyTile, device: DeviceRecord, why: str) -> bool:
+        """Whether ``tile``, whose attempt on ``device`` just failed (``why``: how that
+        device ended, or what was wrong with its result), has failed every one of
+        ``MAX_TILE_ATTEMPTS`` sends: then its request is cancelled and its job told."""
+        if tile.attempts < MAX_TILE_ATTEMPTS:
+            return False
+        task = tile.gemm
+        if task.owner is not None and not task.cancelled:  # (not told already)
+            self.cancel(task)
+            task.owner.give_up(
+                f"{type(task.request).__name__.upper()} {task.id}: tile {tile.id} was sent "
+                f"{tile.attempts} times and failed each time; the last device, "
+                f"{device.id} ({device.name}), ended with: {why}"
+            )
+        return True
 
     def cancel(self, gemm: Task) -> None:
         """Drop the tiles of a GEMM whose job is gone (those out come back ignored)."""

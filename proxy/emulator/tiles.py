@@ -175,7 +175,8 @@ class TileMessages:
 def take_result(scheduler: Scheduler, device: DeviceRecord, msg: TileResult) -> None:
     """A device's TILE_RESULT: its C into the request's output (unless written in place),
     and the job answered once every tile is in. A result that is not what its TILE asked
-    for is a protocol error: the device is dropped and the tile sent to another."""
+    for is a protocol error: the device is dropped and the tile sent to another (or given
+    up, ``Scheduler.give_up_on``)."""
     tile = scheduler.finished(device, msg.tile)
     if tile is None:
         why = "not expected (late or duplicate); ignored"
@@ -185,6 +186,8 @@ def take_result(scheduler: Scheduler, device: DeviceRecord, msg: TileResult) -> 
         try:
             check_tile_result(msg, tile.c_at, tile.shape, task.out.itemsize)
         except OperandError as exc:
+            if scheduler.give_up_on(tile, device, f"bad_result: {exc}"):
+                raise RemoteProtocolError(str(exc), "bad_result") from None
             scheduler.retry(tile)
             raise RemoteProtocolError(
                 f"{exc} (the tile goes to another device)", "bad_result"

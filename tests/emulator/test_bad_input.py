@@ -698,6 +698,43 @@ async def test_device_returning_a_wrong_tile_is_dropped(fleet, caplog, lie):
     await check_serving(client)
 
 
+async def test_a_tile_every_device_answers_wrongly_ends_its_job(fleet):
+    """Three devices answer every TILE with a result of the wrong size: each is dropped
+    and the tile sent to the next; after the third the job gets ``tile_failed`` naming
+    the tile and the last device's wrong result, instead of a tile that goes round for
+    ever. The emulator serves on."""
+    f = await fleet(block_size=8, window=1)
+    liars = []
+    for i in range(3):
+        peer = await f.raw_peer()
+        await peer.hello("device", name=f"liar-{i}", profile=BUILTIN["rpi4"].to_wire())
+        liars.append(asyncio.create_task(wrong_sized(peer)))
+    client = await f.client()
+    with pytest.raises(EmulatorError) as info:
+        await client.matmul(
+            np.ones((8, 8), np.float32), np.ones((8, 8), np.float32), timeout=TIMEOUT
+        )
+    assert info.value.code == "tile_failed"
+    reason = (
+        r"GEMM 1: tile \d+ was sent 3 times and failed each time; the last device, \d+ "
+        r"\(liar-\d\), ended with: bad_result: .+"
+    )
+    assert re.fullmatch(reason, info.value.reason), info.value.reason
+    assert sorted(await asyncio.gather(*liars)) == [1, 1, 1], "one tile each"
+    await f.add_device(name="honest")
+    await check_serving(await f.client())
+
+
+async def wrong_sized(peer: Any) -> int:
+    """Answer each TILE with three floats, whatever it asked; how many it answered."""
+    answered = 0
+    while (msg := await peer.recv(timeout=30)) is not None:
+        if msg.TYPE == MsgType.TILE:
+            peer.send(TileResult(tile=msg.tile, compute_ns=1, segments=(np.zeros(3, np.float32),)))
+            answered += 1
+    return answered
+
+
 async def test_emulator_stop_says_bye_to_jobs_and_devices(fleet):
     f = await fleet()
     gate = threading.Event()  # the device holds its tile: the GEMM is in flight at shutdown
