@@ -485,7 +485,7 @@ class Job:
         emulator = self.emulator
         emulator.waiting.discard(self)
         if self.rank is not None and not self.closed:
-            emulator.ranks_lost[self.rank] = self.conn.failure or "its connection closed"
+            emulator.ranks_lost[self.rank] = self.conn.ended_with
         if self.trained is not None:
             self.trained["running"] = False
         emulator.timeline.close_job(self.id)

@@ -76,7 +76,7 @@ class PeerConnection(FrameConnection):
             self.job.left()
         if self.device is not None:
             device, self.device = self.device, None
-            devices.lost(self.emulator, device, self.failure or "its connection closed")
+            devices.lost(self.emulator, device, self.ended_with)
 
     def _payload_memory(self, nbytes: int) -> memoryview:
         """Where a received payload goes: a job's operands where devices on this host can
@@ -113,7 +113,7 @@ class PeerConnection(FrameConnection):
             self._job().close()
         elif isinstance(msg, Error):
             log.warning("%s reported an error: %s: %s", self.peername, msg.code, msg.reason)
-            self.failure = self.failure or f"{msg.code}: {msg.reason}"
+            self.ending(msg.code, msg.reason)
             self.close()
         elif isinstance(msg, Bye):
             log.info("%s said goodbye: %s", self.peername, msg.reason or "(no reason)")

@@ -186,12 +186,11 @@ def take_result(scheduler: Scheduler, device: DeviceRecord, msg: TileResult) -> 
         try:
             check_tile_result(msg, tile.c_at, tile.shape, task.out.itemsize)
         except OperandError as exc:
-            if scheduler.give_up_on(tile, device, f"bad_result: {exc}"):
-                raise RemoteProtocolError(str(exc), "bad_result") from None
-            scheduler.retry(tile)
-            raise RemoteProtocolError(
-                f"{exc} (the tile goes to another device)", "bad_result"
-            ) from None
+            given_up = scheduler.give_up_on(tile, device, f"bad_result: {exc}")
+            if not given_up:
+                scheduler.retry(tile)
+            then = "" if given_up else " (the tile goes to another device)"
+            raise RemoteProtocolError(f"{exc}{then}", "bad_result") from None
         segment = msg.segments[0]
         task.bytes_up += segment.nbytes
         values = None if tile.c_at.in_place else np.frombuffer(segment, dtype=task.out.dtype)

@@ -253,12 +253,22 @@ class FrameConnection(asyncio.BufferedProtocol, abc.ABC):
 
         self.spawn(beat())
 
+    def ending(self, code: str, reason: str) -> None:
+        """Note why the connection ends (``fail``'s error, or the peer's ERROR), unless a
+        reason is noted already: the first is the cause."""
+        self.failure = self.failure or f"{code}: {reason}"
+
+    @property
+    def ended_with(self) -> str:
+        """Why it ended, as logs and reports say it."""
+        return self.failure or "its connection closed"
+
     def fail(self, code: str, reason: str, *, abort: bool = False) -> None:
         """Tell the peer what went wrong (if it is still there) and close; ``abort``: drop
         the connection at once, unsent bytes and all (a peer that reads nothing would
         never take them)."""
         log.warning("%s: %s: %s; closing the connection", self.peername, code, reason)
-        self.failure = self.failure or f"{code}: {reason}"
+        self.ending(code, reason)
         if self.open:
             assert self.transport is not None
             self.transport.writelines(self.wire.send_error(code, reason))
