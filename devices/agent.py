@@ -41,10 +41,17 @@ from morphling.proxy.wire.messages import (
     ProbeFlopsResult,
     ProbeVerdict,
     Tile,
+    TileMissing,
     TileResult,
     Welcome,
 )
-from morphling.proxy.wire.operands import Location, Place, tile_locations
+from morphling.proxy.wire.operands import (
+    IN_FRAME,
+    Location,
+    Place,
+    panel_operand,
+    tile_locations,
+)
 from morphling.proxy.wire.states import Party
 
 from . import conv_tile
@@ -56,9 +63,14 @@ log = logging.getLogger(__name__)
 # and back costs many times their compute.
 INLINE_FLOPS = 1 << 20
 NO_BYTES = memoryview(b"")
-# What the agent announces in HELLO ``caps``: the convolution tiles it computes (version 1,
-# docs/PROTOCOL.md).
+# What the agent announces in HELLO ``caps`` (docs/PROTOCOL.md): the convolution tiles it
+# computes, and that it keeps panels (version 1 each).
 CONV_CAPABILITY = 1
+PANELS_CAPABILITY = 1
+
+
+class _Missing(Exception):
+    """A tile named by reference an operand this device does not hold."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +91,7 @@ class DeviceConnection(PeerProtocol):
         self.weights: SharedWeights | None = None  # the emulator's, when on this host
         self.arena: OperandArena | None = None  # likewise
         self.cache: dict[tuple[int, ...], Any] = {}  # weight blocks sent by value, by ref
+        self.panels: dict[int, Any] = {}  # other blocks sent to keep, by panel id
         self.emulator_token = ""  # the emulator's, when it runs in this process (``local``)
 
     def disconnected(self, exc: Exception | None) -> None:
@@ -92,7 +105,12 @@ class DeviceConnection(PeerProtocol):
         share = agent.share_memory
         got = attach(greeting, weights=share, arena=share, in_process=share)
         self.weights, self.arena, self.emulator_token = got.weights, got.arena, got.process
-        caps = {"virtual": agent.virtual, "conv": CONV_CAPABILITY, **got.caps}
+        caps = {
+            "virtual": agent.virtual,
+            "conv": CONV_CAPABILITY,
+            "panels": PANELS_CAPABILITY,
+            **got.caps,
+        }
         profile = agent.profile.to_wire()
         fields = {"name": agent.name, "uuid": agent.uuid, "profile": profile, "caps": caps}
         return handshake.hello(greeting, agent.token, "device", **fields)
@@ -125,11 +143,24 @@ class DeviceConnection(PeerProtocol):
             verdict = f"{'passed' if msg.ok else 'FAILED'} ({msg.flops / 1e9:.3g} GFLOP/s)"
             log.log(level, "%s: FLOPS challenge %s %s", self.agent.name, verdict, msg.reason)
 
+    def _forget(self, msg: Tile | ConvTile) -> None:
+        """What the emulator said this device may drop (processed before the operands)."""
+        for panel in msg.drop_panels:
+            self.panels.pop(panel, None)
+        if isinstance(msg, Tile):
+            for ref in msg.drop:
+                self.cache.pop(tuple(ref), None)
+
+    def _missing(self, msg: Tile | ConvTile, exc: _Missing) -> None:
+        """An operand by reference this device does not hold: asked again, with its bytes."""
+        name = msg.TYPE.name
+        log.info("%s: %s %d: %s; asking for its bytes", self.agent.name, name, msg.tile, exc)
+        self.send(TileMissing(tile=msg.tile, reason=str(exc)))
+
     def _tile(self, msg: Tile) -> None:
         agent = self.agent
         dtype = np.dtype(msg.dtype)
-        for ref in msg.drop:
-            self.cache.pop(tuple(ref), None)
+        self._forget(msg)
         handed = None
         try:
             at_a, at_b, at_c = tile_locations(msg)
@@ -143,6 +174,9 @@ class DeviceConnection(PeerProtocol):
             plan = plan_explicit(
                 dtype, msg.ta, msg.tb, msg.m, msg.n, msg.k, a, msg.lda, b, msg.ldb, out, ldc
             )
+        except _Missing as exc:
+            self._missing(msg, exc)
+            return
         except (KeyError, ValueError, TypeError) as exc:
             self.fail("bad_tile", f"TILE {msg.tile}: {exc}")
             return
@@ -175,14 +209,18 @@ class DeviceConnection(PeerProtocol):
         call on the worker pool (inline when small), answered as a TILE's. A tile whose
         fields or operands describe no convolution is ``bad_tile``."""
         agent = self.agent
+        self._forget(msg)
         handed = None
         try:
             if msg.local:
                 handed = self._taken(msg.tile)
                 a, b = handed.a, handed.b
             else:
-                a, b = conv_tile.operand(msg, 0), conv_tile.operand(msg, 1)
+                a, b = (self._conv_operand(msg, i) for i in range(2))
             product, flops = conv_tile.prepare(msg, a, b)
+        except _Missing as exc:
+            self._missing(msg, exc)
+            return
         except ValueError as exc:
             self.fail("bad_tile", f"CONV_TILE {msg.tile}: {exc}")
             return
@@ -237,15 +275,35 @@ class DeviceConnection(PeerProtocol):
         )
         self.send(result)
 
+    def _conv_operand(self, msg: ConvTile, index: int) -> np.ndarray:
+        """Operand ``index`` of a convolution's tile: its segment (kept under its panel id,
+        if it has one), or the panel kept before."""
+        name, segment = "ab"[index], msg.segments[index]
+        panel = msg.panel_b if index else msg.panel_a
+        at = panel_operand(name, panel, segment=segment) if panel else IN_FRAME
+        return conv_tile.operand(msg, index, self._held(at, segment))
+
+    def _held(self, at: Location, segment: Any) -> Any:
+        """An operand in the frame (``segment``, kept under its ref or panel id if it has
+        one) or kept by an earlier tile (``_Missing`` if it was not)."""
+        if at.place is Place.KEPT:
+            try:
+                return self.panels[at.panel]
+            except KeyError:
+                raise _Missing(f"panel {at.panel} is not held") from None
+        if at.ref:
+            self.cache[at.ref] = segment
+        if at.panel:
+            self.panels[at.panel] = segment
+        return segment
+
     def _operand(self, msg: Tile, which: str, at: Location) -> Any:
         """Operand ``which`` ("a" or "b") of a tile, where ``at`` says: its bytes (kept
-        under the ref they come with), the operand arena, or the weight block its ref
-        names, read from the shared weights or from what was kept."""
-        if at.place is Place.FRAME:
-            segment = msg.segments[0 if which == "a" else 1]
-            if at.ref:
-                self.cache[at.ref] = segment
-            return segment
+        under the ref or panel id they come with), a panel kept before, the operand arena,
+        or the weight block its ref names, read from the shared weights or from what was
+        kept."""
+        if at.place is Place.FRAME or at.place is Place.KEPT:
+            return self._held(at, msg.segments[0 if which == "a" else 1])
         if at.place is Place.ARENA:
             if self.arena is None:
                 raise ValueError(
@@ -262,7 +320,7 @@ class DeviceConnection(PeerProtocol):
         try:
             return self.cache[at.ref]
         except KeyError:
-            raise KeyError(f"weight reference {list(at.ref)} is neither mapped nor held") from None
+            raise _Missing(f"weight reference {list(at.ref)} is neither mapped nor held") from None
 
     def _tile_done(
         self,

@@ -23,18 +23,18 @@ from morphling.kernels.conv import (
 from morphling.proxy.wire.messages import CONV_KINDS, GEMM_DTYPES, ConvTile
 
 
-def operand(msg: ConvTile, index: int) -> np.ndarray:
-    """Segment ``index`` as the array ``a_shape`` or ``b_shape`` says; ValueError if the
-    segment is not that many bytes."""
+def operand(msg: ConvTile, index: int, segment: Any) -> np.ndarray:
+    """Operand ``index``'s bytes (``segment``: its segment's, or a panel's kept from an
+    earlier tile) as the array ``a_shape`` or ``b_shape`` says; ValueError if they are not
+    that many bytes."""
     name, shape = ("a", msg.a_shape) if index == 0 else ("b", msg.b_shape)
-    segment = msg.segments[index]
     if len(shape) != 4 or any(not isinstance(d, int) or d < 0 for d in shape):
         raise ValueError(f"{name}_shape={shape!r:.60}: expected 4 integers >= 0")
     dtype = _dtype(msg)
     need = math.prod(shape) * dtype.itemsize
     if memoryview(segment).nbytes != need:
         raise ValueError(
-            f"segment {index}: {memoryview(segment).nbytes} bytes, but {name}_shape "
+            f"operand {name}: {memoryview(segment).nbytes} bytes, but {name}_shape "
             f"{shape} of {msg.dtype} is {need}"
         )
     return np.frombuffer(segment, dtype).reshape(shape)

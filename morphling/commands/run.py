@@ -101,6 +101,11 @@ class RunConfig:
     )
     block_size: int = _opt(0, "tile edge (0: the emulator's default)", min=0)
     policy: str = _opt("greedy", "tile placement policy (--embedded)", choices=POLICIES)
+    residency: bool = _opt(
+        True,
+        "devices keep a request's operand blocks for its other tiles (--embedded; "
+        "--no-residency: every tile carries its blocks, to compare)",
+    )
     link: str = _opt(
         "",
         "link preset for every device (--embedded; empty: the profiles' own)",
@@ -404,6 +409,7 @@ def _emulator_config(cfg: RunConfig, run_dir: Path | None) -> EmulatorConfig:
     emulator = dataclasses.replace(
         EmulatorConfig(),
         policy=cfg.policy,
+        residency=cfg.residency,
         run_dir=str(run_dir or ""),
         bottleneck_dl_bw=cfg.bottleneck_bw,
         collective=cfg.collective,

@@ -79,10 +79,11 @@ class Header(NamedTuple):
 
 @dataclass(frozen=True)
 class ConvOperand:
-    """One operand of a convolution tile: a view of the request's array, sent contiguous.
-    Never a block of the shared weights: a device keeps none of it."""
+    """One operand of a convolution tile: a view of the request's array, sent contiguous,
+    which is its request's ``panel`` (never a block of the shared weights)."""
 
     array: np.ndarray
+    panel: int
     offset = None
     version = 0
 
@@ -96,7 +97,7 @@ class ConvOperand:
 
     @property
     def key(self) -> Key:
-        raise AssertionError("only a weight block is kept")
+        return self.panel
 
 
 @dataclass(eq=False)
@@ -126,7 +127,17 @@ class ConvTileTask(TaskTile):
         return self.out_shape
 
     def operands(self) -> tuple[ConvOperand, ConvOperand]:
-        return ConvOperand(self.a), ConvOperand(self.b)
+        """Its two operands, each its request's panel: the tiles of one output-channel
+        block share their weight block, those of one row band their input region."""
+        return (
+            ConvOperand(self.a, self.gemm.panel(_where(self.a))),
+            ConvOperand(self.b, self.gemm.panel(_where(self.b))),
+        )
+
+
+def _where(view: np.ndarray) -> tuple[int, ...]:
+    """A view's bytes, as ``Task.panel`` names them."""
+    return (view.ctypes.data, *view.shape, *view.strides)
 
 
 AnyTile = TileTask | ConvTileTask  # every tile the emulator sends

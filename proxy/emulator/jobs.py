@@ -409,6 +409,7 @@ class Job:
                     tiles=len(task.done),
                     devices=sorted(task.devices),
                     requeued=task.requeued,
+                    resent=task.resent,
                     model_ns=task.virtual_ns,
                     bytes_down=task.bytes_down,
                     bytes_up=task.bytes_up,

@@ -81,7 +81,8 @@ class Block:
     """One operand block of a tile: ``rows × cols`` stored with leading dimension ``ld``.
 
     ``span`` is its memory as stored; ``offset`` is where that lies in the shared
-    weights (None for a job's own bytes) and ``version`` the weight's version.
+    weights (None for a job's own bytes) and ``version`` the weight's version; a job's
+    own block is its request's ``panel``.
     """
 
     span: np.ndarray
@@ -90,6 +91,7 @@ class Block:
     ld: int
     offset: int | None = None
     version: int = 0
+    panel: int = 0
 
     @property
     def packs(self) -> bool:
@@ -107,8 +109,10 @@ class Block:
 
     @property
     def key(self) -> Key:
-        """What a device's emulated memory keeps a weight block under."""
-        assert self.offset is not None, "only a weight block is kept"
+        """What a device's emulated memory keeps the block under: a weight block's place in
+        the shared weights, or the panel's id."""
+        if self.offset is None:
+            return self.panel
         return (self.offset, self.rows, self.cols, self.ld)
 
     @property
@@ -156,11 +160,11 @@ class GemmTask(Task):
         else:  # the block is stored columns lo:hi of every row
             start, rows, cols = base + lo, inner, hi - lo
         if rows == 0 or cols == 0:
-            return Block(flat[:0], rows, cols, max(1, cols))
+            return Block(flat[:0], rows, cols, max(1, cols), panel=self.panel((0, 0, 0, 0)))
         span = flat[start : start + (rows - 1) * ld + cols]
         weight = self.weights.get(which)
         if weight is None:
-            return Block(span, rows, cols, ld)
+            return Block(span, rows, cols, ld, panel=self.panel((span.ctypes.data, rows, cols, ld)))
         offset, version = weight
         return Block(span, rows, cols, ld, offset + start * flat.itemsize, version)
 

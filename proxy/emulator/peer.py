@@ -34,6 +34,7 @@ from morphling.proxy.wire.messages import (
     ProbePulled,
     Slab,
     Step,
+    TileMissing,
     TileResult,
     Wait,
 )
@@ -87,6 +88,8 @@ class PeerConnection(FrameConnection):
     def message_received(self, msg: Message) -> None:
         if isinstance(msg, TileResult):
             tiles.take_result(self.emulator.scheduler, self._device(), msg)
+        elif isinstance(msg, TileMissing):
+            self.emulator.scheduler.resend(self._device(), msg.tile, msg.reason)
         elif isinstance(msg, Gemm):
             self._job().gemm(msg)
         elif isinstance(msg, Hello):

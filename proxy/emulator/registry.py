@@ -41,11 +41,13 @@ class DeviceRecord:
     ready: bool = False
     outstanding: dict[int, AnyTile] = field(default_factory=dict)
     queue: deque[Placed] = field(default_factory=deque)
+    drop_panels: list[int] = field(default_factory=list)  # for its next tile to say
     completed: int = 0
     colocated: bool = False  # maps the emulator's shared weights (same host)
     arena: bool = False  # maps the emulator's operand arena (same host)
     local: bool = False  # runs in the emulator's process: takes tiles as arrays (``local``)
     conv: bool = False  # computes convolution tiles (HELLO ``caps.conv``)
+    panels: bool = False  # keeps a request's panels for its later tiles (``caps.panels``)
 
     def take(self, tile: AnyTile) -> None:
         self.outstanding[tile.id] = tile
@@ -78,6 +80,7 @@ class Registry:
         arena: bool = False,
         local: bool = False,
         conv: bool = False,
+        panels: bool = False,
     ) -> DeviceRecord:
         record = DeviceRecord(
             next(self._ids),
@@ -90,6 +93,7 @@ class Registry:
             arena=arena,
             local=local,
             conv=conv,
+            panels=panels,
         )
         self.devices[record.id] = record
         return record

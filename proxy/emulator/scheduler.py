@@ -128,9 +128,34 @@ class Scheduler:
             )
         return True
 
+    def resend(self, device: DeviceRecord, tile_id: int, why: str) -> None:
+        """``device`` lacks an operand ``tile_id`` named by reference (``why``: which; it
+        was evicted, or the device restarted): send the tile again, first, with every
+        operand as bytes, kept nowhere."""
+        tile = self.finished(device, tile_id)
+        if tile is None or tile.gemm.cancelled:
+            return
+        device.completed -= 1  # (``finished`` counted it: neither it nor the send failed)
+        tile.attempts -= 1
+        tile.gemm.resent += 1
+        log.info("device %d: %s; tile %d goes again with its bytes", device.id, why, tile_id)
+        device.queue.appendleft((tile, None))
+        self._waiting[device.id] = device
+        self.dispatch()
+
+    def forget_panels(self, task: Task) -> None:
+        """``task`` is done or cancelled: the devices it left panels on may drop them, with
+        their next tile (its tiles still out hold their operands themselves)."""
+        for device_id, panels in task.kept.items():
+            device = self.registry.devices.get(device_id)
+            if device is not None:
+                device.drop_panels.extend(panels)
+        task.kept.clear()
+
     def cancel(self, gemm: Task) -> None:
         """Drop the tiles of a GEMM whose job is gone (those out come back ignored)."""
         gemm.cancelled = True
+        self.forget_panels(gemm)
         self.orphans = deque(p for p in self.orphans if p[0].gemm is not gemm)
         for device in list(self._waiting.values()):
             device.queue = deque(p for p in device.queue if p[0].gemm is not gemm)

@@ -79,7 +79,11 @@ class Emulator:
             self._events, level=config.events, detail_steps=config.events_detail_steps
         )
         self.timeline: Timeline[AnyTile] = Timeline(
-            config.policy, log=events, bottleneck=bottleneck, algorithm=config.collective
+            config.policy,
+            log=events,
+            bottleneck=bottleneck,
+            algorithm=config.collective,
+            residency=config.residency,
         )
         self.run_info: dict[str, Any] = {}  # extra keys for run.json (the command, settings)
         self.allocate = pool_allocator(self.pool)

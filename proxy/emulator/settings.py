@@ -65,6 +65,12 @@ class EmulatorConfig:
         choices=POLICIES,
         aliases=("--sched_policy",),
     )
+    residency: bool = _opt(
+        True,
+        "devices keep the operand blocks a request sent them for its other tiles, and greedy "
+        "places a request's tiles as blocks of rows × columns; --no-residency: every tile "
+        "carries its blocks (what upstream does), to compare",
+    )
     window: int = _opt(4, "tiles in flight per device", min=1, aliases=("--max_inflight",))
     inflight_bytes: int = _opt(
         64 << 20,

@@ -21,6 +21,7 @@ from morphling.proxy.wire.messages import Conv, Gemm
 from morphling.proxy.wire.operands import IN_FRAME, Location
 
 tile_ids = itertools.count(1)  # every tile's, a GEMM's or a convolution's: one id space
+panel_ids = itertools.count(1)  # every request's operand panels: one id space
 
 
 class GemmError(ValueError):
@@ -60,10 +61,25 @@ class Task:
     in_slab: bool = False  # an operand or C is in the job's slab
     slab_retired: bool = False  # its C is in a slab a lost device may still write into
     writers: Writers | None = None  # kernels writing into C, a job's own array (``local``)
+    # Its operand panels (blocks that are not weights), by where their bytes lie: one id
+    # each, under which a device keeps a panel for the request's other tiles.
+    _panels: dict[tuple[int, ...], int] = field(default_factory=dict)
+    kept: dict[int, list[int]] = field(default_factory=dict)  # device → panels sent to keep
+    resent: int = 0  # tiles sent again with their bytes: their device had lost a panel
 
     @property
     def id(self) -> int:
         return self.request.gemm
+
+    def panel(self, where: tuple[int, ...]) -> int:
+        """The id of the operand panel whose bytes lie at ``where`` (first byte's address,
+        then the shape and strides that place the rest): the same bytes, the same panel,
+        whichever tiles need them (a row of tiles shares its A block, a broadcast operand
+        is one block for every pivot)."""
+        panel = self._panels.get(where)
+        if panel is None:
+            panel = self._panels[where] = next(panel_ids)
+        return panel
 
     @property
     def in_place(self) -> bool:

@@ -3,15 +3,19 @@
 Each operand block goes to the device the cheapest way it can take it (its
 ``Location``): a device that maps the operand arena reads blocks that lie there,
 and writes C there when the GEMM's output does; one that maps the shared weights
-reads weight blocks from its mapping; one whose emulated memory holds a weight
-block at its current version gets only its reference; a device in the emulator's
-own process is handed the arrays (``local``). Anything else goes as bytes, with
-the weight's reference when the device is to keep them. The TILE_RESULT must then
-carry C as its TILE asked (``operands.check_tile_result``).
+reads weight blocks from its mapping; one whose emulated memory holds the block (a
+weight block at its current version, or a panel its request sent it before) gets
+only its reference; a device in the emulator's own process is handed the arrays
+(``local``). Anything else goes as bytes, with the weight's reference or the panel's
+id when the device is to keep them (its emulated memory admitted them). The
+TILE_RESULT must then carry C as its TILE asked (``operands.check_tile_result``).
+Once a request is done, the devices it left panels on are told to drop them with
+their next tile (``Scheduler.forget_panels``).
 
-A convolution's tile becomes a CONV_TILE: its operands go contiguous as bytes, or are
-handed over as views in the emulator's process with the view of the output it writes
-(``local``); C comes back in TILE_RESULT, or is written there.
+A convolution's tile becomes a CONV_TILE: its operands go contiguous as bytes, as
+panels the same way, or are handed over as views in the emulator's process with the
+view of the output it writes (``local``); C comes back in TILE_RESULT, or is written
+there.
 """
 
 from __future__ import annotations
@@ -30,16 +34,19 @@ from morphling.proxy.wire.operands import (
     IN_FRAME,
     Location,
     OperandError,
+    Place,
     check_tile_result,
     in_arena,
     in_frame,
     in_weights,
+    kept,
     tile_fields,
 )
 
 from .conv_partition import AnyTile, ConvTileTask
 from .partition import Block, GemmTask, TileTask
 from .registry import DeviceRecord
+from .task import Task
 
 if TYPE_CHECKING:
     from .scheduler import Scheduler
@@ -70,22 +77,30 @@ class TileMessages:
         device's emulated memory's say (from the timeline), None for a tile moved off a lost
         device: all bytes but what the device maps. Notes on the tile where C goes
         (``TileTask.c_at``)."""
+        if admission is not None:
+            device.drop_panels.extend(admission.evicted_panels)
         if isinstance(tile, ConvTileTask):
-            return self._conv_tile(device, tile)
+            return self._conv_tile(device, tile, admission)
         task = tile.gemm
         drop = admission.evicted if admission is not None and not device.colocated else []
         a, b = tile.operands()
         if task.writers is not None and device.local:
             self._hand_over(device, tile, task.writers)
             sent_a, sent_b = Sent(a.span[:0], a.ld, HANDED), Sent(b.span[:0], b.ld, HANDED)
-            return self._tile(tile, sent_a, sent_b, HANDED, drop)
+            return self._tile(device, tile, sent_a, sent_b, HANDED, drop)
         out = self._out_offset(device, task)
         c_at = IN_FRAME if out is None else in_arena(out + tile.out_start * task.out.itemsize)
         sent_a, sent_b = (self._block(device, task, x, admission) for x in (a, b))
-        return self._tile(tile, sent_a, sent_b, c_at, drop)
+        return self._tile(device, tile, sent_a, sent_b, c_at, drop)
 
     def _tile(
-        self, tile: TileTask, a: Sent, b: Sent, c_at: Location, drop: list[list[int]]
+        self,
+        device: DeviceRecord,
+        tile: TileTask,
+        a: Sent,
+        b: Sent,
+        c_at: Location,
+        drop: list[list[int]],
     ) -> Tile:
         task, g = tile.gemm, tile.gemm.request
         rows, cols = tile.shape
@@ -101,6 +116,7 @@ class TileMessages:
             lda=a.ld,
             ldb=b.ld,
             drop=drop,
+            drop_panels=_panels_to_drop(device),
             ldc=task.out.shape[2] if c_at.in_place else 0,
             **tile_fields(a.at, b.at, c_at),
             segments=(a.bytes, b.bytes),
@@ -114,7 +130,10 @@ class TileMessages:
         if at is not None:  # it reads the span from its mapping of the arena
             return Sent(block.span[:0], block.ld, in_arena(at))
         if block.offset is None:
-            return Sent(*task.packed(block), IN_FRAME)
+            where = _panel(device, task, block.panel, admission)
+            if where.place is Place.KEPT:
+                return Sent(block.span[:0], block.sent_ld, where)
+            return Sent(*task.packed(block), where)
         if device.colocated:  # it reads the span from its mapping of the weights
             return Sent(block.span[:0], block.ld, in_weights(block.ref))
         if admission is None:
@@ -140,18 +159,27 @@ class TileMessages:
         offered = local.TileOperands(a.span, b.span, c, writers)
         local.offer_tile((self.token, device.id, tile.id), offered)
 
-    def _conv_tile(self, device: DeviceRecord, tile: ConvTileTask) -> ConvTile:
+    def _conv_tile(
+        self, device: DeviceRecord, tile: ConvTileTask, admission: Admission | None
+    ) -> ConvTile:
         """A convolution tile's CONV_TILE: its operands handed over with the view of C it
-        writes (the job's own output, to a device in this process), or as bytes."""
+        writes (the job's own output, to a device in this process), or as panels: bytes,
+        or the id of one the device kept."""
         task, c = tile.gemm, tile.gemm.request
         writers = task.writers
+        panels = [0, 0]
         if writers is not None and device.local:
             offered = local.TileOperands(tile.a, tile.b, task.out[tile.out_index], writers)
             local.offer_tile((self.token, device.id, tile.id), offered)
             tile.c_at, segments = HANDED, (tile.a[:0], tile.b[:0])
         else:
-            packed = np.ascontiguousarray(tile.a), np.ascontiguousarray(tile.b)
-            tile.c_at, segments = IN_FRAME, packed
+            sent = []
+            for i, operand in enumerate(tile.operands()):
+                where = _panel(device, task, operand.panel, admission)
+                panels[i] = where.panel
+                kept = where.place is Place.KEPT
+                sent.append(operand.array[:0] if kept else np.ascontiguousarray(operand.array))
+            tile.c_at, segments = IN_FRAME, (sent[0], sent[1])
         geom = task.geometry
         return ConvTile(
             tile=tile.id,
@@ -168,8 +196,33 @@ class TileMessages:
             oh_lo=tile.oh_lo,
             rows=list(tile.rows) if c.kind == "grad_input" else [],
             local=tile.c_at is HANDED,
+            panel_a=panels[0],
+            panel_b=panels[1],
+            drop_panels=_panels_to_drop(device),
             segments=segments,
         )
+
+
+def _panel(device: DeviceRecord, task: Task, panel: int, admission: Admission | None) -> Location:
+    """How panel ``panel`` of ``task`` goes to ``device``: by its id where the device's
+    emulated memory holds it, else as bytes, kept under its id where the memory took it
+    in (then the request notes that the device keeps it: ``Scheduler.forget_panels``). A
+    tile moved off a lost device (no ``admission``), or for a device that keeps no panels
+    (its HELLO did not say ``caps.panels``), goes as bytes, kept nowhere."""
+    if admission is None or not device.panels:
+        return IN_FRAME
+    if panel in admission.held:
+        return kept(panel)
+    if panel not in admission.kept:  # it did not fit, or residency is off
+        return IN_FRAME
+    task.kept.setdefault(device.id, []).append(panel)
+    return in_frame(panel=panel)
+
+
+def _panels_to_drop(device: DeviceRecord) -> list[int]:
+    """The panels ``device`` may forget, said once (with its next tile)."""
+    drop, device.drop_panels = device.drop_panels, []
+    return drop
 
 
 def take_result(scheduler: Scheduler, device: DeviceRecord, msg: TileResult) -> None:
@@ -194,6 +247,8 @@ def take_result(scheduler: Scheduler, device: DeviceRecord, msg: TileResult) -> 
         segment = msg.segments[0]
         task.bytes_up += segment.nbytes
         values = None if tile.c_at.in_place else np.frombuffer(segment, dtype=task.out.dtype)
-        if task.put(tile, values) and task.remaining == 0 and task.owner is not None:
-            task.owner.finish(task)
+        if task.put(tile, values) and task.remaining == 0:
+            scheduler.forget_panels(task)
+            if task.owner is not None:
+                task.owner.finish(task)
     scheduler.dispatch()

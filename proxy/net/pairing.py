@@ -7,8 +7,10 @@ over as arrays, or lie in the operand arena) is handed to the other end on the l
 being encoded, written, read and decoded again. That round through the kernel's
 loopback was a fifth of an embedded training step (BENCHMARKS.md has the figures).
 Everything else, bytes included, still goes through the socket; the messages that skip
-it are independent of each other and of the rest (each TILE names all it needs, each
-TILE_RESULT its tile), so nothing depends on their order against the socket's.
+it are independent of each other and of the rest (each such TILE names all it needs,
+each TILE_RESULT its tile), so nothing depends on their order against the socket's. A
+TILE that names a panel or a weight block by reference is not: it may read what an
+earlier TILE, with bytes, left on the device, so it goes through the socket behind it.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import asyncio
 from typing import TypeVar, cast
 
-from morphling.proxy.wire.messages import Message, MsgType
+from morphling.proxy.wire.messages import ConvTile, Message, MsgType, Tile
 
 HANDED_OVER = frozenset({MsgType.TILE, MsgType.CONV_TILE, MsgType.TILE_RESULT})
 
@@ -49,5 +51,14 @@ def withdraw(end: object, key: Key) -> None:
 
 def skips_socket(msg: Message) -> bool:
     """A paired end hands ``msg`` over instead of sending it: a TILE, CONV_TILE or
-    TILE_RESULT with no payload bytes."""
-    return msg.TYPE in HANDED_OVER and not any(map(len, msg.segments))
+    TILE_RESULT with no payload bytes that reads nothing an earlier message left."""
+    if msg.TYPE not in HANDED_OVER or any(map(len, msg.segments)):
+        return False
+    return not isinstance(msg, (Tile, ConvTile)) or not _by_reference(msg)
+
+
+def _by_reference(msg: Tile | ConvTile) -> bool:
+    """``msg`` names a panel, or a weight block the device may hold rather than map."""
+    if msg.panel_a or msg.panel_b:
+        return True
+    return isinstance(msg, Tile) and bool(msg.ref_a or msg.ref_b)

@@ -1,19 +1,22 @@
 """Each device's emulated memory: what it holds, and whether a tile fits.
 
-A device's declared memory bounds what it can hold at once: the operands and
-output of the tile it computes, plus the weight blocks it keeps between
-tiles so that they are not sent again. ``DeviceMemory`` is that model, kept
-by the emulator for every device. It decides which weight blocks a device
-already holds (a physical board then gets a reference instead of the bytes),
-evicts the least recently used blocks to make room, and reports a tile whose
-operands cannot fit at all: an emulated out-of-memory event, logged and
-counted, never a failure of the host (the tile is still computed).
+A device's declared memory bounds what it can hold at once: the output of the
+tile it computes, plus the operand blocks it keeps so that they are not sent
+again. ``DeviceMemory`` is that model, kept by the emulator for every device. It
+decides which blocks a device already holds (a physical board then gets a
+reference instead of the bytes), evicts the least recently used blocks to make
+room, and reports a tile whose operands cannot fit at all: an emulated
+out-of-memory event, logged and counted, never a failure of the host (the tile
+is still computed).
 
-A weight block's key is where it lies in the shared weights; its version
-changes when the optimizer updates the weight, so a stale block is never
-treated as held. Versions are a job's own (they start again with each job),
-and the working copy may be restored from the checkpoint: then nothing a device
-kept is trusted any more (``distrust``).
+Two kinds of block are kept. A weight block's key is where it lies in the shared
+weights; its version changes when the optimizer updates the weight, so a stale
+block is never treated as held. Versions are a job's own (they start again with
+each job), and the working copy may be restored from the checkpoint: then nothing
+a device kept is trusted any more (``distrust``). Any other operand block (an
+activation's, a gradient's: a *panel*) is keyed by an id its request gave it: it
+is reused by that request's other tiles alone, and ``release``d when the request
+ends.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-Key = tuple[int, int, int, int]  # offset, rows, cols, ld
+WeightKey = tuple[int, int, int, int]  # offset, rows, cols, ld
+Key = WeightKey | int  # a weight block's, or a panel's id
 
 
 @dataclass
@@ -29,12 +33,14 @@ class Admission:
     """The outcome of placing one tile in a device's memory."""
 
     fits: bool
-    held: set[Key] = field(default_factory=set)  # weight blocks already resident, current
-    evicted: list[list[int]] = field(default_factory=list)  # refs the device may drop
+    held: set[Key] = field(default_factory=set)  # blocks already resident, current
+    kept: set[Key] = field(default_factory=set)  # blocks resident once it is placed
+    evicted: list[list[int]] = field(default_factory=list)  # weight refs the device may drop
+    evicted_panels: list[int] = field(default_factory=list)  # panels the device may drop
 
 
 class DeviceMemory:
-    """LRU residency of weight blocks within ``capacity`` bytes."""
+    """LRU residency of operand blocks within ``capacity`` bytes."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -44,15 +50,15 @@ class DeviceMemory:
         self.oom_events = 0
 
     def admit(self, blocks: list[tuple[Key, int, int]], transient: int) -> Admission:
-        """Place a tile: weight ``blocks`` as (key, version, bytes), plus ``transient``
-        bytes (its other operands and its output) that live only while it runs. A and B
-        may be one block (the diagonal tiles of W·Wᵀ): it is held once, and is held
-        already only if it was before this tile."""
+        """Place a tile: its operand ``blocks`` as (key, version, bytes), plus
+        ``transient`` bytes (its output) that live only while it runs. A and B may be one
+        block (the diagonal tiles of W·Wᵀ): it is held once, and is held already only if
+        it was before this tile."""
         wanted = {key: (version, nbytes) for key, version, nbytes in blocks}
         if transient + sum(nbytes for _, nbytes in wanted.values()) > self.capacity:
             self.oom_events += 1
             return Admission(fits=False)
-        admission = Admission(fits=True)
+        admission = Admission(fits=True, kept=set(wanted))
         for key, (version, nbytes) in wanted.items():
             held = self.resident.get(key)
             if held is not None and held[0] == version and key not in self.distrusted:
@@ -70,6 +76,14 @@ class DeviceMemory:
                 self._evict(key, admission)
         return admission
 
+    def release(self, keys: list[Key]) -> None:
+        """Forget these blocks (a request's panels, once it ended): nothing reads them again."""
+        for key in keys:
+            held = self.resident.pop(key, None)
+            if held is not None:
+                self.used -= held[1]
+                self.distrusted.discard(key)
+
     def distrust(self) -> None:
         """Hold no block kept so far as current: the bytes under its version may have
         changed (a new job's versions start again; the weights were restored). Each is
@@ -80,4 +94,7 @@ class DeviceMemory:
         self.distrusted.discard(key)
         version, nbytes = self.resident.pop(key)
         self.used -= nbytes
-        admission.evicted.append([*key, version])
+        if isinstance(key, int):
+            admission.evicted_panels.append(key)
+        else:
+            admission.evicted.append([*key, version])

@@ -11,15 +11,25 @@ convolutions (``VirtualDevice.convolutions``); the policies choose among those.
 - ``greedy`` picks the earliest predicted finish: the device's downlink,
   compute and uplink queues (everything placed on it so far) plus this
   tile's transfer and compute under the device's models at its current
-  frequency. The prediction counts every operand byte; weight blocks
-  already resident make the real transfer shorter, never longer.
+  frequency. The prediction counts every operand byte; blocks already
+  resident make the real transfer shorter, never longer.
+
+A device keeps the operand blocks a request sent it for the request's other tiles
+(``memory``), so where a request's tiles go decides how many bytes cross: tiles of one
+row of the output share their A block, tiles of one column their B block. Tile by
+tile, greedy spreads a row over the fleet and sends its A block to every device. So
+greedy places a request of many tiles as a whole (``plan``): it shares the tiles out by
+when each device would be free and how fast it would get through them (water-filling
+on its predicted rate), then gives each device a block of rows × columns of the tile
+grid of its share's size (recursive bisection, as SUMMA's 2-D distribution): a device
+then needs the A blocks of its rows and the B blocks of its columns, once each.
 """
 
 from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -168,6 +178,109 @@ class Placement:
             finish = np.where(self._conv_mask, finish, np.inf)
         self._kept = _Predicted(now, work, nominal, finish)
         return int(finish.argmin())
+
+    def plan(
+        self, now: float, work: Work, cells: Sequence[tuple[Hashable, Hashable]]
+    ) -> list[int] | None:
+        """Greedy's devices (indices in ``devices``) for a request's tiles placed at ``now``,
+        each tile named by its ``cell``: the keys of its A block and its B block (tiles
+        that share a key share that block). ``work`` is a typical tile's. None where the
+        tiles are not a whole grid (a batched GEMM whose pivots share no block: each pivot
+        its own grid) or one device takes them all: then greedy places tile by tile."""
+        rows = _ranks(cell[0] for cell in cells)
+        cols = _ranks(cell[1] for cell in cells)
+        if len(rows) * len(cols) != len(cells):
+            return None
+        if self._stale:
+            self._rebuild()
+        conv = isinstance(work.shape, ConvShape)
+        able = [i for i, d in enumerate(self.devices) if d.convolutions or not conv]
+        if len(able) < 2:
+            return None
+        shares = self._shares(now, work, able, len(cells), len(rows), len(cols))
+        owner: dict[tuple[int, int], int] = {}
+        _bisect((0, len(rows), 0, len(cols)), [(i, n) for i, n in shares if n], owner)
+        return [owner[rows[a], cols[b]] for a, b in cells]
+
+    def _shares(
+        self, now: float, work: Work, able: list[int], tiles: int, rows: int, cols: int
+    ) -> list[tuple[int, int]]:
+        """How many of ``tiles`` each device of ``able`` takes: the counts that would end
+        them together, each device taking a tile per its predicted seconds (compute at its
+        current speed, or its link's share of a tile's operands as a block of the grid
+        sends them, whichever is longer) from when its first would be back (greedy's
+        prediction, behind everything placed on it) less one tile's seconds.
+        Integers by largest remainder, ties to the lowest index."""
+        # A device's block of about tiles/devices, as square as the grid lets it be: a tile
+        # sends its A block once per row of it and its B block once per column, and only
+        # the first row's tiles and each row's first tile send anything (pay the latency).
+        side = math.sqrt(tiles / len(able))
+        h = min(float(rows), max(1.0, side))
+        w = min(float(cols), max(1.0, tiles / len(able) / h))
+        down = work.bytes_down / 2 * (1 / w + 1 / h)
+        sending = min(1.0, (h + w - 1) / (h * w))
+        starts, seconds = [], []
+        for i in able:
+            device = self.devices[i]
+            free, links = _free(device), self._links[i]
+            nominal = device.nominal_s(work.shape)
+            compute = nominal / free[3]
+            link = max(sending * links[0] + down * links[1], links[2] + work.bytes_up * links[3])
+            seconds.append(max(compute, link, 1e-12))
+            # when its first tile would be back (greedy's prediction), less one tile's time
+            starts.append(_finish(now, work, nominal, free, links, max) - seconds[-1])
+        order = sorted(range(len(able)), key=lambda j: (starts[j], j))
+        rate = weighted = 0.0
+        end = math.inf
+        for j in order:  # water-filling: add devices while they start before the end
+            if starts[j] >= end:
+                break
+            rate += 1 / seconds[j]
+            weighted += starts[j] / seconds[j]
+            end = (tiles + weighted) / rate
+        exact = [max(0.0, (end - starts[j]) / seconds[j]) for j in range(len(able))]
+        counts = [int(x) for x in exact]
+        by_remainder = sorted(range(len(able)), key=lambda j: (counts[j] - exact[j], j))
+        for j in by_remainder[: tiles - sum(counts)]:
+            counts[j] += 1
+        return list(zip(able, counts, strict=True))
+
+
+def _ranks(keys: Iterable[Hashable]) -> dict[Hashable, int]:
+    """Each distinct key's rank in order of first appearance."""
+    ranks: dict[Hashable, int] = {}
+    for key in keys:
+        ranks.setdefault(key, len(ranks))
+    return ranks
+
+
+def _bisect(
+    rect: tuple[int, int, int, int],
+    members: list[tuple[int, int]],
+    owner: dict[tuple[int, int], int],
+) -> None:
+    """Give each device of ``members`` (index, tiles) a block of ``rect`` (rows r0:r1 ×
+    columns c0:c1 of the grid) of about its tiles: split the devices in two halves of
+    about equal tiles, and the rectangle across its longer side in that proportion."""
+    r0, r1, c0, c1 = rect
+    if len(members) == 1 or (r1 - r0) * (c1 - c0) == 1:
+        device = max(members, key=lambda m: (m[1], -m[0]))[0]
+        owner.update(((r, c), device) for r in range(r0, r1) for c in range(c0, c1))
+        return
+    total = sum(n for _, n in members)
+    half, cut = 0, 1
+    for k in range(1, len(members)):  # the cut whose left half is nearest to half the tiles
+        left = sum(n for _, n in members[:k])
+        if abs(2 * left - total) < abs(2 * half - total) or k == 1:
+            half, cut = left, k
+    by_rows = (r1 - r0) >= (c1 - c0)
+    lo, hi = (r0, r1) if by_rows else (c0, c1)
+    at = min(max(lo + round(half / total * (hi - lo)), lo + 1), hi - 1)
+    first, second = (
+        ((r0, at, c0, c1), (at, r1, c0, c1)) if by_rows else ((r0, r1, c0, at), (r0, r1, at, c1))
+    )
+    _bisect(first, members[:cut], owner)
+    _bisect(second, members[cut:], owner)
 
 
 @dataclass(slots=True)

@@ -141,6 +141,7 @@ class StepTimes:
     link_down: int  # bytes the fleet's links would carry
     link_up: int
     oom: int
+    link_saved: int = 0  # bytes its devices held already, so not carried (residency)
     gemm_s: float = 0.0  # its GEMMs' issue to end, summed
     product_s: dict[str, float] = field(default_factory=dict)  # ... by ``op``
     # its coordinator time by op class, where the job split it (``attribute``); the rest
@@ -204,6 +205,8 @@ class _Gemm(Generic[T]):
     place: Callable[[Placed[T]], None]
     done: Callable[[float, float], None]
     seq: int  # its submission number in its job
+    # the panels its tiles left on devices (``DeviceMemory``), released when it ends
+    panels: list[tuple[VirtualDevice, int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -245,13 +248,18 @@ class Timeline(Generic[T]):
         log: EventLog | None = None,
         bottleneck: Bottleneck | None = None,
         algorithm: str = "ring",
+        residency: bool = True,
     ) -> None:
-        """``algorithm``: how collectives move their bytes (``collectives.ALGORITHMS``)."""
+        """``algorithm``: how collectives move their bytes (``collectives.ALGORITHMS``);
+        ``residency``: devices keep the panels a request sent them for its other tiles, and
+        greedy plans a request's tiles as a whole (off: each tile carries its panels, and
+        greedy places tile by tile)."""
         if algorithm not in ALGORITHMS:
             raise ValueError(
                 f"collective algorithm {algorithm!r}: not one of {', '.join(ALGORITHMS)}"
             )
         self.algorithm = algorithm
+        self.residency = residency
         self.clock = Clock()
         self.placement = Placement(policy)
         self.log = log or EventLog()
@@ -635,10 +643,25 @@ class Timeline(Generic[T]):
         end_tile = end_device = 0
         end_stages: Stages | None = None
         link_down = link_up = 0
-        for tile in gemm.tiles:
-            a, b = tile.operands()
+        operands = [tile.operands() for tile in gemm.tiles]
+        planned = None
+        if (
+            self.residency
+            and pinned is None
+            and placement.policy == "greedy"
+            and len(gemm.tiles) > 1
+        ):
+            typical = self._work(task, gemm.tiles[0], *operands[0])
+            planned = placement.plan(now, typical, [(a.key, b.key) for a, b in operands])
+        for i, tile in enumerate(gemm.tiles):
+            a, b = operands[i]
             work = self._work(task, tile, a, b)
-            index = placement.choose(now, work) if pinned is None else placement.index(pinned)
+            if planned is not None:
+                index = planned[i]
+            elif pinned is None:
+                index = placement.choose(now, work)
+            else:
+                index = placement.index(pinned)
             device = placement.devices[index]
             self._tiles += 1
             admission, work = self._admit(gemm, times, device, a, b, work)
@@ -691,17 +714,15 @@ class Timeline(Generic[T]):
         work: Work,
     ) -> tuple[Admission, Work]:
         """Charge the tile to the device's emulated memory: the admission, and the work
-        without the weight blocks it already holds. One that cannot fit is an OOM."""
+        without the operand blocks it already holds (weight blocks from any request, panels
+        from its own request's earlier tiles). One that cannot fit is an OOM."""
         memory = device.memory
-        if a.offset is None and b.offset is None:  # no weight blocks: all of it is transient
-            # and if it fits beside what is resident, ``admit`` would change nothing
-            if memory.used + work.bytes_down + work.bytes_up <= memory.capacity:
-                return Admission(fits=True), work
-            weights = []
-        else:
-            weights = [blk for blk in (a, b) if blk.offset is not None]
-        transient = work.bytes_up + sum(blk.nbytes for blk in (a, b) if blk.offset is None)
-        admission = memory.admit([(blk.key, blk.version, blk.nbytes) for blk in weights], transient)
+        if self.residency:
+            kept, transient = [a, b], work.bytes_up
+        else:  # panels live only while their tile runs
+            kept = [x for x in (a, b) if x.offset is not None]
+            transient = work.bytes_up + sum(x.nbytes for x in (a, b) if x.offset is None)
+        admission = memory.admit([(x.key, x.version, x.nbytes) for x in kept], transient)
         if not admission.fits:
             job, task = gemm.job, gemm.task
             times.oom += 1
@@ -714,7 +735,7 @@ class Timeline(Generic[T]):
                 self._tiles,
                 task.id,
             )
-            need = transient + sum(blk.nbytes for blk in weights)
+            need = transient + sum({blk.key: blk.nbytes for blk in kept}.values())
             self.log.write(
                 Oom(
                     job.id,
@@ -727,8 +748,11 @@ class Timeline(Generic[T]):
                     memory.capacity,
                 )
             )
-        resident = sum(blk.nbytes for blk in weights if blk.key in admission.held)
+            return admission, work
+        gemm.panels.extend((device, blk.panel) for blk in kept if blk.offset is None)
+        resident = sum(blk.nbytes for blk in (a, b) if blk.key in admission.held)
         if resident:
+            times.link_saved += resident
             work = Work(work.bytes_down - resident, work.bytes_up, work.shape)
         return admission, work
 
@@ -779,8 +803,11 @@ class Timeline(Generic[T]):
         self._finish(last.gemm, last)
 
     def _finish(self, gemm: _Gemm[T], last: _Back[T] | None) -> None:
-        """The GEMM's last tile is back (``last``; None for an empty GEMM)."""
+        """The GEMM's last tile is back (``last``; None for an empty GEMM): its panels are
+        of no more use to the devices that hold them."""
         job, task = gemm.job, gemm.task
+        for device, panel in gemm.panels:
+            device.memory.release([panel])
         now = self.clock.now if last is None or not job.resident else last.time
         g = task.header
         back = None if last is None else (last.tile, last.device)

@@ -59,13 +59,16 @@ class GemmHeader(Protocol):
 
 class Operand(Protocol):
     """One operand block of a tile as it would travel: its bytes, its leading dimension as
-    sent, and, for a block of the shared weights, where it lies and which version it is
-    (what a device's memory keeps it under)."""
+    sent, and what a device's memory keeps it under (``key``): for a block of the shared
+    weights, where it lies and which version it is; for the job's own bytes, its
+    request's panel id."""
 
     @property
     def offset(self) -> int | None: ...  # in the shared weights; None: the job's own bytes
     @property
     def version(self) -> int: ...
+    @property
+    def panel(self) -> int: ...
     @property
     def nbytes(self) -> int: ...
     @property

@@ -40,6 +40,7 @@ class MsgType(IntEnum):
     TILE = 20
     TILE_RESULT = 21
     CONV_TILE = 22
+    TILE_MISSING = 23
     OPEN = 30
     GEMM = 31
     RESULT = 32
@@ -243,6 +244,11 @@ class Tile(Message):
     cache; with bytes, it caches them under the ref. ``drop`` lists refs the
     device may forget.
 
+    ``panel_a``/``panel_b`` > 0 names any other operand block (a *panel*) of the
+    request: with bytes, the device keeps them under that id for the request's later
+    tiles; with an empty segment, it reads the ones it kept (none kept: TILE_MISSING).
+    ``drop_panels`` lists panels the device may forget.
+
     ``arena_a``/``arena_b`` >= 0 (segment empty): the operand's first element
     is at that byte offset in the emulator's operand arena, which the device
     maps; -1: it is not there. ``arena_c`` >= 0: write C there instead, rows
@@ -263,6 +269,9 @@ class Tile(Message):
     ref_a: list[int] = field(default_factory=list)
     ref_b: list[int] = field(default_factory=list)
     drop: list[list[int]] = field(default_factory=list)
+    panel_a: int = 0
+    panel_b: int = 0
+    drop_panels: list[int] = field(default_factory=list)
     arena_a: int = -1
     arena_b: int = -1
     arena_c: int = -1
@@ -292,7 +301,8 @@ class ConvTile(Message):
       gradient [N, OC', OH, OW]. C is the weight gradient block [OC', C'/groups, kh, kw],
       summed over the batch and every position.
 
-    The device answers with TILE_RESULT, C contiguous, as for a TILE. ``local``: as TILE's.
+    The device answers with TILE_RESULT, C contiguous, as for a TILE. ``local``,
+    ``panel_a``/``panel_b`` and ``drop_panels``: as TILE's.
     """
 
     TYPE = MsgType.CONV_TILE
@@ -311,6 +321,9 @@ class ConvTile(Message):
     oh_lo: int = 0  # grad_input: the first output-gradient row in a
     rows: list[int] = field(default_factory=list)  # grad_input: [i0, i1]
     local: bool = False
+    panel_a: int = 0
+    panel_b: int = 0
+    drop_panels: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -325,6 +338,17 @@ class TileResult(Message):
     compute_ns: int
     model_ns: int = 0
     in_place: bool = False
+
+
+@dataclass(slots=True)
+class TileMissing(Message):
+    """Device → server: a TILE or CONV_TILE named a panel or weight block (``reason`` says
+    which) that this device does not hold (evicted, or it restarted). Not an error: the
+    emulator sends the tile again with its bytes."""
+
+    TYPE = MsgType.TILE_MISSING
+    tile: int
+    reason: str = ""
 
 
 @dataclass(slots=True)
@@ -496,6 +520,7 @@ class Result(Message):
     tiles: int
     devices: list[int] = field(default_factory=list)
     requeued: int = 0
+    resent: int = 0  # tiles sent again with their bytes: their device lacked a panel (TILE_MISSING)
     model_ns: int = 0
     bytes_down: int = 0
     bytes_up: int = 0

@@ -1,7 +1,8 @@
 """Where an operand of a GEMM or of a tile, or its C, lives: one type for every side.
 
-An operand's bytes reach the emulator (GEMM) or a device (TILE) in one of five
+An operand's bytes reach the emulator (GEMM) or a device (TILE) in one of six
 places: the message's own segment; the shared weights, by reference (``ref_*``);
+what the device kept of an earlier tile of the same request (a TILE's ``panel_*``);
 the operand arena, at a byte offset (a TILE's ``arena_*``); the job's slab of it,
 at a byte offset (a GEMM's ``slab_*``); or arrays handed over inside the emulator's
 process (``local``). C, likewise, comes back in the reply or is written where its
@@ -36,6 +37,7 @@ class Place(Enum):
 
     FRAME = "frame"  # the message's own segment
     WEIGHTS = "weights"  # the shared weights, by reference: mapped, or kept from an earlier TILE
+    KEPT = "kept"  # a panel the device kept from an earlier tile of the request (TILE)
     ARENA = "arena"  # the operand arena, at a byte offset (TILE)
     SLAB = "slab"  # the job's slab of the arena, at a byte offset (GEMM)
     LOCAL = "local"  # arrays handed over in the emulator's process
@@ -49,6 +51,8 @@ class Location(NamedTuple):
     # A weight's reference as its message carries it (``GEMM_REF`` or ``TILE_REF``): with
     # WEIGHTS, where to read it; with FRAME (a TILE only), the bytes the device keeps under it.
     ref: tuple[int, ...] = ()
+    # A TILE's panel id: with KEPT, the one to read; with FRAME, the bytes to keep under it.
+    panel: int = 0
 
     @property
     def in_place(self) -> bool:
@@ -72,6 +76,8 @@ class TileFields(TypedDict):
 
     ref_a: list[int]
     ref_b: list[int]
+    panel_a: int
+    panel_b: int
     arena_a: int
     arena_b: int
     arena_c: int
@@ -82,9 +88,15 @@ IN_FRAME = Location(Place.FRAME)
 HANDED = Location(Place.LOCAL)
 
 
-def in_frame(ref: Sequence[int] = ()) -> Location:
-    """Bytes in the segment; with ``ref`` (a TILE's weight block), kept under it."""
-    return Location(Place.FRAME, ref=tuple(ref)) if ref else IN_FRAME
+def in_frame(ref: Sequence[int] = (), panel: int = 0) -> Location:
+    """Bytes in the segment; with ``ref`` (a TILE's weight block) or ``panel`` (a TILE's
+    other block), kept under it."""
+    return Location(Place.FRAME, ref=tuple(ref), panel=panel) if ref or panel else IN_FRAME
+
+
+def kept(panel: int) -> Location:
+    """A panel the device kept from an earlier tile of the same request."""
+    return Location(Place.KEPT, panel=panel)
 
 
 def in_weights(ref: Sequence[int]) -> Location:
@@ -106,10 +118,10 @@ def gemm_fields(a: Location, b: Location, c: Location = IN_FRAME) -> GemmFields:
     """The GEMM fields that place A, B and C. ``local`` is one flag for the message: with
     C handed over, A and B are too, but for weights, which still go by reference."""
     local = c.place is Place.LOCAL
-    if c.place is Place.ARENA or c.place is Place.WEIGHTS:
+    if c.place in (Place.ARENA, Place.WEIGHTS, Place.KEPT):
         raise OperandError(f"C of a GEMM cannot be in {c.place.value}")
     for name, at in (("a", a), ("b", b)):
-        if at.place is Place.ARENA or (at.place is Place.FRAME and at.ref):
+        if at.place in (Place.ARENA, Place.KEPT) or (at.place is Place.FRAME and at.ref):
             raise OperandError(f"operand {name} of a GEMM cannot be in {at.place.value}")
         if (at.place is Place.LOCAL) != local and at.place is not Place.WEIGHTS:
             raise OperandError(
@@ -162,7 +174,7 @@ def tile_fields(a: Location, b: Location, c: Location = IN_FRAME) -> TileFields:
     """The TILE fields that place A, B and C (``ldc``, C's row stride in place, is the
     caller's). ``local`` is one flag for the message: all three are handed over, or none."""
     local = c.place is Place.LOCAL
-    if c.place is Place.SLAB or c.place is Place.WEIGHTS:
+    if c.place in (Place.SLAB, Place.WEIGHTS, Place.KEPT):
         raise OperandError(f"C of a tile cannot be in {c.place.value}")
     for name, at in (("a", a), ("b", b)):
         if at.place is Place.SLAB or (at.place is Place.LOCAL) != local:
@@ -172,6 +184,8 @@ def tile_fields(a: Location, b: Location, c: Location = IN_FRAME) -> TileFields:
     return TileFields(
         ref_a=list(a.ref),
         ref_b=list(b.ref),
+        panel_a=a.panel,
+        panel_b=b.panel,
         arena_a=a.offset if a.place is Place.ARENA else -1,
         arena_b=b.offset if b.place is Place.ARENA else -1,
         arena_c=c.offset if c.place is Place.ARENA else -1,
@@ -181,8 +195,8 @@ def tile_fields(a: Location, b: Location, c: Location = IN_FRAME) -> TileFields:
 
 def tile_locations(msg: Tile) -> tuple[Location, Location, Location]:
     """Where a tile's A, B and C are, from its fields (``OperandError`` naming the field)."""
-    a = _tile_operand("a", msg.ref_a, msg.arena_a, msg.segments[0], msg.local)
-    b = _tile_operand("b", msg.ref_b, msg.arena_b, msg.segments[1], msg.local)
+    a = _tile_operand("a", msg.ref_a, msg.panel_a, msg.arena_a, msg.segments[0], msg.local)
+    b = _tile_operand("b", msg.ref_b, msg.panel_b, msg.arena_b, msg.segments[1], msg.local)
     if msg.local:
         if msg.arena_c != -1:
             raise OperandError("arena_c: C was handed over (local), it cannot be in the arena")
@@ -197,14 +211,17 @@ def tile_locations(msg: Tile) -> tuple[Location, Location, Location]:
 
 
 def _tile_operand(
-    name: str, ref: Sequence[object], arena: int, segment: Any, local: bool
+    name: str, ref: Sequence[object], panel: int, arena: int, segment: Any, local: bool
 ) -> Location:
     if local:
-        if ref or arena != -1:
+        if ref or panel or arena != -1:
             raise OperandError(
-                f"local: operand {name} was handed over, yet ref_{name} or arena_{name} is set"
+                f"local: operand {name} was handed over, yet ref_{name}, panel_{name} or "
+                f"arena_{name} is set"
             )
         return _empty(name, HANDED, segment)
+    if panel:
+        return panel_operand(name, panel, ref, arena, segment)
     if arena != -1:
         if ref:
             raise OperandError(f"operand {name} is both a reference and in the arena")
@@ -213,6 +230,20 @@ def _tile_operand(
         return IN_FRAME
     checked = _ref(f"ref_{name}", ref, TILE_REF)
     return in_frame(checked) if memoryview(segment).nbytes else in_weights(checked)
+
+
+def panel_operand(
+    name: str, panel: int, ref: Sequence[object] = (), arena: int = -1, segment: Any = b""
+) -> Location:
+    """Where a tile's operand that names ``panel_{name}`` is: its bytes, kept under the
+    panel, or (an empty segment) the panel kept before; ``OperandError`` for a panel that
+    is no id, or one named beside a weight's reference or an arena offset. A CONV_TILE's
+    operands are here or in the frame."""
+    if isinstance(panel, bool) or not isinstance(panel, int) or panel < 0:
+        raise OperandError(f"panel_{name}={panel!r:.60}: expected a panel id >= 1, or 0 (none)")
+    if ref or arena != -1:
+        raise OperandError(f"operand {name} is a panel, yet ref_{name} or arena_{name} is set")
+    return in_frame(panel=panel) if memoryview(segment).nbytes else kept(panel)
 
 
 def check_tile_result(msg: TileResult, c: Location, shape: Sequence[int], itemsize: int) -> None:

@@ -82,7 +82,7 @@ SENDS: dict[Party, dict[State, frozenset[MsgType]]] = {
         S.START: frozenset({M.ERROR, M.BYE}),
         S.HELLO: frozenset({M.HELLO, M.ERROR, M.BYE}),
         S.WELCOME_WAIT: frozenset({M.ERROR, M.BYE}),
-        S.DEVICE: _ALWAYS | _DEVICE_SENDS | {M.TILE_RESULT},
+        S.DEVICE: _ALWAYS | _DEVICE_SENDS | {M.TILE_RESULT, M.TILE_MISSING},
         S.PROBE: _ALWAYS | _PROBE_REQUESTS | {M.PROBE_FLOPS_REQUEST, M.PROBE_FLOPS_RESULT},
         S.JOB_OPEN: _ALWAYS | {M.OPEN},
         S.JOB_RESTORING: _ALWAYS,

@@ -171,7 +171,7 @@ async def test_agent_computes_every_kind_of_conv_tile():
     "change, named",
     [
         ({"kind": "sideways"}, "CONV_TILE 1: kind 'sideways' is not one of"),
-        ({"a_shape": [2, 4, 4, 7]}, "CONV_TILE 1: segment 0: 2240 bytes, but a_shape [2, 4, 4, 7]"),
+        ({"a_shape": [2, 4, 4, 7]}, "CONV_TILE 1: operand a: 2240 bytes, but a_shape [2, 4, 4, 7]"),
         ({"stride": [0, 1]}, "CONV_TILE 1: ConvGeometry: stride=[0, 1]: expected 2 integers"),
         ({"dtype": "int8"}, "CONV_TILE 1: dtype 'int8' is not supported"),
         ({"groups": 3}, "CONV_TILE 1: x: 4 channels, but w's 2 per group × 3 groups read 6"),

@@ -339,7 +339,8 @@ async def test_grad_input_bands_are_twice_the_halo_only_where_the_tile_folds(fle
     included; where the block would give bands of one row (a 3×3 kernel: three dy rows
     each, two thirds of the work outside the band), its bands are of twice the halo. A
     stride-1 tile computes its band alone, so its bands are as the block gives them. Each
-    tile is given the dy rows that reach its band, and the product is torch's."""
+    tile is given the dy rows that reach its band, and the product is torch's; the weight
+    block, which every tile needs, crosses once to each device, which keeps it."""
     case = (2, 8, 16, 16, 8, (3, 3), (stride, stride), (1, 1, 1, 1), (1, 1), 1)
     problem = Problem(case, np.float32, seed=9)
     f = await conv_fleet(fleet, block_size=8)  # 64 outputs: less than one row's 256
@@ -350,14 +351,16 @@ async def test_grad_input_bands_are_twice_the_halo_only_where_the_tile_folds(fle
     tiles, rows = GRAD_INPUT_BANDS[stride]
     assert result.requeued == 0 and result.tiles == tiles
     dy_row = problem.dy.nbytes // problem.dy.shape[2]
-    assert (result.bytes_down - result.tiles * problem.w.nbytes) / dy_row == sum(rows)
+    weights = len(result.devices) * problem.w.nbytes
+    assert (result.bytes_down - weights) / dy_row == sum(rows)
     await f.close()
 
 
 @needs_torch
 async def test_virtual_time_charges_regions_not_the_unfolded_matrix(fleet, tmp_path):
-    """A 3×3 convolution's tiles carry their input rows (halo included) and weight block:
-    the emulated links are charged exactly the bytes the tiles were sent, far less than
+    """A 3×3 convolution's tiles carry their input rows (halo included) and weight block
+    (once to each device, which keeps it for the convolution's other tiles): the emulated
+    links are charged exactly the bytes the tiles were sent, far less than
     the unfolded (im2col) matrix, and its output's bytes back; the event log says the
     tiles were convolution tiles."""
     case = (2, 8, 16, 16, 8, (3, 3), (1, 1), (1, 1, 1, 1), (1, 1), 1)
@@ -376,7 +379,8 @@ async def test_virtual_time_charges_regions_not_the_unfolded_matrix(fleet, tmp_p
         min(o1 + 1, 16) - max(o0 - 1, 0) for o0, o1 in ((0, 4), (4, 8), (8, 12), (12, 16))
     )
     regions = rows_read * 2 * 8 * 16 * 4  # [N, C, rows, W] float32
-    assert step.link_down == result.bytes_down == regions + 4 * problem.w.nbytes
+    weights = len(result.devices) * problem.w.nbytes
+    assert step.link_down == result.bytes_down == regions + weights
     im2col = 2 * 8 * 9 * 16 * 16 * 4  # the unfolded input, [C·kh·kw, N·OH·OW] float32
     assert step.link_down < im2col / 4
     assert step.link_up == result.bytes_up == math.prod(shape) * 4

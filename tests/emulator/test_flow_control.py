@@ -47,7 +47,8 @@ async def test_window_of_one_bounds_tiles_in_flight(fleet):
 async def test_tiles_wait_for_a_full_send_buffer_to_drain(fleet):
     """With a 1-byte high-water mark every big tile pauses its device's connection; tiles
     resume as the buffers drain (``resume_writing``), and the GEMM completes. (No operand
-    arena, so that the operands cross the wire.)"""
+    arena, so that the operands cross the wire; one column of tiles, so that each carries
+    an A block of its own, which no device holds yet.)"""
     f = await fleet(
         block_size=128, window=4, high_water_bytes=1, policy="load-balanced", arena_bytes=0
     )
@@ -64,8 +65,8 @@ async def test_tiles_wait_for_a_full_send_buffer_to_drain(fleet):
 
     sampler = asyncio.create_task(sample())
     rng = np.random.default_rng(22)
-    a = rng.standard_normal((512, 1024), dtype=np.float32)  # 1 MiB of A per tile row
-    b = rng.standard_normal((1024, 384), dtype=np.float32)
+    a = rng.standard_normal((2048, 2048), dtype=np.float32)  # 1 MiB of A per tile
+    b = rng.standard_normal((2048, 128), dtype=np.float32)
     try:
         c = await client.matmul(a, b, timeout=TIMEOUT)
     finally:

@@ -253,7 +253,8 @@ async def test_empty_output_gemm_does_not_stall_the_server(fleet):
 
 
 async def test_inflight_bytes_bound_all_devices_together(fleet):
-    """With room for one tile's operands, one tile is out at a time over all devices."""
+    """With room for one tile's operands, one tile is out at a time over all devices (one
+    column of tiles: each carries an A block no device holds yet)."""
     f = await fleet(block_size=8, inflight_bytes=1, window=4)
     for _ in range(3):
         await f.add_device()
@@ -272,7 +273,7 @@ async def test_inflight_bytes_bound_all_devices_together(fleet):
         device.conn.send = counting(device.conn.send)
     client = await f.client()
     rng = np.random.default_rng(3)
-    a, b = rng.standard_normal((2, 32, 32)).astype(np.float32)
+    a, b = rng.standard_normal((64, 32)).astype(np.float32), np.ones((32, 8), np.float32)
     assert_gemm_close(await client.matmul(a, b, timeout=TIMEOUT), a, b)
     assert most == 1
     assert f.emu.scheduler.inflight_bytes == 0

@@ -211,10 +211,12 @@ async def test_a_device_that_does_not_map_it_gets_bytes(emulator, operands):
     a, b = operands
     c, result = await product(host, port, a, b)
     np.testing.assert_allclose(c, a @ b, rtol=1e-4, atol=1e-4)
-    tiles = (A_SHAPE[0] // 64) * (B_SHAPE[1] // 64)
+    rows, cols = A_SHAPE[0] // 64, B_SHAPE[1] // 64  # blocks of tiles
     a_rows = 64 * 160 * 4  # 64 whole rows of A
     b_span = (159 * 128 + 64) * 4  # 64 columns of row-major B: its span (under 2x: not packed)
-    assert result.bytes_down == tiles * (a_rows + b_span), "each tile's operand blocks as bytes"
+    assert result.devices == [0]
+    # each block crosses once, as bytes: the device keeps it for the GEMM's other tiles
+    assert result.bytes_down == rows * a_rows + cols * b_span, "each operand block once"
     assert result.bytes_up == c.nbytes, "and its result"
 
 

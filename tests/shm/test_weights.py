@@ -30,7 +30,7 @@ from morphling.proxy.job.client import Client, EmulatorError
 from morphling.proxy.job.session import Session
 
 M, N, K, BLOCK = 40, 96, 64, 32
-X_BYTES = 3 * M * K * 4  # op(A) rows go to each of the 3 column blocks of C
+X_BYTES = M * K * 4  # op(A) rows, once: the device keeps them for C's 3 column blocks
 W_BYTES = N * K * 4
 
 
@@ -124,11 +124,13 @@ async def test_colocated_devices_read_weights_by_reference(setup):
     x = torch.randn(M, K)
     c, result = await asyncio.to_thread(product, client, x, w.t())  # a Linear's forward
     assert_product(c, x, w.t())
-    assert result.bytes_down == X_BYTES, "no weight bytes on the wire"
+    # no weight bytes on the wire: x's rows, once to each device (each computes tiles of
+    # both of x's row blocks, and keeps them for its other tiles)
+    assert result.devices == [0, 1] and result.bytes_down == 2 * X_BYTES, "x's rows alone"
     g = torch.randn(M, N)  # grad_input = grad @ w: column blocks of w, strided in the mapping
     c, result = await asyncio.to_thread(product, client, g, w)
     assert_product(c, g, w)
-    assert result.bytes_down == 2 * M * N * 4, "only grad's rows, once per column block of C"
+    assert result.bytes_down == 2 * M * N * 4, "only grad's rows, once to each device"
     with torch.no_grad():
         w.mul_(-2.0)  # an optimizer step, in place in the shared mapping
     c, _ = await asyncio.to_thread(product, client, x, w.t())
@@ -156,7 +158,7 @@ async def test_remote_device_gets_weight_bytes_once_until_they_change(setup):
     c2, r2 = await asyncio.to_thread(product, client, g, w)
     assert_product(c1, g, w)
     assert_product(c2, g, w)
-    assert r2.bytes_down == 2 * M * N * 4 < r1.bytes_down, "the second time, only grad's rows"
+    assert r2.bytes_down == M * N * 4 < r1.bytes_down, "the second time, only grad's rows"
     await asyncio.to_thread(client.close)
 
 
@@ -227,8 +229,9 @@ async def test_operands_that_do_not_fit_are_an_emulated_oom(setup, caplog):
     assert result.oom == result.tiles == 6
     assert "emulated OOM: device" in caplog.text
     again = await asyncio.to_thread(product, client, x, w.t())
-    assert again[1].bytes_down == result.bytes_down == X_BYTES + 2 * W_BYTES, (
-        "nothing is kept when it does not fit: each w block goes to both row blocks, every time"
+    assert again[1].bytes_down == result.bytes_down == 3 * X_BYTES + 2 * W_BYTES, (
+        "nothing is kept when it does not fit: each x block goes to the 3 column blocks, "
+        "each w block to both row blocks, every time"
     )
     await asyncio.to_thread(client.close)
 

@@ -28,6 +28,7 @@ from morphling.proxy.wire.operands import (
     in_frame,
     in_slab,
     in_weights,
+    kept,
     tile_fields,
     tile_locations,
 )
@@ -93,6 +94,8 @@ def test_a_gemm_with_no_location_fields_has_everything_in_the_frame():
     [
         (in_arena(0), IN_FRAME, IN_FRAME),  # a GEMM has no arena fields
         (in_frame([0, 1, 1, 1, 0]), IN_FRAME, IN_FRAME),  # bytes to keep: a TILE's
+        (IN_FRAME, kept(3), IN_FRAME),  # a panel kept: a TILE's
+        (IN_FRAME, IN_FRAME, kept(3)),
         (IN_FRAME, IN_FRAME, in_arena(0)),
         (HANDED, IN_FRAME, IN_FRAME),  # ``local`` is one flag: C too, or no operand
         (IN_FRAME, IN_FRAME, HANDED),
@@ -132,7 +135,14 @@ def test_contradictory_gemm_fields_are_refused_naming_the_field(case):
 # -- TILE ------------------------------------------------------------------------------
 
 WEIGHT_BLOCK = (4096, 4, 4, 16, (1 << 32) + 5)  # offset, rows, cols, ld, version
-TILE_OPERANDS = [IN_FRAME, in_frame(WEIGHT_BLOCK), in_weights(WEIGHT_BLOCK), in_arena(12288)]
+TILE_OPERANDS = [
+    IN_FRAME,
+    in_frame(WEIGHT_BLOCK),
+    in_weights(WEIGHT_BLOCK),
+    in_frame(panel=7),
+    kept(7),
+    in_arena(12288),
+]
 TILE_CASES = [
     (a, b, c)
     for a, b in itertools.product(TILE_OPERANDS, repeat=2)
@@ -152,6 +162,13 @@ def test_bytes_to_keep_and_a_block_kept_differ_only_by_their_segment():
     assert fields == dict(tile_fields(in_weights(WEIGHT_BLOCK), IN_FRAME))
     assert tile_locations(tile(fields, BYTES, BYTES))[0] == in_frame(WEIGHT_BLOCK)
     assert tile_locations(tile(fields, NONE, BYTES))[0] == in_weights(WEIGHT_BLOCK)
+
+
+def test_a_panel_to_keep_and_a_panel_kept_differ_only_by_their_segment():
+    fields = dict(tile_fields(IN_FRAME, in_frame(panel=9)))
+    assert fields == dict(tile_fields(IN_FRAME, kept(9))) and fields["panel_b"] == 9
+    assert tile_locations(tile(fields, BYTES, BYTES))[1] == in_frame(panel=9)
+    assert tile_locations(tile(fields, BYTES, NONE))[1] == kept(9)
 
 
 @pytest.mark.parametrize(
@@ -177,7 +194,11 @@ TILE_REFUSED = {
     "arena_negative": ({"arena_a": -7}, NONE, BYTES, "arena_a=-7: expected a byte offset"),
     "arena_c_negative": ({"arena_c": -3}, BYTES, BYTES, "arena_c=-3: expected a byte offset"),
     "ldc_short": ({"arena_c": 0, "ldc": 3}, BYTES, BYTES, "ldc=3 is smaller than the tile's n=4"),
-    "local_with_ref": ({"local": True, "ref_a": list(WEIGHT_BLOCK)}, NONE, NONE, "ref_a or"),
+    "local_with_ref": ({"local": True, "ref_a": list(WEIGHT_BLOCK)}, NONE, NONE, "ref_a, panel_a"),
+    "local_with_panel": ({"local": True, "panel_b": 3}, NONE, NONE, "ref_b, panel_b or arena_b"),
+    "panel_and_ref": ({"panel_a": 2, "ref_a": list(WEIGHT_BLOCK)}, BYTES, BYTES, "is a panel, yet"),
+    "panel_and_arena": ({"panel_b": 2, "arena_b": 0}, BYTES, NONE, "operand b is a panel"),
+    "panel_negative": ({"panel_a": -1}, BYTES, BYTES, "panel_a=-1: expected a panel id"),
     "local_with_bytes": ({"local": True}, BYTES, NONE, "local: operand a was handed over"),
     "local_and_arena_c": ({"local": True, "arena_c": 0}, NONE, NONE, "arena_c: C was handed"),
 }

@@ -1,0 +1,96 @@
+"""Placement that follows the data: greedy places a request's tiles as blocks of rows ×
+columns (``Placement.plan``), so that each device needs the A blocks of its rows and the
+B blocks of its columns once, with the tiles shared out by how fast each device would get
+through them; ``--no-residency`` keeps upstream's every-tile-carries-its-blocks."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+from morphling.proxy.emulator.partition import make_task
+from morphling.proxy.wire.messages import Gemm
+from timeline_driver import MB, Recorder, new_timeline, profile, records, submit, task
+
+BLOCK = 64
+
+
+def run(devices: list, gemm, *, residency: bool = True, policy: str = "greedy"):
+    """(placed devices in tile order, tile records, the GEMM's record) of one GEMM."""
+    tl, sink = new_timeline(policy)
+    tl.residency = residency
+    for i, p in enumerate(devices):
+        tl.add_device(i, f"d{i}", p)
+    tl.open_job(1, "job")
+    rec = Recorder()
+    submit(tl, rec, 1, gemm, block=BLOCK)
+    (g,) = records(sink, "gemm")
+    return [device for _, device in rec.placed], records(sink, "tile"), g
+
+
+def test_four_equal_devices_each_take_a_quarter_as_a_block_and_need_half_of_each_operand():
+    """8 × 8 tiles on four equal devices: each device a 4 × 4 block, so its A rows and B
+    columns are half of each operand: 4 × (half of A + half of B) in all, the least a
+    2 × 2 partition needs; without residency every tile carries both its blocks."""
+    m = n = k = 8 * BLOCK
+    devices = [profile(flops=1e9, bw=100 * MB)] * 4
+    placed, tiles, _ = run(devices, task(1, m, n, k))
+    operand = m * k * 4
+    assert sum(t["bytes_down"] for t in tiles) == 4 * (operand // 2 + operand // 2)
+    grid = np.array(placed).reshape(8, 8)
+    for device in range(4):
+        rows, cols = np.nonzero(grid == device)
+        assert len(rows) == 16 and len(set(rows)) == 4 and len(set(cols)) == 4
+    _, without, _ = run(devices, task(1, m, n, k), residency=False)
+    assert sum(t["bytes_down"] for t in without) == 64 * 2 * BLOCK * k * 4
+
+
+def test_a_faster_device_takes_more_tiles_and_the_gemm_ends_no_later_than_tile_by_tile():
+    """Shares follow each device's rate: a device with four times the FLOPS (fast links,
+    no latency: compute decides) takes about four times the tiles of each slow one, and
+    the GEMM ends no later than greedy placing tile by tile would have it (on the same
+    residency)."""
+    fast, slow = (profile(name, flops=f, bw=1e10, lat=0.0) for name, f in (("f", 4e9), ("s", 1e9)))
+    devices = [fast, slow, slow]
+    gemm = task(1, 12 * BLOCK, 12 * BLOCK, 4 * BLOCK)
+    placed, _, planned = run(devices, gemm)
+    counts = Counter(placed)
+    assert counts[0] == pytest.approx(4 * counts[1], rel=0.15)
+    assert counts[1] == pytest.approx(counts[2], abs=2)
+
+    from morphling.proxy.vtime import placement
+
+    original = placement.Placement.plan
+    try:
+        placement.Placement.plan = lambda *args: None  # type: ignore[method-assign]
+        _, _, greedy = run(devices, task(1, 12 * BLOCK, 12 * BLOCK, 4 * BLOCK))
+    finally:
+        placement.Placement.plan = original  # type: ignore[method-assign]
+    assert planned["end"] <= greedy["end"] * 1.02
+
+
+def test_pivots_that_share_no_block_are_placed_tile_by_tile():
+    """A batched GEMM whose pivots have their own A and B is no grid: greedy places its
+    tiles one by one (as round-robin would spread equal devices), each pivot's blocks
+    going where its tiles go."""
+    batch, m, n, k = 4, BLOCK, BLOCK, BLOCK
+    a = np.ones((batch, m, k), np.float32)
+    b = np.ones((batch, k, n), np.float32)
+    request = Gemm(gemm=1, dtype="float32", ta=False, tb=False, m=m, n=n, k=k, lda=k, ldb=n,
+                   batch=batch, stride_a=m * k, stride_b=k * n,
+                   segments=(memoryview(a).cast("B"), memoryview(b).cast("B")))  # fmt: skip
+    placed, tiles, _ = run([profile(bw=1e10)] * 4, make_task(request))
+    assert sorted(placed) == [0, 1, 2, 3]
+    assert sum(t["bytes_down"] for t in tiles) == a.nbytes + b.nbytes
+
+
+def test_round_robin_is_untouched_and_still_gains_from_residency():
+    """Only greedy plans; round-robin cycles as it did, and its devices still keep the
+    blocks that their later tiles of the request need."""
+    m = n = k = 4 * BLOCK
+    placed, tiles, _ = run([profile()] * 2, task(1, m, n, k), policy="round-robin")
+    assert placed == [0, 1] * 8
+    block = BLOCK * k * 4
+    # each device: its A block for each row (4), and the 2 B blocks of its columns
+    assert sum(t["bytes_down"] for t in tiles) == 2 * (4 + 2) * block
