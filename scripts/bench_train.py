@@ -31,8 +31,20 @@ goes to the fleet:
   natively and under ``morphling run --embedded --devices 8``, as ``step_overhead``'s;
   the ratio.
 
-``--only transformer`` or ``--only cnn`` runs those groups alone (the output then holds
-only theirs).
+and one on operand residency (devices keep the blocks a request sent them, and greedy
+places a request's tiles as blocks of rows × columns), each figure from the ``--json``
+report's ``bytes_down``, the bytes the emulated links carried:
+
+- ``reuse.gemm_2048_bytes_ratio``: one 2048³ float32 GEMM on four Pi 4s on the LAN
+  (``--embedded --devices rpi4:4 --link lan``), over the least a 2×2 partition needs
+  (each device half of A and half of B: 64 MiB in all);
+- ``reuse.demo_step_bytes_ratio``: the demo's training step (``train_demo_model.py``, on
+  the demo's fleet) with residency over ``--no-residency``, the last of three steps;
+- ``reuse.demo_wifi_step_ratio``: the demo's emulated step on ``rpi4:16`` over Wi-Fi,
+  with residency over without.
+
+``--only transformer``, ``--only cnn`` or ``--only reuse`` runs those groups alone (the
+output then holds only theirs).
 """
 
 from __future__ import annotations
@@ -123,7 +135,17 @@ for _ in range(int(sys.argv[1])):
     times.append(time.perf_counter() - start)
 print(json.dumps(times))
 """
-GROUPS = ("transformer", "cnn")
+GROUPS = ("transformer", "cnn", "reuse")
+GEMM_2048_SCRIPT = """\
+import torch
+a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+w = torch.zeros(1, requires_grad=True)
+opt = torch.optim.SGD([w], lr=0.1)  # its step marks the training step
+c = a @ b
+w.grad = torch.zeros(1)
+opt.step()
+"""
+DEMO_FLEET = "rpi4:6,rpi5:4,jetson-nano:2,orin-nano:4"  # scripts/demo.py's
 
 
 def step_times(cmd: list[str], timeout: float = 900) -> list[float]:
@@ -227,6 +249,50 @@ def bench_wire_bytes(script: Path, ckpt: Path, workdir: Path) -> dict:
     }
 
 
+def last_step(workdir: Path, label: str, script: list[str], *options: str) -> dict:
+    """The last step of ``script`` run under ``morphling run --embedded`` with
+    ``options``, as its ``--json`` report gives it."""
+    report = workdir / f"{label}.json"
+    cmd = morphling_cmd("run", "--embedded", "--no-report", "--json", str(report), *options,
+                        "--", "python", *script, log_level="warning")  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        raise ChildFailed(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    return json.loads(report.read_text())["steps"][-1]
+
+
+def bench_reuse(workdir: Path) -> dict:
+    """``reuse``: bytes on the emulated links with operand residency, against the least
+    a 2-D partition needs and against ``--no-residency`` (the module docstring says how)."""
+    gemm = workdir / "gemm_2048.py"
+    gemm.write_text(GEMM_2048_SCRIPT)
+    one = last_step(workdir, "gemm", [str(gemm)], "--devices", "rpi4:4", "--link", "lan")
+    bound = 4 * (2048 * 1024 * 4 + 1024 * 2048 * 4)  # each device: half of A, half of B
+    demo = [str(Path(__file__).with_name("train_demo_model.py")), "--steps", "3"]
+    fleets = {"demo": ["--devices", DEMO_FLEET], "wifi": ["--devices", "rpi4:16", "--link", "wifi"]}
+    steps = {
+        (fleet, residency): last_step(workdir, f"{fleet}{residency}", demo, *options, residency)
+        for fleet, options in fleets.items()
+        for residency in ("--residency", "--no-residency")
+    }
+    demo_with, demo_without = steps["demo", "--residency"], steps["demo", "--no-residency"]
+    wifi_with, wifi_without = steps["wifi", "--residency"], steps["wifi", "--no-residency"]
+    return {
+        "gemm_2048_bytes_down": one["bytes_down"],
+        "gemm_2048_lower_bound": bound,
+        "gemm_2048_bytes_ratio": round(one["bytes_down"] / bound, 4),
+        "gemm_2048_target_max": 1.1,
+        "demo_step_bytes_down_with": demo_with["bytes_down"],
+        "demo_step_bytes_down_without": demo_without["bytes_down"],
+        "demo_step_bytes_ratio": round(demo_with["bytes_down"] / demo_without["bytes_down"], 4),
+        "demo_step_target_max": 0.45,
+        "demo_wifi_step_s_with": round(wifi_with["emulated_s"], 4),
+        "demo_wifi_step_s_without": round(wifi_without["emulated_s"], 4),
+        "demo_wifi_step_ratio": round(wifi_with["emulated_s"] / wifi_without["emulated_s"], 4),
+        "demo_wifi_target_max": 0.5,
+    }
+
+
 def run(args: argparse.Namespace) -> dict:
     from benchlib import run_meta
     from tqdm import tqdm
@@ -235,8 +301,8 @@ def run(args: argparse.Namespace) -> dict:
     with (
         sigterm_unwinds(),
         tempfile.TemporaryDirectory(prefix="bench-train-") as tmp,
-        tqdm(total=3 * ("transformer" in groups) + ("cnn" in groups), desc="train benchmarks",
-             unit="group") as bar,
+        tqdm(total=3 * ("transformer" in groups) + ("cnn" in groups) + ("reuse" in groups),
+             desc="train benchmarks", unit="group") as bar,
     ):  # fmt: skip
         workdir = Path(tmp)
         children = Children(workdir)
@@ -249,6 +315,10 @@ def run(args: argparse.Namespace) -> dict:
                 script = workdir / "cnn_step.py"
                 script.write_text(CNN_STEP_SCRIPT)
                 results["cnn_overhead"] = bench_cnn(script, args.steps, args.reps)
+                bar.update()
+            if "reuse" in groups:
+                bar.set_description("reuse")
+                results["reuse"] = bench_reuse(workdir)
                 bar.update()
         except ChildFailed as exc:
             raise SystemExit(f"bench_train: {exc}") from None

@@ -79,6 +79,7 @@ class StepReport:
     # did not wait for at once) and its time waiting in them for the other members
     comm_s: float = 0.0
     comm_wait_s: float = 0.0
+    bytes_saved: int = 0  # over the emulated links: operand blocks the devices held already
 
 
 class Session:
@@ -267,6 +268,7 @@ class Session:
             coord_split={cls: ns / 1e9 for cls, ns in reply.coord_split.items()},
             comm_s=reply.comm_ns / 1e9,
             comm_wait_s=reply.comm_wait_ns / 1e9,
+            bytes_saved=reply.link_saved,
         )
         self.steps.append(report)
         self._counts = self.counts.snapshot()
@@ -285,8 +287,8 @@ class Session:
     def table(self) -> str:
         """The per-step report as a fixed-width table."""
         head = (f"{'step':>5} {'emulated s':>11} {'fleet s':>9} {'coord s':>8} {'host s':>8} "
-                f"{'GEMMs':>6} {'local':>6} {'tiles':>7} {'MiB down':>9} {'MiB up':>8} "
-                f"{'OOM':>5}")  # fmt: skip
+                f"{'GEMMs':>6} {'local':>6} {'tiles':>7} {'MiB down':>9} {'saved':>8} "
+                f"{'MiB up':>8} {'OOM':>5}")  # fmt: skip
         rows = [head, "-" * len(head)]
         first, left_out, last = elide(self.steps)
         rows += [_step_row(r) for r in first]
@@ -331,7 +333,8 @@ def _step_row(r: StepReport) -> str:
     return (
         f"{r.step:>5} {r.emulated_s:>11.4f} {r.fleet_s:>9.4f} {r.coord_s:>8.4f} {r.host_s:>8.3f} "
         f"{r.gemms:>6} {r.local_gemms:>6} {r.tiles:>7} "
-        f"{r.bytes_down / 2**20:>9.1f} {r.bytes_up / 2**20:>8.1f} {r.oom:>5}"
+        f"{r.bytes_down / 2**20:>9.1f} {r.bytes_saved / 2**20:>8.1f} "
+        f"{r.bytes_up / 2**20:>8.1f} {r.oom:>5}"
     )
 
 

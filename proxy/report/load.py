@@ -118,6 +118,7 @@ class StepFigures:
     tiles: int
     bytes_down: int
     bytes_up: int
+    bytes_saved: int  # operand bytes its devices held already (0: a log from before residency)
     oom: int
     critical: tuple[float, ...]  # its GEMMs' critical paths summed, as ``COMPONENTS``
     last_in: tuple[tuple[int, int], ...]  # (device, GEMMs whose critical tile it ran)
@@ -700,6 +701,7 @@ class _Reader:
                 sums.tiles,
                 sums.bytes_down,
                 sums.bytes_up,
+                (s.bytes_saved or 0) if s is not None else 0,
                 sums.oom,
                 tuple(sums.critical or [0.0] * len(COMPONENTS)),
                 last_in,
@@ -725,6 +727,7 @@ class _Reader:
             s.tiles,
             s.bytes_down,
             s.bytes_up,
+            s.bytes_saved or 0,
             sums.oom,
             critical,
             last_in,

@@ -173,6 +173,7 @@ class Step:
     product_s: dict[str, float] | None = None
     bytes_down: int | None = None
     bytes_up: int | None = None
+    bytes_saved: int | None = None  # operand bytes its devices held already (None: older logs)
     link_queue_s: float | None = None
     download_s: float | None = None
     compute_queue_s: float | None = None

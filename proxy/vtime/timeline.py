@@ -511,6 +511,7 @@ class Timeline(Generic[T]):
                 product_s=times.product_s if set(times.product_s) - {GEMM_OP} else None,
                 bytes_down=times.link_down,
                 bytes_up=times.link_up,
+                bytes_saved=times.link_saved,
                 **times.critical,
                 comm_s=times.comm_s if job.resident else None,
                 comm_wait_s=times.comm_wait_s if job.resident else None,

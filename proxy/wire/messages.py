@@ -520,7 +520,7 @@ class Result(Message):
     tiles: int
     devices: list[int] = field(default_factory=list)
     requeued: int = 0
-    resent: int = 0  # tiles sent again with their bytes: their device lacked a panel (TILE_MISSING)
+    resent: int = 0  # tiles sent again with their bytes: a device lacked a block (TILE_MISSING)
     model_ns: int = 0
     bytes_down: int = 0
     bytes_up: int = 0
@@ -557,6 +557,7 @@ class Step(Message):
     tiles: int = 0
     link_down: int = 0
     link_up: int = 0
+    link_saved: int = 0  # operand bytes the links did not carry: the devices held them
     bytes_down: int = 0
     bytes_up: int = 0
     oom: int = 0  # tiles whose operands did not fit a device's emulated memory

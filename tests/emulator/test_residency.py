@@ -55,6 +55,8 @@ async def test_each_panel_crosses_once_and_the_links_are_charged_what_crossed(fl
     assert result.bytes_down == a.nbytes + b.nbytes  # each block of each operand, once
     step = await client.step(1)
     assert step.link_down == result.bytes_down
+    panel = BLOCK * K * 4  # an A row block, or a B column block (packed)
+    assert step.link_saved == result.tiles * 2 * panel - step.link_down  # what stayed
     held = set(agent.connection.panels)
     assert len(held) == M // BLOCK + N // BLOCK
     again = await product(client, a, b)  # a new request: its own panels
