@@ -177,8 +177,8 @@ class TileMessages:
             for i, operand in enumerate(tile.operands()):
                 where = _panel(device, task, operand.panel, admission)
                 panels[i] = where.panel
-                kept = where.place is Place.KEPT
-                sent.append(operand.array[:0] if kept else np.ascontiguousarray(operand.array))
+                held = where.place is Place.KEPT
+                sent.append(operand.array[:0] if held else np.ascontiguousarray(operand.array))
             tile.c_at, segments = IN_FRAME, (sent[0], sent[1])
         geom = task.geometry
         return ConvTile(

@@ -28,6 +28,7 @@ then needs the A blocks of its rows and the B blocks of its columns, once each.
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
@@ -186,7 +187,8 @@ class Placement:
         each tile named by its ``cell``: the keys of its A block and its B block (tiles
         that share a key share that block). ``work`` is a typical tile's. None where the
         tiles are not a whole grid (a batched GEMM whose pivots share no block: each pivot
-        its own grid) or one device takes them all: then greedy places tile by tile."""
+        its own grid) or fewer than two devices can take them: then greedy places tile by
+        tile."""
         rows = _ranks(cell[0] for cell in cells)
         cols = _ranks(cell[1] for cell in cells)
         if len(rows) * len(cols) != len(cells):
@@ -220,10 +222,10 @@ class Placement:
         down = work.bytes_down / 2 * (1 / w + 1 / h)
         sending = min(1.0, (h + w - 1) / (h * w))
         starts, seconds = [], []
+        nominals = [model.nominal_s(work.shape) for model in self._models]  # per profile
         for i in able:
-            device = self.devices[i]
-            free, links = _free(device), self._links[i]
-            nominal = device.nominal_s(work.shape)
+            free, links = _free(self.devices[i]), self._links[i]
+            nominal = nominals[self._groups[i]]
             compute = nominal / free[3]
             link = max(sending * links[0] + down * links[1], links[2] + work.bytes_up * links[3])
             seconds.append(max(compute, link, 1e-12))
@@ -268,11 +270,9 @@ def _bisect(
         owner.update(((r, c), device) for r in range(r0, r1) for c in range(c0, c1))
         return
     total = sum(n for _, n in members)
-    half, cut = 0, 1
-    for k in range(1, len(members)):  # the cut whose left half is nearest to half the tiles
-        left = sum(n for _, n in members[:k])
-        if abs(2 * left - total) < abs(2 * half - total) or k == 1:
-            half, cut = left, k
+    lefts = list(itertools.accumulate(n for _, n in members))  # the tiles left of each cut
+    cut = min(range(1, len(members)), key=lambda k: (abs(2 * lefts[k - 1] - total), k))
+    half = lefts[cut - 1]
     by_rows = (r1 - r0) >= (c1 - c0)
     lo, hi = (r0, r1) if by_rows else (c0, c1)
     at = min(max(lo + round(half / total * (hi - lo)), lo + 1), hi - 1)
