@@ -263,7 +263,7 @@ def _bisect(
 ) -> None:
     """Give each device of ``members`` (index, tiles) a block of ``rect`` (rows r0:r1 ×
     columns c0:c1 of the grid) of about its tiles: split the devices in two halves of
-    about equal tiles, and the rectangle across its longer side in that proportion."""
+    about equal tiles, and the rectangle in that proportion."""
     r0, r1, c0, c1 = rect
     if len(members) == 1 or (r1 - r0) * (c1 - c0) == 1:
         device = max(members, key=lambda m: (m[1], -m[0]))[0]
@@ -273,11 +273,17 @@ def _bisect(
     lefts = list(itertools.accumulate(n for _, n in members))  # the tiles left of each cut
     cut = min(range(1, len(members)), key=lambda k: (abs(2 * lefts[k - 1] - total), k))
     half = lefts[cut - 1]
-    by_rows = (r1 - r0) >= (c1 - c0)
-    lo, hi = (r0, r1) if by_rows else (c0, c1)
-    at = min(max(lo + round(half / total * (hi - lo)), lo + 1), hi - 1)
+    # across rows or columns: whichever gives the first half nearer its share of the cells
+    # (the longer side on a tie, for blocks as square as they can be)
+    cuts = []
+    for by_rows, lo, hi, across in ((True, r0, r1, c1 - c0), (False, c0, c1, r1 - r0)):
+        if hi - lo >= 2:
+            at = min(max(lo + round(half / total * (hi - lo)), lo + 1), hi - 1)
+            error = abs((at - lo) * across - half / total * (r1 - r0) * (c1 - c0))
+            cuts.append((error, -(hi - lo), not by_rows, at))
+    _, _, by_columns, at = min(cuts)
     first, second = (
-        ((r0, at, c0, c1), (at, r1, c0, c1)) if by_rows else ((r0, r1, c0, at), (r0, r1, at, c1))
+        ((r0, r1, c0, at), (r0, r1, at, c1)) if by_columns else ((r0, at, c0, c1), (at, r1, c0, c1))
     )
     _bisect(first, members[:cut], owner)
     _bisect(second, members[cut:], owner)

@@ -184,7 +184,8 @@ async def test_devices_on_this_host_work_in_place(emulator, operands):
 @pytest.mark.parametrize("share", [True, False], ids=["in-place", "bytes"])
 async def test_only_bytes_on_the_wire_count_against_inflight_bytes(emulator, operands, share):
     """With room for one byte of operands in flight, tiles whose blocks devices read in
-    place still all go out together (nothing of them is buffered); as bytes, one at a time."""
+    place still all go out together (nothing of them is buffered); those that carry bytes,
+    one at a time (a tile whose blocks its device kept carries none, and goes beside them)."""
     host, port, emu = await emulator(share, share, inflight_bytes=1, window=4)
     most = 0
 
@@ -192,7 +193,9 @@ async def test_only_bytes_on_the_wire_count_against_inflight_bytes(emulator, ope
         def counted(msg: Message) -> None:
             nonlocal most
             if msg.TYPE == MsgType.TILE:
-                most = max(most, sum(len(d.outstanding) for d in emu.registry.devices.values()))
+                devices = emu.registry.devices.values()
+                out = [t for d in devices for t in d.outstanding.values()]
+                most = max(most, len(out) if share else sum(1 for t in out if t.wire_bytes))
             send(msg)
 
         return counted

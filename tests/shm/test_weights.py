@@ -124,13 +124,13 @@ async def test_colocated_devices_read_weights_by_reference(setup):
     x = torch.randn(M, K)
     c, result = await asyncio.to_thread(product, client, x, w.t())  # a Linear's forward
     assert_product(c, x, w.t())
-    # no weight bytes on the wire: x's rows, once to each device (each computes tiles of
-    # both of x's row blocks, and keeps them for its other tiles)
-    assert result.devices == [0, 1] and result.bytes_down == 2 * X_BYTES, "x's rows alone"
+    # no weight bytes on the wire: x's rows alone, each once (each device computes one of
+    # x's two row blocks of C, and keeps it for the row's other tiles)
+    assert result.devices == [0, 1] and result.bytes_down == X_BYTES, "x's rows alone"
     g = torch.randn(M, N)  # grad_input = grad @ w: column blocks of w, strided in the mapping
     c, result = await asyncio.to_thread(product, client, g, w)
     assert_product(c, g, w)
-    assert result.bytes_down == 2 * M * N * 4, "only grad's rows, once to each device"
+    assert result.bytes_down == M * N * 4, "only grad's rows, each once"
     with torch.no_grad():
         w.mul_(-2.0)  # an optimizer step, in place in the shared mapping
     c, _ = await asyncio.to_thread(product, client, x, w.t())
