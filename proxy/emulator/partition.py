@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 from morphling.proxy.shm.handover import JobOperands, Writers
@@ -103,11 +104,11 @@ class Block:
         """The leading dimension of the bytes ``GemmTask.packed`` sends for this block."""
         return self.cols if self.packs else self.ld
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         return self.rows * self.cols * self.span.itemsize
 
-    @property
+    @cached_property
     def key(self) -> Key:
         """What a device's emulated memory keeps the block under: a weight block's place in
         the shared weights, or the panel's id."""

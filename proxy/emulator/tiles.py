@@ -82,7 +82,7 @@ class TileMessages:
         if isinstance(tile, ConvTileTask):
             return self._conv_tile(device, tile, admission)
         task = tile.gemm
-        drop = admission.evicted if admission is not None and not device.colocated else []
+        drop = list(admission.evicted) if admission is not None and not device.colocated else []
         a, b = tile.operands()
         if task.writers is not None and device.local:
             self._hand_over(device, tile, task.writers)

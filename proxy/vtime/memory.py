@@ -22,21 +22,24 @@ ends.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
 
 WeightKey = tuple[int, int, int, int]  # offset, rows, cols, ld
 Key = WeightKey | int  # a weight block's, or a panel's id
 
 
-@dataclass
+@dataclass(slots=True)
 class Admission:
-    """The outcome of placing one tile in a device's memory."""
+    """The outcome of placing one tile in a device's memory. (Nothing is evicted for most
+    tiles: the eviction lists start as one shared empty tuple, replaced when one is.)"""
 
     fits: bool
-    held: set[Key] = field(default_factory=set)  # blocks already resident, current
-    kept: set[Key] = field(default_factory=set)  # blocks resident once it is placed
-    evicted: list[list[int]] = field(default_factory=list)  # weight refs the device may drop
-    evicted_panels: list[int] = field(default_factory=list)  # panels the device may drop
+    held: AbstractSet[Key] = frozenset()  # blocks already resident, current
+    kept: AbstractSet[Key] = frozenset()  # blocks resident once it is placed
+    evicted: Sequence[list[int]] = ()  # weight refs the device may drop
+    evicted_panels: Sequence[int] = ()  # panels the device may drop
 
 
 class DeviceMemory:
@@ -49,40 +52,52 @@ class DeviceMemory:
         self.used = 0
         self.oom_events = 0
 
-    def admit(self, blocks: list[tuple[Key, int, int]], transient: int) -> Admission:
+    def admit(self, blocks: Sequence[tuple[Key, int, int]], transient: int) -> Admission:
         """Place a tile: its operand ``blocks`` as (key, version, bytes), plus
         ``transient`` bytes (its output) that live only while it runs. A and B may be one
         block (the diagonal tiles of W·Wᵀ): it is held once, and is held already only if
-        it was before this tile."""
-        wanted = {key: (version, nbytes) for key, version, nbytes in blocks}
-        if transient + sum(nbytes for _, nbytes in wanted.values()) > self.capacity:
+        it was before this tile. (Every tile the clock places comes through here: it is
+        written for speed.)"""
+        if len(blocks) == 2 and blocks[0][0] == blocks[1][0]:
+            blocks = blocks[:1]
+        need = transient
+        for block in blocks:
+            need += block[2]
+        if need > self.capacity:
             self.oom_events += 1
             return Admission(fits=False)
-        admission = Admission(fits=True, kept=set(wanted))
-        for key, (version, nbytes) in wanted.items():
-            held = self.resident.get(key)
-            if held is not None and held[0] == version and key not in self.distrusted:
-                self.resident.move_to_end(key)
-                admission.held.add(key)
+        resident, distrusted = self.resident, self.distrusted
+        held: set[Key] = set()
+        admission = Admission(True, held, {block[0] for block in blocks})
+        for key, version, nbytes in blocks:
+            have = resident.get(key)
+            if have is not None and have[0] == version and key not in distrusted:
+                resident.move_to_end(key)
+                held.add(key)
                 continue
-            if held is not None:  # another version, or distrusted: useless now
+            if have is not None:  # another version, or distrusted: useless now
                 self._evict(key, admission)
-            self.resident[key] = (version, nbytes)
+            resident[key] = (version, nbytes)
             self.used += nbytes
-        for key in list(self.resident):  # least recently used first
-            if self.used + transient <= self.capacity:
-                break
-            if key not in wanted:
+        if self.used + transient > self.capacity:  # least recently used first, to fit
+            victims = []
+            room = self.used + transient - self.capacity
+            for key, (_, nbytes) in resident.items():
+                if room <= 0:
+                    break
+                if key not in admission.kept:
+                    victims.append(key)
+                    room -= nbytes
+            for key in victims:
                 self._evict(key, admission)
         return admission
 
-    def release(self, keys: list[Key]) -> None:
-        """Forget these blocks (a request's panels, once it ended): nothing reads them again."""
-        for key in keys:
-            held = self.resident.pop(key, None)
-            if held is not None:
-                self.used -= held[1]
-                self.distrusted.discard(key)
+    def release(self, key: Key) -> None:
+        """Forget this block (a request's panel, once it ended): nothing reads it again."""
+        held = self.resident.pop(key, None)
+        if held is not None:
+            self.used -= held[1]
+            self.distrusted.discard(key)
 
     def distrust(self) -> None:
         """Hold no block kept so far as current: the bytes under its version may have
@@ -95,6 +110,6 @@ class DeviceMemory:
         version, nbytes = self.resident.pop(key)
         self.used -= nbytes
         if isinstance(key, int):
-            admission.evicted_panels.append(key)
+            admission.evicted_panels = [*admission.evicted_panels, key]
         else:
-            admission.evicted.append([*key, version])
+            admission.evicted = [*admission.evicted, [*key, version]]

@@ -28,7 +28,6 @@ then needs the A blocks of its rows and the B blocks of its columns, once each.
 from __future__ import annotations
 
 import bisect
-import itertools
 import math
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
@@ -199,10 +198,14 @@ class Placement:
         able = [i for i, d in enumerate(self.devices) if d.convolutions or not conv]
         if len(able) < 2:
             return None
+        self._kept = None  # (its tiles change the devices' queues: predict afresh after)
         shares = self._shares(now, work, able, len(cells), len(rows), len(cols))
-        owner: dict[tuple[int, int], int] = {}
+        owner = np.empty((len(rows), len(cols)), dtype=np.intp)
         _bisect((0, len(rows), 0, len(cols)), [(i, n) for i, n in shares if n], owner)
-        return [owner[rows[a], cols[b]] for a, b in cells]
+        at_row = [rows[a] for a, _ in cells]
+        at_col = [cols[b] for _, b in cells]
+        placed: list[int] = owner[at_row, at_col].tolist()
+        return placed
 
     def _shares(
         self, now: float, work: Work, able: list[int], tiles: int, rows: int, cols: int
@@ -259,29 +262,35 @@ def _ranks(keys: Iterable[Hashable]) -> dict[Hashable, int]:
 def _bisect(
     rect: tuple[int, int, int, int],
     members: list[tuple[int, int]],
-    owner: dict[tuple[int, int], int],
+    owner: npt.NDArray[np.intp],
 ) -> None:
     """Give each device of ``members`` (index, tiles) a block of ``rect`` (rows r0:r1 ×
     columns c0:c1 of the grid) of about its tiles: split the devices in two halves of
     about equal tiles, and the rectangle in that proportion."""
     r0, r1, c0, c1 = rect
     if len(members) == 1 or (r1 - r0) * (c1 - c0) == 1:
-        device = max(members, key=lambda m: (m[1], -m[0]))[0]
-        owner.update(((r, c), device) for r in range(r0, r1) for c in range(c0, c1))
+        owner[r0:r1, c0:c1] = max(members, key=lambda m: (m[1], -m[0]))[0]
         return
     total = sum(n for _, n in members)
-    lefts = list(itertools.accumulate(n for _, n in members))  # the tiles left of each cut
-    cut = min(range(1, len(members)), key=lambda k: (abs(2 * lefts[k - 1] - total), k))
-    half = lefts[cut - 1]
+    half = cut = 0  # the cut whose left half is nearest to half the tiles
+    left = 0
+    for k in range(1, len(members)):
+        left += members[k - 1][1]
+        if not cut or abs(2 * left - total) < abs(2 * half - total):
+            half, cut = left, k
     # across rows or columns: whichever gives the first half nearer its share of the cells
     # (the longer side on a tie, for blocks as square as they can be)
-    cuts = []
-    for by_rows, lo, hi, across in ((True, r0, r1, c1 - c0), (False, c0, c1, r1 - r0)):
+    share = half / total
+    best: tuple[float, int, bool, int] | None = None
+    for by_columns, lo, hi, across in ((False, r0, r1, c1 - c0), (True, c0, c1, r1 - r0)):
         if hi - lo >= 2:
-            at = min(max(lo + round(half / total * (hi - lo)), lo + 1), hi - 1)
-            error = abs((at - lo) * across - half / total * (r1 - r0) * (c1 - c0))
-            cuts.append((error, -(hi - lo), not by_rows, at))
-    _, _, by_columns, at = min(cuts)
+            at = min(max(lo + round(share * (hi - lo)), lo + 1), hi - 1)
+            error = abs((at - lo) * across - share * (r1 - r0) * (c1 - c0))
+            cut_here = (error, lo - hi, by_columns, at)
+            if best is None or cut_here < best:
+                best = cut_here
+    assert best is not None  # (a rectangle of two cells or more has a side of two)
+    _, _, by_columns, at = best
     first, second = (
         ((r0, r1, c0, at), (r0, r1, at, c1)) if by_columns else ((r0, at, c0, c1), (at, r1, c0, c1))
     )

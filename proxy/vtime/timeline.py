@@ -719,7 +719,8 @@ class Timeline(Generic[T]):
         from its own request's earlier tiles). One that cannot fit is an OOM."""
         memory = device.memory
         if self.residency:
-            kept, transient = [a, b], work.bytes_up
+            kept: Sequence[Operand] = (a, b)
+            transient = work.bytes_up
         else:  # panels live only while their tile runs
             kept = [x for x in (a, b) if x.offset is not None]
             transient = work.bytes_up + sum(x.nbytes for x in (a, b) if x.offset is None)
@@ -750,9 +751,13 @@ class Timeline(Generic[T]):
                 )
             )
             return admission, work
-        gemm.panels.extend((device, blk.panel) for blk in kept if blk.offset is None)
-        resident = sum(blk.nbytes for blk in (a, b) if blk.key in admission.held)
-        if resident:
+        panels = gemm.panels
+        for blk in kept:
+            if blk.offset is None:
+                panels.append((device, blk.panel))
+        held = admission.held
+        if held:
+            resident = (a.nbytes if a.key in held else 0) + (b.nbytes if b.key in held else 0)
             times.link_saved += resident
             work = Work(work.bytes_down - resident, work.bytes_up, work.shape)
         return admission, work
@@ -808,7 +813,7 @@ class Timeline(Generic[T]):
         of no more use to the devices that hold them."""
         job, task = gemm.job, gemm.task
         for device, panel in gemm.panels:
-            device.memory.release([panel])
+            device.memory.release(panel)
         now = self.clock.now if last is None or not job.resident else last.time
         g = task.header
         back = None if last is None else (last.tile, last.device)

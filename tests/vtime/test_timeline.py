@@ -193,7 +193,7 @@ def test_a_tile_without_weights_makes_room_by_evicting_resident_blocks():
         tl.submit(1, t, t.tiles(256), after=t.id - 1, host_s=0.0, done=lambda issue, end: None,
                   place=lambda placed: admissions.extend(adm for _, _, adm in placed))  # fmt: skip
     assert all(adm.fits for adm in admissions)
-    assert [adm.evicted for adm in admissions] == [[], [], [], [[4096, 100, 100, 100, 1]], []]
+    assert [list(adm.evicted) for adm in admissions] == [[], [], [], [[4096, 100, 100, 100, 1]], []]
     assert [t["bytes_down"] for t in records(sink, "tile")] == [80_000, 80_000, 40_000,
                                                                 104_000, 80_000]  # fmt: skip
 
