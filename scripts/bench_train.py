@@ -149,12 +149,17 @@ opt.step()
 DEMO_FLEET = "rpi4:6,rpi5:4,jetson-nano:2,orin-nano:4"  # scripts/demo.py's
 
 
-def step_times(cmd: list[str], timeout: float = 900) -> list[float]:
-    """The step times the script printed (its last stdout line)."""
+def checked(cmd: list[str], timeout: float = 900) -> str:
+    """``cmd``'s stdout; ``ChildFailed`` with its stderr's end if it fails."""
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise ChildFailed(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return proc.stdout
+
+
+def step_times(cmd: list[str], timeout: float = 900) -> list[float]:
+    """The step times the script printed (its last stdout line)."""
+    return json.loads(checked(cmd, timeout).strip().splitlines()[-1])
 
 
 def run_cmd(script: Path, steps: int, *options: str) -> list[str]:
@@ -256,9 +261,7 @@ def last_step(workdir: Path, label: str, script: list[str], *options: str) -> di
     report = workdir / f"{label}.json"
     cmd = morphling_cmd("run", "--embedded", "--no-report", "--json", str(report), *options,
                         "--", "python", *script, log_level="warning")  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    if proc.returncode != 0:
-        raise ChildFailed(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    checked(cmd)
     return json.loads(report.read_text())["steps"][-1]
 
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple, cast
 
 import numpy as np
@@ -117,6 +117,7 @@ class ConvTileTask(TaskTile):
     conv: ConvShape
     oh_lo: int = 0
     rows: tuple[int, int] = (0, 0)
+    _operands: tuple[ConvOperand, ConvOperand] | None = field(default=None, repr=False)
 
     @property
     def index(self) -> tuple[int | slice, ...]:
@@ -129,10 +130,12 @@ class ConvTileTask(TaskTile):
     def operands(self) -> tuple[ConvOperand, ConvOperand]:
         """Its two operands, each its request's panel: the tiles of one output-channel
         block share their weight block, those of one row band their input region."""
-        return (
-            ConvOperand(self.a, self.gemm.panel(_where(self.a))),
-            ConvOperand(self.b, self.gemm.panel(_where(self.b))),
-        )
+        if self._operands is None:
+            self._operands = (
+                ConvOperand(self.a, self.gemm.panel(_where(self.a))),
+                ConvOperand(self.b, self.gemm.panel(_where(self.b))),
+            )
+        return self._operands
 
 
 def _where(view: np.ndarray) -> tuple[int, ...]:

@@ -132,11 +132,13 @@ class Scheduler:
         """``device`` lacks an operand ``tile_id`` named by reference (``why``: which; it
         was evicted, or the device restarted): send the tile again, first, with every
         operand as bytes, kept nowhere."""
-        tile = self.finished(device, tile_id)
-        if tile is None or tile.gemm.cancelled:
+        tile = device.give_back(tile_id)
+        if tile is None:
             return
-        device.completed -= 1  # (``finished`` counted it: neither it nor the send failed)
-        tile.attempts -= 1
+        self.inflight_bytes -= tile.wire_bytes
+        if tile.gemm.cancelled:
+            return
+        tile.attempts -= 1  # (the send did not fail)
         tile.gemm.resent += 1
         log.info("device %d: %s; tile %d goes again with its bytes", device.id, why, tile_id)
         device.queue.appendleft((tile, None))
@@ -217,6 +219,11 @@ class Scheduler:
             device.take(tile)
             tile.gemm.devices.add(device.id)
             tile.gemm.bytes_down += nbytes
+            # the panels it may forget: those its memory evicted for this tile, and those
+            # of requests done since its last tile (``forget_panels``)
+            evicted = admission.evicted_panels if admission is not None else ()
+            message.drop_panels = [*device.drop_panels, *evicted]
+            device.drop_panels = []
             device.conn.send(message)
         if not queue:
             self._waiting.pop(device.id, None)

@@ -64,7 +64,7 @@ class Task:
     # Its operand panels (blocks that are not weights), by where their bytes lie: one id
     # each, under which a device keeps a panel for the request's other tiles.
     _panels: dict[tuple[int, ...], int] = field(default_factory=dict)
-    kept: dict[int, list[int]] = field(default_factory=dict)  # device → panels sent to keep
+    kept: dict[int, set[int]] = field(default_factory=dict)  # device → panels sent to keep
     resent: int = 0  # tiles sent again with their bytes: their device had lost a panel
 
     @property

@@ -9,8 +9,8 @@ only its reference; a device in the emulator's own process is handed the arrays
 (``local``). Anything else goes as bytes, with the weight's reference or the panel's
 id when the device is to keep them (its emulated memory admitted them). The
 TILE_RESULT must then carry C as its TILE asked (``operands.check_tile_result``).
-Once a request is done, the devices it left panels on are told to drop them with
-their next tile (``Scheduler.forget_panels``).
+Which panels a device may drop goes with the next tile it is sent: the scheduler's
+(``Scheduler._drain``), since a TILE built may wait and be built again.
 
 A convolution's tile becomes a CONV_TILE: its operands go contiguous as bytes, as
 panels the same way, or are handed over as views in the emulator's process with the
@@ -77,8 +77,6 @@ class TileMessages:
         device's emulated memory's say (from the timeline), None for a tile moved off a lost
         device: all bytes but what the device maps. Notes on the tile where C goes
         (``TileTask.c_at``)."""
-        if admission is not None:
-            device.drop_panels.extend(admission.evicted_panels)
         if isinstance(tile, ConvTileTask):
             return self._conv_tile(device, tile, admission)
         task = tile.gemm
@@ -87,20 +85,14 @@ class TileMessages:
         if task.writers is not None and device.local:
             self._hand_over(device, tile, task.writers)
             sent_a, sent_b = Sent(a.span[:0], a.ld, HANDED), Sent(b.span[:0], b.ld, HANDED)
-            return self._tile(device, tile, sent_a, sent_b, HANDED, drop)
+            return self._tile(tile, sent_a, sent_b, HANDED, drop)
         out = self._out_offset(device, task)
         c_at = IN_FRAME if out is None else in_arena(out + tile.out_start * task.out.itemsize)
         sent_a, sent_b = (self._block(device, task, x, admission) for x in (a, b))
-        return self._tile(device, tile, sent_a, sent_b, c_at, drop)
+        return self._tile(tile, sent_a, sent_b, c_at, drop)
 
     def _tile(
-        self,
-        device: DeviceRecord,
-        tile: TileTask,
-        a: Sent,
-        b: Sent,
-        c_at: Location,
-        drop: list[list[int]],
+        self, tile: TileTask, a: Sent, b: Sent, c_at: Location, drop: list[list[int]]
     ) -> Tile:
         task, g = tile.gemm, tile.gemm.request
         rows, cols = tile.shape
@@ -116,7 +108,6 @@ class TileMessages:
             lda=a.ld,
             ldb=b.ld,
             drop=drop,
-            drop_panels=_panels_to_drop(device),
             ldc=task.out.shape[2] if c_at.in_place else 0,
             **tile_fields(a.at, b.at, c_at),
             segments=(a.bytes, b.bytes),
@@ -198,7 +189,6 @@ class TileMessages:
             local=tile.c_at is HANDED,
             panel_a=panels[0],
             panel_b=panels[1],
-            drop_panels=_panels_to_drop(device),
             segments=segments,
         )
 
@@ -215,14 +205,8 @@ def _panel(device: DeviceRecord, task: Task, panel: int, admission: Admission | 
         return kept(panel)
     if panel not in admission.kept:  # it did not fit, or residency is off
         return IN_FRAME
-    task.kept.setdefault(device.id, []).append(panel)
+    task.kept.setdefault(device.id, set()).add(panel)
     return in_frame(panel=panel)
-
-
-def _panels_to_drop(device: DeviceRecord) -> list[int]:
-    """The panels ``device`` may forget, said once (with its next tile)."""
-    drop, device.drop_panels = device.drop_panels, []
-    return drop
 
 
 def take_result(scheduler: Scheduler, device: DeviceRecord, msg: TileResult) -> None:

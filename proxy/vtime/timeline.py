@@ -63,7 +63,7 @@ from .eventlog import (
     attribute,
     critical_breakdown,
 )
-from .memory import Admission
+from .memory import Admission, Key
 from .placement import Placement
 from .vdevice import VirtualDevice, Work
 from .work import GemmWork, Operand, TileWork
@@ -206,7 +206,7 @@ class _Gemm(Generic[T]):
     done: Callable[[float, float], None]
     seq: int  # its submission number in its job
     # the panels its tiles left on devices (``DeviceMemory``), released when it ends
-    panels: list[tuple[VirtualDevice, int]] = field(default_factory=list)
+    panels: list[tuple[VirtualDevice, Key]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -751,10 +751,9 @@ class Timeline(Generic[T]):
                 )
             )
             return admission, work
-        panels = gemm.panels
         for blk in kept:
-            if blk.offset is None:
-                panels.append((device, blk.panel))
+            if blk.offset is None:  # a panel: its key is its id
+                gemm.panels.append((device, blk.key))
         held = admission.held
         if held:
             resident = (a.nbytes if a.key in held else 0) + (b.nbytes if b.key in held else 0)
