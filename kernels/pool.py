@@ -258,6 +258,7 @@ class _Pins:
         self._lock = threading.Lock()
         self._owner: int | None = None
         self._deferred: list[CBuffer] = []
+        self._orphaned = False  # free_pool ran: the C pool frees every buffer released now
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
@@ -301,7 +302,7 @@ class _Pins:
         free = self.free.setdefault(buf.capacity, set())
         if address in free:
             return lib.MG_POOL_ENOTLEASED
-        if len(free) < self.max_free:
+        if len(free) < self.max_free and not self._orphaned:
             rc = lib.mg_pool_release(self.pool, buf)
             if rc == lib.MG_POOL_OK:
                 free.add(address)
@@ -317,9 +318,12 @@ class _Pins:
             return lib.mg_pool_close(self.pool)
 
     def free_pool(self, pool: FFI.CData) -> None:
-        """The C pool's destructor: nothing else can reach the pool, so no lock."""
-        self._drain()
-        lib.mg_pool_free(pool)
+        """The C pool's destructor: only the finalizers of its own leases can still reach
+        the pool, and they release through ``release``, which takes the lock."""
+        with self._locked():
+            self._drain()
+            self._orphaned = True
+            lib.mg_pool_free(pool)
 
     def _drain(self) -> None:
         """Unregister everything on the free lists, which the C pool is about to free."""

@@ -5,11 +5,14 @@ from __future__ import annotations
 import gc
 import logging
 import resource
+import subprocess
+import sys
 import threading
 
 import numpy as np
 import pytest
 from morphling.kernels import BufferPool, LeaseError, MlockError, cuda_status
+from morphling.kernels._native import ffi
 
 MIB = 1 << 20
 LIMIT = 8 * MIB  # this machine's RLIMIT_MEMLOCK, and the default in containers
@@ -273,6 +276,32 @@ def test_acquire_buffer_returns_when_the_last_view_goes():
     del again
 
 
+CYCLES = """
+import gc
+from morphling.kernels import BufferPool
+
+for _ in range(200):
+    pool = BufferPool(pin=False)
+    view = pool.acquire_buffer(4096)
+    cycle = [pool, view]
+    cycle.append(cycle)  # the pool and its buffer die in one collection, in any order
+    del pool, view, cycle
+    gc.collect()
+print("done")
+"""
+
+
+def test_a_pool_collected_with_its_buffers_in_one_cycle_is_freed_last():
+    """The garbage collector finalizes a cycle's objects in no set order: the pool's own
+    finalizer may come before its buffers', whose release must still find the pool (it
+    once locked a freed mutex and hung at interpreter exit)."""
+    done = subprocess.run(
+        [sys.executable, "-c", CYCLES], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "done"
+
+
 # -- pinning for CUDA ----------------------------------------------------------------
 
 CUDA = cuda_status()
@@ -483,3 +512,19 @@ def test_a_gpu_host_pins_with_cuda_and_unpins_before_freeing():
     pool.close()
     assert host_flags(kept) is None
     assert pool.stats().pinned_bytes == 0
+
+
+def test_a_pinned_pool_finalized_before_its_buffer_unregisters_it_when_it_returns():
+    """The owner's finalizer first (as in a collected cycle): the buffer still out stays
+    registered and alive, and is unregistered when it comes back, before C frees it."""
+    pinner = RecordingPinner()
+    pool = pinned_pool(pinner)
+    view = pool.acquire_buffer(4096)
+    address = next(iter(pinner.live))
+    ffi.release(pool._pool)  # runs the pool's finalizer now
+    assert pinner.live == {address: 4096}
+    view[:4] = b"live"  # its memory is still the pool's
+    del view
+    gc.collect()
+    assert pinner.live == {}
+    assert pinner.events[-1][:2] == ("unregister", address)

@@ -10,9 +10,9 @@
  *
  * Every entry point takes the pool mutex, so callers need no lock of their
  * own. Closing frees the free lists and refuses new leases, but the pool
- * object itself lives until mg_pool_free, which its owner calls once nobody
- * can reach it any more; a call racing with close therefore never touches
- * freed memory. Errors are reported through errno (see mg_pool_acquire).
+ * object itself lives until its owner has called mg_pool_free (once nobody
+ * can reach it any more) and its last leased buffer has come back; a call
+ * racing with close or a late release therefore never touches freed memory. Errors are reported through errno (see mg_pool_acquire).
  */
 #include <errno.h>
 #include <pthread.h>
@@ -61,6 +61,7 @@ typedef struct mg_pool {
     size_t max_free;
     int require_mlock;
     int closed;
+    int orphaned; /* mg_pool_free came while buffers were leased */
     mg_buffer *free_list[MG_POOL_BUCKETS];
     size_t free_len[MG_POOL_BUCKETS];
     mg_pool_stats st;
@@ -177,6 +178,12 @@ mg_buffer *mg_pool_acquire(mg_pool *p, size_t nbytes)
     return buf;
 }
 
+static void mg_pool_destroy(mg_pool *p)
+{
+    pthread_mutex_destroy(&p->mu);
+    free(p);
+}
+
 int mg_pool_release(mg_pool *p, mg_buffer *buf)
 {
     pthread_mutex_lock(&p->mu);
@@ -189,7 +196,14 @@ int mg_pool_release(mg_pool *p, mg_buffer *buf)
     p->st.leased_count--;
     p->st.releases++;
     int b = buf->bucket;
-    if (p->free_len[b] < p->max_free) {
+    if (p->orphaned) {
+        mg_buffer_free(p, buf);
+        if (p->st.leased_count == 0) {
+            pthread_mutex_unlock(&p->mu);
+            mg_pool_destroy(p);
+            return MG_POOL_OK;
+        }
+    } else if (p->free_len[b] < p->max_free) {
         buf->next = p->free_list[b];
         p->free_list[b] = buf;
         p->free_len[b]++;
@@ -236,13 +250,20 @@ int mg_pool_close(mg_pool *p)
     return MG_POOL_OK;
 }
 
-/* Frees the pool object and its free lists. Buffers still leased are left
- * alone: memory derived from them may still be read, so they leak instead. */
+/* Frees the pool object and its free lists once no buffer is leased. With
+ * buffers still out (finalizers run in any order when a reference cycle is
+ * collected, so the owner may go before the buffers' owners), the pool stays
+ * until the last of them is released, and that release frees it. */
 void mg_pool_free(mg_pool *p)
 {
     pthread_mutex_lock(&p->mu);
     mg_pool_drain(p);
+    p->closed = 1;
+    if (p->st.leased_count != 0) {
+        p->orphaned = 1;
+        pthread_mutex_unlock(&p->mu);
+        return;
+    }
     pthread_mutex_unlock(&p->mu);
-    pthread_mutex_destroy(&p->mu);
-    free(p);
+    mg_pool_destroy(p);
 }
