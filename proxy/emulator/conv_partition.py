@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, NamedTuple, cast
 
 import numpy as np
@@ -80,10 +81,10 @@ class Header(NamedTuple):
 @dataclass(frozen=True)
 class ConvOperand:
     """One operand of a convolution tile: a view of the request's array, sent contiguous,
-    which is its request's ``panel`` (never a block of the shared weights)."""
+    which is a ``panel`` of ``task`` (never a block of the shared weights)."""
 
     array: np.ndarray
-    panel: int
+    task: Task = field(repr=False, compare=False)
     offset = None
     version = 0
 
@@ -94,6 +95,18 @@ class ConvOperand:
     @property
     def sent_ld(self) -> int:
         return int(self.array.shape[-1])
+
+    @cached_property
+    def contiguous(self) -> np.ndarray:
+        """The bytes it is sent as."""
+        return np.ascontiguousarray(self.array)
+
+    @cached_property
+    def panel(self) -> int:
+        """Its panel id (hashed when first asked, and once per view of the request's
+        arrays, which its tiles share: only residency asks)."""
+        view = self.array
+        return self.task.panel(self.contiguous, (view.ctypes.data, *view.shape, *view.strides))
 
     @property
     def key(self) -> Key:
@@ -128,19 +141,14 @@ class ConvTileTask(TaskTile):
         return self.out_shape
 
     def operands(self) -> tuple[ConvOperand, ConvOperand]:
-        """Its two operands, each its request's panel: the tiles of one output-channel
+        """Its two operands, each a panel: the tiles of one output-channel
         block share their weight block, those of one row band their input region."""
         if self._operands is None:
             self._operands = (
-                ConvOperand(self.a, self.gemm.panel(_where(self.a))),
-                ConvOperand(self.b, self.gemm.panel(_where(self.b))),
+                ConvOperand(self.a, self.gemm),
+                ConvOperand(self.b, self.gemm),
             )
         return self._operands
-
-
-def _where(view: np.ndarray) -> tuple[int, ...]:
-    """A view's bytes, as ``Task.panel`` names them."""
-    return (view.ctypes.data, *view.shape, *view.strides)
 
 
 AnyTile = TileTask | ConvTileTask  # every tile the emulator sends

@@ -83,7 +83,7 @@ class Block:
 
     ``span`` is its memory as stored; ``offset`` is where that lies in the shared
     weights (None for a job's own bytes) and ``version`` the weight's version; a job's
-    own block is its request's ``panel``.
+    own block is a ``panel``, named by the bytes it is sent as (``task``'s).
     """
 
     span: np.ndarray
@@ -92,7 +92,7 @@ class Block:
     ld: int
     offset: int | None = None
     version: int = 0
-    panel: int = 0
+    task: GemmTask | None = field(default=None, repr=False, compare=False)
 
     @property
     def packs(self) -> bool:
@@ -107,6 +107,12 @@ class Block:
     @cached_property
     def nbytes(self) -> int:
         return self.rows * self.cols * self.span.itemsize
+
+    @cached_property
+    def panel(self) -> int:
+        """A job's own block's panel id (hashed when first asked: only residency asks)."""
+        assert self.task is not None, "a weight block is no panel"
+        return self.task.panel(self.task.packed(self)[0])
 
     @cached_property
     def key(self) -> Key:
@@ -161,11 +167,11 @@ class GemmTask(Task):
         else:  # the block is stored columns lo:hi of every row
             start, rows, cols = base + lo, inner, hi - lo
         if rows == 0 or cols == 0:
-            return Block(flat[:0], rows, cols, max(1, cols), panel=self.panel((0, 0, 0, 0)))
+            return Block(flat[:0], rows, cols, max(1, cols), task=self)
         span = flat[start : start + (rows - 1) * ld + cols]
         weight = self.weights.get(which)
         if weight is None:
-            return Block(span, rows, cols, ld, panel=self.panel((span.ctypes.data, rows, cols, ld)))
+            return Block(span, rows, cols, ld, task=self)
         offset, version = weight
         return Block(span, rows, cols, ld, offset + start * flat.itemsize, version)
 

@@ -47,7 +47,7 @@ class DeviceRecord:
     arena: bool = False  # maps the emulator's operand arena (same host)
     local: bool = False  # runs in the emulator's process: takes tiles as arrays (``local``)
     conv: bool = False  # computes convolution tiles (HELLO ``caps.conv``)
-    panels: bool = False  # keeps a request's panels for its later tiles (``caps.panels``)
+    panels: bool = False  # keeps panels sent to keep until told to drop them (``caps.panels``)
 
     def take(self, tile: AnyTile) -> None:
         self.outstanding[tile.id] = tile

@@ -145,19 +145,16 @@ class Scheduler:
         self._waiting[device.id] = device
         self.dispatch()
 
-    def forget_panels(self, task: Task) -> None:
-        """``task`` is done or cancelled: the devices it left panels on may drop them, with
-        their next tile (its tiles still out hold their operands themselves)."""
-        for device_id, panels in task.kept.items():
-            device = self.registry.devices.get(device_id)
-            if device is not None:
-                device.drop_panels.extend(panels)
-        task.kept.clear()
+    def drop_panels(self, device_id: int, panels: list[int]) -> None:
+        """The emulated memory of ``device_id`` let ``panels`` go (a step's sweep): the
+        device may drop them, with its next tile (every tile that read them was sent)."""
+        device = self.registry.devices.get(device_id)
+        if device is not None:
+            device.drop_panels.extend(panels)
 
     def cancel(self, gemm: Task) -> None:
         """Drop the tiles of a GEMM whose job is gone (those out come back ignored)."""
         gemm.cancelled = True
-        self.forget_panels(gemm)
         self.orphans = deque(p for p in self.orphans if p[0].gemm is not gemm)
         for device in list(self._waiting.values()):
             device.queue = deque(p for p in device.queue if p[0].gemm is not gemm)
@@ -220,7 +217,7 @@ class Scheduler:
             tile.gemm.devices.add(device.id)
             tile.gemm.bytes_down += nbytes
             # the panels it may forget: those its memory evicted for this tile, and those
-            # of requests done since its last tile (``forget_panels``)
+            # swept since its last tile (``drop_panels``)
             evicted = admission.evicted_panels if admission is not None else ()
             message.drop_panels = [*device.drop_panels, *evicted]
             device.drop_panels = []

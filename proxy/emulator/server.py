@@ -84,6 +84,7 @@ class Emulator:
             bottleneck=bottleneck,
             algorithm=config.collective,
             residency=config.residency,
+            dropped=self.scheduler.drop_panels,
         )
         self.run_info: dict[str, Any] = {}  # extra keys for run.json (the command, settings)
         self.allocate = pool_allocator(self.pool)

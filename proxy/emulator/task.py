@@ -12,16 +12,47 @@ from __future__ import annotations
 import itertools
 import math
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
+import xxhash
 from morphling.proxy.shm.handover import Writers
 from morphling.proxy.wire.messages import Conv, Gemm
 from morphling.proxy.wire.operands import IN_FRAME, Location
 
 tile_ids = itertools.count(1)  # every tile's, a GEMM's or a convolution's: one id space
-panel_ids = itertools.count(1)  # every request's operand panels: one id space
+
+
+class PanelNames:
+    """Operand panels named by their content: the same bytes get the same id in every
+    request, so a device that kept them (an activation in its forward and grad-weight
+    products, a weight in its forward and grad-input products) is sent the id instead.
+
+    A name is the bytes' 128-bit xxh3 digest and length; the newest ``capacity`` names are
+    remembered, and ids are never given twice, so a name forgotten costs a resend under a
+    new id, never a wrong block."""
+
+    def __init__(self, capacity: int = 1 << 16) -> None:
+        self.capacity = capacity
+        self._ids: OrderedDict[tuple[int, int], int] = OrderedDict()
+        self._next = itertools.count(1)
+
+    def name(self, data: np.ndarray) -> int:
+        """The id of the bytes of ``data`` (C-contiguous)."""
+        key = (xxhash.xxh3_128_intdigest(data.data), data.nbytes)
+        panel = self._ids.get(key)
+        if panel is None:
+            panel = self._ids[key] = next(self._next)
+            if len(self._ids) > self.capacity:
+                self._ids.popitem(last=False)
+        else:
+            self._ids.move_to_end(key)
+        return panel
+
+
+panel_names = PanelNames()  # the process's: its emulators' devices keep panels by these ids
 
 
 class GemmError(ValueError):
@@ -61,24 +92,25 @@ class Task:
     in_slab: bool = False  # an operand or C is in the job's slab
     slab_retired: bool = False  # its C is in a slab a lost device may still write into
     writers: Writers | None = None  # kernels writing into C, a job's own array (``local``)
-    # Its operand panels (blocks that are not weights), by where their bytes lie: one id
-    # each, under which a device keeps a panel for the request's other tiles.
+    # Its operand panels (blocks that are not weights) named so far, by where their bytes
+    # lie (each is hashed once however many tiles need it).
     _panels: dict[tuple[int, ...], int] = field(default_factory=dict)
-    kept: dict[int, set[int]] = field(default_factory=dict)  # device → panels sent to keep
     resent: int = 0  # tiles sent again with their bytes: their device had lost a panel
 
     @property
     def id(self) -> int:
         return self.request.gemm
 
-    def panel(self, where: tuple[int, ...]) -> int:
-        """The id of the operand panel whose bytes lie at ``where`` (first byte's address,
-        then the shape and strides that place the rest): the same bytes, the same panel,
-        whichever tiles need them (a row of tiles shares its A block, a broadcast operand
-        is one block for every pivot)."""
+    def panel(self, data: np.ndarray, where: tuple[int, ...] | None = None) -> int:
+        """The id of the operand panel whose bytes (as sent, C-contiguous) are ``data``
+        (``PanelNames``), found at ``where`` (by default ``data``'s address and length):
+        the same bytes, the same panel, whichever tiles and requests need them (a row of
+        tiles shares its A block, a broadcast operand is one block for every pivot)."""
+        if where is None:
+            where = (data.ctypes.data, data.nbytes)
         panel = self._panels.get(where)
         if panel is None:
-            panel = self._panels[where] = next(panel_ids)
+            panel = self._panels[where] = panel_names.name(data)
         return panel
 
     @property

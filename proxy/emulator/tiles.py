@@ -4,13 +4,14 @@ Each operand block goes to the device the cheapest way it can take it (its
 ``Location``): a device that maps the operand arena reads blocks that lie there,
 and writes C there when the GEMM's output does; one that maps the shared weights
 reads weight blocks from its mapping; one whose emulated memory holds the block (a
-weight block at its current version, or a panel its request sent it before) gets
-only its reference; a device in the emulator's own process is handed the arrays
+weight block at its current version, or a panel, the same bytes sent before by any
+request) gets only its reference; a device in the emulator's own process is handed the arrays
 (``local``). Anything else goes as bytes, with the weight's reference or the panel's
 id when the device is to keep them (its emulated memory admitted them). The
 TILE_RESULT must then carry C as its TILE asked (``operands.check_tile_result``).
-Which panels a device may drop goes with the next tile it is sent: the scheduler's
-(``Scheduler._drain``), since a TILE built may wait and be built again.
+Which panels a device may drop (evicted, or swept at a step's end) goes with the next
+tile it is sent: the scheduler's (``Scheduler._drain``), since a TILE built may wait and
+be built again.
 
 A convolution's tile becomes a CONV_TILE: its operands go contiguous as bytes, as
 panels the same way, or are handed over as views in the emulator's process with the
@@ -46,7 +47,6 @@ from morphling.proxy.wire.operands import (
 from .conv_partition import AnyTile, ConvTileTask
 from .partition import Block, GemmTask, TileTask
 from .registry import DeviceRecord
-from .task import Task
 
 if TYPE_CHECKING:
     from .scheduler import Scheduler
@@ -121,7 +121,7 @@ class TileMessages:
         if at is not None:  # it reads the span from its mapping of the arena
             return Sent(block.span[:0], block.ld, in_arena(at))
         if block.offset is None:
-            where = _panel(device, task, block.panel, admission)
+            where = _panel(device, block.panel, admission)
             if where.place is Place.KEPT:
                 return Sent(block.span[:0], block.sent_ld, where)
             return Sent(*task.packed(block), where)
@@ -166,10 +166,10 @@ class TileMessages:
         else:
             sent = []
             for i, operand in enumerate(tile.operands()):
-                where = _panel(device, task, operand.panel, admission)
+                where = _panel(device, operand.panel, admission)
                 panels[i] = where.panel
                 held = where.place is Place.KEPT
-                sent.append(operand.array[:0] if held else np.ascontiguousarray(operand.array))
+                sent.append(operand.array[:0] if held else operand.contiguous)
             tile.c_at, segments = IN_FRAME, (sent[0], sent[1])
         geom = task.geometry
         return ConvTile(
@@ -193,19 +193,17 @@ class TileMessages:
         )
 
 
-def _panel(device: DeviceRecord, task: Task, panel: int, admission: Admission | None) -> Location:
-    """How panel ``panel`` of ``task`` goes to ``device``: by its id where the device's
-    emulated memory holds it, else as bytes, kept under its id where the memory took it
-    in (then the request notes that the device keeps it: ``Scheduler.forget_panels``). A
-    tile moved off a lost device (no ``admission``), or for a device that keeps no panels
-    (its HELLO did not say ``caps.panels``), goes as bytes, kept nowhere."""
+def _panel(device: DeviceRecord, panel: int, admission: Admission | None) -> Location:
+    """How panel ``panel`` goes to ``device``: by its id where the device's emulated memory
+    holds it, else as bytes, kept under its id where the memory took it in. A tile moved
+    off a lost device (no ``admission``), or for a device that keeps no panels (its HELLO
+    did not say ``caps.panels``), goes as bytes, kept nowhere."""
     if admission is None or not device.panels:
         return IN_FRAME
     if panel in admission.held:
         return kept(panel)
     if panel not in admission.kept:  # it did not fit, or residency is off
         return IN_FRAME
-    task.kept.setdefault(device.id, set()).add(panel)
     return in_frame(panel=panel)
 
 
@@ -231,8 +229,6 @@ def take_result(scheduler: Scheduler, device: DeviceRecord, msg: TileResult) -> 
         segment = msg.segments[0]
         task.bytes_up += segment.nbytes
         values = None if tile.c_at.in_place else np.frombuffer(segment, dtype=task.out.dtype)
-        if task.put(tile, values) and task.remaining == 0:
-            scheduler.forget_panels(task)
-            if task.owner is not None:
-                task.owner.finish(task)
+        if task.put(tile, values) and task.remaining == 0 and task.owner is not None:
+            task.owner.finish(task)
     scheduler.dispatch()

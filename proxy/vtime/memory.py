@@ -14,9 +14,11 @@ weights; its version changes when the optimizer updates the weight, so a stale
 block is never treated as held. Versions are a job's own (they start again with
 each job), and the working copy may be restored from the checkpoint: then nothing
 a device kept is trusted any more (``distrust``). Any other operand block (an
-activation's, a gradient's: a *panel*) is keyed by an id its request gave it: it
-is reused by that request's other tiles alone, and ``release``d when the request
-ends.
+activation's, a gradient's: a *panel*) is keyed by an id that names its bytes, so any
+request that needs the same bytes reuses it. A training step's panels are of no use
+to the next (its activations and weights are new), so at each step's end ``sweep``
+lets go of those no tile used since the last sweep; those used (a frozen weight
+sent as bytes, say) stay.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class DeviceMemory:
         self.capacity = capacity
         self.resident: OrderedDict[Key, tuple[int, int]] = OrderedDict()  # → (version, bytes)
         self.distrusted: set[Key] = set()  # kept, but perhaps not what is there now
+        self.touched: set[Key] = set()  # panels placed or read since the last ``sweep``
         self.used = 0
         self.oom_events = 0
 
@@ -66,10 +69,12 @@ class DeviceMemory:
         if need > self.capacity:
             self.oom_events += 1
             return Admission(fits=False)
-        resident, distrusted = self.resident, self.distrusted
+        resident, distrusted, touched = self.resident, self.distrusted, self.touched
         held: set[Key] = set()
         admission = Admission(True, held, {block[0] for block in blocks})
         for key, version, nbytes in blocks:
+            if isinstance(key, int):
+                touched.add(key)
             have = resident.get(key)
             if have is not None and have[0] == version and key not in distrusted:
                 resident.move_to_end(key)
@@ -92,12 +97,16 @@ class DeviceMemory:
                 self._evict(key, admission)
         return admission
 
-    def release(self, key: Key) -> None:
-        """Forget this block (a request's panel, once it ended): nothing reads it again."""
-        held = self.resident.pop(key, None)
-        if held is not None:
-            self.used -= held[1]
+    def sweep(self) -> list[int]:
+        """Let go of the panels no tile placed or read since the last sweep (a step ended):
+        their ids, for the device to drop."""
+        touched = self.touched
+        stale = [key for key in self.resident if isinstance(key, int) and key not in touched]
+        for key in stale:
+            self.used -= self.resident.pop(key)[1]
             self.distrusted.discard(key)
+        self.touched = set()
+        return stale
 
     def distrust(self) -> None:
         """Hold no block kept so far as current: the bytes under its version may have

@@ -11,10 +11,11 @@ convolutions (``VirtualDevice.convolutions``); the policies choose among those.
 - ``greedy`` picks the earliest predicted finish: the device's downlink,
   compute and uplink queues (everything placed on it so far) plus this
   tile's transfer and compute under the device's models at its current
-  frequency. The prediction counts every operand byte; blocks already
-  resident make the real transfer shorter, never longer.
+  frequency. The prediction counts every operand byte, but for a device that
+  holds some of the tile's blocks already (sent by an earlier request): its
+  prediction leaves them out, so the data draws its tiles where that pays.
 
-A device keeps the operand blocks a request sent it for the request's other tiles
+A device keeps the operand blocks it is sent for any later tile that needs them
 (``memory``), so where a request's tiles go decides how many bytes cross: tiles of one
 row of the output share their A block, tiles of one column their B block. Tile by
 tile, greedy spreads a row over the fleet and sends its A block to every device. So
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -143,9 +144,35 @@ class Placement:
             free, link = _free(self.devices[index]), self._links[index]
             kept.finish[index] = _finish(kept.now, kept.work, nominal, free, link, max)
 
-    def choose(self, now: float, work: Work) -> int:
+    def choose(self, now: float, work: Work, held: Mapping[int, int] | None = None) -> int:
         """The index (in ``devices``) of the device for one tile, which one can take
-        (``can_place``)."""
+        (``can_place``). ``held``: the tile's operand bytes each device (by index) holds
+        already, which greedy leaves out of that device's prediction."""
+        best = self._choose(now, work)
+        if held and self.policy == "greedy":
+            return self._holder(now, work, best, held)
+        return best
+
+    def _holder(self, now: float, work: Work, best: int, held: Mapping[int, int]) -> int:
+        """``best``, or a device holding some of the tile's operands that would finish
+        first without them (ties to the lowest index)."""
+        kept = self._kept
+        if kept is None or kept.work is not work:  # one device: no choice
+            return best
+        finish = float(kept.finish[best])
+        conv = isinstance(work.shape, ConvShape)
+        for index in sorted(held):
+            device = self.devices[index]
+            if conv and not device.convolutions:
+                continue
+            lighter = Work(work.bytes_down - held[index], work.bytes_up, work.shape)
+            nominal = kept.nominal[self._groups[index]]
+            then = _finish(now, lighter, nominal, _free(device), self._links[index], max)
+            if then < finish or (then == finish and index < best):
+                best, finish = index, then
+        return best
+
+    def _choose(self, now: float, work: Work) -> int:
         kept = self._kept
         if kept is not None and kept.now == now and kept.work is work:
             return int(kept.finish.argmin())

@@ -205,8 +205,6 @@ class _Gemm(Generic[T]):
     place: Callable[[Placed[T]], None]
     done: Callable[[float, float], None]
     seq: int  # its submission number in its job
-    # the panels its tiles left on devices (``DeviceMemory``), released when it ends
-    panels: list[tuple[VirtualDevice, Key]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -249,17 +247,23 @@ class Timeline(Generic[T]):
         bottleneck: Bottleneck | None = None,
         algorithm: str = "ring",
         residency: bool = True,
+        dropped: Callable[[int, list[int]], None] | None = None,
     ) -> None:
         """``algorithm``: how collectives move their bytes (``collectives.ALGORITHMS``);
-        ``residency``: devices keep the panels a request sent them for its other tiles, and
-        greedy plans a request's tiles as a whole (off: each tile carries its panels, and
-        greedy places tile by tile)."""
+        ``residency``: devices keep the panels they are sent for any later tile that needs
+        the same bytes, until a step ends without using them (``DeviceMemory.sweep``:
+        ``dropped`` hears of each device's), greedy prefers a device that holds a tile's
+        blocks where that pays, and plans a request's tiles as a whole (off: each tile
+        carries its panels, and greedy places tile by tile)."""
         if algorithm not in ALGORITHMS:
             raise ValueError(
                 f"collective algorithm {algorithm!r}: not one of {', '.join(ALGORITHMS)}"
             )
         self.algorithm = algorithm
         self.residency = residency
+        self.dropped = dropped
+        # the devices that took each block in to keep (some may have let it go since)
+        self._holders: dict[Key, dict[int, VirtualDevice]] = {}
         self.clock = Clock()
         self.placement = Placement(policy)
         self.log = log or EventLog()
@@ -484,6 +488,8 @@ class Timeline(Generic[T]):
             job.clock = max(job.clock, at)
             job.waiting -= 1
             self._log_step(job, times, local_gemms)
+            if self.residency:
+                self._sweep()
             done(times)
 
         if job.inflight:
@@ -491,6 +497,19 @@ class Timeline(Generic[T]):
         else:
             close(max(job.clock, job.overlapped))
         self._advance()
+
+    def _sweep(self) -> None:
+        """A step ended: each device lets go of the panels no tile used since the last
+        step's end, and forgets it held them."""
+        for device in self.devices.values():
+            dropped = device.memory.sweep()
+            if dropped and self.dropped is not None:
+                self.dropped(device.id, dropped)
+        self._holders = {
+            key: still
+            for key, devices in self._holders.items()
+            if (still := {i: d for i, d in devices.items() if key in d.memory.resident})
+        }
 
     def _log_step(self, job: _Job, times: StepTimes, local_gemms: int) -> None:
         """A closed step's record: its times and totals (all a ``steps`` log has of its
@@ -660,7 +679,7 @@ class Timeline(Generic[T]):
             if planned is not None:
                 index = planned[i]
             elif pinned is None:
-                index = placement.choose(now, work)
+                index = placement.choose(now, work, self._held(a, b))
             else:
                 index = placement.index(pinned)
             device = placement.devices[index]
@@ -704,6 +723,23 @@ class Timeline(Generic[T]):
             shape = conv if conv is not None else _gemm_shape(gemm)
             work = self._works[key] = Work(down, tile.out_bytes, shape)
         return work
+
+    def _held(self, a: Operand, b: Operand) -> dict[int, int] | None:
+        """The bytes of ``a`` and ``b`` that each device (by index in the placement) holds
+        at their current version; None when none does, or residency is off."""
+        if not self.residency or not self._holders:
+            return None
+        held: dict[int, int] = {}
+        for x in (a,) if a.key == b.key else (a, b):
+            for device in self._holders.get(x.key, {}).values():
+                memory = device.memory
+                have = memory.resident.get(x.key)
+                if have is None or have[0] != x.version or x.key in memory.distrusted:
+                    continue
+                if self.placement.can_place(False, device.id):  # (it has not left)
+                    index = self.placement.index(device.id)
+                    held[index] = held.get(index, 0) + x.nbytes
+        return held or None
 
     def _admit(
         self,
@@ -751,10 +787,11 @@ class Timeline(Generic[T]):
                 )
             )
             return admission, work
-        for blk in kept:
-            if blk.offset is None:  # a panel: its key is its id
-                gemm.panels.append((device, blk.key))
         held = admission.held
+        if self.residency:
+            for x in kept:
+                if x.key not in held:
+                    self._holders.setdefault(x.key, {})[device.id] = device
         if held:
             resident = (a.nbytes if a.key in held else 0) + (b.nbytes if b.key in held else 0)
             times.link_saved += resident
@@ -808,11 +845,8 @@ class Timeline(Generic[T]):
         self._finish(last.gemm, last)
 
     def _finish(self, gemm: _Gemm[T], last: _Back[T] | None) -> None:
-        """The GEMM's last tile is back (``last``; None for an empty GEMM): its panels are
-        of no more use to the devices that hold them."""
+        """The GEMM's last tile is back (``last``; None for an empty GEMM)."""
         job, task = gemm.job, gemm.task
-        for device, panel in gemm.panels:
-            device.memory.release(panel)
         now = self.clock.now if last is None or not job.resident else last.time
         g = task.header
         back = None if last is None else (last.tile, last.device)

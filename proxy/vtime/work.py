@@ -61,7 +61,7 @@ class Operand(Protocol):
     """One operand block of a tile as it would travel: its bytes, its leading dimension as
     sent, and what a device's memory keeps it under (``key``): for a block of the shared
     weights, where it lies and which version it is; for the job's own bytes, its
-    request's panel id."""
+    panel id (named by its bytes)."""
 
     @property
     def offset(self) -> int | None: ...  # in the shared weights; None: the job's own bytes

@@ -244,10 +244,10 @@ class Tile(Message):
     cache; with bytes, it caches them under the ref. ``drop`` lists refs the
     device may forget.
 
-    ``panel_a``/``panel_b`` > 0 names any other operand block (a *panel*) of the
-    request: with bytes, the device keeps them under that id for the request's later
-    tiles; with an empty segment, it reads the ones it kept (none kept: TILE_MISSING).
-    ``drop_panels`` lists panels the device may forget.
+    ``panel_a``/``panel_b`` > 0 names any other operand block (a *panel*) by its
+    bytes: with bytes, the device keeps them under that id for any later tile; with an
+    empty segment, it reads the ones it kept (none kept: TILE_MISSING). ``drop_panels``
+    lists panels the device may forget.
 
     ``arena_a``/``arena_b`` >= 0 (segment empty): the operand's first element
     is at that byte offset in the emulator's operand arena, which the device

@@ -486,8 +486,10 @@ def test_any_small_convolution_in_the_emulators_process_matches_torch(embedded, 
         )
     step = client.step(client.steps + 1)
     assert step.bytes_down == step.bytes_up == 0  # handed over, not sent
-    # grad_weight's tiles alone carry all of x and dy, forward's all of w
-    assert step.link_down >= sum(x.nbytes for x in (problem.x, problem.w, problem.dy))
+    # grad_weight's tiles alone carry all of x and dy, forward's all of w, unless a device
+    # held those bytes already (an example run again, as hypothesis does)
+    operands = sum(x.nbytes for x in (problem.x, problem.w, problem.dy))
+    assert step.link_down + step.link_saved >= operands
     item = np.dtype(dtype).itemsize  # every tile's block of the product, back once
     assert step.link_up == sum(problem.want[k].size * item for k in KINDS)
 

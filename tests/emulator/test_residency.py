@@ -1,5 +1,6 @@
 """Operands that stay where they are: a panel (an operand block of a job's own bytes) crosses
-a device's link once per request, is then referenced, and is dropped when the request ends.
+a device's link once, is then referenced by any request that needs the same bytes, and is
+dropped when a step ends without using it.
 
 Real agents on loopback, without the operand arena, so that every byte a tile needs
 crosses the socket and the RESULT's ``bytes_down`` counts them.
@@ -46,7 +47,8 @@ async def one_device(fleet, **config) -> tuple[Fleet, DeviceAgent]:
 async def test_each_panel_crosses_once_and_the_links_are_charged_what_crossed(fleet):
     """One device: A's row blocks and B's column blocks each cross once (24 tiles, 10
     panels), not once per tile; the emulated link is charged exactly the bytes that crossed;
-    once the GEMM is done the device is told to drop its panels, with its next tile."""
+    a later request that needs the same bytes gets references only; a step that uses no
+    block of A has the device told to drop A's panels, with its next tile."""
     f, agent = await one_device(fleet)
     client = await f.client()
     a, b = operands(1)
@@ -57,11 +59,18 @@ async def test_each_panel_crosses_once_and_the_links_are_charged_what_crossed(fl
     assert step.link_down == result.bytes_down
     panel = BLOCK * K * 4  # an A row block, or a B column block (packed)
     assert step.link_saved == result.tiles * 2 * panel - step.link_down  # what stayed
-    held = set(agent.connection.panels)
-    assert len(held) == M // BLOCK + N // BLOCK
-    again = await product(client, a, b)  # a new request: its own panels
-    assert again.bytes_down == a.nbytes + b.nbytes
-    assert not held & set(agent.connection.panels), "the first GEMM's panels were dropped"
+    first = set(agent.connection.panels)
+    assert len(first) == M // BLOCK + N // BLOCK
+    again = await product(client, a, b)  # a new request, the same bytes: nothing crosses
+    assert again.bytes_down == 0 and again.resent == 0
+    assert (await client.step(2)).link_saved == result.tiles * 2 * panel
+    c = operands(2)[0]
+    assert (await product(client, c, b)).bytes_down == c.nbytes  # B's blocks stay
+    await client.step(3)  # A's were not used in it: swept
+    assert (await product(client, c, b)).bytes_down == 0
+    now = set(agent.connection.panels)
+    assert len(now) == M // BLOCK + N // BLOCK
+    assert len(first & now) == N // BLOCK, "A's panels were dropped, B's kept"
 
 
 async def test_a_device_that_lost_its_panels_asks_for_them_and_nothing_is_lost(fleet, caplog):

@@ -390,7 +390,9 @@ def test_optimizer_steps_mark_steps(server: Address) -> None:
     for step in session.steps:  # the input needs no gradient: no grad-input GEMM for layer 1
         assert step.gemms == 3 + 3 + 2
         assert step.local_gemms == 0
-        assert step.tiles > 0 and step.bytes_down > 0 and step.bytes_up > 0
+        assert step.tiles > 0 and step.bytes_up > 0
+        # operands cross, or are held already (the same bytes sent by an earlier test)
+        assert step.bytes_down + step.bytes_saved > 0
         assert step.emulated_s > 0 and step.fleet_s > 0 and step.host_s > 0
     assert session.totals["gemms"] == session.counts.remote == 16
 

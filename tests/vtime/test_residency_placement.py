@@ -94,3 +94,64 @@ def test_round_robin_is_untouched_and_still_gains_from_residency():
     block = BLOCK * k * 4
     # each device: its A block for each row (4), and the 2 B blocks of its columns
     assert sum(t["bytes_down"] for t in tiles) == 2 * (4 + 2) * block
+
+
+def gemm_of(gemm: int, a: np.ndarray, b: np.ndarray):
+    request = Gemm(gemm=gemm, dtype="float32", ta=False, tb=False, m=a.shape[0], n=b.shape[1],
+                   k=a.shape[1], lda=a.shape[1], ldb=b.shape[1],
+                   segments=(memoryview(a).cast("B"), memoryview(b).cast("B")))  # fmt: skip
+    return make_task(request)
+
+
+def test_a_step_keeps_what_it_used_and_drops_the_rest_at_its_end():
+    """Panels are named by their bytes: a later request of any step that needs bytes a
+    device holds is charged none of them. At a step's end each device lets go of the
+    panels no tile used in that step (the timeline says which), and keeps the others (a
+    weight that did not change)."""
+    dropped: list[tuple[int, list[int]]] = []
+    tl, sink = new_timeline(dropped=lambda device, panels: dropped.append((device, panels)))
+    tl.add_device(0, "d0", profile(bw=100 * MB))
+    tl.open_job(1, "job")
+    rng = np.random.default_rng(7)
+    x, y, w = (rng.standard_normal((BLOCK, BLOCK), np.float32) for _ in range(3))
+    rec, steps = Recorder(), []
+    for gemm, a in enumerate([x, x, y], start=1):  # one product a step; w in each
+        submit(tl, rec, 1, gemm_of(gemm, a, w), block=BLOCK, after=gemm - 1)
+        tl.mark_step(1, gemm, host_s=0.0, done=steps.append)
+    assert [t["bytes_down"] for t in records(sink, "tile")] == [2 * x.nbytes, 0, y.nbytes]
+    assert [s.link_saved for s in steps] == [0, 2 * x.nbytes, w.nbytes]
+    assert len(dropped) == 1, "only step 3's end lets one go"
+    (device, [panel]) = dropped[0]
+    memory = tl.devices[0].memory
+    assert device == 0 and panel not in memory.resident  # x's block
+    assert len(memory.resident) == 2 and memory.used == y.nbytes + w.nbytes
+
+
+def test_a_device_holding_a_requests_bytes_draws_it_where_that_pays():
+    """Greedy counts, for a device that holds some of a tile's blocks, only the bytes it
+    lacks. A compute-heavy product of x goes to the fast-computing device; a light one of
+    x after it would go by the full bytes to the device with the faster link, but goes to
+    the one that holds x, and ends sooner."""
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((4 * BLOCK, 4 * BLOCK), np.float32)
+    wide = rng.standard_normal((4 * BLOCK, 32 * BLOCK), np.float32)
+    narrow = rng.standard_normal((4 * BLOCK, BLOCK // 4), np.float32)
+
+    def light_product(held: bool) -> tuple[int, float]:
+        tl, sink = new_timeline()
+        if not held:
+            tl._held = lambda a, b: None  # type: ignore[method-assign]
+        tl.add_device(0, "link", profile("link", flops=1e9, bw=12 * MB, lat=0.0))
+        tl.add_device(1, "compute", profile("compute", flops=1e11, bw=10 * MB, lat=0.0))
+        tl.open_job(1, "job")
+        rec = Recorder()
+        submit(tl, rec, 1, gemm_of(1, x, wide), block=64 * BLOCK)
+        submit(tl, rec, 1, gemm_of(2, x, narrow), block=64 * BLOCK, after=1)
+        tl.close_job(1)
+        heavy, light = records(sink, "tile")
+        assert heavy["device"] == 1
+        return light["device"], records(sink, "gemm")[1]["end"]
+
+    (near, end_near), (far, end_far) = light_product(True), light_product(False)
+    assert (near, far) == (1, 0)
+    assert end_near < end_far

@@ -5,6 +5,7 @@ back."""
 from __future__ import annotations
 
 import io
+import itertools
 import json
 
 import numpy as np
@@ -42,9 +43,14 @@ def profile(
     )
 
 
+_seeds = itertools.count()
+
+
 def task(gemm: int, m: int, n: int, k: int, *, weight_b: tuple[int, int] | None = None) -> GemmTask:
-    a = np.ones((m, k), np.float32)
-    b = np.ones((k, n), np.float32)
+    # values of its own: devices keep panels by their bytes (blocks of ones are one panel)
+    rng = np.random.default_rng(next(_seeds))
+    a = rng.standard_normal((m, k), np.float32)
+    b = rng.standard_normal((k, n), np.float32)
     request = Gemm(
         gemm=gemm,
         dtype="float32",
