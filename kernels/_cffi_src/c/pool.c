@@ -12,7 +12,8 @@
  * own. Closing frees the free lists and refuses new leases, but the pool
  * object itself lives until its owner has called mg_pool_free (once nobody
  * can reach it any more) and its last leased buffer has come back; a call
- * racing with close or a late release therefore never touches freed memory. Errors are reported through errno (see mg_pool_acquire).
+ * racing with close or a late release therefore never touches freed memory.
+ * Errors are reported through errno (see mg_pool_acquire).
  */
 #include <errno.h>
 #include <pthread.h>
