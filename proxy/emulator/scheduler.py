@@ -147,7 +147,8 @@ class Scheduler:
 
     def drop_panels(self, device_id: int, panels: list[int]) -> None:
         """The emulated memory of ``device_id`` let ``panels`` go (a step's sweep): the
-        device may drop them, with its next tile (every tile that read them was sent)."""
+        device may drop them, with its next tile (one placed before and still queued that
+        reads one is answered TILE_MISSING, and goes again with its bytes: ``resend``)."""
         device = self.registry.devices.get(device_id)
         if device is not None:
             device.drop_panels.extend(panels)

@@ -76,7 +76,7 @@ class DeviceMemory:
             if isinstance(key, int):
                 touched.add(key)
             have = resident.get(key)
-            if have is not None and have[0] == version and key not in distrusted:
+            if have is not None and have[0] == version and key not in distrusted:  # ``holds``
                 resident.move_to_end(key)
                 held.add(key)
                 continue
@@ -96,6 +96,11 @@ class DeviceMemory:
             for key in victims:
                 self._evict(key, admission)
         return admission
+
+    def holds(self, key: Key, version: int) -> bool:
+        """Whether the block is resident at ``version``, and trusted."""
+        have = self.resident.get(key)
+        return have is not None and have[0] == version and key not in self.distrusted
 
     def sweep(self) -> list[int]:
         """Let go of the panels no tile placed or read since the last sweep (a step ended):

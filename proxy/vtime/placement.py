@@ -146,12 +146,10 @@ class Placement:
 
     def choose(self, now: float, work: Work, held: Mapping[int, int] | None = None) -> int:
         """The index (in ``devices``) of the device for one tile, which one can take
-        (``can_place``). ``held``: the tile's operand bytes each device (by index) holds
-        already, which greedy leaves out of that device's prediction."""
+        (``can_place``). ``held`` (greedy's only): the tile's operand bytes each device (by
+        index) holds already, which greedy leaves out of that device's prediction."""
         best = self._choose(now, work)
-        if held and self.policy == "greedy":
-            return self._holder(now, work, best, held)
-        return best
+        return self._holder(now, work, best, held) if held else best
 
     def _holder(self, now: float, work: Work, best: int, held: Mapping[int, int]) -> int:
         """``best``, or a device holding some of the tile's operands that would finish

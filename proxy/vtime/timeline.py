@@ -665,12 +665,9 @@ class Timeline(Generic[T]):
         link_down = link_up = 0
         operands = [tile.operands() for tile in gemm.tiles]
         planned = None
-        if (
-            self.residency
-            and pinned is None
-            and placement.policy == "greedy"
-            and len(gemm.tiles) > 1
-        ):
+        # greedy, free to choose, weighs where blocks are (a request's grid, a holder)
+        follows_data = self.residency and pinned is None and placement.policy == "greedy"
+        if follows_data and len(gemm.tiles) > 1:
             typical = self._work(task, gemm.tiles[0], *operands[0])
             planned = placement.plan(now, typical, [(a.key, b.key) for a, b in operands])
         for i, tile in enumerate(gemm.tiles):
@@ -679,7 +676,7 @@ class Timeline(Generic[T]):
             if planned is not None:
                 index = planned[i]
             elif pinned is None:
-                index = placement.choose(now, work, self._held(a, b))
+                index = placement.choose(now, work, self._held(a, b) if follows_data else None)
             else:
                 index = placement.index(pinned)
             device = placement.devices[index]
@@ -726,18 +723,16 @@ class Timeline(Generic[T]):
 
     def _held(self, a: Operand, b: Operand) -> dict[int, int] | None:
         """The bytes of ``a`` and ``b`` that each device (by index in the placement) holds
-        at their current version; None when none does, or residency is off."""
-        if not self.residency or not self._holders:
+        at their current version; None when none does (always, with residency off)."""
+        if not self._holders:  # (only residency fills it)
             return None
         held: dict[int, int] = {}
+        placement = self.placement
         for x in (a,) if a.key == b.key else (a, b):
             for device in self._holders.get(x.key, {}).values():
-                memory = device.memory
-                have = memory.resident.get(x.key)
-                if have is None or have[0] != x.version or x.key in memory.distrusted:
-                    continue
-                if self.placement.can_place(False, device.id):  # (it has not left)
-                    index = self.placement.index(device.id)
+                # it still holds the block, and has not left
+                if device.memory.holds(x.key, x.version) and placement.can_place(False, device.id):
+                    index = placement.index(device.id)
                     held[index] = held.get(index, 0) + x.nbytes
         return held or None
 

@@ -2,7 +2,7 @@
 
 An operand's bytes reach the emulator (GEMM) or a device (TILE) in one of six
 places: the message's own segment; the shared weights, by reference (``ref_*``);
-what the device kept of an earlier tile of the same request (a TILE's ``panel_*``);
+bytes the device kept from an earlier tile, named by them (a TILE's ``panel_*``);
 the operand arena, at a byte offset (a TILE's ``arena_*``); the job's slab of it,
 at a byte offset (a GEMM's ``slab_*``); or arrays handed over inside the emulator's
 process (``local``). C, likewise, comes back in the reply or is written where its
@@ -37,7 +37,7 @@ class Place(Enum):
 
     FRAME = "frame"  # the message's own segment
     WEIGHTS = "weights"  # the shared weights, by reference: mapped, or kept from an earlier TILE
-    KEPT = "kept"  # a panel the device kept from an earlier tile of the request (TILE)
+    KEPT = "kept"  # a panel the device kept from an earlier tile (TILE)
     ARENA = "arena"  # the operand arena, at a byte offset (TILE)
     SLAB = "slab"  # the job's slab of the arena, at a byte offset (GEMM)
     LOCAL = "local"  # arrays handed over in the emulator's process
@@ -95,7 +95,7 @@ def in_frame(ref: Sequence[int] = (), panel: int = 0) -> Location:
 
 
 def kept(panel: int) -> Location:
-    """A panel the device kept from an earlier tile of the same request."""
+    """A panel the device kept from an earlier tile."""
     return Location(Place.KEPT, panel=panel)
 
 
