@@ -64,9 +64,9 @@ log = logging.getLogger(__name__)
 INLINE_FLOPS = 1 << 20
 NO_BYTES = memoryview(b"")
 # What the agent announces in HELLO ``caps`` (docs/PROTOCOL.md): the convolution tiles it
-# computes, and that it keeps panels (version 1 each).
+# computes (version 1), and that it keeps panels (2: and reads a block within one kept).
 CONV_CAPABILITY = 1
-PANELS_CAPABILITY = 1
+PANELS_CAPABILITY = 2
 
 
 class _Missing(Exception):
@@ -283,12 +283,13 @@ class DeviceConnection(PeerProtocol):
         at = panel_operand(name, panel, segment=segment) if panel else IN_FRAME
         return conv_tile.operand(msg, index, self._held(at, segment))
 
-    def _held(self, at: Location, segment: Any) -> Any:
+    def _held(self, at: Location, segment: Any, itemsize: int = 0) -> Any:
         """An operand in the frame (``segment``, kept under its ref or panel id if it has
-        one) or kept by an earlier tile (``_Missing`` if it was not)."""
+        one) or kept by an earlier tile (``_Missing`` if it was not), from its element
+        ``at.within`` (of ``itemsize`` bytes) when it lies within what was kept."""
         if at.place is Place.KEPT:
             try:
-                return self.panels[at.panel]
+                return _from(self.panels[at.panel], at.within, itemsize)
             except KeyError:
                 raise _Missing(f"panel {at.panel} is not held") from None
         if at.ref:
@@ -302,23 +303,26 @@ class DeviceConnection(PeerProtocol):
         under the ref or panel id they come with), a panel kept before, the operand arena,
         or the weight block its ref names, read from the shared weights or from what was
         kept."""
+        itemsize = np.dtype(msg.dtype).itemsize
         if at.place is Place.FRAME or at.place is Place.KEPT:
-            return self._held(at, msg.segments[0 if which == "a" else 1])
+            return self._held(at, msg.segments[0 if which == "a" else 1], itemsize)
         if at.place is Place.ARENA:
             if self.arena is None:
                 raise ValueError(
                     f"arena_{which}={at.offset}, but this device maps no operand arena"
                 )
-            if which == "a":
-                rows, cols, ld = (msg.k, msg.m, msg.lda) if msg.ta else (msg.m, msg.k, msg.lda)
-            else:
-                rows, cols, ld = (msg.n, msg.k, msg.ldb) if msg.tb else (msg.k, msg.n, msg.ldb)
-            return self.arena.block(at.offset, rows, cols, ld, msg.dtype)
+            rows, cols = _stored(msg, which)
+            return self.arena.block(at.offset, rows, cols, msg.lda if which == "a" else msg.ldb,
+                                    msg.dtype)  # fmt: skip
         if self.weights is not None:
             offset, rows, cols, ld, _ = at.ref
+            if at.within != -1:  # the tile's block, inside the one the ref names
+                ld = msg.lda if which == "a" else msg.ldb
+                rows, cols = _stored(msg, which)
+                offset += at.within * itemsize
             return self.weights.block(offset, rows, cols, ld, msg.dtype)
         try:
-            return self.cache[at.ref]
+            return _from(self.cache[at.ref], at.within, itemsize)
         except KeyError:
             raise _Missing(f"weight reference {list(at.ref)} is neither mapped nor held") from None
 
@@ -357,6 +361,24 @@ class DeviceConnection(PeerProtocol):
         if self.open:
             self.send(ProbeFlopsResult(probe=msg.probe, compute_ns=best.compute_ns,
                                        segments=(best.out,)))  # fmt: skip
+
+
+def _stored(msg: Tile, which: str) -> tuple[int, int]:
+    """The rows and columns of a tile's operand ``which`` as stored."""
+    if which == "a":
+        return (msg.k, msg.m) if msg.ta else (msg.m, msg.k)
+    return (msg.n, msg.k) if msg.tb else (msg.k, msg.n)
+
+
+def _from(kept: Any, within: int, itemsize: int) -> Any:
+    """The bytes ``kept`` from element ``within`` on (-1: all of them); a ``ValueError``
+    past their end (the kernel checks that the operand's layout fits in what is left)."""
+    if within == -1:
+        return kept
+    view = memoryview(kept).cast("B")
+    if within * itemsize >= view.nbytes:
+        raise ValueError(f"element {within} is past the {view.nbytes} bytes kept")
+    return view[within * itemsize :]
 
 
 def backoff_s(attempt: int, max_s: float) -> float:

@@ -87,6 +87,7 @@ class ConvOperand:
     task: Task = field(repr=False, compare=False)
     offset = None
     version = 0
+    region = None  # (a convolution's operand lies within no other)
 
     @property
     def nbytes(self) -> int:

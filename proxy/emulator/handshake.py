@@ -69,7 +69,7 @@ def hello(conn: PeerConnection, msg: Hello) -> None:
             arena=maps_arena,
             local=local,
             conv=_version(caps.get("conv")) >= 1,
-            panels=_version(caps.get("panels")) >= 1,
+            panels=max(0, _version(caps.get("panels"))),
         )
         peer_id = device.id
         if local:  # TILE and TILE_RESULT without bytes may skip the socket

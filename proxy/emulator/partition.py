@@ -25,7 +25,7 @@ import numpy as np
 from morphling.proxy.shm.handover import JobOperands, Writers
 from morphling.proxy.shm.weights import SharedWeights
 from morphling.proxy.vtime.eventlog import GEMM_OP
-from morphling.proxy.vtime.memory import Key
+from morphling.proxy.vtime.memory import Key, Region
 from morphling.proxy.wire.messages import GEMM_DTYPES, Gemm
 from morphling.proxy.wire.operands import (
     Location,
@@ -34,7 +34,7 @@ from morphling.proxy.wire.operands import (
     gemm_locations,
 )
 
-from .task import GemmError, Task, TaskTile, tile_ids
+from .task import GemmError, Task, TaskTile, panel_names, tile_ids
 
 
 @dataclass(eq=False)
@@ -83,7 +83,8 @@ class Block:
 
     ``span`` is its memory as stored; ``offset`` is where that lies in the shared
     weights (None for a job's own bytes) and ``version`` the weight's version; a job's
-    own block is a ``panel``, named by the bytes it is sent as (``task``'s).
+    own block is a ``panel`` of its operand's matrix (``task``'s, ``which`` of pivot
+    ``pivot``, named by its bytes), from stored row ``row`` and column ``col``.
     """
 
     span: np.ndarray
@@ -93,6 +94,10 @@ class Block:
     offset: int | None = None
     version: int = 0
     task: GemmTask | None = field(default=None, repr=False, compare=False)
+    which: str = "a"
+    pivot: int = 0
+    row: int = 0
+    col: int = 0
 
     @property
     def packs(self) -> bool:
@@ -109,10 +114,25 @@ class Block:
         return self.rows * self.cols * self.span.itemsize
 
     @cached_property
+    def region(self) -> Region:
+        """Where the block lies (``memory.Region``), so that a device holding a block
+        around it is known to hold it: in its operand's matrix (named by its bytes when
+        first asked: only residency asks), or in the shared weights, rows ``ld`` apart."""
+        if self.offset is not None:
+            item = self.span.itemsize
+            first, ld = self.offset // item, self.ld
+            space = ("weights", ld, item)
+            return (space, first // ld, first % ld, self.rows, self.cols, self.sent_ld)
+        assert self.task is not None, "a job's own block knows its task"
+        matrix = self.task.matrix(self.which, self.pivot)
+        return (matrix, self.row, self.col, self.rows, self.cols, self.sent_ld)
+
+    @cached_property
     def panel(self) -> int:
-        """A job's own block's panel id (hashed when first asked: only residency asks)."""
-        assert self.task is not None, "a weight block is no panel"
-        return self.task.panel(self.task.packed(self)[0])
+        """A job's own block's panel id."""
+        assert self.offset is None, "a weight block is no panel"
+        matrix, row, col, rows, cols, _ = self.region
+        return panel_names.panel(matrix, row, col, rows, cols)
 
     @cached_property
     def key(self) -> Key:
@@ -155,25 +175,41 @@ class GemmTask(Task):
             block = self._blocks[key] = self._make_block(which, pivot, lo, hi)
         return block
 
-    def _make_block(self, which: str, pivot: int, lo: int, hi: int) -> Block:
+    def _stored(self, which: str) -> tuple[np.ndarray, int, int, bool, int, int]:
+        """Operand ``which`` as stored: its elements, leading dimension, pivot stride,
+        whether op() transposes it (op(B)'s columns are B's rows when B is stored
+        transposed), and one pivot's stored rows and columns."""
         g = self.request
         if which == "a":
-            flat, ld, stride, trans, inner = self.a, g.lda, g.stride_a, g.ta, g.k
-        else:  # op(B)'s columns are B's rows when B is stored transposed
-            flat, ld, stride, trans, inner = self.b, g.ldb, g.stride_b, not g.tb, g.k
+            rows, cols = (g.k, g.m) if g.ta else (g.m, g.k)
+            return self.a, g.lda, g.stride_a, g.ta, rows, cols
+        rows, cols = (g.n, g.k) if g.tb else (g.k, g.n)
+        return self.b, g.ldb, g.stride_b, not g.tb, rows, cols
+
+    def _make_block(self, which: str, pivot: int, lo: int, hi: int) -> Block:
+        flat, ld, stride, trans, stored_rows, stored_cols = self._stored(which)
         base = pivot * stride
         if not trans:  # the block is whole stored rows lo:hi
-            start, rows, cols = base + lo * ld, hi - lo, inner
+            row, col, rows, cols = lo, 0, hi - lo, stored_cols
         else:  # the block is stored columns lo:hi of every row
-            start, rows, cols = base + lo, inner, hi - lo
-        if rows == 0 or cols == 0:
-            return Block(flat[:0], rows, cols, max(1, cols), task=self)
-        span = flat[start : start + (rows - 1) * ld + cols]
+            row, col, rows, cols = 0, lo, stored_rows, hi - lo
+        start = base + row * ld + col
         weight = self.weights.get(which)
+        if rows == 0 or cols == 0:
+            span, ld, weight = flat[:0], max(1, cols), None
+        else:
+            span = flat[start : start + (rows - 1) * ld + cols]
         if weight is None:
-            return Block(span, rows, cols, ld, task=self)
+            return Block(span, rows, cols, ld, None, 0, self, which, pivot, row, col)
         offset, version = weight
         return Block(span, rows, cols, ld, offset + start * flat.itemsize, version)
+
+    def matrix(self, which: str, pivot: int) -> int:
+        """The ``PanelNames.matrix`` id of pivot ``pivot`` of operand ``which`` as stored."""
+        flat, ld, stride, _, rows, cols = self._stored(which)
+        start = pivot * stride
+        where = (flat.ctypes.data + start * flat.itemsize, rows, cols, ld)
+        return self.named(where, lambda: _packed(flat[start:], rows, cols, ld))
 
     def packed(self, block: Block) -> tuple[np.ndarray, int]:
         """The bytes to send for ``block`` and their leading dimension: the span, or the
@@ -184,11 +220,8 @@ class GemmTask(Task):
             return block.span, block.ld
         key = (block.span.ctypes.data, block.rows, block.cols, block.ld)
         if key not in self._packed:
-            item = block.span.itemsize
-            view = np.lib.stride_tricks.as_strided(
-                block.span, shape=(block.rows, block.cols), strides=(block.ld * item, item)
-            )
-            self._packed[key] = (np.ascontiguousarray(view).reshape(-1), block.sent_ld)
+            packed = _packed(block.span, block.rows, block.cols, block.ld).reshape(-1)
+            self._packed[key] = (packed, block.sent_ld)
         return self._packed[key]
 
     def tile_count(self, block: int) -> int:
@@ -209,6 +242,16 @@ class GemmTask(Task):
         ]
         self.remaining = len(tiles)
         return tiles
+
+
+def _packed(flat: np.ndarray, rows: int, cols: int, ld: int) -> np.ndarray:
+    """``rows × cols`` stored from ``flat[0]`` with leading dimension ``ld``, C-contiguous
+    (a view where they are already)."""
+    if ld == cols or rows <= 1:
+        return flat[: rows * cols].reshape(rows, cols)
+    item = flat.itemsize
+    view = np.lib.stride_tricks.as_strided(flat, shape=(rows, cols), strides=(ld * item, item))
+    return np.ascontiguousarray(view)
 
 
 def _extent(name: str, rows: int, cols: int, ld: int, stride: int, batch: int) -> int:

@@ -47,7 +47,9 @@ class DeviceRecord:
     arena: bool = False  # maps the emulator's operand arena (same host)
     local: bool = False  # runs in the emulator's process: takes tiles as arrays (``local``)
     conv: bool = False  # computes convolution tiles (HELLO ``caps.conv``)
-    panels: bool = False  # keeps panels sent to keep until told to drop them (``caps.panels``)
+    # ``caps.panels``: 1, it keeps panels sent to keep until told to drop them; 2, it also
+    # reads a block within a panel or weight block it keeps (``within_*``)
+    panels: int = 0
 
     def take(self, tile: AnyTile) -> None:
         self.outstanding[tile.id] = tile
@@ -80,7 +82,7 @@ class Registry:
         arena: bool = False,
         local: bool = False,
         conv: bool = False,
-        panels: bool = False,
+        panels: int = 0,
     ) -> DeviceRecord:
         record = DeviceRecord(
             next(self._ids),

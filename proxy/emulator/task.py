@@ -13,6 +13,7 @@ import itertools
 import math
 from abc import ABC, abstractmethod
 from collections import OrderedDict
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -26,30 +27,38 @@ tile_ids = itertools.count(1)  # every tile's, a GEMM's or a convolution's: one 
 
 
 class PanelNames:
-    """Operand panels named by their content: the same bytes get the same id in every
+    """Operand bytes named by their content: the same bytes get the same id in every
     request, so a device that kept them (an activation in its forward and grad-weight
     products, a weight in its forward and grad-input products) is sent the id instead.
 
-    A name is the bytes' 128-bit xxh3 digest and length; the newest ``capacity`` names are
+    ``matrix`` names an array's bytes (its 128-bit xxh3 digest) and shape; ``panel`` a
+    block of a named matrix, so that the emulator knows one panel to lie within another
+    (a column block of a matrix sent whole). The newest ``capacity`` names are
     remembered, and ids are never given twice, so a name forgotten costs a resend under a
     new id, never a wrong block."""
 
     def __init__(self, capacity: int = 1 << 16) -> None:
         self.capacity = capacity
-        self._ids: OrderedDict[tuple[int, int], int] = OrderedDict()
+        self._ids: OrderedDict[Hashable, int] = OrderedDict()
         self._next = itertools.count(1)
 
-    def name(self, data: np.ndarray) -> int:
-        """The id of the bytes of ``data`` (C-contiguous)."""
-        key = (xxhash.xxh3_128_intdigest(data.data), data.nbytes)
-        panel = self._ids.get(key)
-        if panel is None:
-            panel = self._ids[key] = next(self._next)
+    def matrix(self, data: np.ndarray) -> int:
+        """The id of the bytes of ``data`` (C-contiguous) in its shape."""
+        return self._id((xxhash.xxh3_128_intdigest(data.data), data.shape))
+
+    def panel(self, matrix: Hashable, row: int, col: int, rows: int, cols: int) -> int:
+        """The id of rows ``row:row+rows`` and columns ``col:col+cols`` of ``matrix``."""
+        return self._id((matrix, row, col, rows, cols))
+
+    def _id(self, key: Hashable) -> int:
+        got = self._ids.get(key)
+        if got is None:
+            got = self._ids[key] = next(self._next)
             if len(self._ids) > self.capacity:
                 self._ids.popitem(last=False)
         else:
             self._ids.move_to_end(key)
-        return panel
+        return got
 
 
 panel_names = PanelNames()  # the process's: its emulators' devices keep panels by these ids
@@ -92,26 +101,28 @@ class Task:
     in_slab: bool = False  # an operand or C is in the job's slab
     slab_retired: bool = False  # its C is in a slab a lost device may still write into
     writers: Writers | None = None  # kernels writing into C, a job's own array (``local``)
-    # Its operand panels (blocks that are not weights) named so far, by where their bytes
-    # lie (each is hashed once however many tiles need it).
-    _panels: dict[tuple[int, ...], int] = field(default_factory=dict)
+    # Its operands' bytes named so far (``PanelNames.matrix``), by where they lie: each is
+    # hashed once however many tiles need them.
+    _names: dict[tuple[int, ...], int] = field(default_factory=dict)
     resent: int = 0  # tiles sent again with their bytes: their device had lost a panel
 
     @property
     def id(self) -> int:
         return self.request.gemm
 
-    def panel(self, data: np.ndarray, where: tuple[int, ...] | None = None) -> int:
-        """The id of the operand panel whose bytes (as sent, C-contiguous) are ``data``
-        (``PanelNames``), found at ``where`` (by default ``data``'s address and length):
-        the same bytes, the same panel, whichever tiles and requests need them (a row of
-        tiles shares its A block, a broadcast operand is one block for every pivot)."""
-        if where is None:
-            where = (data.ctypes.data, data.nbytes)
-        panel = self._panels.get(where)
-        if panel is None:
-            panel = self._panels[where] = panel_names.name(data)
-        return panel
+    def panel(self, data: np.ndarray, where: tuple[int, ...]) -> int:
+        """The id of the bytes ``data`` (as sent, C-contiguous) of a view found at ``where``
+        (its address, shape and strides): the same bytes, the same id, whichever tiles
+        and requests need them."""
+        return self.named(where, lambda: data)
+
+    def named(self, where: tuple[int, ...], data: Callable[[], np.ndarray]) -> int:
+        """The ``PanelNames.matrix`` id of the bytes ``data()`` gives, found at ``where``
+        (asked once per place)."""
+        name = self._names.get(where)
+        if name is None:
+            name = self._names[where] = panel_names.matrix(data())
+        return name
 
     @property
     def in_place(self) -> bool:

@@ -5,7 +5,9 @@ Each operand block goes to the device the cheapest way it can take it (its
 and writes C there when the GEMM's output does; one that maps the shared weights
 reads weight blocks from its mapping; one whose emulated memory holds the block (a
 weight block at its current version, or a panel, the same bytes sent before by any
-request) gets only its reference; a device in the emulator's own process is handed the arrays
+request) gets only its reference, and one whose memory holds a block around it (a
+column block of a matrix it was sent whole) gets that block's reference and where the
+tile's lies in it; a device in the emulator's own process is handed the arrays
 (``local``). Anything else goes as bytes, with the weight's reference or the panel's
 id when the device is to keep them (its emulated memory admitted them). The
 TILE_RESULT must then carry C as its TILE asked (``operands.check_tile_result``).
@@ -120,13 +122,21 @@ class TileMessages:
         at = self.arena.offset_of(block.span) if self.arena is not None and device.arena else None
         if at is not None:  # it reads the span from its mapping of the arena
             return Sent(block.span[:0], block.ld, in_arena(at))
+        if block.offset is not None and device.colocated:  # from its mapping of the weights
+            return Sent(block.span[:0], block.ld, in_weights(block.ref))
+        inside = admission.within.get(block.key) if admission is not None else None
+        if inside is not None:  # it holds the block within one it kept
+            if device.panels < 2:  # it reads no block within another: bytes, kept nowhere
+                return Sent(*task.packed(block), IN_FRAME)
+            container, within, ld = inside
+            if isinstance(container, int):
+                return Sent(block.span[:0], ld, kept(container, within))
+            return Sent(block.span[:0], ld, in_weights((*container, block.version), within))
         if block.offset is None:
             where = _panel(device, block.panel, admission)
             if where.place is Place.KEPT:
                 return Sent(block.span[:0], block.sent_ld, where)
             return Sent(*task.packed(block), where)
-        if device.colocated:  # it reads the span from its mapping of the weights
-            return Sent(block.span[:0], block.ld, in_weights(block.ref))
         if admission is None:
             return Sent(*task.packed(block), IN_FRAME)
         if block.key in admission.held:  # it holds the bytes sent before

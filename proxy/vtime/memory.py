@@ -19,17 +19,29 @@ request that needs the same bytes reuses it. A training step's panels are of no 
 to the next (its activations and weights are new), so at each step's end ``sweep``
 lets go of those no tile used since the last sweep; those used (a frozen weight
 sent as bytes, say) stay.
+
+A block may also be held *within* another: a column block of a weight whose row block
+the device holds whole, a grad-weight product's block of an activation sent whole for
+the forward one. Each kept block may come with its ``Region``: the matrix it is a block
+of (a panel's: the matrix named by its bytes; a weight's: the shared weights, rows ``ld``
+elements apart) and where in it. A block inside one the device holds at its version is
+held: the tile reads it at an element offset into the kept bytes (``Admission.within``),
+and nothing crosses.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 WeightKey = tuple[int, int, int, int]  # offset, rows, cols, ld
 Key = WeightKey | int  # a weight block's, or a panel's id
+# Where a block lies: its matrix, first row and column there, rows, cols, and the leading
+# dimension of its bytes as the device keeps them.
+Region = tuple[Hashable, int, int, int, int, int]
+Block = tuple[Key, int, int, Region | None]  # key, version, bytes, region (None: not known)
 
 
 @dataclass(slots=True)
@@ -42,6 +54,8 @@ class Admission:
     kept: AbstractSet[Key] = frozenset()  # blocks resident once it is placed
     evicted: Sequence[list[int]] = ()  # weight refs the device may drop
     evicted_panels: Sequence[int] = ()  # panels the device may drop
+    # Blocks held within another: key → (the kept block's key, element offset, its ld).
+    within: Mapping[Key, tuple[Key, int, int]] = field(default_factory=dict)
 
 
 class DeviceMemory:
@@ -52,14 +66,17 @@ class DeviceMemory:
         self.resident: OrderedDict[Key, tuple[int, int]] = OrderedDict()  # → (version, bytes)
         self.distrusted: set[Key] = set()  # kept, but perhaps not what is there now
         self.touched: set[Key] = set()  # panels placed or read since the last ``sweep``
+        self.regions: dict[Key, Region] = {}  # the resident blocks' regions, where known
+        self._by_matrix: dict[Hashable, set[Key]] = {}  # resident blocks by their matrix
         self.used = 0
         self.oom_events = 0
 
-    def admit(self, blocks: Sequence[tuple[Key, int, int]], transient: int) -> Admission:
-        """Place a tile: its operand ``blocks`` as (key, version, bytes), plus
+    def admit(self, blocks: Sequence[Block], transient: int) -> Admission:
+        """Place a tile: its operand ``blocks`` as (key, version, bytes, region), plus
         ``transient`` bytes (its output) that live only while it runs. A and B may be one
         block (the diagonal tiles of W·Wᵀ): it is held once, and is held already only if
-        it was before this tile. (Every tile the clock places comes through here: it is
+        it was before this tile. A block inside one held (``within``) is held, and keeps
+        that one from eviction. (Every tile the clock places comes through here: it is
         written for speed.)"""
         if len(blocks) == 2 and blocks[0][0] == blocks[1][0]:
             blocks = blocks[:1]
@@ -71,8 +88,9 @@ class DeviceMemory:
             return Admission(fits=False)
         resident, distrusted, touched = self.resident, self.distrusted, self.touched
         held: set[Key] = set()
-        admission = Admission(True, held, {block[0] for block in blocks})
-        for key, version, nbytes in blocks:
+        kept = {block[0] for block in blocks}
+        admission = Admission(True, held, kept)
+        for key, version, nbytes, region in blocks:
             if isinstance(key, int):
                 touched.add(key)
             have = resident.get(key)
@@ -82,20 +100,64 @@ class DeviceMemory:
                 continue
             if have is not None:  # another version, or distrusted: useless now
                 self._evict(key, admission)
+            if region is not None and region[0] in self._by_matrix:
+                inside = self._inside(region, version)
+                if inside is not None:
+                    container = inside[0]
+                    resident.move_to_end(container)
+                    if isinstance(container, int):
+                        touched.add(container)
+                    held.add(key)
+                    kept.add(container)
+                    admission.within = {**admission.within, key: inside}
+                    continue
             resident[key] = (version, nbytes)
             self.used += nbytes
+            if region is not None:
+                self.regions[key] = region
+                self._by_matrix.setdefault(region[0], set()).add(key)
         if self.used + transient > self.capacity:  # least recently used first, to fit
             victims = []
             room = self.used + transient - self.capacity
             for key, (_, nbytes) in resident.items():
                 if room <= 0:
                     break
-                if key not in admission.kept:
+                if key not in kept:
                     victims.append(key)
                     room -= nbytes
             for key in victims:
                 self._evict(key, admission)
         return admission
+
+    def _inside(self, region: Region, version: int) -> tuple[Key, int, int] | None:
+        """A resident block at ``version`` that ``region`` lies within: its key, the
+        element offset of ``region``'s first element in its bytes, and their ld."""
+        matrix, row, col, rows, cols, _ = region
+        for key in self._by_matrix[matrix]:
+            _, r0, c0, rows0, cols0, ld = self.regions[key]
+            if (
+                r0 <= row
+                and row + rows <= r0 + rows0
+                and c0 <= col
+                and col + cols <= c0 + cols0
+                and self.holds(key, version)
+            ):
+                return key, (row - r0) * ld + (col - c0), ld
+        return None
+
+    def covers(self, key: Key, version: int, region: Region | None) -> bool:
+        """Whether the block is held at ``version``: itself, or within one held."""
+        if self.holds(key, version):
+            return True
+        return (
+            region is not None
+            and region[0] in self._by_matrix
+            and self._inside(region, version) is not None
+        )
+
+    def keeps(self, anchor: Hashable) -> bool:
+        """Whether any resident block is ``anchor`` (a key) or a block of it (a matrix)."""
+        return anchor in self._by_matrix or anchor in self.resident
 
     def holds(self, key: Key, version: int) -> bool:
         """Whether the block is resident at ``version``, and trusted."""
@@ -108,8 +170,7 @@ class DeviceMemory:
         touched = self.touched
         stale = [key for key in self.resident if isinstance(key, int) and key not in touched]
         for key in stale:
-            self.used -= self.resident.pop(key)[1]
-            self.distrusted.discard(key)
+            self._forget(key)
         self.touched = set()
         return stale
 
@@ -119,10 +180,21 @@ class DeviceMemory:
         sent again, and dropped under its old ref, when next used."""
         self.distrusted = set(self.resident)
 
-    def _evict(self, key: Key, admission: Admission) -> None:
+    def _forget(self, key: Key) -> int:
+        """Take ``key`` out of the memory; its version."""
         self.distrusted.discard(key)
         version, nbytes = self.resident.pop(key)
         self.used -= nbytes
+        region = self.regions.pop(key, None)
+        if region is not None:
+            blocks = self._by_matrix[region[0]]
+            blocks.discard(key)
+            if not blocks:
+                del self._by_matrix[region[0]]
+        return version
+
+    def _evict(self, key: Key, admission: Admission) -> None:
+        version = self._forget(key)
         if isinstance(key, int):
             admission.evicted_panels = [*admission.evicted_panels, key]
         else:

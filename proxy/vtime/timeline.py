@@ -39,7 +39,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, NamedTuple, TypeVar
 
@@ -63,7 +63,7 @@ from .eventlog import (
     attribute,
     critical_breakdown,
 )
-from .memory import Admission, Key
+from .memory import Admission
 from .placement import Placement
 from .vdevice import VirtualDevice, Work
 from .work import GemmWork, Operand, TileWork
@@ -263,7 +263,7 @@ class Timeline(Generic[T]):
         self.residency = residency
         self.dropped = dropped
         # the devices that took each block in to keep (some may have let it go since)
-        self._holders: dict[Key, dict[int, VirtualDevice]] = {}
+        self._holders: dict[Hashable, dict[int, VirtualDevice]] = {}
         self.clock = Clock()
         self.placement = Placement(policy)
         self.log = log or EventLog()
@@ -508,7 +508,7 @@ class Timeline(Generic[T]):
         self._holders = {
             key: still
             for key, devices in self._holders.items()
-            if (still := {i: d for i, d in devices.items() if key in d.memory.resident})
+            if (still := {i: d for i, d in devices.items() if d.memory.keeps(key)})
         }
 
     def _log_step(self, job: _Job, times: StepTimes, local_gemms: int) -> None:
@@ -665,9 +665,11 @@ class Timeline(Generic[T]):
         link_down = link_up = 0
         operands = [tile.operands() for tile in gemm.tiles]
         planned = None
-        # greedy, free to choose, weighs where blocks are (a request's grid, a holder)
+        # greedy, free to choose, weighs where blocks are: a device holding some (or blocks
+        # around them) draws the tiles that need them; with none held, the request's grid
         follows_data = self.residency and pinned is None and placement.policy == "greedy"
-        if follows_data and len(gemm.tiles) > 1:
+        held_somewhere = follows_data and any(self._held(a, b) for a, b in operands)
+        if follows_data and len(gemm.tiles) > 1 and not held_somewhere:
             typical = self._work(task, gemm.tiles[0], *operands[0])
             planned = placement.plan(now, typical, [(a.key, b.key) for a, b in operands])
         for i, tile in enumerate(gemm.tiles):
@@ -729,9 +731,10 @@ class Timeline(Generic[T]):
         held: dict[int, int] = {}
         placement = self.placement
         for x in (a,) if a.key == b.key else (a, b):
-            for device in self._holders.get(x.key, {}).values():
-                # it still holds the block, and has not left
-                if device.memory.holds(x.key, x.version) and placement.can_place(False, device.id):
+            for device in self._holders.get(_anchor(x), {}).values():
+                # it still holds the block (or one around it), and has not left
+                covered = device.memory.covers(x.key, x.version, x.region)
+                if covered and placement.can_place(False, device.id):
                     index = placement.index(device.id)
                     held[index] = held.get(index, 0) + x.nbytes
         return held or None
@@ -755,7 +758,7 @@ class Timeline(Generic[T]):
         else:  # panels live only while their tile runs
             kept = [x for x in (a, b) if x.offset is not None]
             transient = work.bytes_up + sum(x.nbytes for x in (a, b) if x.offset is None)
-        admission = memory.admit([(x.key, x.version, x.nbytes) for x in kept], transient)
+        admission = memory.admit([(x.key, x.version, x.nbytes, x.region) for x in kept], transient)
         if not admission.fits:
             job, task = gemm.job, gemm.task
             times.oom += 1
@@ -786,7 +789,7 @@ class Timeline(Generic[T]):
         if self.residency:
             for x in kept:
                 if x.key not in held:
-                    self._holders.setdefault(x.key, {})[device.id] = device
+                    self._holders.setdefault(_anchor(x), {})[device.id] = device
         if held:
             resident = (a.nbytes if a.key in held else 0) + (b.nbytes if b.key in held else 0)
             times.link_saved += resident
@@ -952,6 +955,13 @@ def _link(device: VirtualDevice | None) -> Link:
         return Link(0.0, math.inf, 0.0, math.inf)
     p = device.profile
     return Link(p.ul_lat_s, p.ul_bw, p.dl_lat_s, p.dl_bw)
+
+
+def _anchor(x: Operand) -> Hashable:
+    """What the timeline finds the devices holding ``x`` by: the matrix it is a block of
+    (a holder may keep a block around it), or its key."""
+    region = x.region
+    return x.key if region is None else region[0]
 
 
 def _gemm_shape(key: _GemmKey) -> GemmShape:

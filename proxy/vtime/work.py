@@ -14,7 +14,7 @@ from typing import Protocol
 from morphling.devices.models.compute import GemmShape
 from morphling.devices.models.conv_shape import ConvShape
 
-from .memory import Key
+from .memory import Key, Region
 
 
 def implicit_gemm(conv: ConvShape) -> GemmShape:
@@ -73,6 +73,8 @@ class Operand(Protocol):
     def sent_ld(self) -> int: ...
     @property
     def key(self) -> Key: ...
+    @property
+    def region(self) -> Region | None: ...  # where it lies, for a block within one held
 
 
 class TileWork(Protocol):

@@ -249,6 +249,10 @@ class Tile(Message):
     empty segment, it reads the ones it kept (none kept: TILE_MISSING). ``drop_panels``
     lists panels the device may forget.
 
+    ``within_a``/``within_b`` >= 0 (segment empty, ``panel_*`` or ``ref_*`` given): the
+    operand lies within the block kept under that panel or ref, its first element that
+    many elements into it, rows ``lda``/``ldb`` apart (-1: it is the block itself).
+
     ``arena_a``/``arena_b`` >= 0 (segment empty): the operand's first element
     is at that byte offset in the emulator's operand arena, which the device
     maps; -1: it is not there. ``arena_c`` >= 0: write C there instead, rows
@@ -272,6 +276,8 @@ class Tile(Message):
     panel_a: int = 0
     panel_b: int = 0
     drop_panels: list[int] = field(default_factory=list)
+    within_a: int = -1
+    within_b: int = -1
     arena_a: int = -1
     arena_b: int = -1
     arena_c: int = -1

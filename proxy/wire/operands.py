@@ -53,6 +53,9 @@ class Location(NamedTuple):
     ref: tuple[int, ...] = ()
     # A TILE's panel id: with KEPT, the one to read; with FRAME, the bytes to keep under it.
     panel: int = 0
+    # KEPT, or WEIGHTS kept (not mapped): the operand lies within the block kept, from this
+    # element of it (-1: it is that block).
+    within: int = -1
 
     @property
     def in_place(self) -> bool:
@@ -78,6 +81,8 @@ class TileFields(TypedDict):
     ref_b: list[int]
     panel_a: int
     panel_b: int
+    within_a: int
+    within_b: int
     arena_a: int
     arena_b: int
     arena_c: int
@@ -94,13 +99,14 @@ def in_frame(ref: Sequence[int] = (), panel: int = 0) -> Location:
     return Location(Place.FRAME, ref=tuple(ref), panel=panel) if ref or panel else IN_FRAME
 
 
-def kept(panel: int) -> Location:
-    """A panel the device kept from an earlier tile."""
-    return Location(Place.KEPT, panel=panel)
+def kept(panel: int, within: int = -1) -> Location:
+    """A panel the device kept from an earlier tile (from its element ``within``)."""
+    return Location(Place.KEPT, panel=panel, within=within)
 
 
-def in_weights(ref: Sequence[int]) -> Location:
-    return Location(Place.WEIGHTS, ref[0], tuple(ref))
+def in_weights(ref: Sequence[int], within: int = -1) -> Location:
+    """A weight block by reference (``within``: from that element of the block kept)."""
+    return Location(Place.WEIGHTS, ref[0], tuple(ref), within=within)
 
 
 def in_arena(offset: int) -> Location:
@@ -186,6 +192,8 @@ def tile_fields(a: Location, b: Location, c: Location = IN_FRAME) -> TileFields:
         ref_b=list(b.ref),
         panel_a=a.panel,
         panel_b=b.panel,
+        within_a=a.within,
+        within_b=b.within,
         arena_a=a.offset if a.place is Place.ARENA else -1,
         arena_b=b.offset if b.place is Place.ARENA else -1,
         arena_c=c.offset if c.place is Place.ARENA else -1,
@@ -195,8 +203,10 @@ def tile_fields(a: Location, b: Location, c: Location = IN_FRAME) -> TileFields:
 
 def tile_locations(msg: Tile) -> tuple[Location, Location, Location]:
     """Where a tile's A, B and C are, from its fields (``OperandError`` naming the field)."""
-    a = _tile_operand("a", msg.ref_a, msg.panel_a, msg.arena_a, msg.segments[0], msg.local)
-    b = _tile_operand("b", msg.ref_b, msg.panel_b, msg.arena_b, msg.segments[1], msg.local)
+    a = _within("a", msg.within_a, _tile_operand("a", msg.ref_a, msg.panel_a, msg.arena_a,
+                                                 msg.segments[0], msg.local))  # fmt: skip
+    b = _within("b", msg.within_b, _tile_operand("b", msg.ref_b, msg.panel_b, msg.arena_b,
+                                                 msg.segments[1], msg.local))  # fmt: skip
     if msg.local:
         if msg.arena_c != -1:
             raise OperandError("arena_c: C was handed over (local), it cannot be in the arena")
@@ -230,6 +240,21 @@ def _tile_operand(
         return IN_FRAME
     checked = _ref(f"ref_{name}", ref, TILE_REF)
     return in_frame(checked) if memoryview(segment).nbytes else in_weights(checked)
+
+
+def _within(name: str, within: int, at: Location) -> Location:
+    """``at`` read from element ``within`` of the block it names; ``OperandError`` unless
+    that block is one kept (a panel, or a weight block by reference) or ``within`` is -1."""
+    if within == -1:
+        return at
+    if within < 0:
+        raise OperandError(f"within_{name}={within}: expected an element offset >= 0, or -1")
+    if at.place not in (Place.KEPT, Place.WEIGHTS):
+        raise OperandError(
+            f"within_{name}={within}: operand {name} is not a kept panel or a weight "
+            "block by reference (its segment must be empty)"
+        )
+    return at._replace(within=within)
 
 
 def panel_operand(

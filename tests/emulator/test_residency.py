@@ -9,8 +9,10 @@ crosses the socket and the RESULT's ``bytes_down`` counts them.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import numpy as np
+from morphling.devices import agent as agent_module
 from morphling.devices.agent import DeviceAgent
 from morphling.proxy.job.client import AsyncClient
 from morphling.proxy.wire.messages import Result
@@ -71,6 +73,51 @@ async def test_each_panel_crosses_once_and_the_links_are_charged_what_crossed(fl
     now = set(agent.connection.panels)
     assert len(now) == M // BLOCK + N // BLOCK
     assert len(first & now) == N // BLOCK, "A's panels were dropped, B's kept"
+
+
+def weight_use(seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A layer's weight W [BLOCK, K] (one block of rows: sent whole), its input x [M, K]
+    and an output gradient y [M, BLOCK]."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((BLOCK, K), dtype=np.float32)
+    return w, rng.standard_normal((M, K), np.float32), rng.standard_normal((M, BLOCK), np.float32)
+
+
+async def forward_then_grad_input(client: AsyncClient, w, x, y) -> Result:
+    """x·Wᵀ (W is B stored transposed, sent whole), then y·W (W's column blocks, each
+    within W): the second's RESULT."""
+    forward = replace(gemm_request(x, w.T), tb=True, ldb=K, segments=(x.reshape(-1), w.reshape(-1)))
+    result = await client.submit(forward, timeout=TIMEOUT)
+    assert_gemm_close(result_array(result, forward, batched=False), x, w.T)
+    return await product(client, y, w)
+
+
+async def test_a_block_within_a_panel_held_is_read_there(fleet):
+    """A weight's forward product sends it whole; its input-gradient product needs its
+    column blocks, each within it: the device reads them from the bytes it kept (the
+    TILE names the kept panel and the element where the block starts), so only the
+    output gradient crosses, and the product is exact."""
+    f, _ = await one_device(fleet)
+    client = await f.client()
+    w, x, y = weight_use(4)
+    grad_input = await forward_then_grad_input(client, w, x, y)
+    assert grad_input.bytes_down == y.nbytes and grad_input.resent == 0
+    step = await client.step(1)
+    assert step.link_saved >= w.nbytes  # W's column blocks, as their tiles needed them
+
+
+async def test_a_device_that_reads_no_block_within_another_is_sent_its_bytes(fleet, monkeypatch):
+    """A device whose HELLO says ``caps.panels`` 1 gets such blocks as bytes, kept
+    nowhere, and its products are exact too."""
+    monkeypatch.setattr(agent_module, "PANELS_CAPABILITY", 1)
+    f, _ = await one_device(fleet)
+    client = await f.client()
+    w, x, y = weight_use(5)
+    grad_input = await forward_then_grad_input(client, w, x, y)
+    # each tile's block of W as bytes (kept nowhere), y's blocks once
+    each = BLOCK * BLOCK * 4
+    assert grad_input.bytes_down == y.nbytes + grad_input.tiles * each
+    assert grad_input.resent == 0
 
 
 async def test_a_device_that_lost_its_panels_asks_for_them_and_nothing_is_lost(fleet, caplog):

@@ -159,6 +159,13 @@ async def test_remote_device_gets_weight_bytes_once_until_they_change(setup):
     assert_product(c1, g, w)
     assert_product(c2, g, w)
     assert r2.bytes_down == 0 < r1.bytes_down, "the second time, references only"
+    # w's first 32 rows are one block it holds: the column blocks of that slice lie within
+    # it, and the device reads them there (the TILE names the block kept and the offset)
+    top = w[:BLOCK]
+    g = torch.randn(M, BLOCK)
+    c3, r3 = await asyncio.to_thread(product, client, g, top)
+    assert_product(c3, g, top)
+    assert r3.bytes_down == g.numel() * 4 and r3.resent == 0, "g's rows alone"
     await asyncio.to_thread(client.close)
 
 

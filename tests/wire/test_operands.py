@@ -141,6 +141,8 @@ TILE_OPERANDS = [
     in_weights(WEIGHT_BLOCK),
     in_frame(panel=7),
     kept(7),
+    kept(7, within=96),  # a block within the panel kept, from its 96th element
+    in_weights(WEIGHT_BLOCK, within=5),
     in_arena(12288),
 ]
 TILE_CASES = [
@@ -201,6 +203,10 @@ TILE_REFUSED = {
     "panel_negative": ({"panel_a": -1}, BYTES, BYTES, "panel_a=-1: expected a panel id"),
     "local_with_bytes": ({"local": True}, BYTES, NONE, "local: operand a was handed over"),
     "local_and_arena_c": ({"local": True, "arena_c": 0}, NONE, NONE, "arena_c: C was handed"),
+    "within_bytes": ({"panel_a": 2, "within_a": 4}, BYTES, BYTES, "within_a=4: operand a is not"),
+    "within_frame": ({"within_b": 0}, BYTES, BYTES, "within_b=0: operand b is not a kept"),
+    "within_arena": ({"arena_a": 0, "within_a": 3}, NONE, BYTES, "within_a=3: operand a is"),
+    "within_negative": ({"panel_b": 2, "within_b": -2}, BYTES, NONE, "within_b=-2: expected an"),
 }
 
 
