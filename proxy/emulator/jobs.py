@@ -467,6 +467,7 @@ class Job:
                     link_down=times.link_down,
                     link_up=times.link_up,
                     link_saved=times.link_saved,
+                    link_bound=times.link_bound,
                     bytes_down=wire[0] - down0,
                     bytes_up=wire[1] - up0,
                     oom=times.oom,

@@ -80,6 +80,9 @@ class StepReport:
     comm_s: float = 0.0
     comm_wait_s: float = 0.0
     bytes_saved: int = 0  # over the emulated links: operand blocks the devices held already
+    # the least the step's partitions send: each device's distinct operand blocks, once (a
+    # ``bytes_down`` above it is blocks sent to a device more than once; below, residency)
+    bytes_bound: int = 0
 
 
 class Session:
@@ -269,6 +272,7 @@ class Session:
             comm_s=reply.comm_ns / 1e9,
             comm_wait_s=reply.comm_wait_ns / 1e9,
             bytes_saved=reply.link_saved,
+            bytes_bound=reply.link_bound,
         )
         self.steps.append(report)
         self._counts = self.counts.snapshot()
@@ -288,7 +292,7 @@ class Session:
         """The per-step report as a fixed-width table."""
         head = (f"{'step':>5} {'emulated s':>11} {'fleet s':>9} {'coord s':>8} {'host s':>8} "
                 f"{'GEMMs':>6} {'local':>6} {'tiles':>7} {'MiB down':>9} {'saved':>8} "
-                f"{'MiB up':>8} {'OOM':>5}")  # fmt: skip
+                f"{'bound':>8} {'MiB up':>8} {'OOM':>5}")  # fmt: skip
         rows = [head, "-" * len(head)]
         first, left_out, last = elide(self.steps)
         rows += [_step_row(r) for r in first]
@@ -334,7 +338,7 @@ def _step_row(r: StepReport) -> str:
         f"{r.step:>5} {r.emulated_s:>11.4f} {r.fleet_s:>9.4f} {r.coord_s:>8.4f} {r.host_s:>8.3f} "
         f"{r.gemms:>6} {r.local_gemms:>6} {r.tiles:>7} "
         f"{r.bytes_down / 2**20:>9.1f} {r.bytes_saved / 2**20:>8.1f} "
-        f"{r.bytes_up / 2**20:>8.1f} {r.oom:>5}"
+        f"{r.bytes_bound / 2**20:>8.1f} {r.bytes_up / 2**20:>8.1f} {r.oom:>5}"
     )
 
 

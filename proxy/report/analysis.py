@@ -308,6 +308,7 @@ def _jobs(run: Run) -> list[JobRow]:
             bytes_up=s.bytes_up,
             oom=s.oom,
             bytes_saved=s.bytes_saved,
+            bytes_bound=s.bytes_bound,
             critical_path=path,
             device_time=_fleet_time(times.values()),
             devices=times if run.shows(s.step) else None,

@@ -119,6 +119,7 @@ class StepFigures:
     bytes_down: int
     bytes_up: int
     bytes_saved: int  # operand bytes its devices held already (0: a log from before residency)
+    bytes_bound: int  # the least its GEMMs' partitions send (0: a log from before the bound)
     oom: int
     critical: tuple[float, ...]  # its GEMMs' critical paths summed, as ``COMPONENTS``
     last_in: tuple[tuple[int, int], ...]  # (device, GEMMs whose critical tile it ran)
@@ -702,6 +703,7 @@ class _Reader:
                 sums.bytes_down,
                 sums.bytes_up,
                 (s.bytes_saved or 0) if s is not None else 0,
+                (s.bytes_bound or 0) if s is not None else 0,
                 sums.oom,
                 tuple(sums.critical or [0.0] * len(COMPONENTS)),
                 last_in,
@@ -728,6 +730,7 @@ class _Reader:
             s.bytes_down,
             s.bytes_up,
             s.bytes_saved or 0,
+            s.bytes_bound or 0,
             sums.oom,
             critical,
             last_in,

@@ -84,6 +84,7 @@ class StepRow(Sums):
     t0: float
     t1: float
     bytes_saved: int  # operand bytes its devices held already, so the links did not carry
+    bytes_bound: int  # the least its GEMMs' partitions send: each device's blocks once
     critical_path: CriticalPath
     # the devices that computed or moved anything in it: their times summed (device-seconds),
     # and each one's by name (None: a step not shown tile by tile, as ``segments``)

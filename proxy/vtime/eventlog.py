@@ -174,6 +174,8 @@ class Step:
     bytes_down: int | None = None
     bytes_up: int | None = None
     bytes_saved: int | None = None  # operand bytes its devices held already (None: older logs)
+    # the least its GEMMs' partitions send: each device's distinct operand blocks, once
+    bytes_bound: int | None = None
     link_queue_s: float | None = None
     download_s: float | None = None
     compute_queue_s: float | None = None

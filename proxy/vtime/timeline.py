@@ -63,7 +63,7 @@ from .eventlog import (
     attribute,
     critical_breakdown,
 )
-from .memory import Admission
+from .memory import Admission, Key
 from .placement import Placement
 from .vdevice import VirtualDevice, Work
 from .work import GemmWork, Operand, TileWork
@@ -142,6 +142,8 @@ class StepTimes:
     link_up: int
     oom: int
     link_saved: int = 0  # bytes its devices held already, so not carried (residency)
+    # the least its GEMMs' partitions send: each device's distinct operand blocks, once
+    link_bound: int = 0
     gemm_s: float = 0.0  # its GEMMs' issue to end, summed
     product_s: dict[str, float] = field(default_factory=dict)  # ... by ``op``
     # its coordinator time by op class, where the job split it (``attribute``); the rest
@@ -531,6 +533,7 @@ class Timeline(Generic[T]):
                 bytes_down=times.link_down,
                 bytes_up=times.link_up,
                 bytes_saved=times.link_saved,
+                bytes_bound=times.link_bound,
                 **times.critical,
                 comm_s=times.comm_s if job.resident else None,
                 comm_wait_s=times.comm_wait_s if job.resident else None,
@@ -663,6 +666,7 @@ class Timeline(Generic[T]):
         end_tile = end_device = 0
         end_stages: Stages | None = None
         link_down = link_up = 0
+        needs: set[tuple[int, Key]] = set()  # (device, block) pairs: the partition's bound
         operands = [tile.operands() for tile in gemm.tiles]
         planned = None
         # greedy, free to choose, weighs where blocks are: a device holding some (or blocks
@@ -682,6 +686,10 @@ class Timeline(Generic[T]):
             else:
                 index = placement.index(pinned)
             device = placement.devices[index]
+            for x in (a, b):
+                if (device.id, x.key) not in needs:
+                    needs.add((device.id, x.key))
+                    times.link_bound += x.nbytes if not gemm.job.resident else 0
             self._tiles += 1
             admission, work = self._admit(gemm, times, device, a, b, work)
             if gemm.job.resident:  # its operands are on the device already, its output stays

@@ -564,6 +564,8 @@ class Step(Message):
     link_down: int = 0
     link_up: int = 0
     link_saved: int = 0  # operand bytes the links did not carry: the devices held them
+    # the least the step's partitions send: each device's distinct operand blocks, once
+    link_bound: int = 0
     bytes_down: int = 0
     bytes_up: int = 0
     oom: int = 0  # tiles whose operands did not fit a device's emulated memory

@@ -58,7 +58,7 @@ async def test_each_panel_crosses_once_and_the_links_are_charged_what_crossed(fl
     assert result.tiles == (M // BLOCK) * (N // BLOCK) and result.resent == 0
     assert result.bytes_down == a.nbytes + b.nbytes  # each block of each operand, once
     step = await client.step(1)
-    assert step.link_down == result.bytes_down
+    assert step.link_down == result.bytes_down == step.link_bound  # the one device's bound
     panel = BLOCK * K * 4  # an A row block, or a B column block (packed)
     assert step.link_saved == result.tiles * 2 * panel - step.link_down  # what stayed
     first = set(agent.connection.panels)

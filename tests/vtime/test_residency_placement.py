@@ -16,8 +16,9 @@ from timeline_driver import MB, Recorder, new_timeline, profile, records, submit
 BLOCK = 64
 
 
-def run(devices: list, gemm, *, residency: bool = True, policy: str = "greedy"):
-    """(placed devices in tile order, tile records, the GEMM's record) of one GEMM."""
+def run(devices: list, gemm, *, residency: bool = True, policy: str = "greedy", steps=None):
+    """(placed devices in tile order, tile records, the GEMM's record) of one GEMM, in a
+    step whose times go in ``steps`` (a list) once it closes."""
     tl, sink = new_timeline(policy)
     tl.residency = residency
     for i, p in enumerate(devices):
@@ -25,6 +26,7 @@ def run(devices: list, gemm, *, residency: bool = True, policy: str = "greedy"):
     tl.open_job(1, "job")
     rec = Recorder()
     submit(tl, rec, 1, gemm, block=BLOCK)
+    tl.mark_step(1, 1, host_s=0.0, done=(steps if steps is not None else []).append)
     (g,) = records(sink, "gemm")
     return [device for _, device in rec.placed], records(sink, "tile"), g
 
@@ -32,18 +34,23 @@ def run(devices: list, gemm, *, residency: bool = True, policy: str = "greedy"):
 def test_four_equal_devices_each_take_a_quarter_as_a_block_and_need_half_of_each_operand():
     """8 × 8 tiles on four equal devices: each device a 4 × 4 block, so its A rows and B
     columns are half of each operand: 4 × (half of A + half of B) in all, the least a
-    2 × 2 partition needs; without residency every tile carries both its blocks."""
+    2 × 2 partition needs, which the step reports as its bound; without residency every
+    tile carries both its blocks, against the same bound."""
     m = n = k = 8 * BLOCK
     devices = [profile(flops=1e9, bw=100 * MB)] * 4
-    placed, tiles, _ = run(devices, task(1, m, n, k))
+    steps: list = []
+    placed, tiles, _ = run(devices, task(1, m, n, k), steps=steps)
     operand = m * k * 4
     assert sum(t["bytes_down"] for t in tiles) == 4 * (operand // 2 + operand // 2)
+    (step,) = steps
+    assert step.link_bound == step.link_down == 4 * (operand // 2 + operand // 2)
     grid = np.array(placed).reshape(8, 8)
     for device in range(4):
         rows, cols = np.nonzero(grid == device)
         assert len(rows) == 16 and len(set(rows)) == 4 and len(set(cols)) == 4
-    _, without, _ = run(devices, task(1, m, n, k), residency=False)
+    _, without, _ = run(devices, task(1, m, n, k), residency=False, steps=steps)
     assert sum(t["bytes_down"] for t in without) == 64 * 2 * BLOCK * k * 4
+    assert steps[1].link_down == 64 * 2 * BLOCK * k * 4 > steps[1].link_bound
 
 
 def test_a_faster_device_takes_more_tiles_and_the_gemm_ends_no_later_than_tile_by_tile():
