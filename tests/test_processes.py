@@ -253,6 +253,38 @@ async def test_device_killed_mid_run_tiles_requeued(procs: Procs):
         check(job.matmul(a, b, timeout=30), a, b)
 
 
+async def test_a_device_process_keeps_what_it_was_sent_and_a_restarted_one_loses_nothing(
+    procs: Procs,
+):
+    """A ``morphling device`` process keeps the blocks it is sent: a weight's forward
+    product sends it whole, its input-gradient product reads W's column blocks within it
+    (only y crosses), the same product again sends nothing. Killed and replaced by a new
+    process (whose memory holds nothing), it is sent every block again: every product
+    exact, no tile lost."""
+    emulator, port = procs.emulator("--block-size", "32", "--no-probe", "--arena-bytes", "0")
+    device = procs.device(port, "dev-0")
+    procs.wait_for(emulator, JOINED, 1)
+    rng = np.random.default_rng(11)
+    w = rng.standard_normal((32, 96), np.float32)  # one block of rows: sent whole
+    x, y = rng.standard_normal((64, 96), np.float32), rng.standard_normal((64, 32), np.float32)
+    client = await RecordingClient.connect("127.0.0.1", port, name="kept")
+    try:
+        check(await client.matmul(x, w.T, timeout=30), x, w.T)
+        check(await client.matmul(y, w, timeout=30), y, w)
+        check(await client.matmul(x, w.T, timeout=30), x, w.T)
+        first, grad_input, again = (r.bytes_down for r in client.results)
+        assert first == x.nbytes + w.nbytes and grad_input == y.nbytes and again == 0
+        device.signal(signal.SIGKILL)
+        assert device.wait(timeout=5) == -signal.SIGKILL
+        procs.device(port, "dev-1")
+        procs.wait_for(emulator, JOINED, 2)
+        check(await client.matmul(x, w.T, timeout=30), x, w.T)
+        assert client.results[-1].bytes_down == x.nbytes + w.nbytes
+        assert client.requeued == 0 and all(r.resent == 0 for r in client.results)
+    finally:
+        await client.close()
+
+
 # -- 3. a thousand virtual devices in one fleet all get tiles -----------------------------
 
 

@@ -200,7 +200,9 @@ class GemmTask(Task):
         else:
             span = flat[start : start + (rows - 1) * ld + cols]
         if weight is None:
-            return Block(span, rows, cols, ld, None, 0, self, which, pivot, row, col)
+            return Block(
+                span, rows, cols, ld, task=self, which=which, pivot=pivot, row=row, col=col
+            )
         offset, version = weight
         return Block(span, rows, cols, ld, offset + start * flat.itemsize, version)
 

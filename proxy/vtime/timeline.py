@@ -255,8 +255,9 @@ class Timeline(Generic[T]):
         ``residency``: devices keep the panels they are sent for any later tile that needs
         the same bytes, until a step ends without using them (``DeviceMemory.sweep``:
         ``dropped`` hears of each device's), greedy prefers a device that holds a tile's
-        blocks where that pays, and plans a request's tiles as a whole (off: each tile
-        carries its panels, and greedy places tile by tile)."""
+        blocks (or blocks around them) where that pays, and plans as a whole a request
+        none of whose blocks any device holds (off: each tile carries its panels, and
+        greedy places tile by tile)."""
         if algorithm not in ALGORITHMS:
             raise ValueError(
                 f"collective algorithm {algorithm!r}: not one of {', '.join(ALGORITHMS)}"
@@ -686,10 +687,10 @@ class Timeline(Generic[T]):
             else:
                 index = placement.index(pinned)
             device = placement.devices[index]
-            for x in (a, b):
+            for x in (a, b) if not gemm.job.resident else ():
                 if (device.id, x.key) not in needs:
                     needs.add((device.id, x.key))
-                    times.link_bound += x.nbytes if not gemm.job.resident else 0
+                    times.link_bound += x.nbytes
             self._tiles += 1
             admission, work = self._admit(gemm, times, device, a, b, work)
             if gemm.job.resident:  # its operands are on the device already, its output stays
@@ -757,8 +758,8 @@ class Timeline(Generic[T]):
         work: Work,
     ) -> tuple[Admission, Work]:
         """Charge the tile to the device's emulated memory: the admission, and the work
-        without the operand blocks it already holds (weight blocks from any request, panels
-        from its own request's earlier tiles). One that cannot fit is an OOM."""
+        without the operand blocks it already holds (weight blocks and panels from any
+        request, or blocks lying within them). One that cannot fit is an OOM."""
         memory = device.memory
         if self.residency:
             kept: Sequence[Operand] = (a, b)
