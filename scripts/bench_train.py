@@ -293,11 +293,14 @@ def bench_reuse(workdir: Path) -> dict:
     return {
         "gemm_2048_bytes_down": one["bytes_down"],
         "gemm_2048_lower_bound": bound,
+        "gemm_2048_bound_reported": one["bytes_bound"],  # the run's own bound: equal to it
         "gemm_2048_bytes_down_without": every_tile["bytes_down"],
         "gemm_2048_step_s_with": round(one["emulated_s"], 4),
         "gemm_2048_step_s_without": round(every_tile["emulated_s"], 4),
         "demo_step_bytes_down_with": demo_with["bytes_down"],
         "demo_step_bytes_down_without": demo_without["bytes_down"],
+        "demo_step_bytes_bound_with": demo_with["bytes_bound"],  # its partitions' least
+        "demo_step_bytes_up": demo_with["bytes_up"],  # (residency sends every output back)
         "demo_wifi_step_s_with": round(wifi_with["emulated_s"], 4),
         "demo_wifi_step_s_without": round(wifi_without["emulated_s"], 4),
         **{key: round(value, 4) for key, value in ratios.items()},
