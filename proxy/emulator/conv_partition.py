@@ -107,7 +107,8 @@ class ConvOperand:
         """Its panel id (hashed when first asked, and once per view of the request's
         arrays, which its tiles share: only residency asks)."""
         view = self.array
-        return self.task.panel(self.contiguous, (view.ctypes.data, *view.shape, *view.strides))
+        where = (view.ctypes.data, *view.shape, *view.strides)
+        return self.task.named(where, lambda: self.contiguous)
 
     @property
     def key(self) -> Key:

@@ -110,15 +110,9 @@ class Task:
     def id(self) -> int:
         return self.request.gemm
 
-    def panel(self, data: np.ndarray, where: tuple[int, ...]) -> int:
-        """The id of the bytes ``data`` (as sent, C-contiguous) of a view found at ``where``
-        (its address, shape and strides): the same bytes, the same id, whichever tiles
-        and requests need them."""
-        return self.named(where, lambda: data)
-
     def named(self, where: tuple[int, ...], data: Callable[[], np.ndarray]) -> int:
-        """The ``PanelNames.matrix`` id of the bytes ``data()`` gives, found at ``where``
-        (asked once per place)."""
+        """The ``PanelNames.matrix`` id of the bytes ``data()`` gives (C-contiguous, as
+        sent), found at ``where``: asked once per place, whichever tiles need them."""
         name = self._names.get(where)
         if name is None:
             name = self._names[where] = panel_names.matrix(data())

@@ -124,7 +124,8 @@ class TileMessages:
             return Sent(block.span[:0], block.ld, in_arena(at))
         if block.offset is not None and device.colocated:  # from its mapping of the weights
             return Sent(block.span[:0], block.ld, in_weights(block.ref))
-        inside = admission.within.get(block.key) if admission is not None else None
+        inner = admission.within if admission is not None else None
+        inside = inner.get(block.key) if inner else None
         if inside is not None:  # it holds the block within one it kept
             if device.panels < 2:  # it reads no block within another: bytes, kept nowhere
                 return Sent(*task.packed(block), IN_FRAME)

@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 WeightKey = tuple[int, int, int, int]  # offset, rows, cols, ld
 Key = WeightKey | int  # a weight block's, or a panel's id
@@ -42,20 +42,21 @@ Key = WeightKey | int  # a weight block's, or a panel's id
 # dimension of its bytes as the device keeps them.
 Region = tuple[Hashable, int, int, int, int, int]
 Block = tuple[Key, int, int, Region | None]  # key, version, bytes, region (None: not known)
+Within = Mapping[Key, tuple[Key, int, int]]  # block → the kept block's key, element offset, ld
 
 
 @dataclass(slots=True)
 class Admission:
-    """The outcome of placing one tile in a device's memory. (Nothing is evicted for most
-    tiles: the eviction lists start as one shared empty tuple, replaced when one is.)"""
+    """The outcome of placing one tile in a device's memory. (Nothing is evicted, and no
+    block held within another, for most tiles: the eviction lists start as one shared
+    empty tuple and ``within`` as None, replaced when there is one.)"""
 
     fits: bool
     held: AbstractSet[Key] = frozenset()  # blocks already resident, current
     kept: AbstractSet[Key] = frozenset()  # blocks resident once it is placed
     evicted: Sequence[list[int]] = ()  # weight refs the device may drop
     evicted_panels: Sequence[int] = ()  # panels the device may drop
-    # Blocks held within another: key → (the kept block's key, element offset, its ld).
-    within: Mapping[Key, tuple[Key, int, int]] = field(default_factory=dict)
+    within: Within | None = None  # blocks held within another
 
 
 class DeviceMemory:
@@ -100,17 +101,16 @@ class DeviceMemory:
                 continue
             if have is not None:  # another version, or distrusted: useless now
                 self._evict(key, admission)
-            if region is not None and region[0] in self._by_matrix:
-                inside = self._inside(region, version)
-                if inside is not None:
-                    container = inside[0]
-                    resident.move_to_end(container)
-                    if isinstance(container, int):
-                        touched.add(container)
-                    held.add(key)
-                    kept.add(container)
-                    admission.within = {**admission.within, key: inside}
-                    continue
+            inside = self._inside(region, version)
+            if inside is not None:
+                container = inside[0]
+                resident.move_to_end(container)
+                if isinstance(container, int):
+                    touched.add(container)
+                held.add(key)
+                kept.add(container)
+                admission.within = {**(admission.within or {}), key: inside}
+                continue
             resident[key] = (version, nbytes)
             self.used += nbytes
             if region is not None:
@@ -129,9 +129,11 @@ class DeviceMemory:
                 self._evict(key, admission)
         return admission
 
-    def _inside(self, region: Region, version: int) -> tuple[Key, int, int] | None:
+    def _inside(self, region: Region | None, version: int) -> tuple[Key, int, int] | None:
         """A resident block at ``version`` that ``region`` lies within: its key, the
         element offset of ``region``'s first element in its bytes, and their ld."""
+        if region is None or region[0] not in self._by_matrix:
+            return None
         matrix, row, col, rows, cols, _ = region
         for key in self._by_matrix[matrix]:
             _, r0, c0, rows0, cols0, ld = self.regions[key]
@@ -147,13 +149,7 @@ class DeviceMemory:
 
     def covers(self, key: Key, version: int, region: Region | None) -> bool:
         """Whether the block is held at ``version``: itself, or within one held."""
-        if self.holds(key, version):
-            return True
-        return (
-            region is not None
-            and region[0] in self._by_matrix
-            and self._inside(region, version) is not None
-        )
+        return self.holds(key, version) or self._inside(region, version) is not None
 
     def keeps(self, anchor: Hashable) -> bool:
         """Whether any resident block is ``anchor`` (a key) or a block of it (a matrix)."""

@@ -203,10 +203,9 @@ def tile_fields(a: Location, b: Location, c: Location = IN_FRAME) -> TileFields:
 
 def tile_locations(msg: Tile) -> tuple[Location, Location, Location]:
     """Where a tile's A, B and C are, from its fields (``OperandError`` naming the field)."""
-    a = _within("a", msg.within_a, _tile_operand("a", msg.ref_a, msg.panel_a, msg.arena_a,
-                                                 msg.segments[0], msg.local))  # fmt: skip
-    b = _within("b", msg.within_b, _tile_operand("b", msg.ref_b, msg.panel_b, msg.arena_b,
-                                                 msg.segments[1], msg.local))  # fmt: skip
+    a = _tile_operand("a", msg.ref_a, msg.panel_a, msg.arena_a, msg.segments[0], msg.local)
+    b = _tile_operand("b", msg.ref_b, msg.panel_b, msg.arena_b, msg.segments[1], msg.local)
+    a, b = _within("a", msg.within_a, a), _within("b", msg.within_b, b)
     if msg.local:
         if msg.arena_c != -1:
             raise OperandError("arena_c: C was handed over (local), it cannot be in the arena")
