@@ -379,6 +379,7 @@ def _devices(run: Run) -> list[DeviceRow]:
                 uplink_utilisation=_share(f.up_s, run),
                 bytes_down=f.bytes_down,
                 bytes_up=f.bytes_up,
+                bytes_saved=f.bytes_saved,
                 time=_device_time(f.busy_s - f.conv_s, f.conv_s, f.down_s + f.up_s, run.span_s),
                 final_temp_c=temps[-1] if temps else None,
                 top_freq_mhz=top,

@@ -141,6 +141,7 @@ class DeviceFigures:
     up_s: float = 0.0
     bytes_down: int = 0
     bytes_up: int = 0
+    bytes_saved: int = 0  # operand bytes it held already, which its link did not carry
     top_freq_mhz: float | None = None  # the highest frequency logged
     last_in: int = 0  # GEMMs whose critical tile it ran, every step
     gemms: int = 0  # GEMMs it took part in
@@ -296,6 +297,7 @@ class _DeviceSums:
     up_s: float = 0.0
     bytes_down: int = 0
     bytes_up: int = 0
+    bytes_saved: int = 0
     top: float | None = None
     last_in: int = 0
     gemms: int = 0
@@ -324,6 +326,7 @@ class _DeviceSums:
             up_s=self.up_s,
             bytes_down=self.bytes_down,
             bytes_up=self.bytes_up,
+            bytes_saved=self.bytes_saved,
             top_freq_mhz=self.top,
             last_in=self.last_in,
             gemms=self.gemms,
@@ -410,6 +413,7 @@ class _Reader:
         device.tiles += 1
         device.bytes_down += t.bytes_down
         device.bytes_up += t.bytes_up
+        device.bytes_saved += t.bytes_saved
         compute_s = t.compute[1] - t.compute[0]
         down_s, up_s = t.down[1] - t.down[0], t.up[1] - t.up[0]
         conv_s = 0.0 if t.op == GEMM_OP else compute_s
@@ -511,6 +515,7 @@ class _Reader:
         device.tiles += d.tiles
         device.bytes_down += d.bytes_down
         device.bytes_up += d.bytes_up
+        device.bytes_saved += d.bytes_saved
         if d.conv_s > d.compute_s:
             raise ValueError(
                 f"line {line}: device_step conv_s {d.conv_s} exceeds its compute_s {d.compute_s}"

@@ -119,6 +119,7 @@ class DeviceRow(TypedDict):
     uplink_utilisation: float
     bytes_down: int
     bytes_up: int
+    bytes_saved: int  # operand bytes it held already, which its link did not carry
     time: DeviceTime  # over the run span
     final_temp_c: float | None
     top_freq_mhz: float | None

@@ -193,14 +193,17 @@ def _device_time_table(summary: Summary) -> list[str]:
     devices = sorted(summary["devices"], key=lambda d: (-d["utilisation"], d["id"]))
     rows = [
         "their time over the run (s; links overlap compute when a tile downloads while "
-        "another computes, so waiting is at least what is shown):",
-        f"{'id':>5} {'name':<16} {'GEMM':>10} {'conv':>10} {'links':>10} {'waiting':>10}",
+        "another computes, so waiting is at least what is shown), the bytes their links "
+        "carried down and those they held already (saved):",
+        f"{'id':>5} {'name':<16} {'GEMM':>10} {'conv':>10} {'links':>10} {'waiting':>10} "
+        f"{'down':>10} {'saved':>10}",
     ]
     for d in devices[:TOP_DEVICES]:
         t = d["time"]
         rows.append(
             f"{d['id']:>5} {d['name']:<16} {t['gemm_s']:>10.4f} {t['conv_s']:>10.4f} "
-            f"{t['link_s']:>10.4f} {t['waiting_s']:>10.4f}"
+            f"{t['link_s']:>10.4f} {t['waiting_s']:>10.4f} {format_bytes(d['bytes_down']):>10} "
+            f"{format_bytes(d['bytes_saved']):>10}"
         )
     return rows
 

@@ -101,7 +101,7 @@ def trace_events(run: Run) -> Iterator[Event]:
         pid, name = device_pid[t.device], f"{t.op} {t.gemm} tile {t.tile}"
         ids = {"job": t.job, "step": t.step, "gemm": t.gemm, "tile": t.tile}
         stages: list[tuple[str, int, int, Span | None, dict[str, object]]] = [
-            ("download", pid, DOWNLINK, t.down, {"bytes": t.bytes_down}),
+            ("download", pid, DOWNLINK, t.down, {"bytes": t.bytes_down, "saved": t.bytes_saved}),
             ("compute", pid, COMPUTE, t.compute, {"freq_mhz": t.freq_mhz, "temp_c": t.temp_c}),
             ("upload", pid, UPLINK, t.up, {"bytes": t.bytes_up}),
             ("download", nic_pid, DOWNLINK, t.nic_down, {"device": t.device}),

@@ -115,6 +115,7 @@ class Tile:
     temp_c: float | None
     nic_down: Span | None = None  # None: no bottleneck, or nothing crossed it
     nic_up: Span | None = None
+    bytes_saved: int = 0  # operand bytes its device held already, not in ``bytes_down``
     op: str = GEMM_OP  # what the tile computed (a convolution's: ``conv_op``)
 
 
@@ -207,6 +208,7 @@ class DeviceStep:
     freq_mhz: float | None
     temp_c: float | None
     conv_s: float = 0.0  # of ``compute_s``, convolutions' tiles (older logs: none)
+    bytes_saved: int = 0  # operand bytes the device held already (older logs: none)
 
 
 @dataclass(frozen=True, slots=True)
@@ -375,6 +377,7 @@ class EventLog:
         if mhz is None:
             mhz = self._levels[freq] = repr(freq)
         nic_down, nic_up = nic
+        saved = f',"bytes_saved":{work.bytes_saved}' if work.bytes_saved else ""
         shared = "" if nic_down is None else f',"nic_down":[{nic_down[0]!r},{nic_down[1]!r}]'
         if nic_up is not None:
             shared += f',"nic_up":[{nic_up[0]!r},{nic_up[1]!r}]'
@@ -382,7 +385,8 @@ class EventLog:
             f'{head[0]}"tile":{seq},"device":{device},"bytes_down":{work.bytes_down},'
             f'"bytes_up":{work.bytes_up},"down":[{down_start},{down_end}],'
             f'"compute":[{compute_start},{compute_end}],"up":[{up_start},{up1!r}],'
-            f'"freq_mhz":{mhz},"temp_c":{"null" if temp is None else repr(temp)}{shared}{head[1]}'
+            f'"freq_mhz":{mhz},"temp_c":{"null" if temp is None else repr(temp)}'
+            f"{shared}{saved}{head[1]}"
         )
 
     def coord(

@@ -105,6 +105,7 @@ class DeviceTotals:
     tiles: int = 0
     bytes_down: int = 0
     bytes_up: int = 0
+    bytes_saved: int = 0  # operand bytes it held already (residency)
     down_s: float = 0.0
     compute_s: float = 0.0
     conv_s: float = 0.0  # of ``compute_s``, convolutions' tiles
@@ -119,6 +120,7 @@ class DeviceTotals:
         self.tiles += 1
         self.bytes_down += work.bytes_down
         self.bytes_up += work.bytes_up
+        self.bytes_saved += work.bytes_saved
         self.down_s += down[1] - down[0]
         self.compute_s += compute[1] - compute[0]
         if isinstance(work.shape, ConvShape):
@@ -557,6 +559,7 @@ class Timeline(Generic[T]):
                     t.freq_mhz,
                     t.temp_c,
                     conv_s=t.conv_s,
+                    bytes_saved=t.bytes_saved,
                 )
             )
 
@@ -802,7 +805,7 @@ class Timeline(Generic[T]):
         if held:
             resident = (a.nbytes if a.key in held else 0) + (b.nbytes if b.key in held else 0)
             times.link_saved += resident
-            work = Work(work.bytes_down - resident, work.bytes_up, work.shape)
+            work = Work(work.bytes_down - resident, work.bytes_up, work.shape, resident)
         return admission, work
 
     def _run(

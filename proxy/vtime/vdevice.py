@@ -26,11 +26,13 @@ Compute = GemmShape | ConvShape  # what a tile computes: a GEMM, or a convolutio
 
 @dataclass(frozen=True, slots=True)
 class Work:
-    """What one tile asks of a device: bytes each way and what it computes."""
+    """What one tile asks of a device: bytes each way and what it computes, and the
+    operand bytes it held already, which its link did not carry (``bytes_saved``)."""
 
     bytes_down: int
     bytes_up: int
     shape: Compute
+    bytes_saved: int = 0
 
 
 class VirtualDevice:

@@ -57,13 +57,18 @@ def test_tile_records_are_what_write_would_give():
     ]  # fmt: skip
     # spans on a shared bottleneck: none; both; none down (the operands were resident)
     nics = [(None, None), (None, None), ((t[0], t[9]), (t[10], t[11])), (None, (t[6], t[7]))]
+    saved = [0, 0, 0, 300, 120]  # operand bytes held already: all of the fourth tile's, some
     sink, reference = io.BytesIO(), io.BytesIO()
     log, written = EventLog(sink), EventLog(reference)
     for seq, (g, device, down, compute, up, mhz, temp) in enumerate(calls, 1):
         nic = nics[seq - 1] if seq <= len(nics) else (None, None)
-        log.tile(log.tile_head(*g), seq, device, work, (down, compute, up), (mhz, temp), nic)
+        held = Work(300 - saved[seq - 1], 40, work.shape, saved[seq - 1])
+        log.tile(log.tile_head(*g), seq, device, held, (down, compute, up), (mhz, temp), nic)
         job, number, step = g
-        record = Tile(job, number, step, seq, device, 300, 40, down, compute, up, mhz, temp, *nic)
+        record = Tile(
+            job, number, step, seq, device, held.bytes_down, 40, down, compute, up, mhz, temp,
+            *nic, bytes_saved=held.bytes_saved,
+        )  # fmt: skip
         written.write(record)
     assert sink.getvalue() == reference.getvalue()
     assert log.digest() == written.digest() and log.count == len(calls)

@@ -125,7 +125,9 @@ def test_a_step_keeps_what_it_used_and_drops_the_rest_at_its_end():
     for gemm, a in enumerate([x, x, y], start=1):  # one product a step; w in each
         submit(tl, rec, 1, gemm_of(gemm, a, w), block=BLOCK, after=gemm - 1)
         tl.mark_step(1, gemm, host_s=0.0, done=steps.append)
-    assert [t["bytes_down"] for t in records(sink, "tile")] == [2 * x.nbytes, 0, y.nbytes]
+    tiles = records(sink, "tile")
+    assert [t["bytes_down"] for t in tiles] == [2 * x.nbytes, 0, y.nbytes]
+    assert [t.get("bytes_saved", 0) for t in tiles] == [0, 2 * x.nbytes, w.nbytes]
     assert [s.link_saved for s in steps] == [0, 2 * x.nbytes, w.nbytes]
     assert len(dropped) == 1, "only step 3's end lets one go"
     (device, [panel]) = dropped[0]

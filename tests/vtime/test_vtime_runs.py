@@ -166,8 +166,10 @@ def test_steps_log_has_the_full_logs_per_step_figures(levels):
     mean = "mean_utilisation"  # of busy times, below
     assert steps["totals"].pop(mean) == pytest.approx(full["totals"].pop(mean), rel=1e-12)
     assert steps["totals"] == full["totals"]
+    saved = sum(s["bytes_saved"] for s in full_steps)
+    assert saved > 0 and sum(d["bytes_saved"] for d in steps["devices"]) == saved
     for a, b in zip(full["devices"], steps["devices"], strict=True):
-        for key in ("tiles", "bytes_down", "bytes_up", "last_in", "final_temp_c",
+        for key in ("tiles", "bytes_down", "bytes_up", "bytes_saved", "last_in", "final_temp_c",
                     "top_freq_mhz", "below_top_s"):  # fmt: skip
             assert a[key] == b[key], key
         # a FIFO's busy time: the union of its tiles' stages, or their sum per step
