@@ -1,12 +1,12 @@
 """Convolutions on a device: one tile of a 2-D convolution, computed for real.
 
 A device receives the input region its tile needs, halo included, never the unfolded
-(im2col) matrix, so links carry activations. It unfolds the region locally and multiplies
-with this package's BLAS (``blas.gemm``): an implicit GEMM. Depthwise convolutions (each
-output channel reads one input channel) take direct C kernels instead (``c/depthwise.c``):
-row by row, kh·kw vectorised multiply-adds per row, the padding skipped rather than
-copied, and never the kh·kw times larger unfolded copy. Bias is the
-caller's: it is added, and its gradient summed, where the whole output is.
+(im2col) matrix, so links carry activations. It unfolds the region locally (in C,
+``c/unfold.c``) and multiplies with this package's BLAS (``blas.gemm``): an implicit
+GEMM. Depthwise convolutions (each output channel reads one input channel) take direct C
+kernels instead (``c/depthwise.c``): row by row, kh·kw vectorised multiply-adds per row,
+the padding skipped rather than copied, and never the kh·kw times larger unfolded copy.
+Bias is the caller's: it is added, and its gradient summed, where the whole output is.
 
 Layout
 ------
@@ -66,6 +66,7 @@ counted.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -79,8 +80,9 @@ from .blas import gemm
 Array = npt.NDArray[Any]
 # The kernels' algorithm, as a profile records it: a model fitted to one revision's timings
 # does not describe another's (2: a stride-1 grad input is a forward convolution; the
-# unfolding reads the input itself, never a padded copy).
-REVISION = 2
+# unfolding reads the input itself, never a padded copy; 3: the unfolding is C, row by row,
+# into a buffer each thread keeps).
+REVISION = 3
 _DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
@@ -186,7 +188,7 @@ def conv_forward(x: Array, w: Array, geom: ConvGeometry, out: Array | None = Non
     oh, ow = geom.output_size(height, width)
     y = _output(out, (n, w.shape[0], oh, ow), dtype, x, w)
     if w.shape[1] == 1:
-        _direct("forward", _direct_geometry(geom, x.shape, w.shape[0], (oh, ow)), x, w, y)
+        _direct("forward", _c_geometry(geom, x.shape, w.shape[0], (oh, ow)), x, w, y)
     else:
         cols = _unfold(x, geom, oh, ow)  # [G, K, N·P]
         yk = gemm(_grouped(w, geom.groups), cols)  # [G, OC/G, N·P]
@@ -232,7 +234,7 @@ def conv_grad_input(
     if w.shape[1] == 1:
         shape = (n, channels, height, width)
         band = (i0, i1 - i0, oh_lo, r)
-        _direct("grad_input", _direct_geometry(geom, shape, oc, (oh, ow)), dy, w, dx, *band)
+        _direct("grad_input", _c_geometry(geom, shape, oc, (oh, ow)), dy, w, dx, *band)
         return dx
     if geom.stride == (1, 1):
         return _grad_input_forward(
@@ -267,7 +269,7 @@ def conv_grad_weight(x: Array, dy: Array, geom: ConvGeometry, out: Array | None 
         raise ValueError(f"dy: shape {dy.shape}, expected [{n}, OC, {oh}, {ow}]")
     dw = _output(out, (dy.shape[1], channels // groups, *geom.kernel), dtype, x, dy)
     if channels == groups:
-        _direct("grad_weight", _direct_geometry(geom, x.shape, dy.shape[1], (oh, ow)), x, dy, dw)
+        _direct("grad_weight", _c_geometry(geom, x.shape, dy.shape[1], (oh, ow)), x, dy, dw)
     else:
         cols = _unfold(x, geom, oh, ow)  # [G, K, N·P]
         gemm(
@@ -333,6 +335,28 @@ def _output(
 # --- shared pieces ------------------------------------------------------------------------
 
 
+_unfolds = threading.local()  # ``_scratch``'s buffer, one per worker thread
+_ALIGN = 64
+_C_TYPES = {np.dtype(np.float32): ("f32", "float[]"), np.dtype(np.float64): ("f64", "double[]")}
+
+
+def _c_geometry(
+    geom: ConvGeometry,
+    x_shape: tuple[int, ...],
+    oc: int,
+    out_size: tuple[int, int],
+) -> Any:
+    """The C kernels' ``mg_conv_geom`` for x of ``x_shape`` (the region, or the whole input
+    for the gradients), ``oc`` output channels and the output's (OH, OW)."""
+    n, channels, height, width = x_shape
+    (kh, kw), (sh, sw), (dh, dw) = geom.kernel, geom.stride, geom.dilation
+    top, _, left, _ = geom.padding
+    fields = {"n": n, "c": channels, "multiplier": oc // channels, "h": height, "w": width}
+    out = {"oh": out_size[0], "ow": out_size[1]}
+    taps = {"kh": kh, "kw": kw, "sh": sh, "sw": sw, "dh": dh, "dw": dw}
+    return ffi.new("mg_conv_geom *", {**fields, **out, **taps, "top": top, "left": left})
+
+
 def _taps(geom: ConvGeometry, oh: int, ow: int) -> Iterator[tuple[int, int, tuple[slice, slice]]]:
     """Each tap (a, b) and the padded rows and columns it meets, one per output position."""
     (kh, kw), (sh, sw), (dh, dw) = geom.kernel, geom.stride, geom.dilation
@@ -343,42 +367,35 @@ def _taps(geom: ConvGeometry, oh: int, ow: int) -> Iterator[tuple[int, int, tupl
             yield a, b, (rows, cols)
 
 
-def _reach(start: int, size: int, out: int, stride: int) -> tuple[int, int, int]:
-    """Along one axis, the outputs [lo, hi) whose input ``o·stride − start`` lies in
-    [0, size), and the first one's input."""
-    lo = min(max(0, -(-start // stride)), out)
-    hi = max(min(out, (size - 1 + start) // stride + 1), lo)
-    return lo, hi, lo * stride - start
-
-
 def _unfold(x: Array, geom: ConvGeometry, oh: int, ow: int) -> Array:
     """The unfolded input [G, (C/G)·kh·kw, N·OH·OW]: batch and positions in the columns,
     so one GEMM per group (one batched call) covers both, or reduces over both (grad weight).
-    ``x`` is not padded: each tap copies the positions it reads inside x and zeroes those
-    it reads in the padding, never a padded copy of x."""
-    n, channels, height, width = x.shape
-    (kh, kw), (sh, sw), (dh, dw) = geom.kernel, geom.stride, geom.dilation
-    top, _, left, _ = geom.padding
-    cols = np.empty((channels, kh, kw, n, oh, ow), x.dtype)
-    by_channel = x.transpose(1, 0, 2, 3)
-    for a in range(kh):
-        o0, o1, i0 = _reach(top - a * dh, height, oh, sh)
-        for b in range(kw):
-            p0, p1, j0 = _reach(left - b * dw, width, ow, sw)
-            tap = cols[:, a, b]
-            if o0 > 0:
-                tap[:, :, :o0] = 0
-            if o1 < oh:
-                tap[:, :, o1:] = 0
-            if p0 > 0:
-                tap[:, :, o0:o1, :p0] = 0
-            if p1 < ow:
-                tap[:, :, o0:o1, p1:] = 0
-            if o0 < o1 and p0 < p1:
-                rows = slice(i0, i0 + (o1 - o0 - 1) * sh + 1, sh)
-                columns = slice(j0, j0 + (p1 - p0 - 1) * sw + 1, sw)
-                tap[:, :, o0:o1, p0:p1] = by_channel[:, :, rows, columns]
+    ``c/unfold.c`` copies each tap's reach into x row by row and zeroes what it reads in
+    the padding, never a padded copy of x."""
+    n, channels, _, _ = x.shape
+    kh, kw = geom.kernel
+    cols = _scratch((channels, kh, kw, n, oh, ow), x.dtype)
+    suffix, ctype = _C_TYPES[x.dtype]
+    source = ffi.from_buffer(ctype, np.ascontiguousarray(x).data)
+    target = ffi.from_buffer(ctype, cols.data, require_writable=True)
+    cgeom = _c_geometry(geom, x.shape, channels, (oh, ow))
+    if getattr(lib, f"mg_unfold_{suffix}")(cgeom, source, target):
+        raise MemoryError("unfold: no memory for its column spans")
     return cols.reshape(geom.groups, channels // geom.groups * kh * kw, n * oh * ow)
+
+
+def _scratch(shape: tuple[int, ...], dtype: np.dtype[Any]) -> Array:
+    """An uninitialised array of ``shape`` in this thread's unfold buffer, grown as needed
+    and kept: an unfold is often larger than the allocator keeps for reuse, and a fresh
+    one's page faults cost as much as filling it. One unfold is live per thread at a
+    time (the caller's GEMM reads it before the next)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    buffer: Array | None = getattr(_unfolds, "buffer", None)
+    if buffer is None or buffer.nbytes < nbytes:
+        raw = np.empty(nbytes + _ALIGN, np.uint8)  # aligned for the BLAS that reads it
+        start = -raw.ctypes.data % _ALIGN
+        buffer = _unfolds.buffer = raw[start : start + nbytes]
+    return buffer[:nbytes].view(dtype).reshape(shape)
 
 
 def _grouped(w: Array, groups: int) -> Array:
@@ -436,25 +453,6 @@ def _shares_gemm(dy: Array, w: Array, geom: ConvGeometry) -> Callable[[int, int]
 
 
 # --- depthwise path: each output channel reads one input channel --------------------------
-
-_C_TYPES = {np.dtype(np.float32): ("f32", "float[]"), np.dtype(np.float64): ("f64", "double[]")}
-
-
-def _direct_geometry(
-    geom: ConvGeometry,
-    x_shape: tuple[int, ...],
-    oc: int,
-    out_size: tuple[int, int],
-) -> Any:
-    """The C kernels' ``mg_dw_geom`` for x of ``x_shape`` (the region, or the whole input
-    for the gradients), ``oc`` output channels and the output's (OH, OW)."""
-    n, channels, height, width = x_shape
-    (kh, kw), (sh, sw), (dh, dw) = geom.kernel, geom.stride, geom.dilation
-    top, _, left, _ = geom.padding
-    fields = {"n": n, "c": channels, "multiplier": oc // channels, "h": height, "w": width}
-    out = {"oh": out_size[0], "ow": out_size[1]}
-    taps = {"kh": kh, "kw": kw, "sh": sh, "sw": sw, "dh": dh, "dw": dw}
-    return ffi.new("mg_dw_geom *", {**fields, **out, **taps, "top": top, "left": left})
 
 
 def _direct(name: str, cgeom: Any, first: Array, second: Array, out: Array, *band: int) -> None:

@@ -14,17 +14,16 @@ forward convolution of dy, after a copy of its weight with the taps flipped), so
 grad-input terms below are a strided one's:
 
 - calls: a constant per call for each kind and path (general or depthwise), and per kernel
-  tap on the general path: it is numpy and BLAS calls made from Python, kh·kw of them per
-  pass;
-- numpy's copies and adds — the unfolding (per tap, one strided copy of what it reads in
-  the input and zeros where it reads the padding), the output's or dy's channel-major
-  transpose, the grad-input fold (one scatter-add per tap) and its zeroed buffers, the
-  flipped weight — cost per element moved and per inner loop: numpy loops over the
-  innermost run its operands share (coalesced dimensions), so an unfolding of 7-wide rows
-  costs several times one of 56-wide rows for the same bytes, and a 1×1 convolution's copy
-  is one run. Element costs depend on dtype, a stride over the source (``sw > 1``) and
-  where the pass's bytes fit in the cache hierarchy (a piecewise-linear efficiency in log
-  bytes);
+  tap on the general path, by kind: the strided grad input's fold makes numpy calls from
+  Python per tap (the others none since the unfolding is C, so theirs fit to about 0);
+- copies and adds — the unfolding (``c/unfold.c``: per tap and output row, a copy of the
+  columns it reads in the input and zeros where it reads the padding), the output's or
+  dy's channel-major transpose, the grad-input fold (one scatter-add per tap) and its
+  zeroed buffers, the flipped weight — cost per element moved and per inner loop (the
+  unfolding's: a row; numpy's: the innermost run its operands share, so 7-wide rows cost
+  several times 56-wide ones for the same bytes). Element costs depend on dtype, a stride
+  over the source (``sw > 1``) and where the pass's bytes fit in the cache hierarchy (a
+  piecewise-linear efficiency in log bytes);
 - the GEMM over the unfolded input, one per group: m = OC/g, n = N·OH·OW, k = (C/g)·kh·kw
   (forward), with the roles exchanged for the gradients. As in the GEMM model, compute
   counts the columns the micro-kernel really computes (panels of ``vector_bytes``, a
@@ -220,8 +219,8 @@ class _Stages:
         self.side_pad = (c.left + c.right) > 0
         # Which taps reach the array, once for the stages that count them (``_row_taps``,
         # ``_column_taps``).
-        self.row_taps, self.row_strips = _row_taps(c)
-        self.column_taps, self.pairs, self.column_strips = _column_taps(c)
+        self.row_taps = _row_taps(c)
+        self.column_taps, self.pairs = _column_taps(c)
 
     def moved(self, flag: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
         """Work of moving ``nbytes`` where ``flag`` holds."""
@@ -243,32 +242,29 @@ class _Stages:
         ]
 
     def border(self) -> Terms:
-        """The unfolding's zeros (forward, grad weight): per tap, the positions that read
-        the padding, zeroed in strips: whole rows above and below (a run per image and
-        channel), and in each row the columns either side."""
+        """The unfolding's zeros (forward, grad weight): the positions that read the
+        padding, zeroed as ``c/unfold.c`` walks each tap's output rows: a whole row where
+        the tap's row is padding, else the columns either side (a memset each, however
+        few)."""
         c, x = self, self.cols
         unfolds = c.general & ~c.grad_input
         rows, pairs = c.row_taps, c.pairs
         zeros = x.n * x.c * (c.taps * x.out_h * x.out_w - rows * pairs) * x.item
-        loops = x.n * x.c * (c.row_strips * x.kw + rows * c.column_strips)
+        loops = x.n * x.c * c.taps * x.out_h
         return [
             (c.loops(unfolds, loops), c.ones[:, None]),
             (c.moved(unfolds, zeros), c.efficiency(c.fp64, nbytes=zeros)),
         ]
 
     def unfold(self) -> Terms:
-        """The unfolding (general path, forward and grad weight): per tap, a strided copy of
-        the block of [C, N, OH, OW] it reads inside the input, a run per output row, or per
-        image and channel where its rows are whole and adjacent (a 1×1 convolution of one
-        image copies one run)."""
+        """The unfolding (general path, forward and grad weight): ``c/unfold.c`` copies,
+        for each tap row inside the input and each output row, the columns the tap reaches
+        (a memcpy, or a strided gather where ``sw > 1``)."""
         c, x = self, self.cols
         unfolds = c.general & ~c.grad_input
         rows = c.row_taps
-        adjacent = (x.out_h == 1) | ((x.kw == 1) & (x.sh == 1) & (x.sw == 1) & (x.out_w == x.w))
-        whole = adjacent & (x.n == 1) & (c.taps == 1) & (x.out_h * x.out_w == x.h * x.w)
         elements = x.n * x.c * rows * c.pairs
         runs = x.n * x.c * rows * c.column_taps
-        runs = runs / (np.where(adjacent, x.out_h, 1) * np.where(whole, x.c, 1))
         return [
             (c.loops(unfolds, runs), np.stack([c.ones, c.fp64, c.strided], axis=1)),
             (
@@ -393,25 +389,22 @@ class _Stages:
         ]
 
 
-def _row_taps(x: _Columns) -> tuple[np.ndarray, np.ndarray]:
+def _row_taps(x: _Columns) -> np.ndarray:
     """Per output plane, the (output row, tap row) pairs whose input row is in the array:
-    0 <= oh·sh + a·dh − top < h, for oh < OH (the whole output's rows) and a < kh; and the
-    runs of output rows, one above and one below, whose tap row falls in the padding."""
-    count, strips = np.zeros(x.size), np.zeros(x.size)
+    0 <= oh·sh + a·dh − top < h, for oh < OH (the whole output's rows) and a < kh."""
+    count = np.zeros(x.size)
     for a in range(int(x.kh.max(initial=1))):
         start = x.top - a * x.dh  # the output row oh reads input row oh·sh − start
         lo = np.maximum(-np.floor_divide(-start, x.sh), 0)
         hi = np.minimum(np.floor_divide(x.h - 1 + start, x.sh) + 1, x.out_h)
         count += np.where(a < x.kh, np.maximum(hi - lo, 0), 0)
-        strips += np.where(a < x.kh, (lo > 0) + (hi < x.out_h), 0)
-    return count, strips
+    return count
 
 
-def _column_taps(x: _Columns) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per output row, the tap columns that reach the input's columns, the (output column,
-    tap column) pairs that do (the C kernel's ``mg_dw_columns``), and the runs of output
-    columns, one either side, whose tap column falls in the padding."""
-    taps, pairs, strips = np.zeros(x.size), np.zeros(x.size), np.zeros(x.size)
+def _column_taps(x: _Columns) -> tuple[np.ndarray, np.ndarray]:
+    """Per output row, the tap columns that reach the input's columns, and the (output
+    column, tap column) pairs that do (the C kernels' ``mg_conv_columns``)."""
+    taps, pairs = np.zeros(x.size), np.zeros(x.size)
     for b in range(int(x.kw.max(initial=1))):
         start = x.left - b * x.dw
         lo = np.maximum(-np.floor_divide(-start, x.sw), 0)
@@ -419,8 +412,7 @@ def _column_taps(x: _Columns) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         reached = np.where(b < x.kw, np.maximum(hi - lo, 0), 0)
         taps += reached > 0
         pairs += reached
-        strips += np.where(b < x.kw, (lo > 0) + (hi < x.out_w), 0)
-    return taps, pairs, strips
+    return taps, pairs
 
 
 @dataclass(frozen=True, slots=True)

@@ -66,10 +66,10 @@ static MG_DW(t) MG_DW(dot)(const MG_DW(t) *restrict dy, const MG_DW(t) *restrict
 }
 
 /* y [N, C·M, OH, OW] of x [N, C, H, W] and w [C·M, 1, kh, kw]. */
-int MG_DW(forward)(const mg_dw_geom *g, const MG_DW(t) *restrict x,
+int MG_DW(forward)(const mg_conv_geom *g, const MG_DW(t) *restrict x,
                    const MG_DW(t) *restrict w, MG_DW(t) *restrict y)
 {
-    int64_t *span = mg_dw_columns(g);
+    int64_t *span = mg_conv_columns(g);
     if (span == NULL)
         return -ENOMEM;
     const int64_t oc_count = g->c * g->multiplier, taps = g->kh * g->kw;
@@ -105,12 +105,12 @@ int MG_DW(forward)(const mg_dw_geom *g, const MG_DW(t) *restrict x,
  * gathers the taps that reach it, so no output row's share is written outside the band.
  * With a multiplier the M channels' shares of a tap are summed into one contiguous row
  * first, so the strided scatter runs once per tap, not M times. */
-int MG_DW(grad_input)(const mg_dw_geom *g, const MG_DW(t) *restrict dy,
+int MG_DW(grad_input)(const mg_conv_geom *g, const MG_DW(t) *restrict dy,
                       const MG_DW(t) *restrict w, MG_DW(t) *restrict dx, int64_t i0, int64_t rows,
                       int64_t oh_lo, int64_t dy_rows)
 {
     const int64_t m = g->multiplier, taps = g->kh * g->kw;
-    int64_t *span = mg_dw_columns(g);
+    int64_t *span = mg_conv_columns(g);
     MG_DW(t) *share = m > 1 ? malloc((size_t)g->ow * sizeof *share) : NULL;
     if (span == NULL || (m > 1 && share == NULL)) {
         free(span);
@@ -156,11 +156,11 @@ int MG_DW(grad_input)(const mg_dw_geom *g, const MG_DW(t) *restrict dy,
 
 /* dw [C·M, 1, kh, kw] from x [N, C, H, W] and dy [N, C·M, OH, OW], fully reduced: each
  * output row's dot products with the input rows its taps read. */
-int MG_DW(grad_weight)(const mg_dw_geom *g, const MG_DW(t) *restrict x,
+int MG_DW(grad_weight)(const mg_conv_geom *g, const MG_DW(t) *restrict x,
                        const MG_DW(t) *restrict dy, MG_DW(t) *restrict dw)
 {
     const int64_t oc_count = g->c * g->multiplier, taps = g->kh * g->kw;
-    int64_t *span = mg_dw_columns(g);
+    int64_t *span = mg_conv_columns(g);
     if (span == NULL)
         return -ENOMEM;
     for (int64_t oc = 0; oc < oc_count; oc++) {
