@@ -47,7 +47,7 @@ from morphling.proxy.wire.messages import CONV_KINDS, GEMM_DTYPES, Conv
 from morphling.proxy.wire.operands import HANDED, IN_FRAME
 
 from .partition import GemmTask, TileTask, output, taken
-from .task import GemmError, Task, TaskTile, tile_ids
+from .task import GemmError, Task, TaskTile, panel_names, tile_ids
 
 # Each kind's two operands, in segment order, and its product.
 OPERANDS = {
@@ -85,6 +85,7 @@ class ConvOperand:
 
     array: np.ndarray
     task: Task = field(repr=False, compare=False)
+    whole: np.ndarray = field(repr=False, compare=False)  # the request's array it is a view of
     offset = None
     version = 0
     region = None  # (a convolution's operand lies within no other)
@@ -104,11 +105,13 @@ class ConvOperand:
 
     @cached_property
     def panel(self) -> int:
-        """Its panel id (hashed when first asked, and once per view of the request's
-        arrays, which its tiles share: only residency asks)."""
-        view = self.array
-        where = (view.ctypes.data, *view.shape, *view.strides)
-        return self.task.named(where, lambda: self.contiguous)
+        """Its panel id: where it lies in the request's array, whose bytes are hashed once
+        for all its tiles (only residency asks), never a copy of each view to hash."""
+        view, whole = self.array, self.whole
+        where = (whole.ctypes.data, *whole.shape, *whole.strides)
+        matrix = self.task.named(where, lambda: np.ascontiguousarray(whole))
+        offset = view.ctypes.data - whole.ctypes.data
+        return panel_names.view(matrix, offset, view.shape, view.strides)
 
     @property
     def key(self) -> Key:
@@ -147,8 +150,8 @@ class ConvTileTask(TaskTile):
         block share their weight block, those of one row band their input region."""
         if self._operands is None:
             self._operands = (
-                ConvOperand(self.a, self.gemm),
-                ConvOperand(self.b, self.gemm),
+                ConvOperand(self.a, self.gemm, self.gemm.a),
+                ConvOperand(self.b, self.gemm, self.gemm.b),
             )
         return self._operands
 

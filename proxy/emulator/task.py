@@ -33,9 +33,10 @@ class PanelNames:
 
     ``matrix`` names an array's bytes (its 128-bit xxh3 digest) and shape; ``panel`` a
     block of a named matrix, so that the emulator knows one panel to lie within another
-    (a column block of a matrix sent whole). The newest ``capacity`` names are
-    remembered, and ids are never given twice, so a name forgotten costs a resend under a
-    new id, never a wrong block."""
+    (a column block of a matrix sent whole); ``view`` any view of a named array (a
+    convolution's region). The newest ``capacity`` names are remembered, and ids are
+    never given twice, so a name forgotten costs a resend under a new id, never a wrong
+    block."""
 
     def __init__(self, capacity: int = 1 << 16) -> None:
         self.capacity = capacity
@@ -49,6 +50,13 @@ class PanelNames:
     def panel(self, matrix: Hashable, row: int, col: int, rows: int, cols: int) -> int:
         """The id of rows ``row:row+rows`` and columns ``col:col+cols`` of ``matrix``."""
         return self._id((matrix, row, col, rows, cols))
+
+    def view(
+        self, matrix: Hashable, offset: int, shape: tuple[int, ...], strides: tuple[int, ...]
+    ) -> int:
+        """The id of the view of ``matrix`` at byte ``offset`` with ``shape`` and ``strides``
+        (a convolution's input region or weight block: no block of a 2-D matrix)."""
+        return self._id((matrix, offset, shape, strides))
 
     def _id(self, key: Hashable) -> int:
         got = self._ids.get(key)
