@@ -370,8 +370,8 @@ def _taps(geom: ConvGeometry, oh: int, ow: int) -> Iterator[tuple[int, int, tupl
 def _unfold(x: Array, geom: ConvGeometry, oh: int, ow: int) -> Array:
     """The unfolded input [G, (C/G)·kh·kw, N·OH·OW]: batch and positions in the columns,
     so one GEMM per group (one batched call) covers both, or reduces over both (grad weight).
-    ``c/unfold.c`` copies each tap's reach into x row by row and zeroes what it reads in
-    the padding, never a padded copy of x."""
+    ``c/unfold.c`` copies, row by row, what each tap reads inside x and zeroes what it
+    reads in the padding, never a padded copy of x."""
     n, channels, _, _ = x.shape
     kh, kw = geom.kernel
     cols = _scratch((channels, kh, kw, n, oh, ow), x.dtype)

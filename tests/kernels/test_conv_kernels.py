@@ -8,6 +8,7 @@ cancelling terms get their honest rounding and exact zeros must stay exact.
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import subprocess
 import sys
@@ -447,6 +448,37 @@ def test_results_go_into_out():
         dw = np.full(w.shape, np.nan, np.float32)
         assert conv_grad_weight(x, y, geom, out=dw) is dw
         np.testing.assert_array_equal(dw, conv_grad_weight(x, y, geom))
+
+
+def test_threads_unfold_into_their_own_buffers():
+    """Each thread unfolds into a buffer it keeps (grown for a larger convolution, reused
+    for a smaller one): two threads computing different convolutions at once, larger and
+    smaller in turn, each get torch's results, exactly the ones computed alone."""
+    rng = np.random.default_rng(11)
+    cases = []
+    for size, channels in ((40, 16), (20, 8), (56, 12), (12, 4)):
+        geom = ConvGeometry((3, 3), padding=(1, 1, 1, 1))
+        x, w = inputs(rng, 2, channels, size, size, (5, channels, 3, 3), np.float64)
+        dy = rng.standard_normal((2, 5, size, size))
+        cases.append((x, w, dy, geom, torch_reference(x, w, dy, geom)))
+    alone = [(conv_forward(x, w, g), conv_grad_weight(x, dy, g)) for x, w, dy, g, _ in cases]
+
+    def compute(order: list[int]) -> list[tuple[int, np.ndarray, np.ndarray]]:
+        got = []
+        for i in order * 5:
+            x, w, dy, geom, _ = cases[i]
+            got.append((i, conv_forward(x, w, geom), conv_grad_weight(x, dy, geom)))
+        return got
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        runs = [pool.submit(compute, order) for order in ([0, 1, 2, 3], [3, 2, 1, 0])]
+        results = [r for run in runs for r in run.result()]
+    for i, y, dw in results:
+        x, w, _, _, (want_y, _, want_dw) = cases[i]
+        np.testing.assert_array_equal(y, alone[i][0])
+        np.testing.assert_array_equal(dw, alone[i][1])
+        assert_matches(y, want_y, np.abs(want_y).max(), np.float64)
+        assert_matches(dw, want_dw, np.abs(want_dw).max(), np.float64)
 
 
 def test_flops_are_torchs_count():
