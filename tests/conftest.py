@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 from pathlib import Path
 from typing import NamedTuple
 
 import pytest
 from processes import Procs
+
+# A shell starts a background job (``make test &``, nohup) with SIGINT ignored, and an
+# ignored signal stays ignored across exec: every process a test starts would ignore the
+# SIGINT the signal tests send it (``morphling`` keeps an inherited SIG_IGN, as Python
+# does). A handler, unlike SIG_IGN, is reset to the default in a child.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture
