@@ -85,6 +85,12 @@ _N_KNOTS = np.array([0.0, 4.0, 8.0, 12.0, 16.0])
 _K_KNOTS = np.array([0.0, 3.0, 6.0, 9.0, 12.0, 15.0])
 _MEM = len(_MEM_KNOTS)
 
+# What the work terms count: θ fitted under one form prices another's terms wrongly, so a
+# fitted model of another form is refused (2: the unfolding's terms count the rows of
+# ``c/unfold.c``, the kernels' revision 3; 1, the form of a table without ``form``: numpy's
+# runs).
+FORM = 2
+
 # Parameter vector layout: term name → width (see ``_Form.terms`` for each design).
 _TERMS = {
     "calls": _ROUTES,
@@ -473,7 +479,7 @@ def traffic_bytes(shape: ConvShape) -> int:
 _Trial = tuple[float, _Form, np.ndarray]  # robust cost, structure, θ
 
 _ANALYTIC_KEYS = ("kind", "flops", "depthwise_flops", "fp64_ratio", "mem_bw", "exact")
-_FITTED_KEYS = ("kind", "vector_bytes", "popcount", *_TERMS, "native", "exact")
+_FITTED_KEYS = ("kind", "form", "vector_bytes", "popcount", *_TERMS, "native", "exact")
 # ``native``'s keys: each kind, for a k×k convolution on the general path, a pointwise (1×1)
 # one, and a depthwise one: PyTorch's algorithms and the kernels' differ most between these.
 NATIVE_CLASSES = ("", "_pointwise", "_depthwise")
@@ -645,6 +651,7 @@ class ConvModel(ShapeModel[ConvShape]):
         assert self._theta is not None
         out: dict[str, Any] = {
             "kind": "fitted",
+            "form": FORM,
             "vector_bytes": self._form.vector_bytes,
             "popcount": self._form.popcount,
         }
@@ -668,6 +675,13 @@ class ConvModel(ShapeModel[ConvShape]):
             )
         if kind != "fitted":
             raise ValueError(f"conv field 'kind' must be 'analytic' or 'fitted', got {kind!r:.60}")
+        form = d.get("form", 1)
+        if form != FORM:
+            raise ValueError(
+                f"conv field 'form' is {form!r:.20} (absent: 1), this Morphling's is {FORM}: "
+                "the model was fitted to other kernels' work terms; measure the device again "
+                "(morphling profile)"
+            )
         check_keys("conv model", d, _FITTED_KEYS)
         vector_bytes, split = d["vector_bytes"], d["popcount"]
         if isinstance(vector_bytes, bool) or not isinstance(vector_bytes, int) or vector_bytes < 1:

@@ -20,6 +20,7 @@ from morphling.kernels import blas_info
 from morphling.kernels import conv as conv_kernels
 from tqdm import tqdm
 
+from ..models.conv import FORM as CONV_FORM
 from ..models.links import LINKS
 from ..models.profiles import HOST
 from .host_facts import cpu_model
@@ -79,6 +80,9 @@ def why_stale(path: Path, key: dict[str, str | int]) -> str | None:
         return f"the cached profile was measured with another {', '.join(changed)}"
     if "ops" not in doc and op_timing is not None:  # measured before the op model was
         return "the cached profile has no op model"
+    conv = doc.get("conv", {})
+    if conv.get("kind") == "fitted" and conv.get("form", 1) != CONV_FORM:
+        return "the cached profile's convolution model counts another form of work terms"
     return None
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from morphling.devices.models.conv import (
+    FORM,
     NATIVE_KEYS,
     ConvModel,
     heldout_error,
@@ -212,6 +213,17 @@ def test_a_malformed_native_scale_is_refused_naming_it(measured):
         ConvModel.from_dict({**good, "native": {**good["native"], "grad_weight_depthwise": 0}})
     with pytest.raises(ValueError, match="only a fitted ConvModel has a native scale"):
         ConvModel({}, flops=1e9, native=good["native"])
+
+
+def test_a_fitted_model_of_another_form_is_refused(measured):
+    """θ prices the work terms of the form it was fitted under: a table of another form
+    (one written before ``form`` existed is form 1) is refused, saying what to do."""
+    good = measured[0].to_dict()
+    assert good["form"] == FORM and ConvModel.from_dict(good).to_dict() == good
+    old = {k: v for k, v in good.items() if k != "form"}
+    for table, shown in ((old, "1"), ({**good, "form": FORM + 1}, str(FORM + 1))):
+        with pytest.raises(ValueError, match=rf"'form' is {shown} .*measure the device again"):
+            ConvModel.from_dict(table)
 
 
 def test_native_scale_is_measured_against_this_hosts_pytorch():

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from morphling.devices.models.compute import ComputeModel, GemmShape, heldout_error
+from morphling.devices.models.conv import FORM as CONV_FORM
 from morphling.devices.models.conv import ConvModel
 from morphling.devices.models.conv_shape import KINDS, ConvShape
 from morphling.devices.models.profiles import DeviceProfile, load_profile
@@ -279,6 +280,20 @@ def test_a_cached_profile_without_an_op_model_is_stale(tmp_path, host_1t):
     del doc["ops"]
     path.write_text(dump_toml(doc))
     assert why_stale(path, host_key(1)) == "the cached profile has no op model"
+
+
+def test_a_cached_profile_whose_conv_model_is_of_another_form_is_stale(tmp_path, host_1t):
+    """The same kernels' revision, but a convolution model whose θ counts other work terms
+    (one written before ``form`` existed): measured again, not refused at use."""
+    path = Path(shutil.copy(host_1t, tmp_path))
+    with path.open("rb") as f:
+        doc = tomllib.load(f)
+    assert doc["conv"]["form"] == CONV_FORM
+    del doc["conv"]["form"]
+    path.write_text(dump_toml(doc))
+    assert why_stale(path, host_key(1)) == (
+        "the cached profile's convolution model counts another form of work terms"
+    )
 
 
 def test_each_thread_count_has_its_own_cached_profile(tmp_path, caplog, host_1t):

@@ -327,7 +327,8 @@ def test_toml_conv_table_is_the_conv_model_and_is_validated(tmp_path):
     ("conv", "message"),
     [
         ([], r"'conv' must be a table"),
-        ({"kind": "fitted"}, r"'conv'.*missing key.*'vector_bytes'"),
+        ({"kind": "fitted", "form": 2}, r"'conv'.*missing key.*'vector_bytes'"),
+        ({"kind": "fitted"}, r"'conv'.*'form' is 1 \(absent: 1\).*morphling profile"),
         ({**ConvModel.analytic(1e9).to_dict(), "mem_bw": -1.0}, r"'conv'.*'mem_bw'"),
         (
             {**ConvModel.analytic(1e9).to_dict(), "exact": [BAD_RECORD]},
