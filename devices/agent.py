@@ -50,6 +50,7 @@ from morphling.proxy.wire.operands import (
     Location,
     Place,
     panel_operand,
+    stored_shape,
     tile_locations,
 )
 from morphling.proxy.wire.states import Party
@@ -306,19 +307,17 @@ class DeviceConnection(PeerProtocol):
         itemsize = np.dtype(msg.dtype).itemsize
         if at.place is Place.FRAME or at.place is Place.KEPT:
             return self._held(at, msg.segments[0 if which == "a" else 1], itemsize)
+        tile_ld = msg.lda if which == "a" else msg.ldb
         if at.place is Place.ARENA:
             if self.arena is None:
                 raise ValueError(
                     f"arena_{which}={at.offset}, but this device maps no operand arena"
                 )
-            rows, cols = _stored(msg, which)
-            return self.arena.block(at.offset, rows, cols, msg.lda if which == "a" else msg.ldb,
-                                    msg.dtype)  # fmt: skip
+            return self.arena.block(at.offset, *stored_shape(msg, which), tile_ld, msg.dtype)
         if self.weights is not None:
             offset, rows, cols, ld, _ = at.ref
             if at.within != -1:  # the tile's block, inside the one the ref names
-                ld = msg.lda if which == "a" else msg.ldb
-                rows, cols = _stored(msg, which)
+                (rows, cols), ld = stored_shape(msg, which), tile_ld
                 offset += at.within * itemsize
             return self.weights.block(offset, rows, cols, ld, msg.dtype)
         try:
@@ -361,13 +360,6 @@ class DeviceConnection(PeerProtocol):
         if self.open:
             self.send(ProbeFlopsResult(probe=msg.probe, compute_ns=best.compute_ns,
                                        segments=(best.out,)))  # fmt: skip
-
-
-def _stored(msg: Tile, which: str) -> tuple[int, int]:
-    """The rows and columns of a tile's operand ``which`` as stored."""
-    if which == "a":
-        return (msg.k, msg.m) if msg.ta else (msg.m, msg.k)
-    return (msg.n, msg.k) if msg.tb else (msg.k, msg.n)
 
 
 def _from(kept: Any, within: int, itemsize: int) -> Any:

@@ -32,6 +32,7 @@ from morphling.proxy.wire.operands import (
     OperandError,
     Place,
     gemm_locations,
+    stored_shape,
 )
 
 from .task import GemmError, Task, TaskTile, panel_names, tile_ids
@@ -180,10 +181,9 @@ class GemmTask(Task):
         whether op() transposes it (op(B)'s columns are B's rows when B is stored
         transposed), and one pivot's stored rows and columns."""
         g = self.request
+        rows, cols = stored_shape(g, which)
         if which == "a":
-            rows, cols = (g.k, g.m) if g.ta else (g.m, g.k)
             return self.a, g.lda, g.stride_a, g.ta, rows, cols
-        rows, cols = (g.n, g.k) if g.tb else (g.k, g.n)
         return self.b, g.ldb, g.stride_b, not g.tb, rows, cols
 
     def _make_block(self, which: str, pivot: int, lo: int, hi: int) -> Block:
@@ -296,8 +296,7 @@ def make_task(
         a_at, b_at, c_at = gemm_locations(g)
     except OperandError as exc:
         raise GemmError(str(exc)) from None
-    a_rows, a_cols = (g.k, g.m) if g.ta else (g.m, g.k)
-    b_rows, b_cols = (g.n, g.k) if g.tb else (g.k, g.n)
+    (a_rows, a_cols), (b_rows, b_cols) = stored_shape(g, "a"), stored_shape(g, "b")
     item = np.dtype(g.dtype).itemsize
     arrays, refs, in_slab = [], {}, []
     for name, at, seg, rows, cols, ld, stride in (

@@ -144,6 +144,14 @@ def gemm_fields(a: Location, b: Location, c: Location = IN_FRAME) -> GemmFields:
     )
 
 
+def stored_shape(msg: Gemm | Tile, which: str) -> tuple[int, int]:
+    """The rows and columns operand ``which`` ("a" or "b") of ``C = op(A)·op(B)`` is
+    stored as, one pivot of it: op() transposes what ``ta`` / ``tb`` say is transposed."""
+    if which == "a":
+        return (msg.k, msg.m) if msg.ta else (msg.m, msg.k)
+    return (msg.n, msg.k) if msg.tb else (msg.k, msg.n)
+
+
 def gemm_locations(msg: Gemm) -> tuple[Location, Location, Location]:
     """Where a GEMM's A, B and C are, from its fields (``OperandError`` naming the field)."""
     a = _gemm_operand("a", msg.ref_a, msg.slab_a, msg.segments[0], msg.local)
