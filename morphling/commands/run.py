@@ -37,7 +37,7 @@ from morphling.exiting import exit_without_finalizing
 from morphling.interrupt import Interrupted, Signals
 from morphling.outputs import check_file_writable
 from morphling.proxy.emulator.settings import DEFAULT_MIN_FLOPS, EmulatorConfig
-from morphling.proxy.job.coordinator import MODES, coordinator_profile
+from morphling.proxy.job.coordinator import MODES, PRODUCTS, coordinator_profile
 from morphling.proxy.vtime.collectives import ALGORITHMS
 from morphling.proxy.vtime.eventlog import EVENT_LEVELS
 from morphling.proxy.vtime.placement import POLICIES
@@ -81,6 +81,14 @@ class RunConfig:
         min=-1,
     )
     world: int = _opt(0, "with --rank: how many ranks the distributed script has", min=0)
+    products: str = _opt(
+        "",
+        "who computes a rank's GEMMs and convolutions: its device, or the rank itself, its "
+        "device only timing them (the same virtual time; for devices that are models "
+        "computing on this host anyway); empty: rank with --ranks (an --embedded fleet), "
+        "device otherwise",
+        choices=("", *PRODUCTS),
+    )
     devices: str = _opt(
         "4",
         "fleet SPEC for --embedded: NAME:COUNT,... or a count (NAME 'host': "
@@ -307,6 +315,11 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
             raise configuration.ConfigError(
                 f"--rank {cfg.rank} needs --world above it (got --world {cfg.world})"
             )
+        if cfg.products == "rank" and cfg.rank < 0 and not cfg.ranks:
+            raise configuration.ConfigError(
+                "--products rank needs ranks (--ranks, or --rank): one script's products are "
+                "spread over the fleet, which computes them"
+            )
         if cfg.embedded:
             fleet = expand_fleet(cfg.devices, max_devices=cfg.max_devices)
             if cfg.ranks > len(fleet):
@@ -368,6 +381,7 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
             device=cfg.device,
             rank=cfg.rank if cfg.rank >= 0 else None,
             world=cfg.world,
+            products=cfg.products or "device",
         ) as session:
             try:
                 code = _run_script(*target)
@@ -480,7 +494,8 @@ def rank_devices(spec: str, ranks: int, names: list[str]) -> list[str]:
 def _rank_flags(cfg: RunConfig) -> list[str]:
     """The ``morphling run`` flags each rank's job takes from this command's."""
     flags = ["--min-flops", str(cfg.min_flops), "--device-wait-s", str(cfg.device_wait_s),
-             "--share-memory" if cfg.share_memory else "--no-share-memory"]  # fmt: skip
+             "--share-memory" if cfg.share_memory else "--no-share-memory",
+             "--products", cfg.products or "rank"]  # fmt: skip
     if cfg.cooling:
         flags += ["--cooling", cfg.cooling]
     if cfg.block_size:

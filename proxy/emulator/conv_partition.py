@@ -39,15 +39,15 @@ from typing import Any, NamedTuple, cast
 import numpy as np
 from morphling.devices.models.conv_shape import ConvShape
 from morphling.kernels.conv import ConvGeometry
-from morphling.proxy.shm.handover import JobOperands
+from morphling.proxy.shm.handover import JobOperands, Writers
 from morphling.proxy.vtime.eventlog import conv_op
 from morphling.proxy.vtime.memory import Key
 from morphling.proxy.vtime.work import implicit_gemm
 from morphling.proxy.wire.messages import CONV_KINDS, GEMM_DTYPES, Conv
-from morphling.proxy.wire.operands import HANDED, IN_FRAME
+from morphling.proxy.wire.operands import HANDED, IN_FRAME, Location
 
 from .partition import GemmTask, TileTask, output, taken
-from .task import GemmError, Task, TaskTile, panel_names, tile_ids
+from .task import GemmError, Task, TaskTile, carries_nothing, panel_names, tile_ids, unsent
 
 # Each kind's two operands, in segment order, and its product.
 OPERANDS = {
@@ -389,6 +389,12 @@ def make_conv_task(
     except ValueError as exc:
         raise GemmError(f"input {height}x{width}: {exc}") from None
     shapes["grad_output"] = (n, out_channels, oh, ow)
+    product = PRODUCT[c.kind]
+    out_shape = shapes["grad_output" if product == "output" else product]
+    if c.by_rank:  # computed by the rank itself: priced, never sent
+        carries_nothing(c, {"local": c.local})
+        a, b = (unsent(shapes[name], c.dtype) for name in OPERANDS[c.kind])
+        return _conv_task(c, geom, shapes, unsent(out_shape, c.dtype), a, b)
     mine = taken(handed) if c.local else None
     arrays = []
     for i, name in enumerate(OPERANDS[c.kind]):
@@ -398,17 +404,22 @@ def make_conv_task(
                 raise GemmError(f"local: operand {name} was handed over, its segment must be empty")
             segment = mine.a if i == 0 else mine.b
         arrays.append(_operand(i, name, shapes[name], c.dtype, segment))
-    product = PRODUCT[c.kind]
-    out, writers = output(
-        shapes["grad_output" if product == "output" else product], c.dtype, mine, memory
-    )
+    out, writers = output(out_shape, c.dtype, mine, memory)
+    c_at = HANDED if mine is not None else IN_FRAME
+    return _conv_task(c, geom, shapes, out, arrays[0], arrays[1], c_at, writers)
+
+
+def _conv_task(
+    c: Conv, geom: ConvGeometry, shapes: dict[str, Shape4], out: np.ndarray, a: np.ndarray,
+    b: np.ndarray, c_at: Location = IN_FRAME, writers: Writers | None = None,
+) -> ConvTask:  # fmt: skip
     return ConvTask(
         request=c,
         out=out,
-        c_at=HANDED if mine is not None else IN_FRAME,
+        c_at=c_at,
         writers=writers,
-        a=arrays[0],
-        b=arrays[1],
+        a=a,
+        b=b,
         geometry=geom,
         input_shape=shapes["input"],
         weight_shape=shapes["weight"],

@@ -347,14 +347,23 @@ class Job:
         )  # fmt: skip
 
     def _handed(self, msg: Gemm | Conv) -> local.JobOperands | None:
-        """A new request's id checked, and the arrays it handed over in this process."""
+        """A new request's id checked (a ``by_rank`` one: from a rank), and the arrays it
+        handed over in this process."""
+        name = msg.TYPE.name
         if msg.gemm in self.gemms:
-            name = msg.TYPE.name
             raise RemoteProtocolError(f"{name} id {msg.gemm} is already in flight", "bad_gemm")
+        if msg.by_rank and self.rank is None:
+            raise RemoteProtocolError(
+                f"{name} {msg.gemm}: by_rank, but the job is no rank (OPEN.rank)", "bad_gemm"
+            )
         return local.take_gemm((self.emulator.token, self.id, msg.gemm)) if self.local else None
 
     def _start(self, task: AnyTask, tiles: Sequence[AnyTile], msg: Gemm | Conv) -> None:
-        """Count the task in flight and have the timeline issue it as ``msg`` places it."""
+        """Count the task in flight and have the timeline issue it as ``msg`` places it (a
+        rank's own product: ``_time_only``)."""
+        if msg.by_rank:
+            self._time_only(task, tiles, msg)
+            return
         emulator = self.emulator
         self.tiles_in_flight += len(tiles)
         self.bytes_in_flight += _held_bytes(task)
@@ -378,6 +387,23 @@ class Job:
             self.finish(task)  # (which regulates)
             return
         self.regulate()
+
+    def _time_only(self, task: AnyTask, tiles: Sequence[AnyTile], msg: Gemm | Conv) -> None:
+        """A product the rank computed itself: its tiles placed on the rank's device in
+        virtual time and sent nowhere; no RESULT answers it."""
+        totals = self.totals
+        totals["gemms"] += 1
+        totals["tiles"] += len(tiles)
+
+        def timed(issue: float, end: float) -> None:
+            task.settled(issue, end)
+            totals["model_ns"] += task.virtual_ns
+            totals["oom"] += task.oom
+
+        self.emulator.timeline.submit(
+            self.id, task, tiles, after=msg.after, host_s=msg.host_ns / 1e9,
+            host_split=msg.host_split, place=_unsent, done=timed,
+        )  # fmt: skip
 
     def _output_memory(self, nbytes: int) -> memoryview:
         """Memory for a C that goes back in RESULT: in the operand arena (where devices on
@@ -619,6 +645,10 @@ class Job:
                 limit_s=self.device_wait_s,
             )
         )
+
+
+def _unsent(placed: Sequence[object]) -> None:
+    """A rank's own product's placed tiles: computed already, so sent nowhere."""
 
 
 def _held_bytes(task: Task) -> int:

@@ -35,7 +35,7 @@ from morphling.proxy.wire.operands import (
     stored_shape,
 )
 
-from .task import GemmError, Task, TaskTile, panel_names, tile_ids
+from .task import GemmError, Task, TaskTile, carries_nothing, panel_names, tile_ids, unsent
 
 
 @dataclass(eq=False)
@@ -292,6 +292,8 @@ def make_task(
             raise GemmError(f"{name}={getattr(g, name)} is negative")
     if g.batch < 1:
         raise GemmError(f"batch={g.batch} must be >= 1")
+    if g.by_rank:
+        return _rank_task(g)
     try:
         a_at, b_at, c_at = gemm_locations(g)
     except OperandError as exc:
@@ -337,6 +339,18 @@ def make_task(
     )
     task.in_slab = bool(in_slab) or c_at.place is Place.SLAB
     return task
+
+
+def _rank_task(g: Gemm) -> GemmTask:
+    """A GEMM its rank computed itself (``by_rank``): its operands and C ``unsent``."""
+    carries_nothing(g, {"ref_a": bool(g.ref_a), "ref_b": bool(g.ref_b), "slab_a": g.slab_a != -1,
+                        "slab_b": g.slab_b != -1, "slab_c": g.slab_c != -1,
+                        "local": g.local})  # fmt: skip
+    a, b = (
+        unsent((_extent(name, *stored_shape(g, name), ld, stride, g.batch),), g.dtype)
+        for name, ld, stride in (("a", g.lda, g.stride_a), ("b", g.ldb, g.stride_b))
+    )
+    return GemmTask(request=g, out=unsent((g.batch, g.m, g.n), g.dtype), a=a, b=b)
 
 
 def _slab_range(

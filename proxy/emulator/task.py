@@ -58,6 +58,10 @@ class PanelNames:
         (a convolution's input region or weight block: no block of a 2-D matrix)."""
         return self._id((matrix, offset, shape, strides))
 
+    def fresh(self) -> int:
+        """An id no bytes are named by: a rank's own operand, which no device is sent."""
+        return next(self._next)
+
     def _id(self, key: Hashable) -> int:
         got = self._ids.get(key)
         if got is None:
@@ -74,6 +78,23 @@ panel_names = PanelNames()  # the process's: its emulators' devices keep panels 
 
 class GemmError(ValueError):
     """A GEMM or CONV request whose header does not describe its operands."""
+
+
+def unsent(shape: tuple[int, ...], dtype: str) -> np.ndarray:
+    """An operand, or the output, of a product a rank computed itself (``by_rank``), of
+    ``shape``: one zero broadcast, no memory, so that the request is cut into tiles and
+    priced as it would be were its bytes here."""
+    return np.broadcast_to(np.zeros(1, dtype), shape)
+
+
+def carries_nothing(request: Gemm | Conv, fields: dict[str, bool]) -> None:
+    """A ``by_rank`` request's operands stayed with the rank: no segment, and none of its
+    operand-placing ``fields`` (name → whether set) set; else GemmError."""
+    if any(memoryview(seg).nbytes for seg in request.segments):
+        raise GemmError("by_rank: a rank's own product carries no operand bytes")
+    for name, value in fields.items():
+        if value:
+            raise GemmError(f"by_rank: {name} is set, but a rank's own product has no operands")
 
 
 class Owner(Protocol):
@@ -120,10 +141,12 @@ class Task:
 
     def named(self, where: tuple[int, ...], data: Callable[[], np.ndarray]) -> int:
         """The ``PanelNames.matrix`` id of the bytes ``data()`` gives (C-contiguous, as
-        sent), found at ``where``: asked once per place, whichever tiles need them."""
+        sent), found at ``where``: asked once per place, whichever tiles need them. A
+        rank's own product (``by_rank``) has no bytes here: its operands get fresh ids."""
         name = self._names.get(where)
         if name is None:
-            name = self._names[where] = panel_names.matrix(data())
+            fresh = self.request.by_rank
+            name = self._names[where] = panel_names.fresh() if fresh else panel_names.matrix(data())
         return name
 
     @property

@@ -86,6 +86,7 @@ def gemm_request(
     host_ns: int = 0,
     host_split: dict[str, int] | None = None,
     epoch: int = 0,
+    by_rank: bool = False,
 ) -> tuple[Gemm, tuple[int, ...]]:
     """The GEMM message for ``a @ b`` and the shape of its result.
 
@@ -93,6 +94,7 @@ def gemm_request(
     the emulator's shared weights) goes by reference, with a version made of its
     tensor's and ``epoch`` (see ``_location``). ``after`` and ``host_ns`` place it
     in virtual time, ``host_split`` says what the host did then (see ``Gemm``).
+    ``by_rank``: the rank computed it itself, and sends its layout only.
     """
     oa, ob = blas_operand(a, "a"), blas_operand(b, "b")
     dtype = _dtype_name(oa.span.dtype)
@@ -104,7 +106,12 @@ def gemm_request(
     if oa.batch >= 0 and ob.batch >= 0 and oa.batch != ob.batch:
         raise ValueError(f"batch sizes differ: {oa.batch} and {ob.batch}")
     batch = max(oa.batch, ob.batch)
-    at_a, at_b = (_location(x, o.span, shared, epoch) for x, o in ((a, oa), (b, ob)))
+    if by_rank:  # its operands stay here
+        at_a = at_b = IN_FRAME
+        segments = (oa.span[:0], ob.span[:0])
+    else:
+        at_a, at_b = (_location(x, o.span, shared, epoch) for x, o in ((a, oa), (b, ob)))
+        segments = (_segment(at_a, oa.span), _segment(at_b, ob.span))
     request = Gemm(
         gemm=gemm,
         dtype=dtype,
@@ -122,7 +129,8 @@ def gemm_request(
         host_ns=host_ns,
         host_split=host_split or {},
         **gemm_fields(at_a, at_b),
-        segments=(_segment(at_a, oa.span), _segment(at_b, ob.span)),
+        by_rank=by_rank,
+        segments=segments,
     )
     shape = (oa.rows, ob.cols) if batch < 0 else (batch, oa.rows, ob.cols)
     return request, shape
@@ -160,6 +168,54 @@ def conv_request(
     grad_weight, the input and the output's gradient, product the weight's gradient
     [OC, C/groups, kh, kw]. No bias: its addition and gradient are the caller's.
     """
+    request, shapes = _conv_header(
+        conv, kind, "", input_shape=input_shape, weight_shape=weight_shape, stride=stride,
+        padding=padding, dilation=dilation, groups=groups, after=after, host_ns=host_ns,
+        host_split=host_split,
+    )  # fmt: skip
+    (first, second), product = {
+        "forward": (("input", "weight"), "output"),
+        "grad_input": (("output", "weight"), "input"),
+        "grad_weight": (("input", "output"), "weight"),
+    }[kind]
+    dtype = ""
+    for name, role, x in (("a", first, a), ("b", second, b)):
+        if not isinstance(x, np.ndarray) or not x.flags.c_contiguous:
+            raise ValueError(f"{kind}: {name} must be a C-contiguous numpy array")
+        if _dtype_name(x.dtype) not in GEMM_DTYPES or dtype not in ("", x.dtype.name):
+            raise ValueError(f"{kind}: {name} is {x.dtype}; a and b are one of {GEMM_DTYPES}")
+        if x.shape != shapes[role]:
+            raise ValueError(f"{kind}: {name} has shape {x.shape}, the {role} is {shapes[role]}")
+        dtype = x.dtype.name
+    segments = (a.reshape(-1), b.reshape(-1))
+    return dataclasses.replace(request, dtype=dtype, segments=segments), shapes[product]
+
+
+def rank_conv_request(
+    conv: int, kind: str, dtype: str, *, input_shape: tuple[int, ...],
+    weight_shape: tuple[int, ...], stride: Pair, padding: Padding, dilation: Pair, groups: int,
+    after: int = 0, host_ns: int = 0, host_split: dict[str, int] | None = None,
+) -> Conv:  # fmt: skip
+    """The CONV message for a convolution's product ``kind`` that the rank computed itself
+    (``by_rank``: its shapes and ``dtype``, no operands); the arguments as ``conv_request``
+    takes them, ValueError naming what does not fit."""
+    if dtype not in GEMM_DTYPES:
+        raise ValueError(f"{kind}: dtype {dtype}; one of {GEMM_DTYPES}")
+    request, _ = _conv_header(
+        conv, kind, dtype, input_shape=input_shape, weight_shape=weight_shape, stride=stride,
+        padding=padding, dilation=dilation, groups=groups, after=after, host_ns=host_ns,
+        host_split=host_split,
+    )  # fmt: skip
+    return dataclasses.replace(request, by_rank=True)
+
+
+def _conv_header(
+    conv: int, kind: str, dtype: str, *, input_shape: tuple[int, ...],
+    weight_shape: tuple[int, ...], stride: Pair, padding: Padding, dilation: Pair, groups: int,
+    after: int, host_ns: int, host_split: dict[str, int] | None,
+) -> tuple[Conv, dict[str, tuple[int, ...]]]:  # fmt: skip
+    """A CONV without operands, and the shapes of its input, weight and output; ValueError
+    naming what does not fit."""
     if kind not in CONV_KINDS:
         raise ValueError(f"convolution kind {kind!r}: one of {', '.join(CONV_KINDS)}")
     for name, shape in (("input_shape", input_shape), ("weight_shape", weight_shape)):
@@ -175,20 +231,6 @@ def conv_request(
         )
     output = (n, out_channels, *geom.output_size(height, width))
     shapes = {"input": tuple(input_shape), "weight": tuple(weight_shape), "output": output}
-    (first, second), product = {
-        "forward": (("input", "weight"), "output"),
-        "grad_input": (("output", "weight"), "input"),
-        "grad_weight": (("input", "output"), "weight"),
-    }[kind]
-    dtype = ""
-    for name, role, x in (("a", first, a), ("b", second, b)):
-        if not isinstance(x, np.ndarray) or not x.flags.c_contiguous:
-            raise ValueError(f"{kind}: {name} must be a C-contiguous numpy array")
-        if _dtype_name(x.dtype) not in GEMM_DTYPES or dtype not in ("", x.dtype.name):
-            raise ValueError(f"{kind}: {name} is {x.dtype}; a and b are one of {GEMM_DTYPES}")
-        if x.shape != shapes[role]:
-            raise ValueError(f"{kind}: {name} has shape {x.shape}, the {role} is {shapes[role]}")
-        dtype = x.dtype.name
     request = Conv(
         gemm=conv,
         kind=kind,
@@ -202,9 +244,9 @@ def conv_request(
         after=after,
         host_ns=host_ns,
         host_split=host_split or {},
-        segments=(a.reshape(-1), b.reshape(-1)),
+        segments=(b"", b""),
     )
-    return request, shapes[product]
+    return request, shapes
 
 
 def product_array(request: Conv, result: Result, shape: tuple[int, ...]) -> np.ndarray:
@@ -631,6 +673,38 @@ class Client:
                 return c
             return product_array(request, self._call(request, timeout), shape)
 
+    def rank_matmul(
+        self, a: Any, b: Any, *, host_ns: int, host_split: dict[str, int] | None = None
+    ) -> None:
+        """``a @ b``, which this rank computed itself, to be timed on its device (GEMM
+        ``by_rank``: its layout only), sent without waiting; ``host_ns`` and ``host_split``
+        as in ``matmul``."""
+        with self._call_lock:
+            request, _ = gemm_request(next(self._ids), a, b, after=self._after, host_ns=host_ns,
+                                      host_split=host_split, by_rank=True)  # fmt: skip
+            self._send_blocking(request)
+
+    def rank_conv(
+        self, kind: str, dtype: str, *, input_shape: tuple[int, ...],
+        weight_shape: tuple[int, ...], stride: Pair, padding: Padding, dilation: Pair,
+        groups: int, host_ns: int, host_split: dict[str, int] | None = None,
+    ) -> None:  # fmt: skip
+        """A convolution's product ``kind``, which this rank computed itself, to be timed
+        on its device (CONV ``by_rank``, ``rank_conv_request``), sent without waiting."""
+        with self._call_lock:
+            request = rank_conv_request(
+                next(self._ids), kind, dtype, input_shape=input_shape, weight_shape=weight_shape,
+                stride=stride, padding=padding, dilation=dilation, groups=groups,
+                after=self._after, host_ns=host_ns, host_split=host_split,
+            )  # fmt: skip
+            self._send_blocking(request)
+
+    def _send_blocking(self, request: Gemm | Conv | Collective | Wait) -> None:
+        """Send ``request``, which nothing answers, as the one the next comes after (it
+        holds the rank in virtual time, as a product whose result it waits for would)."""
+        self._send(request)
+        self._after, self._since_ns = request.gemm, time.perf_counter_ns()
+
     def _hand_over(self, request: Gemm | Conv, c: np.ndarray, timeout: float | None) -> None:
         """``request`` with its operands and C handed to the emulator in this process
         (``local``), C written once it returns. C must be new: should the call time out,
@@ -713,12 +787,14 @@ class Client:
         with self._call_lock:
             request_id = next(self._ids)
             host = self.elapsed_ns() if host_ns is None else host_ns
-            self._send(Collective(
+            request = Collective(
                 gemm=request_id, op=op, nbytes=nbytes, ranks=ranks, seq=seq, root=root,
                 blocking=blocking, after=self._after, host_ns=host, host_split=host_split or {},
-            ))  # fmt: skip
+            )  # fmt: skip
             if blocking:
-                self._after, self._since_ns = request_id, time.perf_counter_ns()
+                self._send_blocking(request)
+            else:
+                self._send(request)
             return request_id
 
     def wait(
@@ -728,11 +804,9 @@ class Client:
         """The rank waits here for its earlier non-blocking collective ``request`` (WAIT;
         no answer): what the next request comes after."""
         with self._call_lock:
-            wait_id = next(self._ids)
             host = self.elapsed_ns() if host_ns is None else host_ns
-            self._send(Wait(gemm=wait_id, wait=request, after=self._after, host_ns=host,
-                            host_split=host_split or {}))  # fmt: skip
-            self._after, self._since_ns = wait_id, time.perf_counter_ns()
+            self._send_blocking(Wait(gemm=next(self._ids), wait=request, after=self._after,
+                                     host_ns=host, host_split=host_split or {}))  # fmt: skip
 
     def step(
         self, step: int, *, host_ns: int | None = None, local_gemms: int = 0,

@@ -23,6 +23,9 @@ from morphling.devices.models.profiles import HOST, DeviceProfile, load_profile,
 from morphling.devices.models.thermal import ThermalParams, ThermalState
 
 MODES = ("measured", "model")
+# Who computes a rank's GEMMs and convolutions: its device, or the rank itself, on its own
+# hardware, while its device only times them (``session.emulate``'s ``products``).
+PRODUCTS = ("device", "rank")
 
 
 def coordinator_mode(name: str, mode: str | None) -> str:

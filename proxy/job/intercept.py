@@ -33,7 +33,10 @@ say) is copied first, and that is counted too. Convolution operands go
 NCHW-contiguous: any other layout (channels_last, a slice, an expanded
 gradient) is copied and counted. This module does no I/O: it calls
 ``remote(a, b)`` and ``remote_conv(kind, a, b, call)``, and adds the bias terms
-(and sums the bias gradient) itself.
+(and sums the bias gradient) itself. A rank whose device is a model (an embedded,
+virtual one, which would compute on this host too) computes its products itself: given
+a ``Timer``, the interceptor runs torch's own kernel for each and tells the timer what
+it would have sent, which the rank's device then only times.
 
 Given a ``HostWork``, it also counts the work that stays on the host (every
 other aten op by class, the bytes it moves, its arithmetic, the FLOPs of local GEMMs and
@@ -50,13 +53,13 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 from morphling.devices.models.op_count import count_op
 from morphling.devices.models.ops import CONV, GEMM
 from morphling.kernels import LayoutError, blas_operand
-from morphling.proxy.wire.messages import GEMM_DTYPES
+from morphling.proxy.wire.messages import CONV_KINDS, GEMM_DTYPES
 from torch.utils._python_dispatch import TorchDispatchMode
 
 if TYPE_CHECKING:
@@ -66,6 +69,7 @@ from .conv import ConvCall, conv_call, laid_out_like
 from .coordinator import HostWork
 
 aten = torch.ops.aten
+R = TypeVar("R")
 
 REMOTE_DTYPES = tuple(getattr(torch, name) for name in GEMM_DTYPES)  # what the fleet computes
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # other subclasses may mean anything: run locally
@@ -82,6 +86,15 @@ os.register_at_fork(after_in_child=_in_forked_child)
 Remote = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 # kind ("forward", "grad_input", "grad_weight"), its two NCHW-contiguous operands, the call
 RemoteConv = Callable[[str, torch.Tensor, torch.Tensor, ConvCall], torch.Tensor]
+
+
+class Timer(Protocol):
+    """Where a rank that computes its fleet products itself has them timed on its device
+    (``Interceptor``'s ``timer``): given what ``remote`` and ``remote_conv`` would be."""
+
+    def time_gemm(self, a: torch.Tensor, b: torch.Tensor) -> None: ...
+
+    def time_conv(self, kind: str, call: ConvCall, dtype: torch.dtype) -> None: ...
 
 
 @dataclass
@@ -110,19 +123,22 @@ class ProductCounts:
 class Interceptor:
     """Route eligible ``mm``/``addmm``/``bmm``/``baddbmm`` calls to ``remote`` and
     eligible convolution products to ``remote_conv`` while active (a context manager);
-    with ``host_work``, count every other op in it.
+    with ``host_work``, count every other op in it. With a ``timer``, eligible products
+    are computed here by torch's own kernel instead, and only timed (``Timer``): a rank
+    whose device is a model computing on this host anyway.
 
     ``remote`` and ``remote_conv`` must not compute with torch: it would come back here.
     """
 
     def __init__(
         self, remote: Remote, remote_conv: RemoteConv, *, min_flops: int = 0,
-        host_work: HostWork | None = None,
+        host_work: HostWork | None = None, timer: Timer | None = None,
     ) -> None:  # fmt: skip
         self.remote = remote
         self.remote_conv = remote_conv
         self.min_flops = min_flops
         self.host_work = host_work
+        self.timer = timer
         self.counts = ProductCounts()  # GEMMs
         self.conv_counts = ProductCounts()
         self._handlers: dict[Any, Callable[..., Any]] = {  # each GEMM's with its rank
@@ -212,9 +228,11 @@ class Interceptor:
     # convolutions) ------------------------------------------------------------------------
 
     def _mm(self, rank: int, func: Any, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        if _well_formed(rank, a, b) and self._eligible(a, b):
-            return self._product(a, b)
-        return func(a, b)
+        if not (_well_formed(rank, a, b) and self._eligible(a, b)):
+            return func(a, b)
+        if self.timer is not None:
+            return self._timed(func(a, b), a, b)
+        return self._product(a, b, self.remote)
 
     def _addmm(
         self, rank: int, func: Any, c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *,
@@ -227,7 +245,9 @@ class Interceptor:
             or c.dtype != a.dtype
         ):
             return func(c, a, b, beta=beta, alpha=alpha)
-        ab = self._product(a, b)
+        if self.timer is not None:
+            return self._timed(func(c, a, b, beta=beta, alpha=alpha), a, b)
+        ab = self._product(a, b, self.remote)
         if alpha != 1:
             ab.mul_(alpha)
         if beta == 0:  # BLAS semantics: C is not read, so NaN in it does not propagate
@@ -255,13 +275,23 @@ class Interceptor:
             self.host_work.product(GEMM if counts is self.counts else CONV, products * flops)
         return False
 
-    def _product(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    def _product(
+        self, a: torch.Tensor, b: torch.Tensor, send: Callable[[torch.Tensor, torch.Tensor], R]
+    ) -> R:
+        """``send(a, b)``, counted: ``remote``, or the timer's (``_timed``)."""
         self.counts.remote += 1
         self.counts.remote_flops += 2 * a.numel() * b.shape[-1]
         try:  # the layout is checked once, where the request is built
-            return self.remote(a, b)
+            return send(a, b)
         except LayoutError:  # raised before anything was sent: copy what BLAS cannot read
-            return self.remote(self._readable(a), self._readable(b))
+            return send(self._readable(a), self._readable(b))
+
+    def _timed(self, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """``out``, the product of ``a`` and ``b`` computed here, timed as ``_product``
+        would have sent it."""
+        assert self.timer is not None, "only with a timer"
+        self._product(a, b, self.timer.time_gemm)
+        return out
 
     def _readable(self, x: torch.Tensor) -> torch.Tensor:
         try:
@@ -284,6 +314,8 @@ class Interceptor:
                                 bias=bias)  # fmt: skip
         if call is None:
             return func(*args)
+        if self.timer is not None:
+            return self._conv_timed(func(*args), call, x.dtype, ["forward"])
         y = self._conv_product("forward", call, self._operand(call, x), self._operand(call, w))
         if bias is not None:
             y.add_(bias.view(-1, *[1] * (y.dim() - 2)))
@@ -306,6 +338,9 @@ class Interceptor:
                                 dy=dy, products=products)  # fmt: skip
         if call is None:
             return func(*args)
+        if self.timer is not None:
+            kinds = [k for k, want in zip(CONV_KINDS[1:], output_mask[:2], strict=True) if want]
+            return self._conv_timed(func(*args), call, x.dtype, kinds)
         dx = dw = db = None
         dy2 = self._operand(call, dy)  # laid out once for both products
         if output_mask[0]:
@@ -358,6 +393,15 @@ class Interceptor:
         self.conv_counts.remote += 1
         self.conv_counts.remote_flops += call.flops
         return call.from_2d(self.remote_conv(kind, a, b, call))
+
+    def _conv_timed(self, out: R, call: ConvCall, dtype: torch.dtype, kinds: list[str]) -> R:
+        """``out``, computed here: ``call``'s products ``kinds``, timed in that order."""
+        assert self.timer is not None, "only with a timer"
+        for kind in kinds:
+            self.conv_counts.remote += 1
+            self.conv_counts.remote_flops += call.flops
+            self.timer.time_conv(kind, call, dtype)
+        return out
 
     def _operand(self, call: ConvCall, t: torch.Tensor) -> torch.Tensor:
         """``t`` as the fleet takes it: 2-D, NCHW-contiguous (a copy, counted, if not)."""

@@ -48,7 +48,7 @@ from morphling.text import elide, elided_line
 from .client import Client
 from .collectives import Collectives, Pending
 from .conv import ConvCall
-from .coordinator import HostWork, coordinator_profile
+from .coordinator import PRODUCTS, HostWork, coordinator_profile
 from .embedded import EmbeddedFleet
 from .intercept import Interceptor, ProductCounts
 
@@ -91,9 +91,12 @@ class Session:
     def __init__(
         self, client: Client, *, min_flops: int = DEFAULT_MIN_FLOPS,
         coordinator: DeviceProfile | None = None, scale: float = 1.0,
+        own_products: bool = False,
     ) -> None:  # fmt: skip
         """``coordinator``: the profile whose op model prices the script's own work
-        (modelled coordinator time); None: this host's wall time, times ``scale``."""
+        (modelled coordinator time); None: this host's wall time, times ``scale``.
+        ``own_products``: a rank computes its products itself, its device only times them
+        (``time_gemm``, ``time_conv``)."""
         if not 0 <= scale < math.inf:  # 0: the script's own time does not count at all
             raise ValueError(f"coordinator scale={scale!r}: must be finite and >= 0")
         self.client = client
@@ -101,7 +104,8 @@ class Session:
         self.work = HostWork(coordinator) if coordinator is not None else None
         self.scale = scale
         self.interceptor = Interceptor(self._remote, self._remote_conv, min_flops=min_flops,
-                                       host_work=self.work)  # fmt: skip
+                                       host_work=self.work,
+                                       timer=self if own_products else None)  # fmt: skip
         self.steps: list[StepReport] = []
         self.totals: dict[str, int] = {}
         self._step_start: float | None = None  # step 1 starts at its first GEMM
@@ -237,6 +241,22 @@ class Session:
             )
         )  # fmt: skip
 
+    def time_gemm(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        """``a @ b``, which the rank computed itself, timed on its device."""
+        host_ns, split = self._request_host_time()
+        self.client.rank_matmul(a, b, host_ns=host_ns, host_split=split)
+
+    def time_conv(self, kind: str, call: ConvCall, dtype: torch.dtype) -> None:
+        """A convolution's product, which the rank computed itself, timed on its device."""
+        host_ns, split = self._request_host_time()
+        geometry = call.geometry
+        self.client.rank_conv(
+            kind, str(dtype).removeprefix("torch."), input_shape=call.input,
+            weight_shape=call.weight, stride=geometry.stride, padding=geometry.padding,
+            dilation=geometry.dilation, groups=geometry.groups, host_ns=host_ns,
+            host_split=split,
+        )  # fmt: skip
+
     def end_step(self) -> StepReport:
         """Close the current step (called after every optimizer step)."""
         if self.interceptor.pending:  # the step's end waits for all of them
@@ -365,6 +385,7 @@ def emulate(
     device: str = "",
     rank: int | None = None,
     world: int = 0,
+    products: str = "device",
 ) -> Iterator[Session]:
     """Run the body's GEMMs on a fleet: a running emulator at ``server``
     (``HOST:PORT``), or an embedded one with the virtual ``devices`` SPEC (the
@@ -388,8 +409,10 @@ def emulate(
     ``rank`` of the emulator's fleet, ``profiles.fleet_order``): its products
     cross no link, its torch.distributed operations are priced on the network
     (``collectives``), and its own work is modelled by the coordinator profile (its
-    device's). Should the body raise (Ctrl-C, say), the embedded emulator's run directory
-    is marked incomplete, with the reason.
+    device's). ``products`` (``PRODUCTS``) says who computes a rank's products: its
+    ``device``, or the ``rank`` itself, its device only timing them (for a device that is a
+    model computing on this host: an embedded one). Should the body raise (Ctrl-C, say), the
+    embedded emulator's run directory is marked incomplete, with the reason.
     """
     if (server is None) == (devices is None):
         raise ValueError("give exactly one of server='HOST:PORT' or devices='SPEC' (embedded)")
@@ -399,6 +422,9 @@ def emulate(
     if rank is not None and profile is None:
         raise ValueError("a rank's own work is modelled by its board's op model: give a "
                          "modelled coordinator")  # fmt: skip
+    if products not in PRODUCTS or (products == "rank" and rank is None):
+        raise ValueError(f"products={products!r}: one of {', '.join(PRODUCTS)} ('rank' for a "
+                         "rank only)")  # fmt: skip
     with contextlib.ExitStack() as stack:
         if devices is not None:
             if ckpt is not None:
@@ -421,6 +447,7 @@ def emulate(
                                  device=device, rank=-1 if rank is None else rank,
                                  world=world),
                           min_flops=min_flops, coordinator=profile,
+                          own_products=products == "rank",
                           scale=scale)  # fmt: skip
         stack.callback(session.close)
         if ckpt is not None:

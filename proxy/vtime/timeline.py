@@ -802,7 +802,7 @@ class Timeline(Generic[T]):
             for x in kept:
                 if x.key not in held:
                     self._holders.setdefault(_anchor(x), {})[device.id] = device
-        if held:
+        if held and not gemm.job.resident:  # (a rank's operands cross no link: none saved)
             resident = (a.nbytes if a.key in held else 0) + (b.nbytes if b.key in held else 0)
             times.link_saved += resident
             work = Work(work.bytes_down - resident, work.bytes_up, work.shape, resident)

@@ -426,6 +426,10 @@ class Gemm(Message):
     # as arrays (``local``), under the emulator's token, this job's id and ``gemm``: segments
     # empty, RESULT's too.
     local: bool = False
+    # A rank computed the product itself (``by_rank``): segments empty, no ref, slab or
+    # local; the emulator times it on the rank's device and sends no RESULT. Like a blocking
+    # COLLECTIVE, it is what the rank's next request comes after.
+    by_rank: bool = False
 
 
 @dataclass(slots=True)
@@ -489,8 +493,8 @@ class Conv(Message):
       C/groups, kh, kw].
 
     No bias: the job adds it (and sums its gradient). ``gemm`` is the request's id, from
-    the same ids as GEMMs; ``after``, ``host_ns``, ``host_split`` and ``local`` are as in
-    GEMM.
+    the same ids as GEMMs; ``after``, ``host_ns``, ``host_split``, ``local`` and ``by_rank``
+    are as in GEMM.
     """
 
     TYPE = MsgType.CONV
@@ -508,6 +512,7 @@ class Conv(Message):
     host_ns: int = 0
     host_split: dict[str, int] = field(default_factory=dict)
     local: bool = False
+    by_rank: bool = False
 
 
 @dataclass(slots=True)

@@ -99,6 +99,48 @@ def test_ranks_train_as_torchrun_does(tmp_path: Path, script: str) -> None:
         assert ops == sorted([("send", 2), ("recv", 2)] * 2 * 3 + [("allreduce", 2)] * 2), ops
 
 
+def timeline(run_dir: Path) -> list[dict]:
+    """The run's events, each job named by its rank, without the timeline's tile numbers
+    (which count every rank's tiles in the order they came), in a canonical order."""
+    names = {j["id"]: j["name"] for j in json.loads((run_dir / "run.json").read_text())["jobs"]}
+    events = []
+    for line in gzip.decompress((run_dir / COMPRESSED_EVENTS_FILE).read_bytes()).splitlines():
+        event = json.loads(line)
+        if "job" in event:
+            event["job"] = names[event["job"]].rsplit(" ", 1)[-1]
+        event.pop("tile", None)
+        event.pop("last_tile", None)
+        events.append(event)
+    return sorted(events, key=lambda e: json.dumps(e, sort_keys=True))
+
+
+@pytest.mark.parametrize("model", ["mlp", "cnn"])
+def test_ranks_computing_their_own_products_give_the_devices_timeline(
+    tmp_path: Path, model: str
+) -> None:
+    """``--products rank`` (``--ranks``' default): each rank computes its GEMMs and
+    convolutions with torch's own kernels and its device only times them. The timeline is
+    the one ``--products device`` gives, where the device computes them, event for event;
+    the losses are torchrun's to the bit (its numerics are torchrun's own)."""
+    runs = {}
+    for products in ("rank", "device"):
+        (tmp_path / products).mkdir()
+        proc, _, run_dir = ranks_run(tmp_path / products, "ranks_ddp.py", "3", "-1", "-1", "-1",
+                                     model, devices="rpi4:1,rpi5:1",
+                                     flags=["--products", products])  # fmt: skip
+        runs[products] = (losses(succeeded(proc).stdout), timeline(run_dir))
+    assert runs["rank"][0] == torchrun_losses("ranks_ddp.py", "3", "-1", "-1", "-1", model)
+    for rank, values in runs["rank"][0].items():
+        assert runs["device"][0][rank] == pytest.approx(values, rel=1e-5, abs=1e-6)
+    mine, devices = runs["rank"][1], runs["device"][1]
+    kinds = {e.get("op", "gemm") for e in mine if e["ev"] == "gemm"}
+    assert kinds == ({"gemm"} if model == "mlp" else {"gemm", "conv_forward", "conv_grad_input",
+                                                       "conv_grad_weight"})  # fmt: skip
+    assert len(mine) == len(devices)
+    for got, expected in zip(mine, devices, strict=True):
+        assert got == expected
+
+
 def test_a_slow_board_is_the_straggler_the_others_wait_for(tmp_path: Path) -> None:
     """On a parameter server (``--collective star``): each all-reduce sends its bytes up
     every rank's uplink at once, then down every downlink; the report and the trace show
@@ -212,6 +254,13 @@ def test_what_ranks_do_not_take_is_refused(capsys, flags: list[str], message: st
     code, _, stderr = morphling_here(capsys, "run", "--ranks", "2", *embedded, *flags, "--",
                                      "python", SCRIPTS / "ranks_ddp.py")  # fmt: skip
     assert code == 2 and message in stderr, stderr
+
+
+def test_products_computed_by_a_rank_need_ranks(capsys) -> None:
+    """One script's products are spread over the fleet, which computes them."""
+    code, _, stderr = morphling_here(capsys, "run", "--embedded", "--products", "rank", "--",
+                                     "python", SCRIPTS / "ranks_ddp.py")  # fmt: skip
+    assert code == 2 and "--products rank needs ranks (--ranks, or --rank)" in stderr, stderr
 
 
 def test_a_rank_that_fails_stops_the_others_and_is_named(tmp_path: Path) -> None:

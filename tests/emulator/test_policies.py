@@ -3,11 +3,13 @@ faster device."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from morphling.devices.models.links import LINKS
 from morphling.proxy.job.client import EmulatorError
-from morphling.proxy.wire.messages import Collective, Open, Wait
+from morphling.proxy.wire.messages import Collective, Conv, Gemm, Open, Step, Wait
 from serving import (
     TIMEOUT,
     assert_gemm_close,
@@ -127,5 +129,49 @@ async def test_ranks_and_collectives_that_do_not_fit_are_refused_naming_the_fiel
         if collective is not None:
             raw.send(collective)
         error = await raw.expect_error(code)
+        assert reason in error.reason, error.reason
+    await check_serving(await f.client())
+
+
+def _own_gemm(gemm: int, **fields) -> Gemm:
+    return Gemm(gemm=gemm, dtype="float32", ta=False, tb=False, m=64, n=32, k=16, lda=16,
+                ldb=32, by_rank=True, segments=(b"", b""), **fields)  # fmt: skip
+
+
+async def test_a_ranks_own_products_are_timed_on_its_device_and_sent_nowhere(fleet):
+    """GEMM and CONV ``by_rank``: the rank computed them itself. Its device times them (its
+    step's emulated time holds them) and computes nothing, and nothing answers them. From
+    a job that is no rank, or carrying operands, one is refused naming why; the emulator
+    serves on."""
+    f = await fleet()
+    agent = await f.add_device("rpi4")
+    name = f.record(agent).name
+    raw = await f.raw_peer()
+    await raw.hello("job", name="rank")
+    raw.send(Open(device=name, rank=0, world=1))
+    raw.send(_own_gemm(1))
+    raw.send(Conv(gemm=2, kind="forward", dtype="float32", input=[2, 3, 8, 8],
+                  weight=[4, 3, 3, 3], stride=[1, 1], dilation=[1, 1], padding=[1, 1, 1, 1],
+                  after=1, by_rank=True, segments=(b"", b"")))  # fmt: skip
+    raw.send(Step(step=1, host_ns=0))
+    reply = await raw.recv_skipping_heartbeats()
+    assert isinstance(reply, Step), reply  # no RESULT came first
+    assert (reply.gemms, reply.tiles, reply.bytes_down, reply.bytes_up) == (2, 2, 0, 0)
+    assert reply.emulated_ns > 0 and reply.coord_ns == 0
+    assert f.record(agent).completed == 0
+    refused = [
+        (Open(), _own_gemm(1), "GEMM 1: by_rank, but the job is no rank (OPEN.rank)"),
+        (Open(device=name, rank=1, world=3), _own_gemm(1, ref_a=[0, 0]),
+         "by_rank: ref_a is set, but a rank's own product has no operands"),
+        (Open(device=name, rank=2, world=3),
+         dataclasses.replace(_own_gemm(1), segments=(b"\0" * 4, b"")),
+         "by_rank: a rank's own product carries no operand bytes"),
+    ]  # fmt: skip
+    for open_msg, gemm, reason in refused:
+        raw = await f.raw_peer()
+        await raw.hello("job", name="raw")
+        raw.send(open_msg)
+        raw.send(gemm)
+        error = await raw.expect_error("bad_gemm")
         assert reason in error.reason, error.reason
     await check_serving(await f.client())

@@ -23,10 +23,15 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from morphling.devices.models.profiles import BUILTIN
+from morphling.kernels import blas_operand
 from morphling.proxy.emulator.server import Emulator
 from morphling.proxy.emulator.settings import EmulatorConfig
 from morphling.proxy.job.client import EmulatorError
+from morphling.proxy.job.conv import ConvCall
+from morphling.proxy.job.coordinator import HostWork
 from morphling.proxy.job.embedded import EmbeddedFleet
+from morphling.proxy.job.intercept import Interceptor
 from morphling.proxy.job.session import Session, emulate
 from torch import nn
 
@@ -51,8 +56,9 @@ def on_fleet(server: Address, fn: Callable[[], Any], *, min_flops: int = 0) -> t
     return out, session
 
 
-def randn(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return torch.randn(*shape, dtype=dtype)
+def randn(*shape: int, dtype: torch.dtype = torch.float32, requires_grad: bool = False
+          ) -> torch.Tensor:  # fmt: skip
+    return torch.randn(*shape, dtype=dtype, requires_grad=requires_grad)
 
 
 @pytest.fixture(autouse=True)
@@ -475,3 +481,57 @@ def test_embedded_fleet_with_token() -> None:
             got = a @ b
         torch.testing.assert_close(got, a @ b)
         assert session.counts.remote == 1
+
+
+class _Heard:
+    """A ``Timer`` that keeps what it is told: each product as it would have been sent
+    (``LayoutError`` for an operand BLAS cannot read, as the session's does)."""
+
+    def __init__(self) -> None:
+        self.products: list[tuple[Any, ...]] = []
+
+    def time_gemm(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        blas_operand(a, "a"), blas_operand(b, "b")
+        self.products.append(("gemm", tuple(a.shape), tuple(b.shape), b.stride()))
+
+    def time_conv(self, kind: str, call: ConvCall, dtype: torch.dtype) -> None:
+        self.products.append((kind, call.input, call.weight, dtype))
+
+
+def test_with_a_timer_products_are_computed_here_and_timed_as_they_would_be_sent() -> None:
+    """A rank computing its own products (``Interceptor(timer=...)``): torch's own kernels
+    compute them, to the bit as natively, nothing is sent, and the timer hears of each as
+    it would have been sent: an operand BLAS cannot read as its copy (counted), a
+    convolution's backward as its input-gradient and weight-gradient products."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 6 * 6, 5))
+    x, w = randn(2, 3, 8, 8, requires_grad=True), randn(5, 1).expand(5, 6)
+
+    def step() -> list[torch.Tensor]:
+        loss = (model(x) @ w).sum()
+        grads = torch.autograd.grad(loss, [x, *model.parameters()])
+        return [loss, *grads]
+
+    expected = step()
+
+    def send(*_: object) -> None:
+        raise AssertionError("a product computed here is sent nowhere")
+
+    heard = _Heard()
+    interceptor = Interceptor(send, send, host_work=HostWork(BUILTIN["rpi4"]), timer=heard)
+    with interceptor:
+        got = step()
+    for g, e in zip(got, expected, strict=True):
+        assert torch.equal(g, e)
+    image, kernel = (2, 3, 8, 8), (4, 3, 3, 3)
+    assert heard.products == [
+        ("forward", image, kernel, torch.float32),
+        ("gemm", (2, 144), (144, 5), (1, 144)),  # the Linear: x·Wᵀ, Wᵀ as stored
+        ("gemm", (2, 5), (5, 6), (6, 1)),  # w's broadcast columns, copied
+        ("gemm", (2, 6), (6, 5), (5, 1)),  # the sum's gradient and wᵀ: broadcasts, copied
+        ("gemm", (2, 5), (5, 144), (144, 1)),
+        ("gemm", (5, 2), (2, 144), (144, 1)),
+        ("grad_input", image, kernel, torch.float32),
+        ("grad_weight", image, kernel, torch.float32),
+    ]
+    assert (interceptor.counts.remote, interceptor.counts.copied) == (5, 3)
+    assert interceptor.conv_counts.remote == 3

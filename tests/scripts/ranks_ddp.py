@@ -1,4 +1,5 @@
-"""DDP over gloo, as torchrun runs it: an MLP, each rank its own data; prints its losses."""
+"""DDP over gloo, as torchrun runs it: an MLP (or, with argv[5] "cnn", a small CNN with a
+depthwise and a strided convolution), each rank its own data; prints its losses."""
 
 import ctypes
 import json
@@ -12,11 +13,20 @@ STEPS = int(sys.argv[1]) if len(sys.argv) > 1 else 4
 CRASH_AT = int(sys.argv[2]) if len(sys.argv) > 2 else -1  # rank 1 raises at this step
 LEAVE_AT = int(sys.argv[3]) if len(sys.argv) > 3 else -1  # rank 1 ends well at this step
 STUCK_AT = int(sys.argv[4]) if len(sys.argv) > 4 else -1  # rank 1 blocks holding the GIL
+CNN = len(sys.argv) > 5 and sys.argv[5] == "cnn"
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 torch.manual_seed(0)
-model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 10))
+if CNN:
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, stride=2, groups=8),
+        nn.ReLU(), nn.Flatten(), nn.Linear(8 * 7 * 7, 10),
+    )  # fmt: skip
+    shape: tuple[int, ...] = (16, 3, 16, 16)
+else:
+    model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 10))
+    shape = (64, 256)
 ddp = nn.parallel.DistributedDataParallel(model)
 opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
 data = torch.Generator().manual_seed(100 + rank)
@@ -28,7 +38,7 @@ for step in range(STEPS):
         sys.exit(0)
     while rank == 1 and step == STUCK_AT:  # as in a deadlock in C: not even a heartbeat
         ctypes.PyDLL(None).sleep(3600)  # (a PyDLL call keeps the GIL; a signal ends it)
-    x, y = torch.randn(64, 256, generator=data), torch.randint(0, 10, (64,), generator=data)
+    x, y = torch.randn(shape, generator=data), torch.randint(0, 10, shape[:1], generator=data)
     loss = nn.functional.cross_entropy(ddp(x), y)
     opt.zero_grad()
     loss.backward()
