@@ -10,19 +10,20 @@ clock: the same calls give the same timeline however loaded the host is.
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
-from typing import TypeVar
+from heapq import heappop, heappush
+from typing import Any, TypeVar
 
 NO_DEVICE = -1  # the tie-break key of events that belong to no device (a job's)
 Span = tuple[float, float]  # (start, end) in virtual seconds
 A = TypeVar("A")
-# An event: (time, device, job, tile, sequence) orders it, then what it does.
-_Event = tuple[float, int, int, int, int, Callable[[], None]]
+# An event: (time, device, job, tile, sequence) orders it, then what it does: action(arg).
+# (The action and its argument apart, not a ``partial``: building one per event costs more
+# than the push.)
+_Event = tuple[float, int, int, int, int, Callable[[Any], None], Any]
 
 
 class Clock:
@@ -44,28 +45,36 @@ class Clock:
         tile: int = 0,
     ) -> None:
         """Run ``action(arg)`` at virtual ``time`` (never before now: the past is settled)."""
-        if math.isnan(time):
+        if time < self.now:
+            time = self.now
+        elif time != time:
             raise ValueError("event time is NaN")
-        event = partial(action, arg)
-        entry: _Event = (max(time, self.now), device, job, tile, next(self._seq), event)
-        heapq.heappush(self._queue, entry)
+        heappush(self._queue, (time, device, job, tile, next(self._seq), action, arg))
 
     def next_time(self) -> float:
         """When the next event is due (infinity when none is)."""
         return self._queue[0][0] if self._queue else math.inf
 
-    def run(self, before: Callable[[], float] = lambda: math.inf) -> int:
-        """Run events in order while the next is due before ``before()``; how many ran.
+    def run(self, before: Callable[[], float] | None = None) -> int:
+        """Run events in order while the next is due before ``before()`` (None: all of
+        them); how many ran.
 
         ``before`` is asked again after every event, since an event may move the
         horizon (a job whose GEMM just ended may issue the next one from there).
         """
         count = 0
         queue = self._queue
+        if before is None:
+            while queue:
+                time, _, _, _, _, action, arg = heappop(queue)
+                self.now = time
+                action(arg)
+                count += 1
+            return count
         while queue and queue[0][0] < before():
-            time, _, _, _, _, action = heapq.heappop(queue)
+            time, _, _, _, _, action, arg = heappop(queue)
             self.now = time
-            action()
+            action(arg)
             count += 1
         return count
 

@@ -276,6 +276,7 @@ class Timeline(Generic[T]):
         self.nic_down, self.nic_up = Fifo(), Fifo()
         self.devices: dict[int, VirtualDevice] = {}
         self.jobs: dict[int, _Job] = {}  # open ones
+        self._holding: dict[int, _Job] = {}  # those that may hold the clock back: no ranks
         self._names: dict[int, str] = {}  # every job ever opened
         self._stalled: list[_Gemm[T]] = []  # issued while no device could take them
         self._tiles = 0  # tiles placed so far: their numbers in the log
@@ -330,6 +331,8 @@ class Timeline(Generic[T]):
             job.clock = job.step_end = self._rank_epoch
             job.released, job.started = False, True
             self._rank_jobs[rank] = job
+        else:
+            self._holding[job_id] = job
         self.jobs[job_id] = job
         self._names[job_id] = name
         self._advance()
@@ -339,6 +342,7 @@ class Timeline(Generic[T]):
 
     def close_job(self, job_id: int) -> None:
         job = self.jobs.pop(job_id, None)
+        self._holding.pop(job_id, None)
         for rank in [r for r, j in self._rank_jobs.items() if j is job]:
             del self._rank_jobs[rank]
             self._reached.pop(rank, None)  # what it reached and left will never start
@@ -567,10 +571,11 @@ class Timeline(Generic[T]):
 
     def _horizon(self) -> float:
         """Events before this time are settled: no open job can issue anything earlier.
-        (Asked before every event: a loop, as ``min`` over a generator costs six times more.)"""
+        (Asked before every event: a loop, as ``min`` over a generator costs six times more;
+        over the jobs that are no ranks, since a rank holds nothing back.)"""
         horizon = math.inf
-        for job in self.jobs.values():
-            if not job.waiting and not job.released and not job.resident and job.clock < horizon:
+        for job in self._holding.values():
+            if not job.waiting and not job.released and job.clock < horizon:
                 horizon = job.clock
         return horizon
 
@@ -582,9 +587,7 @@ class Timeline(Generic[T]):
         """Stop waiting for the jobs that hold the clock back; their ids (never a rank's: a
         rank holds nothing back)."""
         horizon = self._horizon()
-        idle = [
-            j for j in self.jobs.values() if not j.waiting and not j.resident and j.clock <= horizon
-        ]
+        idle = [j for j in self._holding.values() if not j.waiting and j.clock <= horizon]
         for job in idle:
             job.released = True
             log.warning(
@@ -608,7 +611,7 @@ class Timeline(Generic[T]):
         return job
 
     def _advance(self) -> None:
-        self.clock.run(self._horizon)
+        self.clock.run(self._horizon if self._holding else None)  # (ranks alone: every event)
 
     def _step_of(self, job: _Job, at: float) -> StepTimes:
         """The step under way; a new one starts where the last closed (the first at its

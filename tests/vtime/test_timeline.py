@@ -7,6 +7,8 @@ shows up as a wrong number, not as a vague inequality.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from morphling.devices.models.links import LINKS
@@ -48,6 +50,15 @@ def test_clock_stops_before_the_horizon_and_never_runs_the_past():
     clock.at(0.5, ran.append, "late")  # the past is settled: it runs now, not at 0.5
     clock.run()
     assert ran == ["a", "late", "b"] and clock.now == 2.0
+
+
+def test_clock_refuses_a_nan_time_and_runs_an_infinite_one_last():
+    clock, ran = Clock(), []
+    with pytest.raises(ValueError, match="event time is NaN"):
+        clock.at(math.nan, ran.append, "never")
+    clock.at(math.inf, ran.append, "last")
+    clock.at(1.0, ran.append, "first")
+    assert clock.run() == 2 and ran == ["first", "last"]
 
 
 def test_fifo_serves_in_arrival_order():
