@@ -4,6 +4,11 @@ times by class.
 matplotlib is imported inside the functions (``morphling --help`` must not pay for it) and
 drawn through its Agg canvas on a bare ``Figure``, never through pyplot: no GUI backend,
 no global figure state, safe to call from anywhere.
+
+A large fleet is summarised (``at_scale``): past ``MAX_TIMELINE_DEVICES`` the timeline
+shows the busiest devices' rows under a heat map of the whole fleet's compute occupancy,
+and past ``MAX_DEVICE_BARS`` the utilisation and device-time plots show groups of devices
+ranked busiest first instead of a bar per device.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .at_scale import group_means, occupancy, rank_groups
 from .load import Run
 from .summary import DeviceRow, StepRow, Summary
 
@@ -32,6 +38,9 @@ MAX_LEGEND_DEVICES = 10
 MAX_NAMED_TICKS = 40
 MAX_STEP_LINES = 50
 MAX_STEP_BARS = 500
+MAX_DEVICE_BARS = 200  # devices (or, past it, groups of ranked devices) as bars
+HEAT_ROWS = 64  # groups of ranked devices in the timeline's heat map
+HEAT_BINS = 240  # and its bins of virtual time
 DPI = 120
 COLOURS = {"compute": "tab:blue", "downlink": "tab:green", "uplink": "tab:orange"}
 # A device's time by what it did (``DeviceTime``), stacked in this order.
@@ -86,6 +95,8 @@ def plot_timeline(run: Run, summary: Summary, path: Path) -> Path | None:
     if not run.tiles or not steps:
         return None
     shown, note = _busiest(summary["devices"], MAX_TIMELINE_DEVICES)
+    start, end = min(s.t0 for s in steps), max(s.t1 for s in steps)
+    end = end if end > start else start + 1.0
     row = {d["id"]: i for i, d in enumerate(shown)}
     bars: dict[int, dict[str, list[tuple[float, float]]]] = {
         d: {kind: [] for kind in COLOURS} for d in row
@@ -94,8 +105,14 @@ def plot_timeline(run: Run, summary: Summary, path: Path) -> Path | None:
         if t.device in row:
             for kind, (t0, t1) in (("downlink", t.down), ("compute", t.compute), ("uplink", t.up)):
                 bars[t.device][kind].append((t0, t1 - t0))
-    fig = _figure(11, 1.6 + 0.35 * len(shown))
-    ax = fig.subplots()
+    rows_high = 0.35 * len(shown)
+    if note:  # a fleet too large for a row each: its heat map above the busiest rows
+        fig = _figure(11, 4.6 + rows_high)
+        heat_ax, ax = fig.subplots(2, 1, sharex=True, height_ratios=[3.0, rows_high])
+        _heat_map(fig, heat_ax, run, summary, start, end)
+    else:
+        fig = _figure(11, 1.6 + rows_high)
+        ax = fig.subplots()
     # No antialiasing: back-to-back tiles would show hairline seams between them.
     for device, y in row.items():  # y grows downwards (inverted axis): downlink on top
         for kind, (offset, height) in BAR_ROWS.items():
@@ -108,8 +125,7 @@ def plot_timeline(run: Run, summary: Summary, path: Path) -> Path | None:
             ax.axvline(s.t1, color="black", linewidth=0.8, linestyle=":", zorder=3)
     ax.set_yticks(range(len(shown)), [d["name"] for d in shown])
     ax.set_ylim(len(shown) - 0.5, -0.5)
-    start, end = min(s.t0 for s in steps), max(s.t1 for s in steps)
-    ax.set_xlim(start, end if end > start else start + 1.0)
+    ax.set_xlim(start, end)
     ax.set_xlabel("virtual time (s)")
     which = (
         "every step" if len(steps) == len(run.steps) else f"{len(steps)} of {len(run.steps)} steps"
@@ -125,24 +141,61 @@ def plot_timeline(run: Run, summary: Summary, path: Path) -> Path | None:
     return path
 
 
+def _heat_map(fig: Figure, ax: Any, run: Run, summary: Summary, start: float, end: float) -> None:
+    """Every device's compute occupancy over [start, end): devices ranked busiest first,
+    in ``HEAT_ROWS`` groups, in ``HEAT_BINS`` bins of time (``at_scale.occupancy``)."""
+    import numpy as np
+
+    ranked = sorted(summary["devices"], key=lambda d: (-d["busy_s"], d["id"]))
+    starts = rank_groups(len(ranked), HEAT_ROWS)
+    sizes = np.diff(np.append(starts, len(ranked)))
+    groups = np.repeat(np.arange(len(starts)), sizes)
+    group_of = {d["id"]: int(g) for d, g in zip(ranked, groups, strict=True)}
+    tiles = [t for t in run.tiles if t.device in group_of]
+    spans = np.array([t.compute for t in tiles], dtype=np.float64).reshape(-1, 2)
+    rows = np.array([group_of[t.device] for t in tiles], dtype=np.int64)
+    seconds = occupancy(spans, rows, len(starts), start, end, HEAT_BINS)
+    share = 100 * seconds / (sizes[:, None] * (end - start) / HEAT_BINS)
+    image = ax.imshow(share, aspect="auto", interpolation="nearest", cmap="viridis", vmin=0,
+                      vmax=100, extent=(start, end, len(starts), 0))  # fmt: skip
+    fig.colorbar(image, ax=ax, label="compute busy (%)")
+    ticks = range(0, len(starts), max(1, len(starts) // 8))
+    ax.set_yticks([t + 0.5 for t in ticks], [f"#{starts[t] + 1}" for t in ticks])
+    ax.set_ylabel("devices by rank")
+    ax.set_title(f"Compute occupancy of all {len(ranked)} devices, busiest first "
+                 f"({len(starts)} rows of ~{len(ranked) // len(starts)} devices)")  # fmt: skip
+
+
 def plot_utilisation(summary: Summary, path: Path) -> Path:
-    """Compute, downlink and uplink utilisation per device, busiest compute first."""
+    """Compute, downlink and uplink utilisation per device, busiest compute first (past
+    ``MAX_DEVICE_BARS`` devices, the means of groups of ranked devices, as lines)."""
     import numpy as np
 
     devices = sorted(summary["devices"], key=lambda d: (-d["utilisation"], d["id"]))
-    x = np.arange(len(devices))
     fig = _figure(max(6.0, min(16.0, 0.3 * len(devices) + 3)), 4.5)
     ax = fig.subplots()
-    width = 0.27
     shares = (
         [d["utilisation"] for d in devices],
         [d["downlink_utilisation"] for d in devices],
         [d["uplink_utilisation"] for d in devices],
     )
-    for i, (kind, share) in enumerate(zip(("compute", "downlink", "uplink"), shares, strict=True)):
-        values = [100 * x for x in share]
-        ax.bar(x + (i - 1) * width, values, width, color=COLOURS[kind], label=kind)
-    _device_axis(ax, x, devices)
+    kinds = ("compute", "downlink", "uplink")
+    if len(devices) > MAX_DEVICE_BARS:
+        starts = rank_groups(len(devices), MAX_DEVICE_BARS)
+        x = 100 * np.append(starts, len(devices)) / len(devices)
+        for kind, share in zip(kinds, shares, strict=True):
+            means = 100 * group_means(share, starts)
+            ax.stairs(means, x, color=COLOURS[kind], label=kind, linewidth=1.5)
+        ax.set_xlim(0, 100)
+        ax.set_xlabel(f"devices ranked by compute utilisation (% of {len(devices)}; means of "
+                      f"{len(starts)} groups)")  # fmt: skip
+    else:
+        x = np.arange(len(devices), dtype=np.float64)
+        width = 0.27
+        for i, (kind, share) in enumerate(zip(kinds, shares, strict=True)):
+            values = [100 * v for v in share]
+            ax.bar(x + (i - 1) * width, values, width, color=COLOURS[kind], label=kind)
+        _device_axis(ax, x, devices)
     ax.set_ylabel("utilisation (% of the run)")
     ax.set_ylim(0, 100)
     ax.set_title(
@@ -165,20 +218,32 @@ def _device_axis(ax: Any, x: Any, devices: list[DeviceRow]) -> None:
 
 def plot_device_time(summary: Summary, path: Path) -> Path:
     """Each device's time over the run, stacked: GEMMs, convolutions, links, waiting (in
-    % of the run span; links overlapping compute can take a bar past 100), busiest first."""
+    % of the run span; links overlapping compute can take a bar past 100), busiest first
+    (past ``MAX_DEVICE_BARS`` devices, the means of groups of ranked devices)."""
     import numpy as np
 
     devices = sorted(summary["devices"], key=lambda d: (-d["utilisation"], d["id"]))
     span = summary["totals"]["span_s"] or 1.0
-    x = np.arange(len(devices))
     fig = _figure(max(6.0, min(16.0, 0.3 * len(devices) + 3)), 4.5)
     ax = fig.subplots()
-    bottom = np.zeros(len(devices))
+    many = len(devices) > MAX_DEVICE_BARS
+    starts = rank_groups(len(devices), MAX_DEVICE_BARS)
+    x = 100 * starts / len(devices) if many else np.arange(len(devices))
+    width = 100 / len(devices) * np.diff(np.append(starts, len(devices))) if many else 0.8
+    bottom = np.zeros(len(x))
     for key, (label, colour) in DEVICE_TIME.items():
         values = np.array([100 * d["time"][key] / span for d in devices])  # type: ignore[literal-required]
-        ax.bar(x, values, 0.8, bottom=bottom, color=colour, label=label)
+        if many:
+            values = group_means(values, starts)
+        ax.bar(x, values, width, bottom=bottom, color=colour, label=label,
+               align="edge" if many else "center")  # fmt: skip
         bottom += values
-    _device_axis(ax, x, devices)
+    if many:
+        ax.set_xlim(0, 100)
+        ax.set_xlabel(f"devices ranked by compute utilisation (% of {len(devices)}; means of "
+                      f"{len(starts)} groups)")  # fmt: skip
+    else:
+        _device_axis(ax, x, devices)
     ax.set_ylabel("% of the run")
     ax.set_title(f"Where each device's {span:.3g} s of virtual time went")
     ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
