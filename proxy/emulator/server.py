@@ -103,6 +103,9 @@ class Emulator:
         # Those of arriving devices apart from those peers ask for (``morphling-bench``):
         # a peer asking for large ones cannot hold up devices joining.
         self.checking = asyncio.Semaphore(1)
+        # a device in this process passed its FLOPS challenge: the kernels they share are
+        # checked (``devices._vouched_for``)
+        self.local_kernels_verified = False
         self.checking_asked = asyncio.Semaphore(1)
         self._client_ids = 0
         self._server: asyncio.Server | None = None

@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import resource
 import threading
 
 import uvloop
@@ -26,6 +27,26 @@ from morphling.proxy.emulator.server import Emulator
 from morphling.proxy.emulator.settings import EmulatorConfig
 
 log = logging.getLogger(__name__)
+
+SOCKETS_PER_DEVICE = 2  # its end of the loopback connection, and the emulator's
+SPARE_FILES = 256  # the job's connection, the listener, the arena, the script's own files
+
+
+def open_files_for(devices: int) -> None:
+    """Raise this process's open-file limit to what ``devices`` loopback connections need,
+    up to the hard limit; a ValueError naming both numbers when even that is too few."""
+    need = SOCKETS_PER_DEVICE * devices + SPARE_FILES
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if need <= soft:
+        return
+    if hard != resource.RLIM_INFINITY and need > hard:
+        raise ValueError(
+            f"a fleet of {devices} embedded devices needs about {need} open files (two "
+            f"sockets each), and this process may open {hard} (RLIMIT_NOFILE's hard limit): "
+            "raise it (ulimit -Hn, LimitNOFILE=), or run fewer devices"
+        )
+    resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+    log.info("open-file limit raised from %d to %d for %d devices", soft, need, devices)
 
 
 class EmbeddedFleet:
@@ -47,6 +68,7 @@ class EmbeddedFleet:
         self.profiles = expand_fleet(
             devices, link_name=link, cooling=cooling, max_devices=max_devices
         )
+        open_files_for(len(self.profiles))
         self.run_info = run_info or {}  # extra keys for the run directory's run.json
         self.config = dataclasses.replace(
             config or EmulatorConfig(), listen_ip="127.0.0.1", listen_port=0

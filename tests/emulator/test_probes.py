@@ -257,3 +257,26 @@ async def test_checking_the_largest_challenge_does_not_stall_the_server(fleet):
     assert verdict.result().TYPE == MsgType.PROBE_VERDICT and not verdict.result().ok
     assert "elements off" in verdict.result().reason
     assert max(gaps) < 0.5, f"the event loop stalled for {max(gaps):.2f} s"
+
+
+@pytest.mark.parametrize(
+    ("source", "virtual", "probed"),
+    [("auto", True, 1), ("declared", True, 1), ("measured", True, 3), ("auto", False, 3)],
+)
+async def test_devices_in_the_emulators_process_are_challenged_once(
+    fleet, caplog, source, virtual, probed
+):
+    """Devices in the emulator's process compute on the kernels it shares with them: once
+    one passed its FLOPS challenge, the next virtual ones whose measurements would not be
+    used (their declared profiles are) are ready without probes; one whose measurements
+    count (a physical board's, or any with profile_source=measured) is still probed."""
+    caplog.set_level(logging.INFO, logger="morphling")
+    f = await fleet(probe=True, profile_source=source)
+    agents = [await f.add_device("rpi4", virtual=virtual) for _ in range(3)]
+    records = [f.record(agent) for agent in agents]
+    assert all(r.local for r in records)
+    deltas = [r.getMessage() for r in caplog.records if "PROFILE_DELTA" in r.getMessage()]
+    assert len(deltas) == probed, deltas
+    if probed == 1:
+        assert [r.model for r in records] == [BUILTIN["rpi4"]] * 3
+    await check_serving(await f.client())
