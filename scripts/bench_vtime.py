@@ -12,8 +12,8 @@ Writes ``bench-results/vtime.json``:
   event core alone (``Clock``: as many events, scheduled out of order and run,
   each calling a no-op) against its anchor, measured in the same run: a bare
   ``heapq`` loop doing the same pushes and pops and calls, the floor of any
-  Python event queue (``ratio_to_heap``; the garbage collector off in both, which
-  would otherwise time itself).
+  Python event queue (``ratio_to_heap``: the median over pairs of runs, one beside the
+  other; the garbage collector off in both, which would otherwise time itself).
 - ``whatif_1000``: ``morphling run --embedded`` of two training steps of the
   demo model on 1,000 virtual devices (modelled coordinator time): the wall
   seconds of the whole command (start-up of the fleet included), of the
@@ -44,6 +44,8 @@ from morphling.proxy.vtime.timeline import Timeline
 from morphling.proxy.wire.messages import Gemm
 
 STAGES = 3  # download, compute, upload
+CORE_EVENTS = 200_000  # per run of the event core, and of its anchor
+PAIRS = 5  # core and anchor runs per rep, alternating: ``ratio_to_heap`` is their median
 FLEET_1000 = "rpi4:400,rpi5:300,orin-nano:200,jetson-nano:100"
 
 STEP_SCRIPT = """\
@@ -165,16 +167,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--devices", default=FLEET_1000, help="the what-if fleet")
     parser.add_argument("--output", type=Path, default=Path("bench-results/vtime.json"))
     args = parser.parse_args(argv)
-    engine, core, heap = [], [], []
+    engine, core, heap, ratios = [], [], [], []
     tiles_per_gemm = 0.0
     for _ in range(args.reps):
         rate, tiles_per_gemm = engine_rate(args.gemms)
         engine.append(rate)
-        events = int(args.gemms * tiles_per_gemm * STAGES)
-        core.append(core_rate(events))
-        heap.append(heap_rate(events))
+        for _ in range(PAIRS):  # each core run beside its anchor: the host's load moves both
+            core.append(core_rate(CORE_EVENTS))
+            heap.append(heap_rate(CORE_EVENTS))
+            ratios.append(core[-1] / heap[-1])
     events_per_s = statistics.median(engine)
-    ratio = statistics.median(core) / statistics.median(heap)
+    ratio = statistics.median(ratios)
     results = {
         "meta": run_meta(args.reps, gemms=args.gemms, tiles_per_gemm=tiles_per_gemm),
         "engine": {
