@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
-from scipy.optimize import least_squares
 
 from .strict_map import check_keys
 
@@ -458,6 +457,8 @@ def fit(
     def residuals(x: np.ndarray) -> np.ndarray:
         misfit: np.ndarray = (model(float(x[0]))[0] - temp)[seen]
         return misfit
+
+    from scipy.optimize import least_squares  # (here: scipy costs every command 0.5 s)
 
     # τ is searched between half a sample and 20 trace lengths: a coarse grid picks the basin,
     # least_squares refines it. A best fit on either bound means the trace does not pin τ.

@@ -15,7 +15,6 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
-from scipy.optimize import least_squares as solve
 
 from .strict_map import check_keys, positive
 
@@ -92,6 +91,8 @@ def least_squares(
         shares = [cost / total for cost in costs]
         blocks = [share[:, None] * design for share, (_, design) in zip(shares, terms, strict=True)]
         return np.concatenate([np.concatenate(blocks, axis=1), eye])
+
+    from scipy.optimize import least_squares as solve  # (here: scipy costs every command 0.5 s)
 
     # LSMR, not the default SVD: LAPACK's threads spin-wait when another process holds a
     # core, which made one fit 25x slower on the shared 2-core development host.

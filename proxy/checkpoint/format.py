@@ -52,6 +52,8 @@ from tqdm import tqdm
 
 from morphling.outputs import Kind, NotAnOutput, delete, prove
 
+from .errors import CheckpointError, OutputError
+
 log = logging.getLogger("morphling.checkpoint")
 
 FORMAT = "morphling-checkpoint"
@@ -79,15 +81,6 @@ DTYPES: dict[str, torch.dtype] = {
         torch.complex128,
     )
 }
-
-
-class CheckpointError(ValueError):
-    """A checkpoint (or a model being converted) is missing, malformed or corrupt."""
-
-
-class OutputError(CheckpointError):
-    """The output path cannot take a checkpoint: the user's choice of path is wrong, not the
-    model, so the command line says so with a usage error."""
 
 
 @dataclass(frozen=True)

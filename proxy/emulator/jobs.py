@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, TypedDict
 
 import numpy as np
 from morphling.devices.models.profiles import fleet_order
-from morphling.proxy.checkpoint.format import CheckpointError
+from morphling.proxy.checkpoint.errors import CheckpointError
 from morphling.proxy.shm import handover as local
 from morphling.proxy.vtime.collectives import PAIR
 from morphling.proxy.vtime.eventlog import GEMM_OP

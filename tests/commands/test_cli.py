@@ -197,3 +197,15 @@ def test_bad_server_addresses_are_refused_naming_the_setting(text, message):
     with pytest.raises(ValueError, match=re.escape(message)) as info:
         parse_server(text, "--server")
     assert str(info.value).startswith(f"--server {text!r}")
+
+
+def test_the_emulator_starts_without_torch_or_scipy():
+    """``morphling emulator`` serves without either (torch is for the jobs, scipy for fitting
+    profiles): each would cost every start of the service seconds and hundreds of MB."""
+    code = (
+        "import sys, morphling.commands.emulator; "
+        "print(sorted({'torch', 'scipy'} & {m.split('.')[0] for m in sys.modules}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=child_env(), timeout=60, check=True).stdout  # fmt: skip
+    assert out == "[]\n", out
