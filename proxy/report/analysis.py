@@ -31,6 +31,7 @@ from .summary import (
     Collectives,
     CriticalPath,
     Detail,
+    DeviceBytes,
     DeviceRow,
     DeviceTime,
     JobRow,
@@ -280,7 +281,13 @@ def _jobs(run: Run) -> list[JobRow]:
         breakdown["unattributed_s"] = 0.0 if abs(unattributed) < 1e-9 else unattributed
         by_class = _by_class(s)
         times = {
-            names[d]: _device_time(gemm, conv, link, emulated_s) for d, gemm, conv, link in s.work
+            names[d]: _device_time(gemm, conv, link, emulated_s)
+            for d, gemm, conv, link, *_ in s.work
+        }
+        moved = {
+            names[d]: DeviceBytes(down=down, up=up, saved=saved)
+            for d, _, _, _, down, up, saved in s.work
+            if down or up or saved
         }
         path = CriticalPath(
             breakdown=breakdown,
@@ -312,6 +319,7 @@ def _jobs(run: Run) -> list[JobRow]:
             critical_path=path,
             device_time=_fleet_time(times.values()),
             devices=times if run.shows(s.step) else None,
+            device_bytes=moved,
         )
         rows[s.job].append(row)
     return [

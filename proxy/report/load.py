@@ -51,8 +51,9 @@ DETAIL_WINDOW = 50
 # costs memory per device, not per GEMM, for a rounding error per this many values.
 LATENESS_KEPT = 4096
 Sample = tuple[float, float | None, float | None]  # a device's (t, MHz, °C)
-# A device's work in a step: (device, GEMM compute s, convolution compute s, link s).
-DeviceWork = tuple[int, float, float, float]
+# A device's work in a step: (device, GEMM compute s, convolution compute s, link s, bytes
+# down, bytes up, bytes saved).
+DeviceWork = tuple[int, float, float, float, int, int, int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,19 +261,25 @@ class _StepSums:
     # device → its compute, convolution compute, down and up seconds, summed as a
     # ``device_step`` sums them (so a ``steps`` log gives the same figures to the bit)
     work: dict[int, list[float]] = field(default_factory=dict)
+    moved: dict[int, list[int]] = field(default_factory=dict)  # → bytes down, up and saved
 
     def worked(
-        self, device: int, compute_s: float, conv_s: float, down_s: float, up_s: float
-    ) -> None:
-        """A device's tile (or its step's tiles) in this step."""
-        sums = self.work.get(device)
-        if sums is None:
-            self.work[device] = [compute_s, conv_s, down_s, up_s]
-        else:
-            sums[0] += compute_s
-            sums[1] += conv_s
-            sums[2] += down_s
-            sums[3] += up_s
+        self, device: int, seconds: tuple[float, float, float, float],
+        nbytes: tuple[int, int, int],
+    ) -> None:  # fmt: skip
+        """A device's tile (or its step's tiles) in this step: its compute, convolution
+        compute, down and up ``seconds``, and its bytes down, up and saved."""
+        sums, moved = self.work.get(device), self.moved.get(device)
+        if sums is None or moved is None:
+            self.work[device], self.moved[device] = list(seconds), list(nbytes)
+            return
+        sums[0] += seconds[0]
+        sums[1] += seconds[1]
+        sums[2] += seconds[2]
+        sums[3] += seconds[3]
+        moved[0] += nbytes[0]
+        moved[1] += nbytes[1]
+        moved[2] += nbytes[2]
 
     def spans(self, t0: float, t1: float) -> None:
         self.t0, self.t1 = min(self.t0, t0), max(self.t1, t1)
@@ -284,6 +291,12 @@ class _StepSums:
             self.first = (t0, t1, line)
         if self.last is None or t1 > self.last[1]:
             self.last = (t0, t1, line)
+
+
+def _moved(nbytes: list[int]) -> tuple[int, int, int]:
+    """A device's bytes down, up and saved in a step (``_StepSums.moved``), as a tuple."""
+    down, up, saved = nbytes
+    return down, up, saved
 
 
 @dataclass(slots=True)
@@ -421,7 +434,8 @@ class _Reader:
         device.conv_s += conv_s
         device.down_s += down_s
         device.up_s += up_s
-        step.worked(t.device, compute_s, conv_s, down_s, up_s)
+        step.worked(t.device, (compute_s, conv_s, down_s, up_s),
+                    (t.bytes_down, t.bytes_up, t.bytes_saved))  # fmt: skip
         device.frequency(t.freq_mhz)
         if t.freq_mhz is not None or t.temp_c is not None:
             sample = (t.compute[0], t.freq_mhz, t.temp_c)
@@ -524,7 +538,8 @@ class _Reader:
         device.conv_s += d.conv_s
         device.down_s += d.down_s
         device.up_s += d.up_s
-        step.worked(d.device, d.compute_s, d.conv_s, d.down_s, d.up_s)
+        step.worked(d.device, (d.compute_s, d.conv_s, d.down_s, d.up_s),
+                    (d.bytes_down, d.bytes_up, d.bytes_saved))  # fmt: skip
         device.last_in += d.last_in
         device.frequency(d.freq_mhz)
         if d.freq_mhz is not None or d.temp_c is not None:  # its last tile's state
@@ -690,7 +705,7 @@ class _Reader:
         last_in = tuple((d, n) for d, n in sums.last_in.most_common() if n)
         t0, t1, local = (sums.t0, sums.t1, 0) if s is None else (s.t0, s.t1, s.local_gemms)
         work = tuple(
-            (d, compute - conv, conv, down + up)
+            (d, compute - conv, conv, down + up, *_moved(sums.moved[d]))
             for d, (compute, conv, down, up) in sorted(sums.work.items())
         )
         if s is None or detail:

@@ -77,6 +77,15 @@ class DeviceTime(TypedDict):
     waiting_s: float
 
 
+class DeviceBytes(TypedDict):
+    """A device's bytes in a step: operands down its link, results up, and operand bytes
+    it held already (which its link did not carry)."""
+
+    down: int
+    up: int
+    saved: int
+
+
 class StepRow(Sums):
     job: int
     step: int
@@ -90,6 +99,9 @@ class StepRow(Sums):
     # and each one's by name (None: a step not shown tile by tile, as ``segments``)
     device_time: DeviceTime
     devices: dict[str, DeviceTime] | None
+    # each device's bytes, by name: of every step (a ``steps`` log's too), those that moved
+    # or held any
+    device_bytes: dict[str, DeviceBytes]
 
 
 class JobRow(Sums):

@@ -55,6 +55,13 @@ def test_steps(summary: dict[str, Any]) -> None:
     # step 0 moves 4 × 0.25 + 0.5 + 0.25 (+ 0, resident) s down, 4 × 0.25 + 1.25 + 2 × 0.25 up
     assert (s0["bytes_down"], s0["bytes_up"]) == (1.75 * BW, 2.75 * BW)
     assert (s1["bytes_down"], s1["bytes_up"]) == (0.75 * BW, 0.75 * BW)
+    # each device's: a-0 0.25 + 0.25 + 0 s down, 3 × 0.25 up; b-1 0.25 + 0.5 + 0.25 down,
+    # 0.25 + 1.25 + 0.25 up; c-2 0.25 each way; step 1 0.25 each way each
+    moved = {name: (b["down"] / BW, b["up"] / BW, b["saved"])
+             for name, b in s0["device_bytes"].items()}  # fmt: skip
+    assert moved == {"a-0": (0.5, 0.75, 0), "b-1": (1.0, 1.75, 0), "c-2": (0.25, 0.25, 0)}
+    quarter = {"down": BW / 4, "up": BW / 4, "saved": 0}
+    assert s1["device_bytes"] == {name: quarter for name in ("a-0", "b-1", "c-2")}
     assert s0["complete"] and s1["complete"]
     totals = summary["totals"]
     assert (totals["span_s"], totals["emulated_s"], totals["steps"], totals["tiles"]) == (

@@ -162,7 +162,10 @@ def test_steps_log_has_the_full_logs_per_step_figures(levels):
         assert b["critical_path"].pop("segments") is None  # a full log's GEMMs only
         assert b.pop("devices") is None  # each device's time, as the segments: shown only
         del a["critical_path"]["segments"], a["devices"]
-        assert a == b  # times, totals, critical paths and classes, to the bit
+        assert a == b  # times, totals, critical paths and classes, each device's bytes, to the bit
+        moved = b["device_bytes"].values()  # each device's share of the step's bytes
+        assert [sum(d[k] for d in moved) for k in ("down", "up", "saved")] == [
+            b["bytes_down"], b["bytes_up"], b["bytes_saved"]]  # fmt: skip
     mean = "mean_utilisation"  # of busy times, below
     assert steps["totals"].pop(mean) == pytest.approx(full["totals"].pop(mean), rel=1e-12)
     assert steps["totals"] == full["totals"]
