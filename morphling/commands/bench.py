@@ -26,7 +26,7 @@ from morphling.version import __version__
 
 log = logging.getLogger(__name__)
 
-DEFAULT_SIZES = "4MiB"
+DEFAULT_SIZES = "64KiB,1MiB,4MiB,16MiB,64MiB"  # small messages to bulk transfers
 MAX_SIZE = 1 << 30  # the emulator's default max_payload_bytes
 LOG_LEVELS = ("debug", "info", "warning", "error")
 

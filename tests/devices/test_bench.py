@@ -91,6 +91,14 @@ def test_json_report_has_every_measurement(server: str) -> None:
     assert flops["flops"] == pytest.approx(2 * 128**3 / flops["compute_ns"] * 1e9, rel=1e-6)
 
 
+def test_by_default_sizes_from_64_kib_to_64_mib_are_measured(server: str) -> None:
+    proc = bench("--server", server, "--repeats", "1", "--flops-dim", "32", "--json")
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(proc.stdout)["bandwidth"]
+    assert [r["size"] for r in rows] == ["64KiB", "1MiB", "4MiB", "16MiB", "64MiB"]
+    assert all(r["down_bytes_s"] > 0 and r["up_bytes_s"] > 0 for r in rows)
+
+
 def test_table_output_and_progress_on_stderr(server: str) -> None:
     proc = bench("--server", server, "--sizes", "64KiB,1MiB", "--repeats", "2",
                  "--flops-dim", "64")  # fmt: skip
