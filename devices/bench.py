@@ -59,6 +59,7 @@ from morphling.text import format_size
 from morphling.version import __version__
 
 PROG = "morphling-bench"
+SLOWEST_LINK = 125_000.0  # bytes/s (1 Mbit/s): what a transfer's time limit allows on top
 LATENCY_BYTES = 64
 CHALLENGE_RUNS = 7
 CHALLENGE_BUDGET_NS = 200_000_000
@@ -265,11 +266,16 @@ class ProbeClient:
         )
         return done - start
 
+    def _limit(self, nbytes: int) -> float:
+        """How long a transfer of ``nbytes`` may take: the time limit, plus its bytes at
+        ``SLOWEST_LINK`` (64 MiB over a board's weak Wi-Fi takes minutes)."""
+        return self.timeout + nbytes / SLOWEST_LINK
+
     async def pull(self, nbytes: int) -> float:
         """Seconds from asking for ``nbytes`` to their last byte arriving (emulator → here)."""
         start = time.perf_counter()
         reply, done = await self.conn.ask(
-            ProbePull(probe=next(self._ids), nbytes=nbytes), ProbePulled, self.timeout
+            ProbePull(probe=next(self._ids), nbytes=nbytes), ProbePulled, self._limit(nbytes)
         )
         got = reply.segments[0].nbytes
         if got != nbytes:
@@ -281,7 +287,7 @@ class ProbeClient:
         payload = self._payload(nbytes)
         start = time.perf_counter()
         reply, done = await self.conn.ask(
-            ProbePush(probe=next(self._ids), segments=(payload,)), ProbeAck, self.timeout
+            ProbePush(probe=next(self._ids), segments=(payload,)), ProbeAck, self._limit(nbytes)
         )
         if reply.nbytes != nbytes:
             raise BenchError(f"PROBE_ACK counted {reply.nbytes} bytes, sent {nbytes}")

@@ -173,7 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_float,
         default=30.0,
         metavar="SECONDS",
-        help="limit for connecting and for each reply (default: 30)",
+        help="limit for connecting and for each reply, a bandwidth transfer's plus its bytes "
+        "at 1 Mbit/s (default: 30)",
     )
     parser.add_argument(
         "--json", action="store_true", help="print the report as JSON instead of a table"

@@ -402,7 +402,7 @@ class Job:
 
         self.emulator.timeline.submit(
             self.id, task, tiles, after=msg.after, host_s=msg.host_ns / 1e9,
-            host_split=msg.host_split, place=_unsent, done=timed,
+            host_split=msg.host_split, place=_place_nowhere, done=timed,
         )  # fmt: skip
 
     def _output_memory(self, nbytes: int) -> memoryview:
@@ -647,7 +647,7 @@ class Job:
         )
 
 
-def _unsent(placed: Sequence[object]) -> None:
+def _place_nowhere(placed: Sequence[object]) -> None:
     """A rank's own product's placed tiles: computed already, so sent nowhere."""
 
 

@@ -83,8 +83,11 @@ class GemmError(ValueError):
 def unsent(shape: tuple[int, ...], dtype: str) -> np.ndarray:
     """An operand, or the output, of a product a rank computed itself (``by_rank``), of
     ``shape``: one zero broadcast, no memory, so that the request is cut into tiles and
-    priced as it would be were its bytes here."""
-    return np.broadcast_to(np.zeros(1, dtype), shape)
+    priced as it would be were its bytes here. GemmError for a shape numpy cannot index."""
+    try:
+        return np.broadcast_to(np.zeros(1, dtype), shape)
+    except ValueError as exc:  # ("array is too big")
+        raise GemmError(f"by_rank: a product of shape {list(shape)}: {exc}") from None
 
 
 def carries_nothing(request: Gemm | Conv, fields: dict[str, bool]) -> None:
@@ -148,6 +151,11 @@ class Task:
             fresh = self.request.by_rank
             name = self._names[where] = panel_names.fresh() if fresh else panel_names.matrix(data())
         return name
+
+    @property
+    def sent(self) -> bool:
+        """Its tiles go to devices: all but a rank's own product's (``by_rank``)."""
+        return not self.request.by_rank
 
     @property
     def in_place(self) -> bool:

@@ -137,6 +137,8 @@ class Interceptor:
         self.remote = remote
         self.remote_conv = remote_conv
         self.min_flops = min_flops
+        if timer is not None and host_work is None:  # its products' host time is modelled
+            raise ValueError("a timer needs host_work: a rank's coordinator time is modelled")
         self.host_work = host_work
         self.timer = timer
         self.counts = ProductCounts()  # GEMMs
@@ -163,7 +165,7 @@ class Interceptor:
 
     @property
     def sent(self) -> int:
-        """Products sent to the fleet so far, GEMMs and convolutions."""
+        """Fleet products so far (sent, or with a timer timed), GEMMs and convolutions."""
         return self.counts.remote + self.conv_counts.remote
 
     def __enter__(self) -> Interceptor:
@@ -276,29 +278,33 @@ class Interceptor:
         return False
 
     def _product(
-        self, a: torch.Tensor, b: torch.Tensor, send: Callable[[torch.Tensor, torch.Tensor], R]
-    ) -> R:
-        """``send(a, b)``, counted: ``remote``, or the timer's (``_timed``)."""
+        self, a: torch.Tensor, b: torch.Tensor, send: Callable[[torch.Tensor, torch.Tensor], R],
+        values: bool = True,
+    ) -> R:  # fmt: skip
+        """``send(a, b)``, counted: ``remote``, or the timer's (``_timed``, which needs the
+        operands' layout only, not their ``values``)."""
         self.counts.remote += 1
         self.counts.remote_flops += 2 * a.numel() * b.shape[-1]
         try:  # the layout is checked once, where the request is built
             return send(a, b)
         except LayoutError:  # raised before anything was sent: copy what BLAS cannot read
-            return send(self._readable(a), self._readable(b))
+            return send(self._readable(a, values), self._readable(b, values))
 
     def _timed(self, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """``out``, the product of ``a`` and ``b`` computed here, timed as ``_product``
         would have sent it."""
         assert self.timer is not None, "only with a timer"
-        self._product(a, b, self.timer.time_gemm)
+        self._product(a, b, self.timer.time_gemm, values=False)
         return out
 
-    def _readable(self, x: torch.Tensor) -> torch.Tensor:
+    def _readable(self, x: torch.Tensor, values: bool) -> torch.Tensor:
+        """``x``, or where BLAS cannot read its layout (counted) a contiguous copy: of its
+        ``values``, or of its shape alone."""
         try:
             blas_operand(x, "operand")
         except LayoutError:
             self.counts.copied += 1
-            return x.contiguous()
+            return x.contiguous() if values else torch.empty(x.shape, dtype=x.dtype)
         return x
 
     def _convolution(

@@ -35,16 +35,16 @@ def occupancy(
     ``bins`` equal bins of [``start``, ``end``), per row (``rows``: each span's, in
     [0, ``row_count``)): a [row_count, bins] array. A span crossing bins is shared among
     them exactly; what lies outside [start, end) is left out."""
-    out = np.zeros((row_count, bins + 1))  # (one column more: the full bins' running sums)
+    out = np.zeros((row_count, bins))
     if not len(spans) or end <= start:
-        return out[:, :bins]
+        return out
     width = (end - start) / bins
     t0 = np.clip(spans[:, 0], start, end)
     t1 = np.clip(spans[:, 1], start, end)
     b0 = np.minimum(((t0 - start) // width).astype(np.int64), bins - 1)
     b1 = np.minimum(((t1 - start) // width).astype(np.int64), bins - 1)
     flat = out.reshape(-1)
-    stride = bins + 1
+    stride = bins
     same = b0 == b1
     np.add.at(flat, rows[same] * stride + b0[same], t1[same] - t0[same])
     cross = ~same
@@ -57,4 +57,4 @@ def occupancy(
     np.add.at(full_flat, r * stride + first + 1, width)
     np.add.at(full_flat, r * stride + last, -width)
     out += np.cumsum(full, axis=1)
-    return out[:, :bins]
+    return out

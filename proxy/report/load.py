@@ -722,7 +722,8 @@ class _Reader:
                 sums.tiles,
                 sums.bytes_down,
                 sums.bytes_up,
-                (s.bytes_saved or 0) if s is not None else 0,
+                # (a step never closed: what its tiles held, as its devices' sums have it)
+                (s.bytes_saved or 0) if s is not None else sum(m[2] for m in sums.moved.values()),
                 (s.bytes_bound or 0) if s is not None else 0,
                 sums.oom,
                 tuple(sums.critical or [0.0] * len(COMPONENTS)),

@@ -767,10 +767,10 @@ class Timeline(Generic[T]):
         without the operand blocks it already holds (weight blocks and panels from any
         request, or blocks lying within them). One that cannot fit is an OOM."""
         memory = device.memory
-        if self.residency:
+        if self.residency and gemm.task.sent:
             kept: Sequence[Operand] = (a, b)
             transient = work.bytes_up
-        else:  # panels live only while their tile runs
+        else:  # panels live only while their tile runs (a rank's own: none is sent to keep)
             kept = [x for x in (a, b) if x.offset is not None]
             transient = work.bytes_up + sum(x.nbytes for x in (a, b) if x.offset is None)
         admission = memory.admit([(x.key, x.version, x.nbytes, x.region) for x in kept], transient)

@@ -94,12 +94,15 @@ class GemmWork(Protocol):
     """A GEMM or a convolution the clock issues. ``header`` is the GEMM (a convolution's:
     its whole implicit GEMM, which the event log records), ``op`` which it is
     (``GEMM_OP``, ``conv_op``). ``oom`` counts its tiles that did not fit on their device
-    (emulated OOMs): the clock adds to it, the emulator reports it to the job."""
+    (emulated OOMs): the clock adds to it, the emulator reports it to the job. ``sent``:
+    its tiles go to devices (False: a rank's own product, which they only time)."""
 
     oom: int
 
     @property
     def id(self) -> int: ...
+    @property
+    def sent(self) -> bool: ...
     @property
     def op(self) -> str: ...
     @property

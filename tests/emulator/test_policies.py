@@ -140,9 +140,10 @@ def _own_gemm(gemm: int, **fields) -> Gemm:
 
 async def test_a_ranks_own_products_are_timed_on_its_device_and_sent_nowhere(fleet):
     """GEMM and CONV ``by_rank``: the rank computed them itself. Its device times them (its
-    step's emulated time holds them) and computes nothing, and nothing answers them. From
-    a job that is no rank, or carrying operands, one is refused naming why; the emulator
-    serves on."""
+    step's emulated time holds them) and computes nothing, keeps nothing of them once they
+    ran (no panel to forget later), and nothing answers them. From a job that is no rank,
+    carrying operands, or of a shape no array can have, one is refused naming why; the
+    emulator serves on."""
     f = await fleet()
     agent = await f.add_device("rpi4")
     name = f.record(agent).name
@@ -158,7 +159,12 @@ async def test_a_ranks_own_products_are_timed_on_its_device_and_sent_nowhere(fle
     assert isinstance(reply, Step), reply  # no RESULT came first
     assert (reply.gemms, reply.tiles, reply.bytes_down, reply.bytes_up) == (2, 2, 0, 0)
     assert reply.emulated_ns > 0 and reply.coord_ns == 0
-    assert f.record(agent).completed == 0
+    raw.send(_own_gemm(3, after=0))
+    raw.send(Step(step=2, host_ns=0))
+    assert isinstance(await raw.recv_skipping_heartbeats(), Step)
+    record = f.record(agent)
+    assert record.completed == 0 and record.drop_panels == []
+    assert not f.emu.timeline.devices[record.id].memory.resident
     refused = [
         (Open(), _own_gemm(1), "GEMM 1: by_rank, but the job is no rank (OPEN.rank)"),
         (Open(device=name, rank=1, world=3), _own_gemm(1, ref_a=[0, 0]),
@@ -166,6 +172,9 @@ async def test_a_ranks_own_products_are_timed_on_its_device_and_sent_nowhere(fle
         (Open(device=name, rank=2, world=3),
          dataclasses.replace(_own_gemm(1), segments=(b"\0" * 4, b"")),
          "by_rank: a rank's own product carries no operand bytes"),
+        (Open(device=name, rank=3, world=4),
+         dataclasses.replace(_own_gemm(1), m=1 << 31, n=1 << 31, ldb=1 << 31, batch=4),
+         "by_rank: a product of shape [4, 2147483648, 2147483648]"),
     ]  # fmt: skip
     for open_msg, gemm, reason in refused:
         raw = await f.raw_peer()

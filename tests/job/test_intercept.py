@@ -535,3 +535,5 @@ def test_with_a_timer_products_are_computed_here_and_timed_as_they_would_be_sent
     ]
     assert (interceptor.counts.remote, interceptor.counts.copied) == (5, 3)
     assert interceptor.conv_counts.remote == 3
+    with pytest.raises(ValueError, match="a timer needs host_work"):
+        Interceptor(send, send, timer=heard)  # a rank's host time is modelled

@@ -171,10 +171,14 @@ def test_summary_is_json(summary: dict[str, Any]) -> None:
 
 def test_step_without_its_step_event_is_incomplete(tmp_path: Path) -> None:
     events = [e for e in run_events() if not (e["ev"] == "step" and e["step"] == 1)]
+    for e in events:  # one of its tiles held 256 bytes of its operands
+        if e["ev"] == "tile" and (e["step"], e["device"]) == (1, 0):
+            e["bytes_saved"] = 256
     summary = summarize(load_run(write_run(tmp_path, events)))
     s1 = summary["jobs"][0]["steps"][1]
     # from its first coordinator span to its last
     assert (s1["complete"], s1["t0"], s1["t1"], s1["local_gemms"]) == (False, 6.0, 9.0, 0)
+    assert s1["bytes_saved"] == s1["device_bytes"]["a-0"]["saved"] == 256  # from its tiles
     assert "(incomplete)" in format_summary(summary)
 
 
