@@ -85,8 +85,8 @@ async def _probe(conn: PeerConnection, device: DeviceRecord, uuid: str) -> None:
 def _vouched_for(emulator: Emulator, device: DeviceRecord) -> bool:
     """A virtual device in the emulator's own process, once another there passed its FLOPS
     challenge, is not probed: it computes on the same kernel workers (an embedded fleet
-    shares them), and its measurements would not be used (its declared profile is, but
-    with ``profile_source=measured``). A fleet of thousands starts without thousands of
+    shares them), and its measurements would not be used (its declared profile is, unless
+    ``profile_source=measured``). A fleet of thousands starts without thousands of
     challenges and bandwidth probes over loopback."""
     return (
         device.local
