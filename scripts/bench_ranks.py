@@ -126,7 +126,7 @@ def run(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     from benchlib import step_main
 
-    return step_main(run, __doc__.splitlines()[0], output="bench-results/ranks.json", reps=3,
+    return step_main(run, __doc__.splitlines()[0], output="bench-results/ranks.json", reps=5,
                      steps=8, argv=argv)  # fmt: skip
 
 
