@@ -58,10 +58,6 @@ class PanelNames:
         (a convolution's input region or weight block: no block of a 2-D matrix)."""
         return self._id((matrix, offset, shape, strides))
 
-    def fresh(self) -> int:
-        """An id no bytes are named by: a rank's own operand, which no device is sent."""
-        return next(self._next)
-
     def _id(self, key: Hashable) -> int:
         got = self._ids.get(key)
         if got is None:
@@ -144,12 +140,13 @@ class Task:
 
     def named(self, where: tuple[int, ...], data: Callable[[], np.ndarray]) -> int:
         """The ``PanelNames.matrix`` id of the bytes ``data()`` gives (C-contiguous, as
-        sent), found at ``where``: asked once per place, whichever tiles need them. A
-        rank's own product (``by_rank``) has no bytes here: its operands get fresh ids."""
+        sent), found at ``where``: asked once per place, whichever tiles need them. Never
+        for a rank's own product (``by_rank``): it has no bytes, and the clock keeps none of
+        its operands on a device (``sent``)."""
+        assert self.request.by_rank is False, "a rank's own operands are never named"
         name = self._names.get(where)
         if name is None:
-            fresh = self.request.by_rank
-            name = self._names[where] = panel_names.fresh() if fresh else panel_names.matrix(data())
+            name = self._names[where] = panel_names.matrix(data())
         return name
 
     @property

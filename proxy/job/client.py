@@ -168,11 +168,8 @@ def conv_request(
     grad_weight, the input and the output's gradient, product the weight's gradient
     [OC, C/groups, kh, kw]. No bias: its addition and gradient are the caller's.
     """
-    request, shapes = _conv_header(
-        conv, kind, "", input_shape=input_shape, weight_shape=weight_shape, stride=stride,
-        padding=padding, dilation=dilation, groups=groups, after=after, host_ns=host_ns,
-        host_split=host_split,
-    )  # fmt: skip
+    geom, shapes = _conv_shapes(kind, input_shape, weight_shape, stride, padding, dilation,
+                                groups)  # fmt: skip
     (first, second), product = {
         "forward": (("input", "weight"), "output"),
         "grad_input": (("output", "weight"), "input"),
@@ -187,8 +184,9 @@ def conv_request(
         if x.shape != shapes[role]:
             raise ValueError(f"{kind}: {name} has shape {x.shape}, the {role} is {shapes[role]}")
         dtype = x.dtype.name
-    segments = (a.reshape(-1), b.reshape(-1))
-    return dataclasses.replace(request, dtype=dtype, segments=segments), shapes[product]
+    request = _conv_message(conv, kind, dtype, geom, shapes, after, host_ns, host_split,
+                            segments=(a.reshape(-1), b.reshape(-1)))  # fmt: skip
+    return request, shapes[product]
 
 
 def rank_conv_request(
@@ -201,21 +199,21 @@ def rank_conv_request(
     takes them, ValueError naming what does not fit."""
     if dtype not in GEMM_DTYPES:
         raise ValueError(f"{kind}: dtype {dtype}; one of {GEMM_DTYPES}")
-    request, _ = _conv_header(
-        conv, kind, dtype, input_shape=input_shape, weight_shape=weight_shape, stride=stride,
-        padding=padding, dilation=dilation, groups=groups, after=after, host_ns=host_ns,
-        host_split=host_split,
-    )  # fmt: skip
-    return dataclasses.replace(request, by_rank=True)
+    geom, shapes = _conv_shapes(kind, input_shape, weight_shape, stride, padding, dilation,
+                                groups)  # fmt: skip
+    return _conv_message(conv, kind, dtype, geom, shapes, after, host_ns, host_split,
+                         segments=(b"", b""), by_rank=True)  # fmt: skip
 
 
-def _conv_header(
-    conv: int, kind: str, dtype: str, *, input_shape: tuple[int, ...],
-    weight_shape: tuple[int, ...], stride: Pair, padding: Padding, dilation: Pair, groups: int,
-    after: int, host_ns: int, host_split: dict[str, int] | None,
-) -> tuple[Conv, dict[str, tuple[int, ...]]]:  # fmt: skip
-    """A CONV without operands, and the shapes of its input, weight and output; ValueError
-    naming what does not fit."""
+Shapes = dict[str, tuple[int, ...]]  # a convolution's input, weight and output, by name
+
+
+def _conv_shapes(
+    kind: str, input_shape: tuple[int, ...], weight_shape: tuple[int, ...], stride: Pair,
+    padding: Padding, dilation: Pair, groups: int,
+) -> tuple[ConvGeometry, Shapes]:  # fmt: skip
+    """A convolution's geometry and the shapes of its input, weight and output, checked;
+    ValueError naming what does not fit."""
     if kind not in CONV_KINDS:
         raise ValueError(f"convolution kind {kind!r}: one of {', '.join(CONV_KINDS)}")
     for name, shape in (("input_shape", input_shape), ("weight_shape", weight_shape)):
@@ -230,13 +228,21 @@ def _conv_header(
             f"{tuple(weight_shape)} do not make {groups} groups"
         )
     output = (n, out_channels, *geom.output_size(height, width))
-    shapes = {"input": tuple(input_shape), "weight": tuple(weight_shape), "output": output}
-    request = Conv(
+    return geom, {"input": tuple(input_shape), "weight": tuple(weight_shape), "output": output}
+
+
+def _conv_message(
+    conv: int, kind: str, dtype: str, geom: ConvGeometry, shapes: Shapes, after: int,
+    host_ns: int, host_split: dict[str, int] | None, *, segments: tuple[Any, Any],
+    by_rank: bool = False,
+) -> Conv:  # fmt: skip
+    """The CONV of ``_conv_shapes``' checked geometry and shapes."""
+    return Conv(
         gemm=conv,
         kind=kind,
         dtype=dtype,
-        input=list(input_shape),
-        weight=list(weight_shape),
+        input=list(shapes["input"]),
+        weight=list(shapes["weight"]),
         stride=list(geom.stride),
         dilation=list(geom.dilation),
         padding=list(geom.padding),
@@ -244,9 +250,9 @@ def _conv_header(
         after=after,
         host_ns=host_ns,
         host_split=host_split or {},
-        segments=(b"", b""),
+        by_rank=by_rank,
+        segments=segments,
     )
-    return request, shapes
 
 
 def product_array(request: Conv, result: Result, shape: tuple[int, ...]) -> np.ndarray:

@@ -396,18 +396,21 @@ class Interceptor:
         self, kind: str, call: ConvCall, a: torch.Tensor, b: torch.Tensor
     ) -> torch.Tensor:
         """One product of ``call`` from the fleet, its operands given by ``_operand``."""
-        self.conv_counts.remote += 1
-        self.conv_counts.remote_flops += call.flops
+        self._count_conv(call)
         return call.from_2d(self.remote_conv(kind, a, b, call))
 
     def _conv_timed(self, out: R, call: ConvCall, dtype: torch.dtype, kinds: list[str]) -> R:
         """``out``, computed here: ``call``'s products ``kinds``, timed in that order."""
         assert self.timer is not None, "only with a timer"
         for kind in kinds:
-            self.conv_counts.remote += 1
-            self.conv_counts.remote_flops += call.flops
+            self._count_conv(call)
             self.timer.time_conv(kind, call, dtype)
         return out
+
+    def _count_conv(self, call: ConvCall) -> None:
+        """One of ``call``'s products on the fleet (sent, or timed)."""
+        self.conv_counts.remote += 1
+        self.conv_counts.remote_flops += call.flops
 
     def _operand(self, call: ConvCall, t: torch.Tensor) -> torch.Tensor:
         """``t`` as the fleet takes it: 2-D, NCHW-contiguous (a copy, counted, if not)."""

@@ -258,10 +258,10 @@ class _StepSums:
     last: Segment | None = None  # ... and the one that ends last
     devices: dict[int, int] | None = None  # device → the line of its device_step
     samples: dict[int, Sample] | None = None  # device → its last tile's state, when not shown
-    # device → its compute, convolution compute, down and up seconds, summed as a
-    # ``device_step`` sums them (so a ``steps`` log gives the same figures to the bit)
+    # device → its compute, convolution compute, down and up seconds, and its bytes down, up
+    # and saved, summed as a ``device_step`` sums them (so a ``steps`` log gives the same
+    # figures to the bit)
     work: dict[int, list[float]] = field(default_factory=dict)
-    moved: dict[int, list[int]] = field(default_factory=dict)  # → bytes down, up and saved
 
     def worked(
         self, device: int, seconds: tuple[float, float, float, float],
@@ -269,17 +269,17 @@ class _StepSums:
     ) -> None:  # fmt: skip
         """A device's tile (or its step's tiles) in this step: its compute, convolution
         compute, down and up ``seconds``, and its bytes down, up and saved."""
-        sums, moved = self.work.get(device), self.moved.get(device)
-        if sums is None or moved is None:
-            self.work[device], self.moved[device] = list(seconds), list(nbytes)
+        sums = self.work.get(device)
+        if sums is None:
+            self.work[device] = [*seconds, *nbytes]
             return
         sums[0] += seconds[0]
         sums[1] += seconds[1]
         sums[2] += seconds[2]
         sums[3] += seconds[3]
-        moved[0] += nbytes[0]
-        moved[1] += nbytes[1]
-        moved[2] += nbytes[2]
+        sums[4] += nbytes[0]
+        sums[5] += nbytes[1]
+        sums[6] += nbytes[2]
 
     def spans(self, t0: float, t1: float) -> None:
         self.t0, self.t1 = min(self.t0, t0), max(self.t1, t1)
@@ -291,12 +291,6 @@ class _StepSums:
             self.first = (t0, t1, line)
         if self.last is None or t1 > self.last[1]:
             self.last = (t0, t1, line)
-
-
-def _moved(nbytes: list[int]) -> tuple[int, int, int]:
-    """A device's bytes down, up and saved in a step (``_StepSums.moved``), as a tuple."""
-    down, up, saved = nbytes
-    return down, up, saved
 
 
 @dataclass(slots=True)
@@ -705,8 +699,8 @@ class _Reader:
         last_in = tuple((d, n) for d, n in sums.last_in.most_common() if n)
         t0, t1, local = (sums.t0, sums.t1, 0) if s is None else (s.t0, s.t1, s.local_gemms)
         work = tuple(
-            (d, compute - conv, conv, down + up, *_moved(sums.moved[d]))
-            for d, (compute, conv, down, up) in sorted(sums.work.items())
+            (d, compute - conv, conv, down + up, int(sent), int(back), int(held))
+            for d, (compute, conv, down, up, sent, back, held) in sorted(sums.work.items())
         )
         if s is None or detail:
             return StepFigures(
@@ -723,7 +717,7 @@ class _Reader:
                 sums.bytes_down,
                 sums.bytes_up,
                 # (a step never closed: what its tiles held, as its devices' sums have it)
-                (s.bytes_saved or 0) if s is not None else sum(m[2] for m in sums.moved.values()),
+                (s.bytes_saved or 0) if s is not None else sum(w[6] for w in work),
                 (s.bytes_bound or 0) if s is not None else 0,
                 sums.oom,
                 tuple(sums.critical or [0.0] * len(COMPONENTS)),
