@@ -35,6 +35,7 @@ test: setup system-deps
 bench: setup
 	$(PY) scripts/bench_kernels.py
 	$(PY) scripts/bench_net.py
+	$(PY) scripts/bench_verify.py
 	$(PY) scripts/bench_train.py
 	$(PY) scripts/bench_ranks.py
 	$(PY) scripts/bench_vtime.py

@@ -37,6 +37,7 @@ from morphling.exiting import exit_without_finalizing
 from morphling.interrupt import Interrupted, Signals
 from morphling.outputs import check_file_writable
 from morphling.proxy.emulator.settings import DEFAULT_MIN_FLOPS, EmulatorConfig
+from morphling.proxy.emulator.verify import VERIFY_MODES, parse_mode
 from morphling.proxy.job.coordinator import MODES, PRODUCTS, coordinator_profile
 from morphling.proxy.vtime.collectives import ALGORITHMS
 from morphling.proxy.vtime.eventlog import EVENT_LEVELS
@@ -113,6 +114,11 @@ class RunConfig:
         True,
         "devices keep a request's operand blocks for its other tiles (--embedded; "
         "--no-residency: every tile carries its blocks, to compare)",
+    )
+    verify: str = _opt(
+        "all",
+        f"which devices' tiles the embedded emulator checks before they reach the script "
+        f"(--embedded; docs/PROTOCOL.md, Verification): {VERIFY_MODES}",
     )
     link: str = _opt(
         "",
@@ -306,6 +312,10 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
             raise configuration.ConfigError("give exactly one of --server HOST:PORT, --embedded")
         if cfg.fresh_weights and not cfg.ckpt:
             raise configuration.ConfigError("--fresh-weights needs --ckpt")
+        try:
+            parse_mode(cfg.verify)
+        except ValueError as exc:
+            raise configuration.ConfigError(f"--{exc}".replace("=", " ", 1)) from None
         if cfg.ranks:
             _check_ranks(cfg)
         elif cfg.rank_devices:
@@ -430,6 +440,7 @@ def _emulator_config(cfg: RunConfig, run_dir: Path | None) -> EmulatorConfig:
         arena_bytes=cfg.arena_bytes,
         events=cfg.events,
         events_detail_steps=cfg.events_detail_steps,
+        verify=cfg.verify,
     )
     if cfg.block_size:
         emulator = dataclasses.replace(emulator, block_size=cfg.block_size)

@@ -56,6 +56,9 @@ def hello(conn: PeerConnection, msg: Hello) -> None:
     maps_weights = weights is not None and caps.get("weights") == str(weights.path)
     maps_arena = arena is not None and caps.get("arena") == str(arena.path)
     if msg.role == "device":
+        refused = emulator.verifier.refused(msg.name or conn.peername)
+        if refused:
+            raise RemoteProtocolError(refused, "quarantined")
         try:
             declared = DeviceProfile.from_wire(msg.profile)
         except ValueError as exc:

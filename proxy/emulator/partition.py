@@ -161,6 +161,7 @@ class GemmTask(Task):
     _packed: dict[tuple[int, int, int, int], tuple[np.ndarray, int]] = field(default_factory=dict)
     # A row of tiles shares its A block and a column its B block: made once each.
     _blocks: dict[tuple[str, int, int, int], Block] = field(default_factory=dict)
+    block_edge: int = 0  # the tiles' edge (``tiles``)
     op = GEMM_OP
 
     @property
@@ -206,6 +207,19 @@ class GemmTask(Task):
         offset, version = weight
         return Block(span, rows, cols, ld, offset + start * flat.itemsize, version)
 
+    def op_views(self, pivot: int) -> tuple[np.ndarray, np.ndarray]:
+        """op(A) [m, K] and op(B) [K, n] of ``pivot``: read-only views of the operands."""
+        g = self.request
+        views = []
+        for which, trans in (("a", g.ta), ("b", g.tb)):
+            flat, ld, stride, _, rows, cols = self._stored(which)
+            item = flat.itemsize
+            stored = np.lib.stride_tricks.as_strided(
+                flat[pivot * stride :], (rows, cols), (ld * item, item), writeable=False
+            )
+            views.append(stored.T if trans else stored)
+        return views[0], views[1]
+
     def matrix(self, which: str, pivot: int) -> int:
         """The ``PanelNames.matrix`` id of pivot ``pivot`` of operand ``which`` as stored."""
         flat, ld, stride, _, rows, cols = self._stored(which)
@@ -233,6 +247,7 @@ class GemmTask(Task):
     def tiles(self, block: int) -> list[TileTask]:
         """Cut the output into tiles of at most ``block × block`` per pivot."""
         g = self.request
+        self.block_edge = block
         if self.tile_count(block) == 0:  # an empty output: nothing to walk, however large
             self.remaining = 0
             return []

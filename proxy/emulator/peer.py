@@ -87,7 +87,7 @@ class PeerConnection(FrameConnection):
 
     def message_received(self, msg: Message) -> None:
         if isinstance(msg, TileResult):
-            tiles.take_result(self.emulator.scheduler, self._device(), msg)
+            tiles.take_result(self.emulator.scheduler, self.emulator.verifier, self._device(), msg)
         elif isinstance(msg, TileMissing):
             self.emulator.scheduler.resend(self._device(), msg.tile, msg.reason)
         elif isinstance(msg, Gemm):

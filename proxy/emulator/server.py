@@ -46,6 +46,7 @@ from .scheduler import Scheduler
 from .settings import EmulatorConfig
 from .tiles import TileMessages
 from .trainers import Trainers
+from .verify import Verifier
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,7 @@ class Emulator:
         self.scheduler = Scheduler(
             self.registry, self.tiles, window=config.window, inflight_bytes=config.inflight_bytes
         )
+        self.verifier = Verifier(config.verify, config.quarantine_s)
         self._events: IO[bytes] | None = None
         if config.run_dir:
             Path(config.run_dir).mkdir(parents=True, exist_ok=True)
@@ -235,6 +237,7 @@ class Emulator:
             info["event_detail_steps"] = cfg.events_detail_steps
         # each job of a standalone emulator chose its own (``morphling run`` says which)
         info["coordinator_time"] = "per job"
+        info["verification"] = self.verifier.summary()
         info.update(self.run_info)
         path = Path(cfg.run_dir) / RUN_FILE
         path.write_text(json.dumps(info, indent=1) + "\n")

@@ -13,6 +13,8 @@ from morphling.proxy.wire import challenge
 from morphling.config import ConfigError
 from morphling.config import option as _opt
 
+from .verify import VERIFY_MODES, parse_mode
+
 PROFILE_SOURCES = ("auto", "declared", "measured")
 
 
@@ -172,8 +174,24 @@ class EmulatorConfig:
         choices=PROFILE_SOURCES,
     )
 
+    verify: str = _opt(
+        "all",
+        f"which devices' tiles are checked before they reach a job (Freivalds' check, "
+        f"docs/PROTOCOL.md): {VERIFY_MODES}; a device that sends a wrong one is quarantined",
+    )
+    quarantine_s: float = _opt(
+        60.0,
+        "how long a device whose tile was wrong is refused when it reconnects (doubled at "
+        "each further wrong tile)",
+        min=0.0,
+    )
+
     def __post_init__(self) -> None:
         check_heartbeats(self.heartbeat_s, self.heartbeat_timeout_s)
+        try:
+            parse_mode(self.verify)
+        except ValueError as exc:
+            raise ConfigError(f"--{exc}".replace("=", " ", 1)) from None
         # A malformed address is a configuration error now, not a failed bind later.
         try:
             ipaddress.ip_address(self.listen_ip)

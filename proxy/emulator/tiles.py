@@ -52,6 +52,7 @@ from .registry import DeviceRecord
 
 if TYPE_CHECKING:
     from .scheduler import Scheduler
+    from .verify import Verifier
 
 log = logging.getLogger(__name__)
 
@@ -218,11 +219,14 @@ def _panel(device: DeviceRecord, panel: int, admission: Admission | None) -> Loc
     return in_frame(panel=panel)
 
 
-def take_result(scheduler: Scheduler, device: DeviceRecord, msg: TileResult) -> None:
+def take_result(
+    scheduler: Scheduler, verifier: Verifier, device: DeviceRecord, msg: TileResult
+) -> None:
     """A device's TILE_RESULT: its C into the request's output (unless written in place),
-    and the job answered once every tile is in. A result that is not what its TILE asked
-    for is a protocol error: the device is dropped and the tile sent to another (or given
-    up, ``Scheduler.give_up_on``)."""
+    once checked (``verify``), and the job answered once every tile is in. A result that is
+    not what its TILE asked for is a protocol error, and a wrong one quarantines its device:
+    either way the device is dropped and the tile sent to another (or given up,
+    ``Scheduler.give_up_on``)."""
     tile = scheduler.finished(device, msg.tile)
     if tile is None:
         why = "not expected (late or duplicate); ignored"
@@ -232,14 +236,27 @@ def take_result(scheduler: Scheduler, device: DeviceRecord, msg: TileResult) -> 
         try:
             check_tile_result(msg, tile.c_at, tile.shape, task.out.itemsize)
         except OperandError as exc:
-            given_up = scheduler.give_up_on(tile, device, f"bad_result: {exc}")
-            if not given_up:
-                scheduler.retry(tile)
-            then = "" if given_up else " (the tile goes to another device)"
-            raise RemoteProtocolError(f"{exc}{then}", "bad_result") from None
+            raise _refused(scheduler, tile, device, str(exc), "bad_result") from None
         segment = msg.segments[0]
         task.bytes_up += segment.nbytes
         values = None if tile.c_at.in_place else np.frombuffer(segment, dtype=task.out.dtype)
+        wrong = verifier.check(tile, values)
+        if wrong:
+            verifier.quarantine(device.id, device.name, task.id, tile.id, wrong)
+            raise _refused(scheduler, tile, device, f"tile {tile.id} is wrong: {wrong}",
+                           "wrong_result")  # fmt: skip
         if task.put(tile, values) and task.remaining == 0 and task.owner is not None:
             task.owner.finish(task)
     scheduler.dispatch()
+
+
+def _refused(
+    scheduler: Scheduler, tile: AnyTile, device: DeviceRecord, why: str, code: str
+) -> RemoteProtocolError:
+    """The error that drops ``device``, whose result for ``tile`` is refused (``why``),
+    once the tile is sent to another device or given up."""
+    given_up = scheduler.give_up_on(tile, device, f"{code}: {why}")
+    if not given_up:
+        scheduler.retry(tile)
+    then = "" if given_up else " (the tile goes to another device)"
+    return RemoteProtocolError(f"{why}{then}", code)

@@ -48,6 +48,7 @@ from .summary import (
     Sums,
     Totals,
     Untimed,
+    VerificationInfo,
 )
 
 # A device straggles when, over the GEMMs it takes part in, it finishes on average this
@@ -108,6 +109,15 @@ def summarize(run: Run) -> Summary:
         bottleneck=bottleneck,
         command=list(run.command),
         incomplete=run.incomplete,
+        verification=None
+        if (v := run.verification) is None
+        else VerificationInfo(
+            mode=v.mode,
+            checked=v.checked,
+            wrong=v.wrong,
+            unverified=dict(v.unverified),
+            quarantines=[dict(q) for q in v.quarantines],
+        ),
     )
     ooms = [
         OomRow(

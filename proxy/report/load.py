@@ -42,7 +42,16 @@ from morphling.proxy.vtime.eventlog import (
     critical_breakdown,
 )
 
-from .records import Device, Job, Meta, RunError, read_events, read_fleet, read_meta
+from .records import (
+    Device,
+    Job,
+    Meta,
+    RunError,
+    Verification,
+    read_events,
+    read_fleet,
+    read_meta,
+)
 
 # The steps of each job the trace, timeline.png and the critical-path segments show by
 # default: what one looks at, in files that stay small however long the run.
@@ -181,6 +190,7 @@ class Run:
     collectives: tuple[CollectivePart, ...]  # ranks' parts in them, of the steps in ``window``
     span_s: float  # the last thing that happened
     incomplete: str | None = None  # why the run ended early (SIGTERM, ...), None when it did not
+    verification: Verification | None = None  # run.json's (None: an engine before it)
 
     def shows(self, step: int) -> bool:
         """Whether the reports show this step tile by tile."""
@@ -689,6 +699,7 @@ class _Reader:
             collectives=tuple(self.collectives),
             span_s=self.span_s,
             incomplete=meta.incomplete,
+            verification=meta.verification,
         )
 
     def _figures(self, key: tuple[int, int], sums: _StepSums) -> StepFigures:

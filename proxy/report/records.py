@@ -87,6 +87,18 @@ class Meta:
     digest: str | None
     fleet: object  # as read, for ``read_fleet``
     jobs: object
+    verification: Verification | None = None  # None: an engine before tile verification
+
+
+@dataclass(frozen=True, slots=True)
+class Verification:
+    """run.json's ``verification``: which tiles were checked, and the devices quarantined."""
+
+    mode: str
+    checked: int
+    wrong: int
+    unverified: dict[str, int]  # tiles no check covers, by what they are
+    quarantines: tuple[dict[str, object], ...]  # each: device, name, request, tile, evidence
 
 
 # -- field checks: one per field type, shared by every record ------------------------------
@@ -245,6 +257,7 @@ def _meta(meta: object) -> Meta:
     if collective is not None and collective not in ALGORITHMS:
         raise ValueError(f"field 'collective' must be one of {ALGORITHMS}, got {collective!r}")
     lines, digest = meta.get("events"), meta.get("digest")
+    verification = meta.get("verification")
     return Meta(
         policy=_text(meta["policy"], "policy"),
         block=_count(meta["block"], "block"),
@@ -260,6 +273,29 @@ def _meta(meta: object) -> Meta:
         digest=None if digest is None else _text(digest, "digest"),
         fleet=meta.get("fleet"),
         jobs=meta.get("jobs"),
+        verification=None if verification is None else _verification(verification),
+    )
+
+
+def _verification(value: object) -> Verification:
+    if not isinstance(value, dict):
+        raise ValueError(f"field 'verification' must be null or an object, got {value!r}")
+    unverified = value.get("unverified", {})
+    quarantines = value.get("quarantines", [])
+    if not isinstance(unverified, dict) or not isinstance(quarantines, list):
+        raise ValueError("field 'verification': 'unverified' must be an object, "
+                         "'quarantines' a list")  # fmt: skip
+    for q in quarantines:
+        if not isinstance(q, dict) or not {"device", "name", "tile", "evidence"} <= q.keys():
+            raise ValueError(f"field 'verification.quarantines': {q!r:.80} lacks a field")
+    return Verification(
+        mode=_text(value.get("mode"), "verification.mode"),
+        checked=_count(value.get("checked"), "verification.checked"),
+        wrong=_count(value.get("wrong"), "verification.wrong"),
+        unverified={
+            str(k): _count(v, f"verification.unverified.{k}") for k, v in unverified.items()
+        },
+        quarantines=tuple(quarantines),
     )
 
 

@@ -207,6 +207,17 @@ class RunInfo(TypedDict):
     bottleneck: Bottleneck | None
     command: list[str]
     incomplete: str | None
+    verification: VerificationInfo | None  # None: a run before tile verification
+
+
+class VerificationInfo(TypedDict):
+    """Which tiles were checked before they reached a job, and the devices quarantined."""
+
+    mode: str
+    checked: int
+    wrong: int
+    unverified: dict[str, int]
+    quarantines: list[dict[str, object]]
 
 
 class Untimed(TypedDict):

@@ -9,7 +9,7 @@ from morphling.text import elide, elided_line, format_bytes
 
 from .analysis import BY_CLASS, OTHER_STEPS, STRAGGLER_LATENESS
 from .load import StepRange, steps_text
-from .summary import DeviceRow, StepRow, Summary
+from .summary import DeviceRow, StepRow, Summary, VerificationInfo
 
 STEPS_LOG_LACKS = (
     "per-GEMM critical path segments, stragglers and lateness, and the per-tile trace and "
@@ -58,6 +58,8 @@ def format_summary(summary: Summary) -> str:
     if run["incomplete"] is not None:
         why = run["incomplete"]
         out.append(f"incomplete: the run ended early ({why}); this is what it logged until then")
+    if run["verification"] is not None:
+        out += _verification_text(run["verification"])
     b = run["bottleneck"]
     if b is not None:
         parameters = ", ".join(f"{k} {v:.4g}" for k, v in b["parameters"].items())
@@ -297,3 +299,16 @@ def _critical_text(step: StepRow) -> list[str]:
     devices = ", ".join(f"{name} ({n})" for name, n in list(path["devices"].items())[:TOP_DEVICES])
     rows.append(f"  last tile on: {devices or 'no GEMM'}")
     return rows
+
+
+def _verification_text(v: VerificationInfo) -> list[str]:
+    """What was checked, what was not (and why), and each quarantine's evidence."""
+    out = [f"verification (--verify {v['mode']}): {v['checked']} tiles checked, {v['wrong']} wrong"]
+    for what, count in v["unverified"].items():
+        out.append(f"  {count} {what} tiles not checked: no check covers {what} tiles yet")
+    for q in v["quarantines"]:
+        out.append(
+            f"  quarantined: device {q['device']} ({q['name']}), tile {q['tile']} of request "
+            f"{q.get('request', '?')}: {q['evidence']}"
+        )
+    return out

@@ -254,6 +254,21 @@ def test_min_flops(tmp_path: Path) -> None:
     assert [(s["gemms"], s["local_gemms"]) for s in report["steps"]] == [(2, 3), (2, 3)]
 
 
+def test_every_tile_is_verified_and_the_report_says_so(tmp_path: Path) -> None:
+    """The default --verify all checks every GEMM tile of the run before the script sees
+    it: run.json counts them (none wrong on an honest fleet) and the report says so."""
+    script, run_dir = tmp_path / "two_steps.py", tmp_path / "run"
+    script.write_text(TWO_STEPS)
+    flags = ["--embedded", "--devices", "2", "--min-flops", "64KiB", "--run-dir", run_dir]
+    proc = succeeded(morphling_run(*flags, "--", "python", script))
+    verification = json.loads((run_dir / "run.json").read_text())["verification"]
+    assert verification["mode"] == "all" and verification["wrong"] == 0
+    assert verification["checked"] >= 2 * 2  # every tile of the 4 remote GEMMs
+    assert verification["quarantines"] == [] and verification["unverified"] == {}
+    line = f"verification (--verify all): {verification['checked']} tiles checked, 0 wrong"
+    assert line in proc.stdout + proc.stderr
+
+
 def test_device_computes_every_product(tmp_path: Path) -> None:
     """--device: one board of the fleet trains the script, the others get nothing."""
     script, run_dir = tmp_path / "two_steps.py", tmp_path / "run"
@@ -427,6 +442,11 @@ USAGE_ERRORS = [
         ["--server", "127.0.0.1:1", "--rank", "2", "--world", "2", "--", "ECHO"],
         "--rank 2 needs --world above it (got --world 2)",
         id="rank-outside-world",
+    ),
+    pytest.param(
+        ["--embedded", "--verify", "sample:2", "--", "ECHO"],
+        "--verify 'sample:2': expected all, sample:P (0 < P <= 1) or off",
+        id="bad-verify",
     ),
 ]
 

@@ -1,0 +1,154 @@
+"""Every tile checked before it reaches a job; a device that sends a wrong one quarantined.
+
+``Verifier`` decides which tiles are checked (``--verify all``, ``sample:P`` or ``off``),
+checks a GEMM tile's result (``freivalds``: a screen for every tile, a float64
+recomputation for those it flags) and keeps the quarantine book: a device whose tile was
+wrong is dropped with the evidence (the tile goes to another device, and nothing of its
+result reaches the job), and a device of that name is refused for ``quarantine_s``,
+doubled at each further wrong tile, when it comes back. Convolution tiles are not checked
+yet: they are counted as unverified, and run.json and the report say so.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import secrets
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import freivalds
+from .conv_partition import AnyTile
+from .partition import GemmTask, TileTask
+from .task import Task
+
+log = logging.getLogger(__name__)
+
+VERIFY_MODES = "all, sample:P (0 < P <= 1) or off"
+
+
+def parse_mode(text: str) -> float:
+    """The fraction of tiles ``--verify text`` checks; ValueError naming the forms."""
+    if text == "all":
+        return 1.0
+    if text == "off":
+        return 0.0
+    head, _, tail = text.partition(":")
+    try:
+        fraction = float(tail) if head == "sample" else math.nan
+    except ValueError:
+        fraction = math.nan
+    if not 0 < fraction <= 1:
+        raise ValueError(f"verify={text!r}: expected {VERIFY_MODES}")
+    return fraction
+
+
+@dataclass
+class Quarantine:
+    """A device's wrong tile, as run.json lists it."""
+
+    device: int
+    name: str
+    request: int
+    tile: int
+    evidence: str
+    at_s: float  # seconds since the emulator started
+    refused_s: float  # how long a device of that name is refused from then
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(vars(self))
+
+
+class Verifier:
+    """See the module docstring; ``check`` is the emulator's only question to it per tile."""
+
+    def __init__(self, mode: str, quarantine_s: float) -> None:
+        self.mode = mode
+        self.fraction = parse_mode(mode)
+        self.quarantine_s = quarantine_s
+        # the signs and samples: from a seed no device can know
+        self._rng = np.random.default_rng(secrets.randbits(128))
+        self._started = time.monotonic()
+        self._checks: weakref.WeakKeyDictionary[Task, dict[int, freivalds.RequestCheck]] = (
+            weakref.WeakKeyDictionary()
+        )
+        self.counts = {"checked": 0, "screened_out": 0, "wrong": 0, "sampled_out": 0}
+        self.unverified: dict[str, int] = {}  # tiles no check covers, by what they are
+        self.quarantines: list[Quarantine] = []
+        self._refused: dict[str, tuple[float, int]] = {}  # name -> (until, wrong tiles)
+
+    def check(self, tile: AnyTile, values: np.ndarray | None) -> str:
+        """Empty when ``tile``'s result (``values``, or what its device wrote into the
+        output when None) may reach its job, else the evidence that it is wrong."""
+        if self.fraction == 0.0:
+            return ""
+        if self.fraction < 1.0 and self._rng.random() >= self.fraction:
+            self.counts["sampled_out"] += 1
+            return ""
+        if not isinstance(tile, TileTask):
+            self.unverified["convolution"] = self.unverified.get("convolution", 0) + 1
+            return ""
+        task = tile.gemm
+        c = task.out[tile.index] if values is None else values.reshape(tile.shape)
+        if c.size == 0:
+            return ""
+        self.counts["checked"] += 1
+        rows, cols = slice(tile.r0, tile.r1), slice(tile.c0, tile.c1)
+        request = self._request(task, tile)
+        if request.screen(rows, cols, c) is None:
+            return ""
+        self.counts["screened_out"] += 1
+        a, b = task.op_views(tile.pivot)
+        why = freivalds.confirm(a[rows], b[:, cols], c)
+        if why:
+            self.counts["wrong"] += 1
+        return why
+
+    def _request(self, task: GemmTask, tile: TileTask) -> freivalds.RequestCheck:
+        """The screen's figures for ``tile``'s pivot, made at its first tile checked."""
+        per_pivot = self._checks.setdefault(task, {})
+        request = per_pivot.get(tile.pivot)
+        if request is None:
+            a, b = task.op_views(tile.pivot)
+            starts = list(range(0, task.request.n, task.block_edge))
+            request = per_pivot[tile.pivot] = freivalds.RequestCheck(a, b, starts, self._rng)
+        return request
+
+    def quarantine(self, device: int, name: str, request: int, tile: int, evidence: str) -> None:
+        """``device`` (``name``) sent a wrong ``tile`` of ``request``: log it, and refuse
+        a device of that name for a while (longer each time)."""
+        now = time.monotonic()
+        _, wrong = self._refused.get(name, (now, 0))
+        refused_s = self.quarantine_s * 2**wrong
+        self._refused[name] = (now + refused_s, wrong + 1)
+        entry = Quarantine(device, name, request, tile, evidence, now - self._started, refused_s)
+        self.quarantines.append(entry)
+        log.error(
+            "device %d (%s) quarantined: tile %d of request %d is wrong: %s; a device named "
+            "%r is refused for %.0f s",
+            device, name, tile, request, evidence, name, refused_s,
+        )  # fmt: skip
+
+    def refused(self, name: str) -> str:
+        """Why a device named ``name`` may not join now, or empty when it may."""
+        until, wrong = self._refused.get(name, (0.0, 0))
+        left = until - time.monotonic()
+        if left <= 0:
+            return ""
+        return (
+            f"device {name!r} is quarantined for {left:.0f} s more: {wrong} of its tiles "
+            "were wrong (run.json lists the evidence)"
+        )
+
+    def summary(self) -> dict[str, Any]:
+        """run.json's ``verification``."""
+        return {
+            "mode": self.mode,
+            **self.counts,
+            "unverified": dict(self.unverified),
+            "quarantines": [q.to_json() for q in self.quarantines],
+        }

@@ -1,0 +1,131 @@
+"""Tiles verified over the real path: a device that corrupts one element of every tile,
+once past its FLOPS challenge, is caught each time, quarantined and refused; the job's
+results are the honest ones."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+from morphling.kernels import CpuBackend, WorkerPool
+from morphling.kernels._native import ffi
+from morphling.proxy.emulator.settings import EmulatorConfig
+from morphling.proxy.emulator.verify import parse_mode
+from serving import TIMEOUT, assert_gemm_close, gemm_request, result_array, wait_for_condition
+
+from morphling.config import ConfigError
+
+
+class CorruptingBackend(CpuBackend):
+    """A real CPU backend that, once ``armed`` is set (after the device passed its
+    challenge), changes one element of every product by a tenth of its size, plus one:
+    the marginal power supply or failing memory chip of a Pi."""
+
+    def __init__(self, armed: threading.Event) -> None:
+        super().__init__(1)
+        self.armed = armed
+        self.corrupted = 0
+
+    def run(self, plan: Any) -> None:
+        super().run(plan)
+        if self.armed.is_set() and plan.m and plan.n:
+            c = ffi.cast("float *" if plan.dtype == 0 else "double *", plan.c)
+            at = (plan.m // 2) * plan.ldc + plan.n // 2
+            c[at] += 0.1 * abs(c[at]) + 1.0
+            self.corrupted += 1
+
+
+@pytest.mark.parametrize("text,fraction", [("all", 1.0), ("off", 0.0), ("sample:0.25", 0.25)])
+def test_verify_modes(text, fraction):
+    assert parse_mode(text) == fraction
+
+
+@pytest.mark.parametrize("text", ["sample:0", "sample:1.5", "sample:x", "some", "sample"])
+def test_a_bad_verify_mode_is_refused_naming_the_forms(text):
+    with pytest.raises(ConfigError, match=r"--verify .*expected all, sample:P"):
+        EmulatorConfig(verify=text)
+
+
+async def test_a_corrupting_device_is_caught_every_time_and_quarantined(fleet, tmp_path):
+    f = await fleet(block_size=16, window=2, policy="round-robin", quarantine_s=0.0,
+                    run_dir=str(tmp_path))  # fmt: skip
+    armed = threading.Event()
+    backend = CorruptingBackend(armed)
+    bad_workers = WorkerPool([backend])
+    try:
+        await f.add_device(name="honest")
+        liar = await f.add_device(name="liar", workers=bad_workers)
+        armed.set()  # past its challenge
+        client = await f.client()
+        rng = np.random.default_rng(5)
+        for round_ in range(3):  # it comes back (quarantine_s 0) and lies again each time
+            a = rng.standard_normal((64, 96), dtype=np.float32)
+            b = rng.standard_normal((96, 64), dtype=np.float32)
+            request = gemm_request(a, b)
+            result = await client.submit(request, timeout=TIMEOUT)
+            assert_gemm_close(result_array(result, request, batched=False), a, b, f"round {round_}")
+            if round_ < 2:
+                f.agents.remove(liar)
+                liar = await f.add_device(name="liar", workers=bad_workers)
+    finally:
+        bad_workers.close()
+    verifier = f.emu.verifier
+    wrong = verifier.counts["wrong"]
+    assert backend.corrupted >= 3
+    assert wrong == len(verifier.quarantines) >= 3  # each lie caught, its device dropped
+    assert {q.name for q in verifier.quarantines} == {"liar"}
+    assert all("elements wrong" in q.evidence for q in verifier.quarantines)
+    f.emu.write_run()
+    summary = json.loads((tmp_path / "run.json").read_text())["verification"]
+    assert summary["mode"] == "all" and summary["wrong"] == wrong
+    assert summary["quarantines"][0]["name"] == "liar"
+
+
+async def test_a_quarantined_device_is_refused_when_it_comes_back(fleet):
+    f = await fleet(block_size=16, quarantine_s=60.0)
+    armed = threading.Event()
+    bad_workers = WorkerPool([CorruptingBackend(armed)])
+    try:
+        await f.add_device(name="honest")
+        await f.add_device(name="liar", workers=bad_workers)
+        armed.set()
+        client = await f.client()
+        rng = np.random.default_rng(6)
+        a = rng.standard_normal((64, 64), dtype=np.float32)
+        b = rng.standard_normal((64, 64), dtype=np.float32)
+        request = gemm_request(a, b)
+        result = await client.submit(request, timeout=TIMEOUT)
+        assert_gemm_close(result_array(result, request, batched=False), a, b)
+        await wait_for_condition(lambda: f.emu.verifier.quarantines, 5, "a quarantine")
+        again = f.agent(name="liar", workers=bad_workers)
+        code = await asyncio.wait_for(f.run(again), 10)
+    finally:
+        bad_workers.close()
+    assert code != 0
+    assert again.last_error is not None and again.last_error[0] == "quarantined"
+    assert "quarantined for" in again.last_error[1]
+    assert [d.name for d in f.emu.registry.devices.values()] == ["honest"]
+
+
+async def test_verify_off_lets_a_wrong_tile_through_as_it_says(fleet):
+    """Off is off: the same liar, unchecked, corrupts the product (so the checks above are
+    what catches it)."""
+    f = await fleet(block_size=64, verify="off")
+    armed = threading.Event()
+    bad_workers = WorkerPool([CorruptingBackend(armed)])
+    try:
+        await f.add_device(name="liar", workers=bad_workers)
+        armed.set()
+        client = await f.client()
+        a = np.ones((64, 64), np.float32)
+        request = gemm_request(a, a)
+        result = await client.submit(request, timeout=TIMEOUT)
+    finally:
+        bad_workers.close()
+    c = result_array(result, request, batched=False)
+    assert c[32, 32] == pytest.approx(64 * 1.1 + 1)
+    assert f.emu.verifier.counts["checked"] == 0
