@@ -207,17 +207,18 @@ class GemmTask(Task):
         offset, version = weight
         return Block(span, rows, cols, ld, offset + start * flat.itemsize, version)
 
-    def op_views(self, pivot: int) -> tuple[np.ndarray, np.ndarray]:
-        """op(A) [m, K] and op(B) [K, n] of ``pivot``: read-only views of the operands."""
+    def op_views(self) -> tuple[np.ndarray, np.ndarray]:
+        """op(A) [batch, m, K] and op(B) [batch, K, n]: read-only views of the operands
+        (a pivot stride of 0 broadcasts one)."""
         g = self.request
         views = []
         for which, trans in (("a", g.ta), ("b", g.tb)):
             flat, ld, stride, _, rows, cols = self._stored(which)
             item = flat.itemsize
             stored = np.lib.stride_tricks.as_strided(
-                flat[pivot * stride :], (rows, cols), (ld * item, item), writeable=False
+                flat, (g.batch, rows, cols), (stride * item, ld * item, item), writeable=False
             )
-            views.append(stored.T if trans else stored)
+            views.append(stored.swapaxes(1, 2) if trans else stored)
         return views[0], views[1]
 
     def matrix(self, which: str, pivot: int) -> int:

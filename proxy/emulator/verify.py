@@ -1,12 +1,11 @@
 """Every tile checked before it reaches a job; a device that sends a wrong one quarantined.
 
 ``Verifier`` decides which tiles are checked (``--verify all``, ``sample:P`` or ``off``),
-checks a GEMM tile's result (``freivalds``: a screen for every tile, a float64
-recomputation for those it flags) and keeps the quarantine book: a device whose tile was
-wrong is dropped with the evidence (the tile goes to another device, and nothing of its
-result reaches the job), and a device of that name is refused for ``quarantine_s``,
-doubled at each further wrong tile, when it comes back. Convolution tiles are not checked
-yet: they are counted as unverified, and run.json and the report say so.
+checks a GEMM or convolution tile's result (``freivalds``: a screen for every tile, a
+float64 recomputation for those it flags) and keeps the quarantine book: a device whose
+tile was wrong is dropped with the evidence (the tile goes to another device, and nothing
+of its result reaches the job), and a device of that name is refused for
+``quarantine_s``, doubled at each further wrong tile, when it comes back.
 """
 
 from __future__ import annotations
@@ -73,11 +72,10 @@ class Verifier:
         # the signs and samples: from a seed no device can know
         self._rng = np.random.default_rng(secrets.randbits(128))
         self._started = time.monotonic()
-        self._checks: weakref.WeakKeyDictionary[Task, dict[int, freivalds.RequestCheck]] = (
+        self._checks: weakref.WeakKeyDictionary[Task, freivalds.RequestCheck] = (
             weakref.WeakKeyDictionary()
         )
         self.counts = {"checked": 0, "screened_out": 0, "wrong": 0, "sampled_out": 0}
-        self.unverified: dict[str, int] = {}  # tiles no check covers, by what they are
         self.quarantines: list[Quarantine] = []
         self._refused: dict[str, tuple[float, int]] = {}  # name -> (until, wrong tiles)
 
@@ -89,33 +87,36 @@ class Verifier:
         if self.fraction < 1.0 and self._rng.random() >= self.fraction:
             self.counts["sampled_out"] += 1
             return ""
-        if not isinstance(tile, TileTask):
-            self.unverified["convolution"] = self.unverified.get("convolution", 0) + 1
-            return ""
         task = tile.gemm
         c = task.out[tile.index] if values is None else values.reshape(tile.shape)
         if c.size == 0:
             return ""
         self.counts["checked"] += 1
+        if not isinstance(tile, TileTask):
+            if freivalds.screen_conv(tile, c, self._rng) is None:
+                return ""
+            self.counts["screened_out"] += 1
+            return self._judged(freivalds.confirm_conv(tile, c))
         rows, cols = slice(tile.r0, tile.r1), slice(tile.c0, tile.c1)
-        request = self._request(task, tile)
-        if request.screen(rows, cols, c) is None:
+        request = self._request(task)
+        if request.screen(tile.pivot, rows, cols, c) is None:
             return ""
         self.counts["screened_out"] += 1
-        a, b = task.op_views(tile.pivot)
-        why = freivalds.confirm(a[rows], b[:, cols], c)
+        a, b = request.a[tile.pivot], request.b[tile.pivot]
+        return self._judged(freivalds.confirm(a[rows], b[:, cols], c))
+
+    def _judged(self, why: str) -> str:
         if why:
             self.counts["wrong"] += 1
         return why
 
-    def _request(self, task: GemmTask, tile: TileTask) -> freivalds.RequestCheck:
-        """The screen's figures for ``tile``'s pivot, made at its first tile checked."""
-        per_pivot = self._checks.setdefault(task, {})
-        request = per_pivot.get(tile.pivot)
+    def _request(self, task: GemmTask) -> freivalds.RequestCheck:
+        """The screen's figures for ``task``, made at its first tile checked."""
+        request = self._checks.get(task)
         if request is None:
-            a, b = task.op_views(tile.pivot)
+            a, b = task.op_views()
             starts = list(range(0, task.request.n, task.block_edge))
-            request = per_pivot[tile.pivot] = freivalds.RequestCheck(a, b, starts, self._rng)
+            request = self._checks[task] = freivalds.RequestCheck(a, b, starts, self._rng)
         return request
 
     def quarantine(self, device: int, name: str, request: int, tile: int, evidence: str) -> None:
@@ -149,6 +150,5 @@ class Verifier:
         return {
             "mode": self.mode,
             **self.counts,
-            "unverified": dict(self.unverified),
             "quarantines": [q.to_json() for q in self.quarantines],
         }

@@ -115,7 +115,7 @@ def summarize(run: Run) -> Summary:
             mode=v.mode,
             checked=v.checked,
             wrong=v.wrong,
-            unverified=dict(v.unverified),
+            sampled_out=v.sampled_out,
             quarantines=[dict(q) for q in v.quarantines],
         ),
     )

@@ -97,7 +97,7 @@ class Verification:
     mode: str
     checked: int
     wrong: int
-    unverified: dict[str, int]  # tiles no check covers, by what they are
+    sampled_out: int  # tiles ``sample:P`` left unchecked
     quarantines: tuple[dict[str, object], ...]  # each: device, name, request, tile, evidence
 
 
@@ -280,11 +280,9 @@ def _meta(meta: object) -> Meta:
 def _verification(value: object) -> Verification:
     if not isinstance(value, dict):
         raise ValueError(f"field 'verification' must be null or an object, got {value!r}")
-    unverified = value.get("unverified", {})
     quarantines = value.get("quarantines", [])
-    if not isinstance(unverified, dict) or not isinstance(quarantines, list):
-        raise ValueError("field 'verification': 'unverified' must be an object, "
-                         "'quarantines' a list")  # fmt: skip
+    if not isinstance(quarantines, list):
+        raise ValueError("field 'verification.quarantines' must be a list")
     for q in quarantines:
         if not isinstance(q, dict) or not {"device", "name", "tile", "evidence"} <= q.keys():
             raise ValueError(f"field 'verification.quarantines': {q!r:.80} lacks a field")
@@ -292,9 +290,7 @@ def _verification(value: object) -> Verification:
         mode=_text(value.get("mode"), "verification.mode"),
         checked=_count(value.get("checked"), "verification.checked"),
         wrong=_count(value.get("wrong"), "verification.wrong"),
-        unverified={
-            str(k): _count(v, f"verification.unverified.{k}") for k, v in unverified.items()
-        },
+        sampled_out=_count(value.get("sampled_out", 0), "verification.sampled_out"),
         quarantines=tuple(quarantines),
     )
 

@@ -216,7 +216,7 @@ class VerificationInfo(TypedDict):
     mode: str
     checked: int
     wrong: int
-    unverified: dict[str, int]
+    sampled_out: int
     quarantines: list[dict[str, object]]
 
 

@@ -302,10 +302,11 @@ def _critical_text(step: StepRow) -> list[str]:
 
 
 def _verification_text(v: VerificationInfo) -> list[str]:
-    """What was checked, what was not (and why), and each quarantine's evidence."""
-    out = [f"verification (--verify {v['mode']}): {v['checked']} tiles checked, {v['wrong']} wrong"]
-    for what, count in v["unverified"].items():
-        out.append(f"  {count} {what} tiles not checked: no check covers {what} tiles yet")
+    """What was checked, what a sample left unchecked, and each quarantine's evidence."""
+    line = f"verification (--verify {v['mode']}): {v['checked']} tiles checked, {v['wrong']} wrong"
+    if v["sampled_out"]:
+        line += f", {v['sampled_out']} left unchecked by the sample"
+    out = [line]
     for q in v["quarantines"]:
         out.append(
             f"  quarantined: device {q['device']} ({q['name']}), tile {q['tile']} of request "

@@ -1,4 +1,5 @@
-"""Freivalds' check of a GEMM tile: honest kernels pass, one corrupted element does not."""
+"""Freivalds' check of a GEMM or convolution tile: honest kernels pass, one corrupted element
+does not."""
 
 from __future__ import annotations
 
@@ -7,8 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from morphling.kernels.blas import gemm
+from morphling.kernels.conv import ConvGeometry
 from morphling.proxy.emulator import freivalds
+from morphling.proxy.emulator.conv_partition import make_conv_task
 from morphling.proxy.emulator.freivalds import RequestCheck, confirm
+from morphling.proxy.job.client import conv_request
 
 BLOCK = 64
 
@@ -43,12 +47,12 @@ def kernels(a: np.ndarray, b: np.ndarray) -> dict[str, np.ndarray]:
 def screened(a: np.ndarray, b: np.ndarray, c: np.ndarray, rng: np.random.Generator) -> list[int]:
     """The tiles (by index) of ``c`` the screen flags, tiles of BLOCK × BLOCK."""
     m, n = c.shape
-    check = RequestCheck(a, b, list(range(0, n, BLOCK)), rng)
+    check = RequestCheck(a[None], b[None], list(range(0, n, BLOCK)), rng)
     flagged = []
     tiles = [(r, j) for r in range(0, m, BLOCK) for j in range(0, n, BLOCK)]
     for index, (r, j) in enumerate(tiles):
         rows, cols = slice(r, min(r + BLOCK, m)), slice(j, min(j + BLOCK, n))
-        if check.screen(rows, cols, c[rows, cols]) is not None:
+        if check.screen(0, rows, cols, c[rows, cols]) is not None:
             flagged.append(index)
     return flagged
 
@@ -128,10 +132,72 @@ def test_the_screens_reach_at_a_long_k():
     rng = np.random.default_rng(4)
     a, b = operands(rng, "normal", 64, 4096, 64, np.float32)
     c = gemm(a, b)
-    check = RequestCheck(a, b, [0], rng)
+    check = RequestCheck(a[None], b[None], [0], rng)
     u = freivalds.unit_roundoff(np.dtype(np.float32))
-    rows = slice(0, 64)
-    size = np.linalg.norm(c, axis=1) + check.scale[rows, 0]
+    size = np.linalg.norm(c, axis=1) + check.scale[0, :, 0]
     tolerance = freivalds.LAMBDA * u * np.sqrt(4096) * size
     rms = float(np.sqrt(np.mean(c.astype(np.float64) ** 2)))
     assert float(np.median(tolerance)) < 0.025 * rms
+
+
+# -- convolution tiles -----------------------------------------------------------------------
+
+# (N, C, H, W, OC, kernel, stride, padding (top, bottom, left, right), dilation, groups)
+CONV_CASES = {
+    "3x3 pad 1": (2, 16, 8, 7, 12, (3, 3), (1, 1), (1, 1, 1, 1), (1, 1), 1),
+    "stride 2": (2, 3, 9, 8, 5, (3, 3), (2, 2), (1, 1, 1, 1), (1, 1), 1),
+    "dilation 2, asymmetric padding": (2, 12, 11, 10, 4, (3, 2), (2, 3), (2, 0, 0, 3), (2, 1), 1),
+    "groups 3, stride 2": (1, 6, 8, 8, 3, (2, 2), (2, 2), (0, 0, 0, 0), (1, 1), 3),
+    "depthwise": (2, 5, 8, 7, 5, (3, 3), (1, 1), (1, 1, 1, 1), (1, 1), 5),
+    "depthwise, multiplier 2, stride 2, dilation 2": (
+        2,
+        3,
+        11,
+        9,
+        6,
+        (3, 3),
+        (2, 2),
+        (2, 1, 2, 1),
+        (2, 2),
+        3,
+    ),
+    "1x1": (2, 32, 6, 6, 24, (1, 1), (1, 1), (0, 0, 0, 0), (1, 1), 1),
+    "1-D": (3, 4, 1, 20, 6, (1, 5), (1, 2), (0, 0, 2, 2), (1, 1), 1),
+    "resnet stage": (4, 64, 14, 14, 64, (3, 3), (1, 1), (1, 1, 1, 1), (1, 1), 1),
+}
+
+
+def conv_tiles(case: tuple, kind: str, block: int, rng: np.random.Generator):
+    """The tiles the emulator cuts the convolution ``kind`` of ``case`` into, each with the
+    product an honest device computes (the kernels' own call)."""
+    n, c, h, w, oc, kernel, stride, padding, dilation, groups = case
+    geom = ConvGeometry(kernel, stride, dilation, padding, groups)
+    oh, ow = geom.output_size(h, w)
+    x = rng.standard_normal((n, c, h, w)).astype(np.float32)
+    weight = (rng.standard_normal((oc, c // groups, *kernel)) * 0.1).astype(np.float32)
+    dy = rng.standard_normal((n, oc, oh, ow)).astype(np.float32)
+    a, b = {"forward": (x, weight), "grad_input": (dy, weight), "grad_weight": (x, dy)}[kind]
+    shapes = {"input_shape": x.shape, "weight_shape": weight.shape}
+    geometry = {"stride": stride, "padding": padding, "dilation": dilation, "groups": groups}
+    request, _ = conv_request(1, kind, a, b, **shapes, **geometry)
+    for tile in make_conv_task(request).tiles(block, 1 << 20):
+        call, _, _ = freivalds.conv_call(tile)
+        yield tile, call(np.ascontiguousarray(tile.a), np.ascontiguousarray(tile.b))
+
+
+@pytest.mark.parametrize("kind", ["forward", "grad_input", "grad_weight"])
+@pytest.mark.parametrize("case", list(CONV_CASES))
+def test_convolution_tiles_honest_pass_and_one_corrupted_element_is_caught(case, kind):
+    rng = np.random.default_rng(7)
+    for block in (4, 16, 256):
+        for tile, c in conv_tiles(CONV_CASES[case], kind, block, rng):
+            assert freivalds.screen_conv(tile, c, rng) is None, (block, tile.out_shape)
+            assert freivalds.confirm_conv(tile, c) == ""
+            bad = c.copy()
+            flat = bad.reshape(-1)
+            at = int(rng.integers(flat.size))
+            flat[at] += 0.05 * max(1e-3, float(np.sqrt(np.mean(c.astype(np.float64) ** 2))))
+            assert freivalds.screen_conv(tile, bad, rng) is not None, (block, at)
+            why = freivalds.confirm_conv(tile, bad)
+            where = ", ".join(map(str, np.unravel_index(at, bad.shape)))
+            assert why.startswith("1 of") and f"({where})" in why, why

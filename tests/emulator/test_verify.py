@@ -38,6 +38,14 @@ class CorruptingBackend(CpuBackend):
             c[at] += 0.1 * abs(c[at]) + 1.0
             self.corrupted += 1
 
+    def call(self, fn: Any) -> Any:
+        result = super().call(fn)  # a convolution tile's product, sent back as bytes
+        if self.armed.is_set() and result.size:
+            flat = result.reshape(-1)
+            flat[flat.size // 2] += 0.1 * abs(flat[flat.size // 2]) + 1.0
+            self.corrupted += 1
+        return result
+
 
 @pytest.mark.parametrize("text,fraction", [("all", 1.0), ("off", 0.0), ("sample:0.25", 0.25)])
 def test_verify_modes(text, fraction):
@@ -83,6 +91,34 @@ async def test_a_corrupting_device_is_caught_every_time_and_quarantined(fleet, t
     summary = json.loads((tmp_path / "run.json").read_text())["verification"]
     assert summary["mode"] == "all" and summary["wrong"] == wrong
     assert summary["quarantines"][0]["name"] == "liar"
+
+
+@pytest.mark.parametrize("kind", ["forward", "grad_input", "grad_weight"])
+async def test_a_device_corrupting_convolution_tiles_is_caught(fleet, kind):
+    f = await fleet(block_size=8, window=2, policy="round-robin", quarantine_s=0.0)
+    armed = threading.Event()
+    backend = CorruptingBackend(armed)
+    bad_workers = WorkerPool([backend])
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((2, 8, 10, 9), dtype=np.float32)
+    w = rng.standard_normal((6, 8, 3, 3), dtype=np.float32)
+    dy = rng.standard_normal((2, 6, 10, 9), dtype=np.float32)
+    a, b = {"forward": (x, w), "grad_input": (dy, w), "grad_weight": (x, dy)}[kind]
+    shapes = dict(input_shape=x.shape, weight_shape=w.shape, stride=(1, 1),
+                  padding=(1, 1, 1, 1), dilation=(1, 1), groups=1)  # fmt: skip
+    try:
+        await f.add_device(name="honest")
+        await f.add_device(name="liar", workers=bad_workers)
+        client = await f.client()
+        honest = await client.conv(kind, a, b, timeout=TIMEOUT, **shapes)
+        armed.set()
+        got = await client.conv(kind, a, b, timeout=TIMEOUT, **shapes)
+    finally:
+        bad_workers.close()
+    np.testing.assert_array_equal(got, honest)  # no corrupted tile reached the job
+    verifier = f.emu.verifier
+    assert backend.corrupted >= 1 and verifier.counts["wrong"] >= 1
+    assert verifier.quarantines[0].name == "liar"
 
 
 async def test_a_quarantined_device_is_refused_when_it_comes_back(fleet):
