@@ -49,6 +49,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -80,27 +81,33 @@ class RequestCheck:
     starts: list[int]
     rng: np.random.Generator
     signs: Array = field(init=False)  # [n]: r_J in each block's columns
+    x: Array = field(init=False)  # [batch, K, blocks]: each B_J·r_J
     reference: Array = field(init=False)  # [batch, m, blocks]: A·(B_J·r_J)
-    scale: Array = field(init=False)  # [batch, m, blocks]: |A|·|B_J·r_J|
 
     def __post_init__(self) -> None:
         a, b = self.a, self.b
         dtype = np.result_type(a, b)
         self.signs = (self.rng.integers(0, 2, b.shape[-1]) * 2 - 1).astype(dtype)
-        x = _block_products(b, self.signs, self.starts)  # [batch, K, blocks]: each B_J·r_J
-        self.reference = a @ x
-        self.scale = _abs_product(a, np.abs(x))
+        self.x = _block_products(b, self.signs, self.starts)
+        self.reference = a @ self.x
+
+    @cached_property
+    def scale(self) -> Array:
+        """[batch, m, blocks]: |A|·|B_J·r_J|, the size of the check's own rounding errors:
+        asked only for a tile whose device term alone does not cover its difference."""
+        return _abs_product(self.a, np.abs(self.x))
 
     def screen(self, pivot: int, rows: slice, cols: slice, c: Array) -> int | None:
         """The first of ``c``'s rows (C[pivot, rows, cols] as the device returned it)
         outside the screen's tolerance, or None when all are within it."""
         block = self.starts.index(cols.start)
-        got = c @ self.signs[cols]
-        want = self.reference[pivot, rows, block]
-        size = np.sqrt(np.einsum("ij,ij->i", c, c)) + self.scale[pivot, rows, block]
-        tolerance = LAMBDA * unit_roundoff(c.dtype) * math.sqrt(self.a.shape[-1]) * size
-        with np.errstate(invalid="ignore"):
-            bad = ~(np.abs(got - want) <= tolerance)  # NaN is bad
+        off = np.abs(c @ self.signs[cols] - self.reference[pivot, rows, block])
+        unit = LAMBDA * unit_roundoff(c.dtype) * math.sqrt(self.a.shape[-1])
+        size = np.sqrt(np.einsum("ij,ij->i", c, c))
+        with np.errstate(invalid="ignore"):  # NaN is bad
+            if (off <= unit * size).all():  # the device's term covers it: done
+                return None
+            bad = ~(off <= unit * (size + self.scale[pivot, rows, block]))
         return int(bad.argmax()) if bad.any() else None
 
 
