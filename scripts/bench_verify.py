@@ -52,7 +52,7 @@ def verdict(
     a: np.ndarray, b: np.ndarray, c: np.ndarray, rng: np.random.Generator
 ) -> tuple[bool, bool]:
     """(screened out, confirmed wrong) for tile ``c`` of a·b."""
-    check = RequestCheck(a[None], b[None], [0], rng)
+    check = RequestCheck(a[None], b[None], c.shape[1], rng)
     m, n = c.shape
     if check.screen(0, slice(0, m), slice(0, n), c) is None:
         return False, False

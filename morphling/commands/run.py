@@ -315,7 +315,7 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
         try:
             parse_mode(cfg.verify)
         except ValueError as exc:
-            raise configuration.ConfigError(f"--{exc}".replace("=", " ", 1)) from None
+            raise configuration.ConfigError(str(exc)) from None
         if cfg.ranks:
             _check_ranks(cfg)
         elif cfg.rank_devices:

@@ -1,36 +1,38 @@
 """A device's tile checked, not believed: Freivalds' check and its tolerance rule.
 
-A GEMM tile C = A·B ([m, n]: op(A)'s rows, op(B)'s columns, all K) is checked with random signs
-r ∈ {±1}ⁿ: C·r against A·(B·r), O(mK + Kn + mn) work instead of the product's O(mnK). The
+A GEMM tile C = A·B ([m, n]: op(A)'s rows, op(B)'s columns, all K) is checked with random weights
+r: C·r against A·(B·r), O(mK + Kn + mn) work instead of the product's O(mnK). The
 signs are drawn per request and per column block of tiles, from a generator the devices
 never see; ``RequestCheck`` computes B·R and A·(B·R) for every column block of a pivot at
 once (one pass over A and one over B per request, not per tile), so a tile costs one
 pass over its own C.
 
 A convolution tile is checked through its GEMM view (an implicit GEMM: y = W·unfold(x)),
-never unfolding x: its product's channels within each group are summed with random signs
+never unfolding x: its product's channels within each group are summed with random weights
 u (forward: output channels; grad input: input channels), and the same sum is computed
 from the operands with one channel per group — Σu·W applied to x (each tap's sum over the
 channels one matmul over x, then the taps' shifted sums) or to dy (the kernel's own call).
-A grad-weight tile dW [OC, C·kh·kw] = dy·unfold(x)ᵀ takes signs r over each row: dW·r
+A grad-weight tile dW [OC, C·kh·kw] = dy·unfold(x)ᵀ takes weights r over each row: dW·r
 against dy·(unfold(x)ᵀ·r), where unfold(x)ᵀ·r is x convolved with r, one output channel.
 K is then the length of the tile's dot products (C/groups·kh·kw, OC/groups·kh·kw or
-N·OH·OW), and the tolerance's second term is the reference's own size, |want|.
+N·OH·OW), and the tolerance's second term the same reference over absolute values.
 
 Two stages (docs/PROTOCOL.md, *Verification*):
 
 1. **Screen** (every tile checked). Row i passes when
 
-       |(C·r − A·(B·r))ᵢ| ≤ λ·u·√K·(‖ĉᵢ‖ + |aᵢ|·|B·r|)
+       |(C·r − A·(B·r))ᵢ| ≤ λ·u·√K·(2·‖ĉᵢ‖ + |aᵢ|·|B·r|)
 
    u being the unit roundoff (2⁻²⁴ float32, 2⁻⁵³ float64) and λ = ``LAMBDA``. The two terms
    are the sizes of the rounding errors of a K-term dot product summed in any order (the
    device's, ‖ĉᵢ‖ scaled as Higham and Mary's probabilistic bound scales a dot product's,
-   SIAM J. Sci. Comput. 2019) and of the check's own A·(B·r). On operands of either sign,
-   all positive, or cancelling, MKL's and OpenBLAS's results stay below 0.3 of that scale
-   (``tests/emulator/test_freivalds.py``), so λ leaves a wide margin. A corrupted element
-   is flagged when it exceeds the tolerance: for operands of one scale, about
-   2·λ·u·K·√n of the tile's RMS element (1 % at K = 2048 and n = 256).
+   SIAM J. Sci. Comput. 2019) and of the check's own A·(B·r), the latter made only for a
+   request whose tile the former does not cover. The weights r are random signs times
+   magnitudes in [1, 2) (so two columns swapped never cancel), hence the 2 in the device's
+   term. A non-finite element where the reference is finite is always flagged. Honest
+   results of operands of either sign, all positive, or badly scaled stay far inside it
+   (``tests/emulator/test_freivalds.py``); BENCHMARKS.md has the measured detection of one
+   element changed by a few percent.
 2. **Confirm** (a tile the screen flags). The tile is recomputed in float64 and compared
    element by element with Higham and Mary's probabilistic bound itself,
 
@@ -39,7 +41,10 @@ Two stages (docs/PROTOCOL.md, *Verification*):
    which a dot product summed in any order, with or without FMA, meets with probability
    at least 1 − 2K·exp(−λ₂²/2) (their Theorem 2.8): below 10⁻¹⁶ for K up to 10⁵. Only an
    element beyond it (or a non-finite one where the product is finite) makes the tile
-   wrong; the screen decides only which tiles are recomputed. (The worst-case bound,
+   wrong; the screen decides only which tiles are recomputed. An element whose exact value
+   overflows the dtype is not judged (an honest kernel returns ±inf there), and both stages
+   add (K + 1) times the dtype's smallest normal number, so results in the subnormal range
+   (or flushed to zero) are not refused. (The worst-case bound,
    γ_K·|A|·|B| with γ_K = K·u / (1 − K·u), is √K/λ₂ times wider: at a vocabulary's K it
    would pass an element off by most of its size.)
 """
@@ -71,14 +76,14 @@ def unit_roundoff(dtype: np.dtype[Any]) -> float:
 
 @dataclass
 class RequestCheck:
-    """The screen's figures for one GEMM, found at its first checked tile: the signs r_J
-    of each column block J (``starts``: each block's first column), and for every pivot
-    and row A·(B_J·r_J) and |A|·|B_J·r_J| (two passes over A and one over B however many
-    tiles and pivots there are)."""
+    """The screen's figures for one GEMM, found at its first checked tile: the weights r_J
+    of each column block J (blocks of ``edge`` columns), and for every pivot and row
+    A·(B_J·r_J) (one pass over A and one over B however many tiles and pivots there are;
+    |A|·|B_J·r_J| too, a second pass over A, for a request whose device term falls short)."""
 
     a: Array  # op(A) [batch, m, K]
     b: Array  # op(B) [batch, K, n]
-    starts: list[int]
+    edge: int  # the tiles' width (the last may be narrower)
     rng: np.random.Generator
     signs: Array = field(init=False)  # [n]: r_J in each block's columns
     x: Array = field(init=False)  # [batch, K, blocks]: each B_J·r_J
@@ -87,8 +92,8 @@ class RequestCheck:
     def __post_init__(self) -> None:
         a, b = self.a, self.b
         dtype = np.result_type(a, b)
-        self.signs = (self.rng.integers(0, 2, b.shape[-1]) * 2 - 1).astype(dtype)
-        self.x = _block_products(b, self.signs, self.starts)
+        self.signs = weights(self.rng, b.shape[-1], dtype)
+        self.x = _block_products(b, self.signs, self.edge)
         self.reference = a @ self.x
 
     @cached_property
@@ -100,15 +105,14 @@ class RequestCheck:
     def screen(self, pivot: int, rows: slice, cols: slice, c: Array) -> int | None:
         """The first of ``c``'s rows (C[pivot, rows, cols] as the device returned it)
         outside the screen's tolerance, or None when all are within it."""
-        block = self.starts.index(cols.start)
-        off = np.abs(c @ self.signs[cols] - self.reference[pivot, rows, block])
-        unit = LAMBDA * unit_roundoff(c.dtype) * math.sqrt(self.a.shape[-1])
-        size = np.sqrt(np.einsum("ij,ij->i", c, c))
-        with np.errstate(invalid="ignore"):  # NaN is bad
-            if (off <= unit * size).all():  # the device's term covers it: done
-                return None
-            bad = ~(off <= unit * (size + self.scale[pivot, rows, block]))
-        return int(bad.argmax()) if bad.any() else None
+        block = cols.start // self.edge
+        got, want = c @ self.signs[cols], self.reference[pivot, rows, block]
+        k = self.a.shape[-1]
+        unit, floor = LAMBDA * unit_roundoff(c.dtype) * math.sqrt(k), _floor(k, c.dtype)
+        device = 2 * _norms(c, 1)
+        if _within(got, want, unit * device + floor):  # the device's term covers it: done
+            return None
+        return _first_out(got, want, unit * (device + self.scale[pivot, rows, block]) + floor)
 
 
 def confirm(a: Array, b: Array, c: Array) -> str:
@@ -116,33 +120,60 @@ def confirm(a: Array, b: Array, c: Array) -> str:
     confirmation's bound (see the module docstring), or empty when it is."""
     a64, b64 = a.astype(np.float64), b.astype(np.float64)
     exact = a64 @ b64
+    return _wrong(c, exact, np.abs(a64) @ np.abs(b64), a.shape[1])
+
+
+def weights(rng: np.random.Generator, n: int, dtype: np.dtype[Any]) -> Array:
+    """n random weights: a random sign times a magnitude in [1, 2)."""
+    signs = rng.integers(0, 2, n) * 2 - 1
+    return (signs * (1 + rng.random(n))).astype(dtype)
+
+
+def _floor(k: int, dtype: np.dtype[Any]) -> float:
+    """(K + 1)·the smallest normal number: what subnormal results (or their flushing to
+    zero) may be off, below every relative bound."""
+    return (k + 1) * float(np.finfo(dtype).tiny)
+
+
+def _within(got: Array, want: Array, tolerance: Array) -> bool:
+    with np.errstate(invalid="ignore"):
+        return bool((np.abs(got - want) <= tolerance).all() and np.isfinite(got).all())
+
+
+def _first_out(got: Array, want: Array, tolerance: Array) -> int | None:
+    """The first element of ``got`` off ``want`` by more than ``tolerance``, or non-finite
+    where ``want`` is finite (NaN counts as off), or None."""
+    with np.errstate(invalid="ignore"):
+        bad = ~(np.abs(got - want) <= tolerance) | (~np.isfinite(got) & np.isfinite(want))
+    return int(bad.argmax()) if bad.any() else None
+
+
+def _wrong(c: Array, exact: Array, magnitude: Array, k: int) -> str:
+    """Why ``c`` is off ``exact`` by more than the confirmation's bound (``magnitude``: the
+    sum of the terms' absolute values, in float64) somewhere that sum stays within the
+    dtype's range (a NaN or an infinity there counts), or empty. Where it does not, an
+    honest kernel's partial sums may overflow: nothing is judged there."""
     u = unit_roundoff(c.dtype)
-    bound = CONFIRM_LAMBDA * math.sqrt(a.shape[1]) * u * (np.abs(a64) @ np.abs(b64))
-    return _wrong(c, exact, bound)
-
-
-def _wrong(c: Array, exact: Array, bound: Array) -> str:
-    """Why ``c`` is off ``exact`` by more than ``bound`` somewhere the product is finite (a
-    NaN or an infinity there counts), or empty."""
+    bound = CONFIRM_LAMBDA * math.sqrt(k) * u * magnitude + _floor(k, c.dtype)
+    judged = magnitude <= float(np.finfo(c.dtype).max)  # (False for NaN)
     with np.errstate(invalid="ignore"):  # inf - inf: NaN, which counts
-        bad = np.isfinite(exact) & ~(np.abs(c.astype(np.float64) - exact) <= bound)
+        bad = judged & ~(np.abs(c.astype(np.float64) - exact) <= bound)
     if not bad.any():
         return ""
     at = tuple(int(i) for i in np.unravel_index(int(bad.argmax()), bad.shape))
     where = ", ".join(map(str, at))
     return (
         f"{int(bad.sum())} of {bad.size} elements wrong, the first at ({where}): "
-        f"{c[at]!r} where the product is {exact[at]:.9g} ± {bound[at]:.3g}"
+        f"{float(c[at]):.9g} where the product is {exact[at]:.9g} ± {bound[at]:.3g}"
     )
 
 
-def _block_products(b: Array, signs: Array, starts: list[int]) -> Array:
-    """[..., K, blocks]: each column block B_J of ``b`` [..., K, n] times its signs, one
-    batched product over B's whole blocks and one for a narrower last block."""
+def _block_products(b: Array, signs: Array, width: int) -> Array:
+    """[..., K, blocks]: each column block B_J (``width`` columns) of ``b`` [..., K, n] times
+    its weights, one batched product over B's whole blocks and one for a narrower last."""
     n = b.shape[-1]
-    width = starts[1] - starts[0] if len(starts) > 1 else n
     whole = (n // width) * width
-    out = np.empty((*b.shape[:-1], len(starts)), np.result_type(b, signs))
+    out = np.empty((*b.shape[:-1], -(-n // width)), np.result_type(b, signs))
     if whole:
         blocks = b[..., :whole].reshape(*b.shape[:-1], whole // width, width)
         out[..., : whole // width] = np.einsum("...kjw,jw->...kj", blocks,
@@ -157,8 +188,10 @@ def _abs_product(a: Array, x: Array) -> Array:
     axis (rows, or K for a transposed operand), so each slice's copy stays in cache."""
     if a.strides[-1] > a.strides[-2]:  # K is the slow axis: sum over slices of K
         step = max(1, (1 << 20) // max(1, a.itemsize * math.prod(a.shape[:-1])))
-        return sum(np.abs(a[..., k : k + step]) @ x[..., k : k + step, :]
-                   for k in range(0, a.shape[-1], step))  # fmt: skip
+        total = np.zeros((*a.shape[:-1], x.shape[-1]), np.result_type(a, x))
+        for k in range(0, a.shape[-1], step):
+            total += np.abs(a[..., k : k + step]) @ x[..., k : k + step, :]
+        return total
     step = max(1, (1 << 20) // max(1, a.itemsize * math.prod(a.shape[:-2]) * a.shape[-1]))
     parts = [np.abs(a[..., i : i + step, :]) @ x for i in range(0, a.shape[-2], step)]
     return np.concatenate(parts, axis=-2)
@@ -194,33 +227,56 @@ def screen_conv(tile: ConvTileTask, c: Array, rng: np.random.Generator) -> int |
     kind = tile.gemm.request.kind
     call, k, geom = conv_call(tile)
     a, b, groups = tile.a, tile.b, tile.groups
-    signs = rng.integers(0, 2, c.shape[1] if kind != "grad_weight" else c[0].size) * 2 - 1
-    signs = signs.astype(c.dtype)
-    if kind == "grad_weight":  # dW [OC, Cg, kh, kw]: signs over each row's Cg·kh·kw
+    r = weights(rng, c.shape[1] if kind != "grad_weight" else c[0].size, c.dtype)
+    if kind == "grad_weight":  # dW [OC, Cg, kh, kw]: weights over each row's Cg·kh·kw
         rows = c.reshape(c.shape[0], -1)
-        got, size = rows @ signs, _norms(rows, 1)
+        got, size = rows @ r, _norms(rows, 1)
         n, _, oh, ow = b.shape
-        probe = np.broadcast_to(signs.reshape(1, *c.shape[1:]), (groups, *c.shape[1:]))
-        v = _one_channel_forward(a, np.ascontiguousarray(probe), geom)
-        want = np.einsum("ngop,ngp->go", b.reshape(n, groups, -1, oh * ow),
-                         v.reshape(n, groups, oh * ow)).reshape(-1)  # fmt: skip
-    else:  # forward or grad_input: signs over each group's channels of the product
-        n, channels = c.shape[:2]
-        per = channels // groups
-        flat = c.reshape(n, groups, per, -1)
-        u = signs.reshape(groups, per)
-        got, size = np.einsum("ngcp,gc->ngp", flat, u), _norms(flat, 2)
-        w = b.reshape(groups, b.shape[0] // groups, b.shape[1], -1)
-        if kind == "forward":  # Σ u·W over each group's output channels: [G, Cg, kh, kw]
-            probe = np.einsum("gokt,go->gkt", w, u).reshape(groups, *b.shape[1:])
-            want = _one_channel_forward(a, probe, geom)
-        else:  # over each group's input channels: [OC, 1, kh, kw]
-            probe = np.einsum("gokt,gk->got", w, u).reshape(b.shape[0], 1, *b.shape[2:])
-            want = call(a, probe)
-        want = want.reshape(got.shape)
-    tolerance = LAMBDA * unit_roundoff(c.dtype) * math.sqrt(k) * (size + np.abs(want))
-    bad = ~(np.abs(got - want) <= tolerance)  # NaN is bad
-    return int(bad.argmax()) if bad.any() else None
+        dy = b.reshape(n, groups, -1, oh * ow)
+        probe = np.ascontiguousarray(
+            np.broadcast_to(r.reshape(1, *c.shape[1:]), (groups, *c.shape[1:]))
+        )
+        v = _one_channel_forward(a, probe, geom).reshape(n, groups, oh * ow)
+        want = np.einsum("ngop,ngp->go", dy, v).reshape(-1)
+
+        def own() -> Array:  # the errors of its sum over N·OH·OW terms (x ⋆ r's: smaller)
+            terms: Array = np.einsum("ngop,ngp->go", np.abs(dy), np.abs(v))
+            return terms.reshape(-1)
+
+        return _judge(got, want, size, own, k, c.dtype)
+    # forward or grad_input: weights over each group's channels of the product
+    n, channels = c.shape[:2]
+    per = channels // groups
+    flat = c.reshape(n, groups, per, -1)
+    u = r.reshape(groups, per)
+    got, size = np.einsum("ngcp,gc->ngp", flat, u), _norms(flat, 2)
+    w = b.reshape(groups, b.shape[0] // groups, b.shape[1], -1)
+    if kind == "forward":  # Σ u·W over each group's output channels: [G, Cg, kh, kw]
+        probe = np.einsum("gokt,go->gkt", w, u).reshape(groups, *b.shape[1:])
+
+        def reference(first: Array, second: Array) -> Array:
+            return _one_channel_forward(first, second, geom).reshape(got.shape)
+
+    else:  # over each group's input channels: [OC, 1, kh, kw]
+        probe = np.einsum("gokt,gk->got", w, u).reshape(b.shape[0], 1, *b.shape[2:])
+
+        def reference(first: Array, second: Array) -> Array:
+            return call(first, second).reshape(got.shape)
+
+    operands = (a, probe)
+    want = reference(*operands)
+    return _judge(got, want, size, lambda: reference(*(np.abs(x) for x in operands)), k, c.dtype)
+
+
+def _judge(
+    got: Array, want: Array, size: Array, own: Callable[[], Array], k: int, dtype: np.dtype[Any]
+) -> int | None:
+    """The screen's verdict: within the device's term alone, or else within it plus the
+    reference's own errors' size (``own()``, made only then)."""
+    unit, floor = LAMBDA * unit_roundoff(dtype) * math.sqrt(k), _floor(k, dtype)
+    if _within(got, want, unit * 2 * size + floor):
+        return None
+    return _first_out(got, want, unit * (2 * size + own()) + floor)
 
 
 def confirm_conv(tile: ConvTileTask, c: Array) -> str:
@@ -229,12 +285,14 @@ def confirm_conv(tile: ConvTileTask, c: Array) -> str:
     call, k, _ = conv_call(tile)
     a64, b64 = tile.a.astype(np.float64), tile.b.astype(np.float64)
     exact = call(a64, b64)
-    bound = CONFIRM_LAMBDA * math.sqrt(k) * unit_roundoff(c.dtype) * call(abs(a64), abs(b64))
-    return _wrong(c, exact, bound)
+    return _wrong(c, exact, call(abs(a64), abs(b64)), k)
 
 
 def _norms(x: Array, axis: int) -> Array:
-    return np.sqrt(np.einsum("...i,...i->...", np.moveaxis(x, axis, -1), np.moveaxis(x, axis, -1)))
+    """The 2-norms of ``x`` along ``axis``, summed in float64 (no overflow to inf)."""
+    along = np.moveaxis(x, axis, -1)
+    norms: Array = np.sqrt(np.einsum("...i,...i->...", along, along, dtype=np.float64))
+    return norms
 
 
 def _one_channel_forward(x: Array, probe: Array, geom: ConvGeometry) -> Array:

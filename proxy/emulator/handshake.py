@@ -20,6 +20,7 @@ from morphling.proxy.wire.messages import Greeting, Hello, Welcome
 
 from . import devices
 from .jobs import Job
+from .verify import device_key
 
 if TYPE_CHECKING:
     from .peer import PeerConnection
@@ -56,7 +57,7 @@ def hello(conn: PeerConnection, msg: Hello) -> None:
     maps_weights = weights is not None and caps.get("weights") == str(weights.path)
     maps_arena = arena is not None and caps.get("arena") == str(arena.path)
     if msg.role == "device":
-        refused = emulator.verifier.refused(msg.name or conn.peername)
+        refused = emulator.verifier.refused(device_key(msg.name or "-", conn.peername))
         if refused:
             raise RemoteProtocolError(refused, "quarantined")
         try:

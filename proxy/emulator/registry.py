@@ -20,6 +20,7 @@ class TileLink(Protocol):
     """A device's connection, as far as sending it tiles goes."""
 
     writable: bool  # its send buffer is below the high-water mark
+    peername: str  # host:port
 
     @property
     def open(self) -> bool: ...

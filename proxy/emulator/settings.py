@@ -191,7 +191,7 @@ class EmulatorConfig:
         try:
             parse_mode(self.verify)
         except ValueError as exc:
-            raise ConfigError(f"--{exc}".replace("=", " ", 1)) from None
+            raise ConfigError(str(exc)) from None
         # A malformed address is a configuration error now, not a failed bind later.
         try:
             ipaddress.ip_address(self.listen_ip)

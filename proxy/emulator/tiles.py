@@ -54,6 +54,8 @@ if TYPE_CHECKING:
     from .scheduler import Scheduler
     from .verify import Verifier
 
+from .verify import device_key
+
 log = logging.getLogger(__name__)
 
 
@@ -240,9 +242,16 @@ def take_result(
         segment = msg.segments[0]
         task.bytes_up += segment.nbytes
         values = None if tile.c_at.in_place else np.frombuffer(segment, dtype=task.out.dtype)
-        wrong = verifier.check(tile, values)
+        try:
+            wrong = verifier.check(tile, values)
+        except Exception:  # a check that cannot run must not lose the tile or its device
+            log.exception("tile %d of request %d from device %d: its check failed; the "
+                          "result is taken unchecked", tile.id, task.id, device.id)  # fmt: skip
+            verifier.counts["check_errors"] += 1
+            wrong = ""
         if wrong:
-            verifier.quarantine(device.id, device.name, task.id, tile.id, wrong)
+            verifier.quarantine(device.id, device_key(device.name, device.conn.peername), task.id,
+                                tile.id, wrong)  # fmt: skip
             raise _refused(scheduler, tile, device, f"tile {tile.id} is wrong: {wrong}",
                            "wrong_result")  # fmt: skip
         if task.put(tile, values) and task.remaining == 0 and task.owner is not None:

@@ -28,6 +28,7 @@ from .task import Task
 log = logging.getLogger(__name__)
 
 VERIFY_MODES = "all, sample:P (0 < P <= 1) or off"
+MAX_DOUBLINGS = 16  # a device's refusal doubles per wrong tile up to 2¹⁶ times quarantine_s
 
 
 def parse_mode(text: str) -> float:
@@ -42,7 +43,7 @@ def parse_mode(text: str) -> float:
     except ValueError:
         fraction = math.nan
     if not 0 < fraction <= 1:
-        raise ValueError(f"verify={text!r}: expected {VERIFY_MODES}")
+        raise ValueError(f"--verify {text!r}: expected {VERIFY_MODES}")
     return fraction
 
 
@@ -62,6 +63,13 @@ class Quarantine:
         return dict(vars(self))
 
 
+def device_key(name: str, peer: str) -> str:
+    """Whom a quarantine refuses: the device's name on its host (stock boards share a
+    hostname, and a peer's port changes at each connection)."""
+    host = peer.rsplit(":", 1)[0] if ":" in peer else peer
+    return f"{name}@{host}"
+
+
 class Verifier:
     """See the module docstring; ``check`` is the emulator's only question to it per tile."""
 
@@ -75,7 +83,9 @@ class Verifier:
         self._checks: weakref.WeakKeyDictionary[Task, freivalds.RequestCheck] = (
             weakref.WeakKeyDictionary()
         )
-        self.counts = {"checked": 0, "screened_out": 0, "wrong": 0, "sampled_out": 0}
+        self.counts = {
+            "checked": 0, "screened_out": 0, "wrong": 0, "sampled_out": 0, "check_errors": 0,
+        }  # fmt: skip
         self.quarantines: list[Quarantine] = []
         self._refused: dict[str, tuple[float, int]] = {}  # name -> (until, wrong tiles)
 
@@ -98,7 +108,7 @@ class Verifier:
             self.counts["screened_out"] += 1
             return self._judged(freivalds.confirm_conv(tile, c))
         rows, cols = slice(tile.r0, tile.r1), slice(tile.c0, tile.c1)
-        request = self._request(task)
+        request = self._request(tile.gemm)
         if request.screen(tile.pivot, rows, cols, c) is None:
             return ""
         self.counts["screened_out"] += 1
@@ -115,8 +125,7 @@ class Verifier:
         request = self._checks.get(task)
         if request is None:
             a, b = task.op_views()
-            starts = list(range(0, task.request.n, task.block_edge))
-            request = self._checks[task] = freivalds.RequestCheck(a, b, starts, self._rng)
+            request = self._checks[task] = freivalds.RequestCheck(a, b, task.block_edge, self._rng)
         return request
 
     def quarantine(self, device: int, name: str, request: int, tile: int, evidence: str) -> None:
@@ -124,7 +133,7 @@ class Verifier:
         a device of that name for a while (longer each time)."""
         now = time.monotonic()
         _, wrong = self._refused.get(name, (now, 0))
-        refused_s = self.quarantine_s * 2**wrong
+        refused_s = self.quarantine_s * 2 ** min(wrong, MAX_DOUBLINGS)
         self._refused[name] = (now + refused_s, wrong + 1)
         entry = Quarantine(device, name, request, tile, evidence, now - self._started, refused_s)
         self.quarantines.append(entry)
@@ -135,7 +144,7 @@ class Verifier:
         )  # fmt: skip
 
     def refused(self, name: str) -> str:
-        """Why a device named ``name`` may not join now, or empty when it may."""
+        """Why the device ``name`` (``device_key``) may not join now, or empty when it may."""
         until, wrong = self._refused.get(name, (0.0, 0))
         left = until - time.monotonic()
         if left <= 0:

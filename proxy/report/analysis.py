@@ -115,7 +115,9 @@ def summarize(run: Run) -> Summary:
             mode=v.mode,
             checked=v.checked,
             wrong=v.wrong,
+            screened_out=v.screened_out,
             sampled_out=v.sampled_out,
+            check_errors=v.check_errors,
             quarantines=[dict(q) for q in v.quarantines],
         ),
     )

@@ -97,7 +97,9 @@ class Verification:
     mode: str
     checked: int
     wrong: int
+    screened_out: int  # those the screen sent to the float64 recomputation
     sampled_out: int  # tiles ``sample:P`` left unchecked
+    check_errors: int  # tiles whose check could not run (taken unchecked, logged)
     quarantines: tuple[dict[str, object], ...]  # each: device, name, request, tile, evidence
 
 
@@ -290,7 +292,9 @@ def _verification(value: object) -> Verification:
         mode=_text(value.get("mode"), "verification.mode"),
         checked=_count(value.get("checked"), "verification.checked"),
         wrong=_count(value.get("wrong"), "verification.wrong"),
+        screened_out=_count(value.get("screened_out", 0), "verification.screened_out"),
         sampled_out=_count(value.get("sampled_out", 0), "verification.sampled_out"),
+        check_errors=_count(value.get("check_errors", 0), "verification.check_errors"),
         quarantines=tuple(quarantines),
     )
 

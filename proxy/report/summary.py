@@ -216,7 +216,9 @@ class VerificationInfo(TypedDict):
     mode: str
     checked: int
     wrong: int
+    screened_out: int
     sampled_out: int
+    check_errors: int
     quarantines: list[dict[str, object]]
 
 

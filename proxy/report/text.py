@@ -303,9 +303,14 @@ def _critical_text(step: StepRow) -> list[str]:
 
 def _verification_text(v: VerificationInfo) -> list[str]:
     """What was checked, what a sample left unchecked, and each quarantine's evidence."""
-    line = f"verification (--verify {v['mode']}): {v['checked']} tiles checked, {v['wrong']} wrong"
+    line = (
+        f"verification (--verify {v['mode']}): {v['checked']} tiles checked "
+        f"({v['screened_out']} recomputed in float64), {v['wrong']} wrong"
+    )
     if v["sampled_out"]:
         line += f", {v['sampled_out']} left unchecked by the sample"
+    if v["check_errors"]:
+        line += f", {v['check_errors']} taken unchecked: their check failed (see the log)"
     out = [line]
     for q in v["quarantines"]:
         out.append(

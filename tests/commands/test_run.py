@@ -265,7 +265,10 @@ def test_every_tile_is_verified_and_the_report_says_so(tmp_path: Path) -> None:
     assert verification["mode"] == "all" and verification["wrong"] == 0
     assert verification["checked"] >= 2 * 2  # every tile of the 4 remote GEMMs
     assert verification["quarantines"] == [] and verification["sampled_out"] == 0
-    line = f"verification (--verify all): {verification['checked']} tiles checked, 0 wrong"
+    line = (
+        f"verification (--verify all): {verification['checked']} tiles checked "
+        f"({verification['screened_out']} recomputed in float64), 0 wrong"
+    )
     assert line in proc.stdout + proc.stderr
 
 

@@ -47,7 +47,7 @@ def kernels(a: np.ndarray, b: np.ndarray) -> dict[str, np.ndarray]:
 def screened(a: np.ndarray, b: np.ndarray, c: np.ndarray, rng: np.random.Generator) -> list[int]:
     """The tiles (by index) of ``c`` the screen flags, tiles of BLOCK × BLOCK."""
     m, n = c.shape
-    check = RequestCheck(a[None], b[None], list(range(0, n, BLOCK)), rng)
+    check = RequestCheck(a[None], b[None], BLOCK, rng)
     flagged = []
     tiles = [(r, j) for r in range(0, m, BLOCK) for j in range(0, n, BLOCK)]
     for index, (r, j) in enumerate(tiles):
@@ -132,7 +132,7 @@ def test_the_screens_reach_at_a_long_k():
     rng = np.random.default_rng(4)
     a, b = operands(rng, "normal", 64, 4096, 64, np.float32)
     c = gemm(a, b)
-    check = RequestCheck(a[None], b[None], [0], rng)
+    check = RequestCheck(a[None], b[None], 64, rng)
     u = freivalds.unit_roundoff(np.dtype(np.float32))
     size = np.linalg.norm(c, axis=1) + check.scale[0, :, 0]
     tolerance = freivalds.LAMBDA * u * np.sqrt(4096) * size
@@ -201,3 +201,41 @@ def test_convolution_tiles_honest_pass_and_one_corrupted_element_is_caught(case,
             why = freivalds.confirm_conv(tile, bad)
             where = ", ".join(map(str, np.unravel_index(at, bad.shape)))
             assert why.startswith("1 of") and f"({where})" in why, why
+
+
+def test_an_infinite_or_huge_element_is_caught_where_the_product_is_finite():
+    rng = np.random.default_rng(9)
+    a, b = operands(rng, "normal", 64, 300, 64, np.float32)
+    c = gemm(a, b)
+    for value in (np.inf, -np.inf, 1e20, 3e38):
+        bad = c.copy()
+        bad[5, 7] = value
+        assert screened(a, b, bad, rng) == [0], value
+        assert "(5, 7)" in confirm(a, b, bad), value
+
+
+def test_honest_overflow_and_subnormal_results_are_not_refused():
+    rng = np.random.default_rng(10)
+    a, b = operands(rng, "normal", 32, 64, 32, np.float32)
+    big = (a * np.float32(3e19), b * np.float32(3e19))  # products past float32's range: ±inf
+    with np.errstate(over="ignore", invalid="ignore"):
+        c = big[0] @ big[1]
+    assert not np.isfinite(c).all()
+    assert confirm(*big, c) == ""
+    tiny = (a * np.float32(1e-21), b * np.float32(1e-21))  # products in the subnormal range
+    c = tiny[0] @ tiny[1]
+    assert screened(*tiny, c, rng) == [] and confirm(*tiny, c) == ""
+    assert confirm(*tiny, np.zeros_like(c)) == ""  # flushed to zero (FTZ): not refused
+
+
+def test_two_columns_swapped_are_caught_every_time():
+    """The weights are signed magnitudes in [1, 2): no two columns cancel, as ±1 signs
+    would for half the pairs."""
+    rng = np.random.default_rng(11)
+    a, b = operands(rng, "normal", 64, 128, 64, np.float32)
+    c = gemm(a, b)
+    for _ in range(50):
+        i, j = rng.choice(64, 2, replace=False)
+        bad = c.copy()
+        bad[:, [i, j]] = bad[:, [j, i]]
+        assert screened(a, b, bad, rng) == [0]

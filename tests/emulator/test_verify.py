@@ -85,12 +85,12 @@ async def test_a_corrupting_device_is_caught_every_time_and_quarantined(fleet, t
     wrong = verifier.counts["wrong"]
     assert backend.corrupted >= 3
     assert wrong == len(verifier.quarantines) >= 3  # each lie caught, its device dropped
-    assert {q.name for q in verifier.quarantines} == {"liar"}
+    assert {q.name for q in verifier.quarantines} == {"liar@127.0.0.1"}  # its name, its host
     assert all("elements wrong" in q.evidence for q in verifier.quarantines)
     f.emu.write_run()
     summary = json.loads((tmp_path / "run.json").read_text())["verification"]
     assert summary["mode"] == "all" and summary["wrong"] == wrong
-    assert summary["quarantines"][0]["name"] == "liar"
+    assert summary["quarantines"][0]["name"] == "liar@127.0.0.1"
 
 
 @pytest.mark.parametrize("kind", ["forward", "grad_input", "grad_weight"])
@@ -118,7 +118,7 @@ async def test_a_device_corrupting_convolution_tiles_is_caught(fleet, kind):
     np.testing.assert_array_equal(got, honest)  # no corrupted tile reached the job
     verifier = f.emu.verifier
     assert backend.corrupted >= 1 and verifier.counts["wrong"] >= 1
-    assert verifier.quarantines[0].name == "liar"
+    assert verifier.quarantines[0].name == "liar@127.0.0.1"
 
 
 async def test_a_quarantined_device_is_refused_when_it_comes_back(fleet):
