@@ -2,9 +2,9 @@
 
 A GEMM tile C = A·B ([m, n]: op(A)'s rows, op(B)'s columns, all K) is checked with random weights
 r: C·r against A·(B·r), O(mK + Kn + mn) work instead of the product's O(mnK). The
-signs are drawn per request and per column block of tiles, from a generator the devices
-never see; ``RequestCheck`` computes B·R and A·(B·R) for every column block of a pivot at
-once (one pass over A and one over B per request, not per tile), so a tile costs one
+weights are drawn per request and per column block of tiles, from a generator the devices
+never see; ``RequestCheck`` computes B·r and A·(B·r) for every column block of every pivot
+at once (one pass over A and one over B per request, not per tile), so a tile costs one
 pass over its own C.
 
 A convolution tile is checked through its GEMM view (an implicit GEMM: y = W·unfold(x)),

@@ -77,7 +77,7 @@ class Verifier:
         self.mode = mode
         self.fraction = parse_mode(mode)
         self.quarantine_s = quarantine_s
-        # the signs and samples: from a seed no device can know
+        # the check's weights and the samples: from a seed no device can know
         self._rng = np.random.default_rng(secrets.randbits(128))
         self._started = time.monotonic()
         self._checks: weakref.WeakKeyDictionary[Task, freivalds.RequestCheck] = (
@@ -87,7 +87,7 @@ class Verifier:
             "checked": 0, "screened_out": 0, "wrong": 0, "sampled_out": 0, "check_errors": 0,
         }  # fmt: skip
         self.quarantines: list[Quarantine] = []
-        self._refused: dict[str, tuple[float, int]] = {}  # name -> (until, wrong tiles)
+        self._refused: dict[str, tuple[float, int]] = {}  # name@host -> (until, wrong tiles)
 
     def check(self, tile: AnyTile, values: np.ndarray | None) -> str:
         """Empty when ``tile``'s result (``values``, or what its device wrote into the
