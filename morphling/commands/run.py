@@ -36,8 +36,12 @@ from morphling.devices.models.thermal import COOLING
 from morphling.exiting import exit_without_finalizing
 from morphling.interrupt import Interrupted, Signals
 from morphling.outputs import check_file_writable
-from morphling.proxy.emulator.settings import DEFAULT_MIN_FLOPS, EmulatorConfig
-from morphling.proxy.emulator.verify import VERIFY_MODES, parse_mode
+from morphling.proxy.emulator.settings import (
+    DEFAULT_MIN_FLOPS,
+    VERIFY_MODES,
+    EmulatorConfig,
+    parse_mode,
+)
 from morphling.proxy.job.coordinator import MODES, PRODUCTS, coordinator_profile
 from morphling.proxy.vtime.collectives import ALGORITHMS
 from morphling.proxy.vtime.eventlog import EVENT_LEVELS

@@ -57,7 +57,7 @@ def hello(conn: PeerConnection, msg: Hello) -> None:
     maps_weights = weights is not None and caps.get("weights") == str(weights.path)
     maps_arena = arena is not None and caps.get("arena") == str(arena.path)
     if msg.role == "device":
-        refused = emulator.verifier.refused(device_key(msg.name or "-", conn.peername))
+        refused = emulator.verifier.refused(device_key(msg.name or conn.peername, conn.peername))
         if refused:
             raise RemoteProtocolError(refused, "quarantined")
         try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import math
 from dataclasses import dataclass
 
 from morphling.proxy.vtime.collectives import ALGORITHMS
@@ -13,13 +14,28 @@ from morphling.proxy.wire import challenge
 from morphling.config import ConfigError
 from morphling.config import option as _opt
 
-from .verify import VERIFY_MODES, parse_mode
-
 PROFILE_SOURCES = ("auto", "declared", "measured")
+VERIFY_MODES = "all, sample:P (0 < P <= 1) or off"
 
 
 # A job's GEMMs under 2·32³ FLOPs stay local: their round trip would dwarf their compute.
 DEFAULT_MIN_FLOPS = 2 * 32**3
+
+
+def parse_mode(text: str) -> float:
+    """The fraction of tiles ``--verify text`` checks; ValueError naming the forms."""
+    if text == "all":
+        return 1.0
+    if text == "off":
+        return 0.0
+    head, _, tail = text.partition(":")
+    try:
+        fraction = float(tail) if head == "sample" else math.nan
+    except ValueError:
+        fraction = math.nan
+    if not 0 < fraction <= 1:
+        raise ValueError(f"--verify {text!r}: expected {VERIFY_MODES}")
+    return fraction
 
 
 def check_heartbeats(heartbeat_s: float, heartbeat_timeout_s: float) -> None:

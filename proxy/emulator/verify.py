@@ -11,7 +11,6 @@ of its result reaches the job), and a device of that name is refused for
 from __future__ import annotations
 
 import logging
-import math
 import secrets
 import time
 import weakref
@@ -23,28 +22,12 @@ import numpy as np
 from . import freivalds
 from .conv_partition import AnyTile
 from .partition import GemmTask, TileTask
+from .settings import parse_mode
 from .task import Task
 
 log = logging.getLogger(__name__)
 
-VERIFY_MODES = "all, sample:P (0 < P <= 1) or off"
 MAX_DOUBLINGS = 16  # a device's refusal doubles per wrong tile up to 2¹⁶ times quarantine_s
-
-
-def parse_mode(text: str) -> float:
-    """The fraction of tiles ``--verify text`` checks; ValueError naming the forms."""
-    if text == "all":
-        return 1.0
-    if text == "off":
-        return 0.0
-    head, _, tail = text.partition(":")
-    try:
-        fraction = float(tail) if head == "sample" else math.nan
-    except ValueError:
-        fraction = math.nan
-    if not 0 < fraction <= 1:
-        raise ValueError(f"--verify {text!r}: expected {VERIFY_MODES}")
-    return fraction
 
 
 @dataclass
@@ -64,10 +47,11 @@ class Quarantine:
 
 
 def device_key(name: str, peer: str) -> str:
-    """Whom a quarantine refuses: the device's name on its host (stock boards share a
-    hostname, and a peer's port changes at each connection)."""
+    """Whom a quarantine refuses: the device's name (the registry's: its HELLO ``name``, or
+    its ``peer`` address when it gave none) on its host. Stock boards share a hostname, and
+    a peer's port changes at each connection, so an unnamed device is its host."""
     host = peer.rsplit(":", 1)[0] if ":" in peer else peer
-    return f"{name}@{host}"
+    return host if name == peer else f"{name}@{host}"
 
 
 class Verifier:
@@ -91,7 +75,18 @@ class Verifier:
 
     def check(self, tile: AnyTile, values: np.ndarray | None) -> str:
         """Empty when ``tile``'s result (``values``, or what its device wrote into the
-        output when None) may reach its job, else the evidence that it is wrong."""
+        output when None) may reach its job, else the evidence that it is wrong. A check
+        that cannot run takes the tile unchecked, logged and counted: it must not lose the
+        tile or drop an honest device."""
+        try:
+            return self._check(tile, values)
+        except Exception:
+            log.exception("tile %d of request %d: its check failed; the result is taken "
+                          "unchecked", tile.id, tile.gemm.id)  # fmt: skip
+            self.counts["check_errors"] += 1
+            return ""
+
+    def _check(self, tile: AnyTile, values: np.ndarray | None) -> str:
         if self.fraction == 0.0:
             return ""
         if self.fraction < 1.0 and self._rng.random() >= self.fraction:

@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 from morphling.kernels import CpuBackend, WorkerPool
 from morphling.kernels._native import ffi
-from morphling.proxy.emulator.settings import EmulatorConfig
-from morphling.proxy.emulator.verify import parse_mode
+from morphling.proxy.emulator.settings import EmulatorConfig, parse_mode
 from serving import TIMEOUT, assert_gemm_close, gemm_request, result_array, wait_for_condition
 
 from morphling.config import ConfigError
@@ -47,6 +46,18 @@ class CorruptingBackend(CpuBackend):
         return result
 
 
+async def honest_gemm(
+    client: Any, rng: np.random.Generator, shape: tuple[int, int, int], what: str = ""
+) -> None:
+    """A GEMM of random operands [m, k] · [k, n] through the fleet equals numpy's."""
+    m, k, n = shape
+    a = rng.standard_normal((m, k), dtype=np.float32)
+    b = rng.standard_normal((k, n), dtype=np.float32)
+    request = gemm_request(a, b)
+    result = await client.submit(request, timeout=TIMEOUT)
+    assert_gemm_close(result_array(result, request, batched=False), a, b, what)
+
+
 @pytest.mark.parametrize("text,fraction", [("all", 1.0), ("off", 0.0), ("sample:0.25", 0.25)])
 def test_verify_modes(text, fraction):
     assert parse_mode(text) == fraction
@@ -71,11 +82,7 @@ async def test_a_corrupting_device_is_caught_every_time_and_quarantined(fleet, t
         client = await f.client()
         rng = np.random.default_rng(5)
         for round_ in range(3):  # it comes back (quarantine_s 0) and lies again each time
-            a = rng.standard_normal((64, 96), dtype=np.float32)
-            b = rng.standard_normal((96, 64), dtype=np.float32)
-            request = gemm_request(a, b)
-            result = await client.submit(request, timeout=TIMEOUT)
-            assert_gemm_close(result_array(result, request, batched=False), a, b, f"round {round_}")
+            await honest_gemm(client, rng, (64, 96, 64), f"round {round_}")
             if round_ < 2:
                 f.agents.remove(liar)
                 liar = await f.add_device(name="liar", workers=bad_workers)
@@ -130,12 +137,7 @@ async def test_a_quarantined_device_is_refused_when_it_comes_back(fleet):
         await f.add_device(name="liar", workers=bad_workers)
         armed.set()
         client = await f.client()
-        rng = np.random.default_rng(6)
-        a = rng.standard_normal((64, 64), dtype=np.float32)
-        b = rng.standard_normal((64, 64), dtype=np.float32)
-        request = gemm_request(a, b)
-        result = await client.submit(request, timeout=TIMEOUT)
-        assert_gemm_close(result_array(result, request, batched=False), a, b)
+        await honest_gemm(client, np.random.default_rng(6), (64, 64, 64))
         await wait_for_condition(lambda: f.emu.verifier.quarantines, 5, "a quarantine")
         again = f.agent(name="liar", workers=bad_workers)
         code = await asyncio.wait_for(f.run(again), 10)
