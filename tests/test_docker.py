@@ -13,6 +13,7 @@ import subprocess
 import tomllib
 from pathlib import Path
 
+import pytest
 import yaml
 from morphling.devices.models.profiles import expand_fleet
 from morphling.proxy.emulator.settings import EmulatorConfig
@@ -47,7 +48,13 @@ def test_compose_commands_are_valid_morphling_invocations(tmp_path):
             assert "server emulator:39000;" in conf and "access_log /dev/stdout" in conf
             continue
         args = build_parser().parse_args(command)
-        cfg, _ = configuration.load(SCHEMAS[command[0]], args, env={}, section=command[0])
+        # the variables compose interpolates (``${MORPHLING_TOKEN:?...}``), given a value
+        env = {k: "from-the-shell" for k in service.get("environment", {})}
+        cfg, _ = configuration.load(SCHEMAS[command[0]], args, env=env, section=command[0])
+        if command[0] == "emulator":  # on every interface: only with the token
+            assert cfg.listen_ip == "0.0.0.0" and cfg.token == "from-the-shell"
+            with pytest.raises(configuration.ConfigError, match="without a token"):
+                configuration.load(EmulatorConfig, args, env={}, section="emulator")
         if command[0] == "fleet":
             assert cfg.server == "nginx:39000"  # through the proxy, like a board
             assert len(expand_fleet(cfg.devices)) == 16

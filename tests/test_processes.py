@@ -512,6 +512,7 @@ def test_a_fleet_stopped_while_its_devices_are_made_exits_143_before_connecting(
         ([], {"MORPHLING_WINDOW": "0"}, None, "env MORPHLING_WINDOW: '0' is below the minimum"),
         ([], {}, "[emulator]\nwindoww = 3\n", "unknown key 'windoww'"),
         ([], {}, "[emulator]\nwindow = true\n", "window: expected int, got True"),
+        (["--listen-ip", "0.0.0.0"], {}, None, "refusing to listen on 0.0.0.0 without a token"),
     ],
     ids=[
         "window-0",
@@ -520,6 +521,7 @@ def test_a_fleet_stopped_while_its_devices_are_made_exits_143_before_connecting(
         "env-window-0",
         "toml-unknown-key",
         "toml-bool-window",
+        "reachable-without-token",
     ],
 )
 def test_bad_configuration_exits_2_naming_the_key(
@@ -539,6 +541,22 @@ def test_bad_configuration_exits_2_naming_the_key(
     if toml is not None and "unknown key" in expect:
         assert "did you mean 'window'?" in stderr
     assert "listening" not in stderr
+
+
+def test_sighup_rereads_the_device_tokens(procs: Procs, tmp_path):
+    """A board given a secret after the emulator started joins once SIGHUP re-read the
+    file; the boards already there stay."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text("pi01 aaa\n")
+    emulator, port = procs.emulator("--no-probe", "--device-tokens", str(tokens))
+    procs.device(port, "pi01", "rpi4", "--token", "aaa")
+    procs.wait_for(emulator, "device 0 (pi01) ready")
+    tokens.write_text("pi01 aaa\npi02 bbb\n")
+    emulator.signal(signal.SIGHUP)
+    procs.wait_for(emulator, "1 added, 0 removed, 0 secrets changed")
+    procs.device(port, "pi02", "rpi4", "--token", "bbb")
+    procs.wait_for(emulator, "device 1 (pi02) ready")
+    assert emulator.alive and "device 0 (pi01) lost" not in emulator.text()
 
 
 # -- jobs stay connected while idle ---------------------------------------------------------

@@ -7,6 +7,7 @@ import asyncio
 import gc
 import logging
 import os
+import signal
 import sys
 
 from morphling import config as configuration
@@ -38,7 +39,11 @@ def run(args: argparse.Namespace) -> int:
     log.info("effective configuration:\n%s", configuration.describe(cfg, sources))
 
     async def main(stop: asyncio.Event) -> int:
-        emulator = Emulator(cfg)
+        try:
+            emulator = Emulator(cfg)
+        except configuration.ConfigError as exc:  # the per-peer tokens file
+            print(f"morphling emulator: {exc}", file=sys.stderr)
+            return 2
         systemd = Notifier()
         # Neither a missing checkpoint nor an address it cannot listen on is fixed by
         # starting again: exit 2, which the unit does not restart.
@@ -58,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
         # process: frozen, it is no longer walked by every full collection of the run.
         gc.collect()
         gc.freeze()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, emulator.reload_tokens)
         systemd.notify(READY=1, STATUS=f"listening on {format_address(host, port)}")
         watchdog = asyncio.ensure_future(systemd.keep_alive(emulator.healthy, emulator.status))
         await stop.wait()

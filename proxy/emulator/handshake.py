@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 
 from morphling.devices.models.profiles import DeviceProfile
 from morphling.proxy.wire.errors import RemoteProtocolError
-from morphling.proxy.wire.handshake import check_token
 from morphling.proxy.wire.messages import Greeting, Hello, Welcome
 
 from . import devices
@@ -39,7 +38,7 @@ def greeting(emulator: Emulator, nonce: bytes) -> Greeting:
     return Greeting(
         version=1,
         nonce=nonce,
-        auth=bool(emulator.config.token),
+        auth=emulator.credentials.required,
         weights=emulator.trainers.announce(weights) if weights else {},
         arena=arena.announce() if arena else {},
         process=emulator.token,
@@ -50,7 +49,7 @@ def hello(conn: PeerConnection, msg: Hello) -> None:
     """Check ``msg``, give the peer its role on ``conn`` and WELCOME it."""
     emulator = conn.emulator
     cfg = emulator.config
-    check_token(msg, cfg.token, conn.nonce)
+    emulator.credentials.check(msg, conn.nonce)
     caps = msg.caps
     local = caps.get("process") == emulator.token  # a peer in this process (``local``)
     weights, arena = emulator.weights, emulator.arena
@@ -89,6 +88,7 @@ def hello(conn: PeerConnection, msg: Hello) -> None:
         )
     conn.wire.max_payload = cfg.max_payload_bytes
     conn.send(Welcome(peer_id=peer_id, heartbeat_s=cfg.heartbeat_s))
+    conn.leave_gate()
     log.info("%s joined as %s %d (%s)", conn.peername, msg.role, peer_id, msg.name or "-")
     if conn.device is not None:
         devices.arrived(conn, conn.device, msg.uuid)

@@ -64,13 +64,29 @@ class PeerConnection(FrameConnection):
         self.job: Job | None = None  # likewise
         self.prober = devices.Prober(self)
         self._unread: tuple[int, float] | None = None  # (undelivered, since): ``unread_for``
+        self._gated = False  # counted by the emulator's ``Gate`` until welcomed
 
     def connected(self) -> None:
         self.connected_at = time.monotonic()
+        gate = self.emulator.gate
+        if not gate.admit(self.peerhost):
+            self.fail(
+                "busy", f"{self.peerhost} already holds {gate.limit} connections not yet "
+                "welcomed (--max-unwelcomed)"
+            )  # fmt: skip
+            return
+        self._gated = True
         self.emulator.peers.add(self)
         self.send(handshake.greeting(self.emulator, self.nonce))
 
+    def leave_gate(self) -> None:
+        """Welcomed or gone: no longer counted against its address."""
+        if self._gated:
+            self._gated = False
+            self.emulator.gate.leave(self.peerhost)
+
     def disconnected(self, exc: Exception | None) -> None:
+        self.leave_gate()
         self.emulator.peers.discard(self)
         self.prober.gone(self.peername)
         if self.job is not None:

@@ -38,6 +38,9 @@ from morphling.proxy.vtime.vdevice import VirtualDevice
 from morphling.proxy.wire.messages import Bye, Heartbeat
 from morphling.proxy.wire.states import State
 
+from morphling.config import ConfigError
+
+from .auth import Credentials, Gate
 from .conv_partition import AnyTile
 from .jobs import Job
 from .peer import PeerConnection
@@ -68,6 +71,9 @@ class Emulator:
             self.registry, self.tiles, window=config.window, inflight_bytes=config.inflight_bytes
         )
         self.verifier = Verifier(config.verify, config.quarantine_s)
+        # ConfigError: a tokens file that cannot be read or parsed
+        self.credentials = Credentials.load(config.token, config.device_tokens)
+        self.gate = Gate(config.max_unwelcomed)
         self._events: IO[bytes] | None = None
         if config.run_dir:
             Path(config.run_dir).mkdir(parents=True, exist_ok=True)
@@ -174,6 +180,14 @@ class Emulator:
             and self._server.is_serving()
             and all(t is not None and not t.done() for t in tasks)
         )
+
+    def reload_tokens(self) -> None:
+        """SIGHUP: re-read the per-peer tokens file; one that does not parse is logged and
+        the secrets stay as they were."""
+        try:
+            log.info("tokens re-read: %s", self.credentials.reload())
+        except ConfigError as exc:
+            log.error("tokens not re-read, the old ones stay: %s", exc)
 
     def status(self) -> str:
         """One line for ``systemctl status``."""

@@ -14,6 +14,8 @@ from morphling.proxy.wire import challenge
 from morphling.config import ConfigError
 from morphling.config import option as _opt
 
+from .auth import needs_token
+
 PROFILE_SOURCES = ("auto", "declared", "measured")
 VERIFY_MODES = "all, sample:P (0 < P <= 1) or off"
 
@@ -54,8 +56,9 @@ class EmulatorConfig:
     """Every emulator setting; flags > MORPHLING_* environment > TOML [emulator] > these."""
 
     listen_ip: str = _opt(
-        "0.0.0.0",
-        "IP address to listen on (0.0.0.0: every IPv4 interface)",
+        "127.0.0.1",
+        "IP address to listen on (0.0.0.0: every IPv4 interface; one other machines reach "
+        "needs a token, or --insecure)",
         aliases=("--listen_ip",),
     )
     listen_port: int = _opt(
@@ -67,6 +70,22 @@ class EmulatorConfig:
     )
     token: str = _opt(
         "", "shared secret peers must prove (HMAC); empty: no authentication", secret=True
+    )
+    device_tokens: str = _opt(
+        "",
+        "file of per-peer secrets, one 'NAME SECRET' per line: a peer of a listed name must "
+        "prove its own (the shared token does not do); re-read on SIGHUP",
+    )
+    insecure: bool = _opt(
+        False,
+        "listen on an address other machines reach without a token: anyone reaching the "
+        "port may then join as a device and send tiles, or run jobs",
+    )
+    max_unwelcomed: int = _opt(
+        256,
+        "connections one address may hold before its HELLO is accepted (through nginx every "
+        "board is nginx's address); past it a connection is refused with ERROR busy",
+        min=1,
     )
     ckpt_path: str = _opt(
         "",
@@ -215,3 +234,10 @@ class EmulatorConfig:
             raise ConfigError(
                 f"listen_ip {self.listen_ip!r} is not an IP address (e.g. 0.0.0.0, 127.0.0.1, ::)"
             ) from None
+        if needs_token(self.listen_ip) and not (self.token or self.device_tokens or self.insecure):
+            raise ConfigError(
+                f"refusing to listen on {self.listen_ip} without a token: anyone who reaches "
+                "the port could join as a device and send wrong tiles, or run jobs. Give "
+                "--token-file (or --device-tokens), listen on 127.0.0.1 (behind nginx, say), "
+                "or pass --insecure"
+            )

@@ -58,7 +58,7 @@ class FrameConnection(asyncio.BufferedProtocol, abc.ABC):
         self.wire = wire
         self.high_water = high_water
         self.transport: asyncio.Transport | None = None
-        self.peername = "?"
+        self.peername = self.peerhost = "?"  # "host:port", and its host
         self.last_received = self.last_sent = time.monotonic()
         self.writable = True
         self.reading = True  # False: see ``pause_reading``
@@ -78,6 +78,7 @@ class FrameConnection(asyncio.BufferedProtocol, abc.ABC):
         transport.set_write_buffer_limits(high=self.high_water)
         peer = transport.get_extra_info("peername")
         self.peername = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+        self.peerhost = str(peer[0]) if isinstance(peer, tuple) else self.peername
         self.last_received = self.last_sent = time.monotonic()
         self.connected()
 
