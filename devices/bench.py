@@ -50,6 +50,8 @@ from morphling.proxy.wire.messages import (
     ProbePulled,
     ProbePush,
     ProbeVerdict,
+    Status,
+    StatusAsk,
     Welcome,
 )
 from morphling.proxy.wire.states import Party
@@ -106,6 +108,7 @@ class ProbeConnection(PeerProtocol):
         self.token, self.name = token, name
         self.welcomed_as: asyncio.Future[int] = loop.create_future()
         self.verdict: asyncio.Future[Verdict] | None = None
+        self.status: asyncio.Future[dict[str, Any]] | None = None
         self.error: BenchError | None = None
         self._waiters: dict[int, asyncio.Future[tuple[Answer, float]]] = {}
         self._answered = (0, 0, 0)  # (dim, compute_ns, runs) of the challenge we answered
@@ -138,12 +141,13 @@ class ProbeConnection(PeerProtocol):
             self.spawn(self._answer_challenge(msg))
         elif isinstance(msg, ProbeVerdict) and self.verdict and not self.verdict.done():
             self.verdict.set_result(Verdict(msg.ok, msg.flops, msg.reason, *self._answered))
+        elif isinstance(msg, Status) and self.status and not self.status.done():
+            self.status.set_result(msg.status)
 
     def disconnected(self, exc: Exception | None) -> None:
         error = self.error or BenchError(f"connection to the emulator lost ({exc or 'closed'})")
         futures: list[asyncio.Future[Any]] = [self.welcomed_as, *self._waiters.values()]
-        if self.verdict is not None:
-            futures.append(self.verdict)
+        futures += [f for f in (self.verdict, self.status) if f is not None]
         for future in futures:
             if not future.done():
                 future.set_exception(error)
@@ -306,6 +310,20 @@ class ProbeClient:
             raise BenchError(f"no PROBE_VERDICT within {self.timeout:g} s") from None
         finally:
             conn.verdict = None
+
+    async def status(self) -> dict[str, Any]:
+        """The emulator's fleet, jobs and counters (STATUS; docs/PROTOCOL.md)."""
+        conn = self.conn
+        if conn.error is not None:
+            raise conn.error
+        conn.status = asyncio.get_running_loop().create_future()
+        conn.send(StatusAsk())
+        try:
+            return await asyncio.wait_for(conn.status, self.timeout)
+        except TimeoutError:
+            raise BenchError(f"no STATUS within {self.timeout:g} s") from None
+        finally:
+            conn.status = None
 
     async def close(self) -> None:
         if self.conn.open:

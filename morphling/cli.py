@@ -54,6 +54,7 @@ def _subcommands() -> list[Callable[[argparse._SubParsersAction], None]]:
     from .commands.report import add_parser as add_report_parser
     from .commands.run import add_parser as add_run_parser
     from .commands.save import add_parser as add_save_parser
+    from .commands.status import add_parser as add_status_parser
     from .commands.sweep import add_parser as add_sweep_parser
 
     return [
@@ -67,6 +68,7 @@ def _subcommands() -> list[Callable[[argparse._SubParsersAction], None]]:
         add_report_parser,
         add_sweep_parser,
         add_nginx_parser,
+        add_status_parser,
     ]
 
 

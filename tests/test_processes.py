@@ -10,12 +10,14 @@ tiles and how many were re-queued). A fixture finalizer stops every child.
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import resource
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -557,6 +559,46 @@ def test_sighup_rereads_the_device_tokens(procs: Procs, tmp_path):
     procs.device(port, "pi02", "rpi4", "--token", "bbb")
     procs.wait_for(emulator, "device 1 (pi02) ready")
     assert emulator.alive and "device 0 (pi01) lost" not in emulator.text()
+
+
+def morphling_status(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*MORPHLING, "status", *args], capture_output=True, text=True,
+                          timeout=60, env=child_env())  # fmt: skip
+
+
+def test_status_and_metrics_of_a_running_emulator(procs: Procs):
+    """``morphling status`` prints the fleet (a table, or --json) and the metrics port
+    serves Prometheus text, from the same emulator process; an emulator that cannot be
+    reached is exit 2 with the reason; a metrics port in use is exit 2 naming it."""
+    metrics_port = free_port()
+    emulator, port = procs.emulator("--token", "t0k", "--metrics-port", str(metrics_port))
+    procs.device(port, "pi01", "rpi4", "--token", "t0k")
+    procs.wait_for(emulator, "device 0 (pi01) ready")
+    server = ("--server", f"127.0.0.1:{port}", "--token", "t0k")
+    with Client("127.0.0.1", port, token="t0k", name="status-job") as job:
+        a = np.eye(64, dtype=np.float32)
+        np.testing.assert_array_equal(job.matmul(a, a), a)
+        shown, as_json = morphling_status(*server), morphling_status(*server, "--json")
+    assert shown.returncode == 0, shown.stderr
+    assert "1 devices, 1 jobs" in shown.stdout
+    [row] = [line for line in shown.stdout.splitlines() if line.startswith("0 ")]
+    assert re.match(r"0\s+pi01\s+127\.0\.0\.1:\d+\s+rpi4\s+idle\s+0\s+\d+\s+[\d.]+ ms", row)
+    assert "GFLOP/s" in row
+    status = json.loads(as_json.stdout)
+    assert status["devices"][0]["completed"] >= 1 and status["tiles"]["returned"] >= 1
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    assert 'morphling_devices{state="idle"} 1.0' in text
+    assert re.search(r"^morphling_tiles_returned_total [1-9]", text, re.M)
+
+    refused = morphling_status("--server", f"127.0.0.1:{port}")
+    assert refused.returncode == 2 and "requires a token" in refused.stderr
+    gone = morphling_status("--server", f"127.0.0.1:{free_port()}")
+    assert gone.returncode == 2 and "cannot reach" in gone.stderr
+    taken = procs.start("emulator-2", "emulator", "--listen-port", "0", "--metrics-port",
+                        str(metrics_port))  # fmt: skip
+    assert taken.wait(30) == 2
+    assert f"cannot serve metrics on 127.0.0.1:{metrics_port}" in taken.text()
 
 
 # -- jobs stay connected while idle ---------------------------------------------------------

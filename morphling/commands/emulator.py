@@ -11,6 +11,7 @@ import signal
 import sys
 
 from morphling import config as configuration
+from morphling.proxy.emulator import metrics
 from morphling.proxy.emulator.server import Emulator
 from morphling.proxy.emulator.settings import EmulatorConfig
 from morphling.runtime import format_address, serve
@@ -59,6 +60,17 @@ def run(args: argparse.Namespace) -> int:
             where = format_address(cfg.listen_ip, cfg.listen_port)
             print(f"morphling emulator: cannot listen on {where}: {reason}", file=sys.stderr)
             return 2
+        scraped, metrics_at = None, format_address(cfg.metrics_ip, cfg.metrics_port)
+        if cfg.metrics_port:
+            try:
+                scraped = metrics.serve(emulator, cfg.metrics_ip, cfg.metrics_port)
+            except OSError as exc:
+                reason = os.strerror(exc.errno) if exc.errno else str(exc)
+                print(f"morphling emulator: cannot serve metrics on {metrics_at}: {reason}",
+                      file=sys.stderr)  # fmt: skip
+                await emulator.stop()
+                return 2
+            log.info("metrics on http://%s/metrics", metrics_at)
         # What is alive now (modules, torch, the shared weights) lives as long as the
         # process: frozen, it is no longer walked by every full collection of the run.
         gc.collect()
@@ -70,6 +82,9 @@ def run(args: argparse.Namespace) -> int:
         log.info("stopping: saying goodbye to %d peers", len(emulator.peers))
         systemd.notify(STOPPING=1, STATUS="saying goodbye to peers")
         watchdog.cancel()
+        if scraped is not None:
+            await asyncio.to_thread(scraped.shutdown)
+            scraped.server_close()
         await emulator.stop()
         systemd.close()
         return 0

@@ -100,6 +100,7 @@ def ready(emulator: Emulator, device: DeviceRecord, measured: probes.Measurement
     """Schedule on ``device``, with the profile ``measured`` (None: not probed) says."""
     source = emulator.config.profile_source
     device.model, why = probes.choose_profile(device.declared, measured, source, device.virtual)
+    device.probed = probes.measured_figures(measured)
     device.ready = True
     log.info("device %d (%s) ready; scheduling with the %s profile", device.id, device.name, why)
     emulator.timeline.add_device(device.id, device.name, device.model, convolutions=device.conv)

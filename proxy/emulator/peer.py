@@ -33,6 +33,8 @@ from morphling.proxy.wire.messages import (
     ProbeFlopsResult,
     ProbePulled,
     Slab,
+    Status,
+    StatusAsk,
     Step,
     TileMissing,
     TileResult,
@@ -40,7 +42,7 @@ from morphling.proxy.wire.messages import (
 )
 from morphling.proxy.wire.states import Party
 
-from . import devices, handshake, tiles
+from . import devices, handshake, status, tiles
 from .jobs import Job
 from .registry import DeviceRecord
 
@@ -110,6 +112,8 @@ class PeerConnection(FrameConnection):
             self._job().gemm(msg)
         elif isinstance(msg, Hello):
             handshake.hello(self, msg)
+        elif isinstance(msg, StatusAsk):
+            self.send(Status(status=status.snapshot(self.emulator)))
         elif self.answer_probe(msg):
             pass
         elif isinstance(msg, (ProbeEcho, ProbeAck, ProbePulled, ProbeFlopsResult)):

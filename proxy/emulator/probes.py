@@ -15,7 +15,7 @@ import asyncio
 import itertools
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Protocol, TypeVar
 
 import numpy as np
@@ -70,6 +70,17 @@ class Measurement:
     flops: float
     flops_verified: bool
     reason: str = ""
+
+
+def measured_figures(measured: Measurement | None) -> dict[str, float]:
+    """What ``morphling status`` shows of ``measured``: the link's figures, if the probes
+    ran in time, and the FLOPS, if its challenge checked."""
+    if measured is None:
+        return {}
+    figures = {} if measured.link is None else asdict(measured.link)
+    if measured.flops_verified:
+        figures["flops"] = measured.flops
+    return figures
 
 
 def next_probe_id() -> int:

@@ -51,6 +51,8 @@ class DeviceRecord:
     # ``caps.panels``: 1, it keeps panels sent to keep until told to drop them; 2, it also
     # reads a block within a panel or weight block it keeps (``within_*``)
     panels: int = 0
+    # what its probes measured (``status``): latency_s, dl_bw, ul_bw, flops; empty: none
+    probed: dict[str, float] = field(default_factory=dict)
 
     def take(self, tile: AnyTile) -> None:
         self.outstanding[tile.id] = tile

@@ -73,6 +73,8 @@ class Scheduler:
         self.window = window
         self.max_inflight_bytes = inflight_bytes
         self.inflight_bytes = 0
+        # since the start, for operators (``status``): tiles and their bytes on the wire
+        self.tiles_sent = self.bytes_sent = self.tiles_returned = self.bytes_returned = 0
         self.orphans: deque[Placed] = deque()  # moved tiles waiting for any device
         self._waiting: dict[int, DeviceRecord] = {}  # devices with queued tiles
 
@@ -167,6 +169,7 @@ class Scheduler:
         tile = device.give_back(tile_id)
         if tile is not None:
             self.inflight_bytes -= tile.wire_bytes
+            self.tiles_returned += 1
             device.completed += 1
         return tile
 
@@ -212,6 +215,8 @@ class Scheduler:
                 return False  # (a tile built is sent: one handed over as arrays is offered)
             queue.popleft()
             self.inflight_bytes += nbytes
+            self.tiles_sent += 1
+            self.bytes_sent += nbytes
             tile.wire_bytes = nbytes
             tile.attempts += 1
             device.take(tile)

@@ -63,6 +63,7 @@ class Emulator:
 
     def __init__(self, config: EmulatorConfig, *, pool: BufferPool | None = None) -> None:
         self.config = config
+        self.started_at = time.monotonic()
         self.pool = pool or BufferPool(pin=False)  # it never hands buffers to a GPU
         self.registry = Registry()
         self.token = local.new_emulator()  # peers in this process hand over arrays under it

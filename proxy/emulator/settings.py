@@ -209,6 +209,14 @@ class EmulatorConfig:
         choices=PROFILE_SOURCES,
     )
 
+    metrics_port: int = _opt(
+        0,
+        "serve Prometheus metrics over HTTP on this port (docs/DEPLOY.md); 0: none",
+        min=0,
+        max=65535,
+    )
+    metrics_ip: str = _opt("127.0.0.1", "IP address the metrics listen on (they need no token)")
+
     verify: str = _opt(
         "all",
         f"which devices' tiles are checked before they reach a job (Freivalds' check, "

@@ -239,6 +239,7 @@ def take_result(
             raise _refused(scheduler, tile, device, str(exc), "bad_result") from None
         segment = msg.segments[0]
         task.bytes_up += segment.nbytes
+        scheduler.bytes_returned += segment.nbytes
         values = None if tile.c_at.in_place else np.frombuffer(segment, dtype=task.out.dtype)
         wrong = verifier.check(tile, values)
         if wrong:

@@ -149,6 +149,15 @@ class Verifier:
             "were wrong (run.json lists the evidence)"
         )
 
+    def refusing(self) -> list[dict[str, Any]]:
+        """The devices refused now: their ``device_key``, seconds left, wrong tiles."""
+        now = time.monotonic()
+        return [
+            {"device": name, "left_s": until - now, "wrong": wrong}
+            for name, (until, wrong) in self._refused.items()
+            if until > now
+        ]
+
     def summary(self) -> dict[str, Any]:
         """run.json's ``verification``."""
         return {

@@ -51,6 +51,8 @@ class MsgType(IntEnum):
     CONV = 37
     COLLECTIVE = 38
     WAIT = 39
+    STATUS_ASK = 40
+    STATUS = 41
 
 
 ROLES = ("device", "job", "probe")
@@ -228,6 +230,21 @@ class ProbeFlopsRequest(Message):
 
     TYPE = MsgType.PROBE_FLOPS_REQUEST
     dim: int
+
+
+@dataclass(slots=True)
+class StatusAsk(Message):
+    """Probe peer → server: the fleet's state (``morphling status``); answered by STATUS."""
+
+    TYPE = MsgType.STATUS_ASK
+
+
+@dataclass(slots=True)
+class Status(Message):
+    """Server → probe peer: devices, jobs, quarantines and counters (docs/PROTOCOL.md)."""
+
+    TYPE = MsgType.STATUS
+    status: dict[str, Any]
 
 
 @dataclass(slots=True)

@@ -74,7 +74,7 @@ SENDS: dict[Party, dict[State, frozenset[MsgType]]] = {
         S.HELLO_WAIT: frozenset({M.ERROR, M.BYE}),
         S.ANSWER: frozenset({M.WELCOME, M.ERROR, M.BYE}),
         S.DEVICE: _ALWAYS | _TO_DEVICE,
-        S.PROBE: _ALWAYS | _PROBE_REPLIES | {M.PROBE_FLOPS, M.PROBE_VERDICT},
+        S.PROBE: _ALWAYS | _PROBE_REPLIES | {M.PROBE_FLOPS, M.PROBE_VERDICT, M.STATUS},
         S.JOB: _ALWAYS | _TO_JOB,
         S.CLOSED: frozenset(),
     },
@@ -83,7 +83,9 @@ SENDS: dict[Party, dict[State, frozenset[MsgType]]] = {
         S.HELLO: frozenset({M.HELLO, M.ERROR, M.BYE}),
         S.WELCOME_WAIT: frozenset({M.ERROR, M.BYE}),
         S.DEVICE: _ALWAYS | _DEVICE_SENDS | {M.TILE_RESULT, M.TILE_MISSING},
-        S.PROBE: _ALWAYS | _PROBE_REQUESTS | {M.PROBE_FLOPS_REQUEST, M.PROBE_FLOPS_RESULT},
+        S.PROBE: _ALWAYS
+        | _PROBE_REQUESTS
+        | {M.PROBE_FLOPS_REQUEST, M.PROBE_FLOPS_RESULT, M.STATUS_ASK},
         S.JOB_OPEN: _ALWAYS | {M.OPEN},
         S.JOB_RESTORING: _ALWAYS,
         S.JOB: _ALWAYS | {M.GEMM, M.CONV, M.COLLECTIVE, M.WAIT, M.STEP, M.CLOSE, M.SLAB},

@@ -1,0 +1,116 @@
+"""Prometheus metrics (``--metrics-port``): the ``status`` snapshot as gauges and counters.
+
+prometheus_client serves them from its own HTTP thread. A scrape asks the event loop for
+the snapshot and waits for it, so it never reads the emulator's state while the loop
+changes it, and a scrape that times out says the loop is stuck. Rates (tiles and bytes
+per second) are the counters' ``rate()`` in Prometheus.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from .status import DEVICE_STATES, snapshot
+
+if TYPE_CHECKING:
+    from .server import Emulator
+
+SCRAPE_TIMEOUT_S = 5.0
+
+
+def families(snap: dict[str, Any]) -> Iterator[Metric]:
+    """The metrics of one ``status.snapshot``."""
+    devices = GaugeMetricFamily(
+        "morphling_devices", "Devices connected, by state", labels=["state"]
+    )
+    counted = collections.Counter(d["state"] for d in snap["devices"])
+    for state in DEVICE_STATES:
+        devices.add_metric([state], counted[state])
+    yield devices
+    yield GaugeMetricFamily("morphling_jobs", "Jobs connected", value=len(snap["jobs"]))
+    tiles = snap["tiles"]
+    yield CounterMetricFamily("morphling_tiles_sent", "Tiles sent to devices", value=tiles["sent"])
+    yield CounterMetricFamily(
+        "morphling_tiles_returned", "Tile results received from devices", value=tiles["returned"]
+    )
+    wire = CounterMetricFamily(
+        "morphling_tile_bytes",
+        "Tile bytes on sockets (not those devices on this host read in place)",
+        labels=["direction"],
+    )
+    for direction, nbytes in snap["bytes"].items():
+        wire.add_metric([direction], nbytes)
+    yield wire
+    yield GaugeMetricFamily(
+        "morphling_tiles_queued", "Tiles placed on a device and not yet sent", value=tiles["queued"]
+    )
+    yield GaugeMetricFamily(
+        "morphling_tiles_in_flight",
+        "Tiles sent and not yet answered",
+        value=sum(d["in_flight"] for d in snap["devices"]),
+    )
+    yield GaugeMetricFamily(
+        "morphling_in_flight_bytes",
+        "Tile operand bytes on the wire",
+        value=tiles["in_flight_bytes"],
+    )
+    checks = CounterMetricFamily(
+        "morphling_verification_tiles",
+        "Tiles by what verification did: checked, screened_out (recomputed in float64), wrong, "
+        "sampled_out, check_errors",
+        labels=["outcome"],
+    )
+    for outcome, count in snap["verification"].items():
+        checks.add_metric([outcome], count)
+    yield checks
+    yield GaugeMetricFamily(
+        "morphling_quarantined_devices",
+        "Devices refused now for wrong tiles",
+        value=len(snap["quarantines"]),
+    )
+    yield GaugeMetricFamily(
+        "morphling_unwelcomed_connections",
+        "Connections whose HELLO is not yet accepted",
+        value=snap["unwelcomed"],
+    )
+    clock = snap["clock"]
+    yield GaugeMetricFamily(
+        "morphling_virtual_time_seconds", "The virtual clock", value=clock["virtual_s"]
+    )
+    yield GaugeMetricFamily(
+        "morphling_virtual_clock_held",
+        "1 while events are due that a job computing on the host holds back",
+        value=int(clock["held"]),
+    )
+    yield GaugeMetricFamily(
+        "morphling_uptime_seconds", "Seconds since the emulator started", value=snap["uptime_s"]
+    )
+
+
+class _Snapshots(Collector):
+    def __init__(self, emulator: Emulator, loop: asyncio.AbstractEventLoop) -> None:
+        self.emulator, self.loop = emulator, loop
+
+    def collect(self) -> Iterator[Metric]:
+        future = asyncio.run_coroutine_threadsafe(self._take(), self.loop)
+        yield from families(future.result(SCRAPE_TIMEOUT_S))
+
+    async def _take(self) -> dict[str, Any]:
+        return snapshot(self.emulator)
+
+
+def serve(emulator: Emulator, ip: str, port: int) -> WSGIServer:
+    """Serve ``emulator``'s metrics on ``ip:port`` (OSError when it cannot listen); call
+    from its event loop. ``shutdown()`` on the server stops it."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Snapshots(emulator, asyncio.get_running_loop()))
+    server, _ = start_http_server(port, addr=ip, registry=registry)
+    return server
