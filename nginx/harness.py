@@ -81,6 +81,7 @@ class Nginx:
     def start(self, timeout_s: float = 10.0) -> Nginx:
         """Start nginx and return once it listens (it writes its pid file after binding)."""
         self.workdir.mkdir(parents=True, exist_ok=True)
+        self._pid.unlink(missing_ok=True)  # a killed nginx's, which would read as started
         self.conf.write_text(render(self.cfg))
         with open(self.error_log, "ab") as errors:
             self.process = subprocess.Popen(
@@ -109,12 +110,13 @@ class Nginx:
     def errors(self) -> str:
         return self.error_log.read_text(errors="replace") if self.error_log.exists() else ""
 
-    def stop(self) -> None:
-        """Graceful stop (SIGQUIT lets sessions finish), then a kill if it lingers."""
+    def stop(self, *, fast: bool = False) -> None:
+        """Graceful stop (SIGQUIT lets sessions finish), then a kill if it lingers;
+        ``fast``: SIGTERM, which cuts every session at once (``systemctl restart``)."""
         process, self.process = self.process, None
         if process is None or process.poll() is not None:
             return
-        process.send_signal(signal.SIGQUIT)
+        process.send_signal(signal.SIGTERM if fast else signal.SIGQUIT)
         try:
             process.wait(timeout=5)
         except subprocess.TimeoutExpired:

@@ -9,6 +9,7 @@ and real ``morphling device`` processes; jobs talk to the emulator directly.
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import subprocess
 import time
@@ -333,6 +334,40 @@ def test_bad_tls_settings_exit_2_naming_the_flag(flags, message):
     done = subprocess.run([*MORPHLING, "device", "--server", "127.0.0.1:9", *flags],
                           capture_output=True, text=True, timeout=60, env=child_env())  # fmt: skip
     assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+async def test_nginx_restarted_mid_run_devices_reconnect_and_no_tile_is_lost(install, procs: Procs):
+    """nginx cut mid-run (SIGTERM, as ``systemctl restart``) and started again: the boards
+    reconnect through it by themselves, and every GEMM of the job comes back right."""
+    emulator, port = procs.emulator("--no-probe", "--block-size", "32", "--window", "2")
+    proxy, proxy_port = nginx_for(procs.tmp, port)
+    try:
+        for i in range(2):
+            procs.device(proxy_port, f"board-{i}")
+        procs.wait_for(emulator, ") ready", 2)
+        rng = np.random.default_rng(3)
+        cases = [(rng.standard_normal((256, 96), np.float32),
+                  rng.standard_normal((96, 256), np.float32)) for _ in range(24)]  # fmt: skip
+        client = await AsyncClient.connect("127.0.0.1", port, name="through-a-restart")
+        try:
+            tasks = [asyncio.ensure_future(client.matmul(a, b, timeout=120)) for a, b in cases]
+            while sum(t.done() for t in tasks) < 2:
+                await asyncio.sleep(0.005)
+            assert not all(t.done() for t in tasks), "the run finished before the restart"
+            proxy.stop(fast=True)
+            await asyncio.sleep(0.5)
+            proxy.start()
+            results = await asyncio.gather(*tasks)
+        finally:
+            await client.close()
+    finally:
+        proxy.stop()
+    for (a, b), c in zip(cases, results, strict=True):
+        np.testing.assert_allclose(c, a @ b, rtol=1e-4, atol=1e-4)
+    text = emulator.text()
+    assert "lost with" in text  # the restart did cut them mid-run
+    for i in range(2):  # and each came back through nginx
+        assert text.count(f"(board-{i}) ready") == 2, text[-2000:]
 
 
 async def test_wrong_token_is_refused_with_a_clear_message_on_the_device(install, procs: Procs):

@@ -561,6 +561,45 @@ def test_sighup_rereads_the_device_tokens(procs: Procs, tmp_path):
     assert emulator.alive and "device 0 (pi01) lost" not in emulator.text()
 
 
+async def test_emulator_killed_and_restarted_a_job_gets_an_error_and_devices_come_back(
+    procs: Procs,
+):
+    """The emulator killed mid-run: the job's pending GEMMs fail at once with an error
+    that says what happened (no hang); the emulator started again on its port gets its
+    devices back by themselves, and a new job computes."""
+    emulator, port = procs.emulator("--no-probe", "--block-size", "32", "--window", "2")
+    for i in range(2):
+        procs.device(port, f"dev-{i}")
+    procs.wait_for(emulator, ") ready", 2)
+    rng = np.random.default_rng(11)
+    cases = [(rng.standard_normal((256, 96), np.float32),
+              rng.standard_normal((96, 256), np.float32)) for _ in range(24)]  # fmt: skip
+    client = await AsyncClient.connect("127.0.0.1", port, name="cut-off")
+    blocking = Client("127.0.0.1", port, name="cut-off-too")  # morphling run's client
+    tasks = [asyncio.ensure_future(client.matmul(a, b, timeout=120)) for a, b in cases]
+    while not any(t.done() for t in tasks):
+        await asyncio.sleep(0.005)
+    emulator.signal(signal.SIGKILL)
+    killed = time.monotonic()
+    outcomes = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 30)
+    errors = [o for o in outcomes if isinstance(o, BaseException)]
+    assert errors, "every GEMM finished before the kill"
+    assert time.monotonic() - killed < 10
+    assert all(isinstance(e, EmulatorError) and e.code == "disconnected"
+               and "the emulator closed the connection without a goodbye" in e.reason
+               for e in errors), errors[:3]  # fmt: skip
+    await client.close()
+    with pytest.raises(EmulatorError, match="the emulator closed the connection"):
+        await asyncio.to_thread(blocking.matmul, *cases[0], timeout=30)
+    blocking.close()
+
+    again = procs.start("emulator-again", "emulator", "--listen-port", str(port), "--no-probe")
+    procs.wait_for(again, ") ready", 2, timeout=60)  # the devices reconnected by themselves
+    with Client("127.0.0.1", port, name="after") as job:
+        a, b = cases[0]
+        check(job.matmul(a, b, timeout=30), a, b)
+
+
 def morphling_status(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*MORPHLING, "status", *args], capture_output=True, text=True,
                           timeout=60, env=child_env())  # fmt: skip

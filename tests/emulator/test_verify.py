@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import threading
 from typing import Any
 
@@ -14,7 +15,16 @@ import pytest
 from morphling.kernels import CpuBackend, WorkerPool
 from morphling.kernels._native import ffi
 from morphling.proxy.emulator.settings import EmulatorConfig, parse_mode
-from serving import TIMEOUT, assert_gemm_close, gemm_request, result_array, wait_for_condition
+from processes import load_script
+from serving import (
+    TIMEOUT,
+    assert_gemm_close,
+    gemm_request,
+    needs_torch,
+    result_array,
+    torch,
+    wait_for_condition,
+)
 
 from morphling.config import ConfigError
 
@@ -167,3 +177,47 @@ async def test_verify_off_lets_a_wrong_tile_through_as_it_says(fleet):
     c = result_array(result, request, batched=False)
     assert c[32, 32] == pytest.approx(64 * 1.1 + 1)
     assert f.emu.verifier.counts["checked"] == 0
+
+
+@needs_torch
+async def test_training_beside_a_corrupting_device_has_the_native_losses(fleet, monkeypatch):
+    """Issue 25's fault case: a device that corrupts one element of every tile (GEMM and
+    convolution) after it joined, and comes back each time it is dropped. Every tile it
+    returns is caught; the model trains exactly as natively."""
+    from morphling.proxy.job.session import emulate  # torch: the interceptor
+
+    monkeypatch.setattr(sys, "argv", ["train_conv1d.py", "", "8"])  # 8 steps (``_training``)
+    script, training = load_script("train_conv1d.py"), load_script("_training.py")
+    native_model, native_loss = script.build()
+    native = training.fit(native_model, native_loss)
+
+    f = await fleet(block_size=8, window=2, policy="round-robin", quarantine_s=0.0)
+    armed = threading.Event()
+    backend = CorruptingBackend(armed)
+    bad_workers = WorkerPool([backend])
+    try:
+        await f.add_device(name="honest")
+        liar = f.agent(name="liar", workers=bad_workers)
+        f.run(liar, reconnect=True)  # dropped for each wrong tile, it comes straight back
+        await f.wait_ready(liar)
+        armed.set()
+
+        def train() -> list[float]:
+            model, step_loss = script.build()
+            with emulate(server=f"{f.host}:{f.port}", min_flops=0):
+                losses = training.fit(model, step_loss)
+            trained.append(model)
+            return losses
+
+        trained: list[torch.nn.Module] = []
+        losses = await asyncio.to_thread(train)
+        liar.stop()
+    finally:
+        bad_workers.close()
+    verifier = f.emu.verifier
+    assert verifier.counts["wrong"] == len(verifier.quarantines) >= 2  # it came back, lied again
+    assert backend.corrupted >= verifier.counts["wrong"]  # (some it computed never returned)
+    got, want = (torch.tensor(x, dtype=torch.float64) for x in (losses, native))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=0)
+    for name, tensor in native_model.state_dict().items():
+        torch.testing.assert_close(trained[0].state_dict()[name], tensor, rtol=1e-4, atol=1e-4)
