@@ -159,12 +159,17 @@ def test_profile_refuses_to_overwrite_without_force(tmp_path):
     assert morphling("profile", "--help").returncode == 0
 
 
-def test_emulator_listens_on_every_address_at_port_39000_unless_told():
-    """The README's promise: boards reach the emulator on port 39000 from anywhere."""
+def test_emulator_listens_on_loopback_port_39000_unless_told():
+    """Port 39000 by default; on loopback, since an address other machines reach needs a
+    token (or --insecure): with one, boards reach it from anywhere."""
     args = build_parser().parse_args(["emulator"])
     cfg, sources = configuration.load(EmulatorConfig, args, env={}, section="emulator")
-    assert (cfg.listen_ip, cfg.listen_port) == ("0.0.0.0", DEFAULT_PORT) == ("0.0.0.0", 39000)
+    assert (cfg.listen_ip, cfg.listen_port) == ("127.0.0.1", DEFAULT_PORT) == ("127.0.0.1", 39000)
     assert sources["listen_ip"] == sources["listen_port"] == "default"
+    args = build_parser().parse_args(["emulator", "--listen-ip", "0.0.0.0"])
+    cfg, _ = configuration.load(EmulatorConfig, args, env={"MORPHLING_TOKEN": "s"},
+                                section="emulator")  # fmt: skip
+    assert (cfg.listen_ip, cfg.token) == ("0.0.0.0", "s")
 
 
 @pytest.mark.parametrize(
