@@ -4,8 +4,8 @@ A GEMM tile C = A·B ([m, n]: op(A)'s rows, op(B)'s columns, all K) is checked w
 r: C·r against A·(B·r), O(mK + Kn + mn) work instead of the product's O(mnK). The
 weights are drawn per request and per column block of tiles, from a generator the devices
 never see; ``RequestCheck`` computes B·r and A·(B·r) for every column block of every pivot
-at once (one pass over A and one over B per request, not per tile), so a tile costs one
-pass over its own C.
+at once, and screens the request's whole output when its tiles are in: one pass over each
+of A, B and C per request, not per tile.
 
 A convolution tile is checked through its GEMM view (an implicit GEMM: y = W·unfold(x)),
 never unfolding x: its product's channels within each group are summed with random weights
@@ -76,25 +76,21 @@ def unit_roundoff(dtype: np.dtype[Any]) -> float:
 
 @dataclass
 class RequestCheck:
-    """The screen's figures for one GEMM, found at its first checked tile: the weights r_J
-    of each column block J (blocks of ``edge`` columns), and for every pivot and row
-    A·(B_J·r_J) (one pass over A and one over B however many tiles and pivots there are;
-    |A|·|B_J·r_J| too, a second pass over A, for a request whose device term falls short)."""
+    """The screen of one GEMM: the weights r_J of each column block J (blocks of ``edge``
+    columns), and for every pivot and row A·(B_J·r_J) (one pass over A and one over B
+    however many tiles and pivots there are; |A|·|B_J·r_J| too, a second pass over A, for
+    a request whose device term falls short)."""
 
     a: Array  # op(A) [batch, m, K]
     b: Array  # op(B) [batch, K, n]
     edge: int  # the tiles' width (the last may be narrower)
-    rng: np.random.Generator
-    signs: Array = field(init=False)  # [n]: r_J in each block's columns
+    signs: Array  # [n]: r_J in each block's columns (``weights``), of the product's dtype
     x: Array = field(init=False)  # [batch, K, blocks]: each B_J·r_J
     reference: Array = field(init=False)  # [batch, m, blocks]: A·(B_J·r_J)
 
     def __post_init__(self) -> None:
-        a, b = self.a, self.b
-        dtype = np.result_type(a, b)
-        self.signs = weights(self.rng, b.shape[-1], dtype)
-        self.x = _block_products(b, self.signs, self.edge)
-        self.reference = a @ self.x
+        self.x = _block_products(self.b, self.signs, self.edge)
+        self.reference = self.a @ self.x
 
     @cached_property
     def scale(self) -> Array:
@@ -102,17 +98,20 @@ class RequestCheck:
         asked only for a tile whose device term alone does not cover its difference."""
         return _abs_product(self.a, np.abs(self.x))
 
-    def screen(self, pivot: int, rows: slice, cols: slice, c: Array) -> int | None:
-        """The first of ``c``'s rows (C[pivot, rows, cols] as the device returned it)
-        outside the screen's tolerance, or None when all are within it."""
-        block = cols.start // self.edge
-        got, want = c @ self.signs[cols], self.reference[pivot, rows, block]
+    def screen(self, c: Array) -> Array:
+        """[batch, m, blocks]: where the rows of each column block of ``c`` (the request's
+        whole output [batch, m, n], as its devices returned it) fall outside the screen's
+        tolerance. One pass over C for all its tiles; the check's own term only where the
+        device's does not cover the difference."""
+        with np.errstate(over="ignore", invalid="ignore"):  # a huge element: flagged below
+            got = _block_products(c, self.signs, self.edge)
         k = self.a.shape[-1]
         unit, floor = LAMBDA * unit_roundoff(c.dtype) * math.sqrt(k), _floor(k, c.dtype)
-        device = 2 * _norms(c, 1)
-        if _within(got, want, unit * device + floor):  # the device's term covers it: done
-            return None
-        return _first_out(got, want, unit * (device + self.scale[pivot, rows, block]) + floor)
+        device = 2 * _block_norms(c, self.edge)
+        bad = _outside(got, self.reference, unit * device + floor)
+        if bad.any():
+            bad &= _outside(got, self.reference, unit * (device + self.scale) + floor)
+        return bad
 
 
 def confirm(a: Array, b: Array, c: Array) -> str:
@@ -135,16 +134,17 @@ def _floor(k: int, dtype: np.dtype[Any]) -> float:
     return (k + 1) * float(np.finfo(dtype).tiny)
 
 
-def _within(got: Array, want: Array, tolerance: Array) -> bool:
+def _outside(got: Array, want: Array, tolerance: Array) -> Array:
+    """Where ``got`` is off ``want`` by more than ``tolerance``, or non-finite where ``want``
+    is finite (NaN counts as off)."""
     with np.errstate(invalid="ignore"):
-        return bool((np.abs(got - want) <= tolerance).all() and np.isfinite(got).all())
+        off: Array = ~(np.abs(got - want) <= tolerance) | (~np.isfinite(got) & np.isfinite(want))
+    return off
 
 
 def _first_out(got: Array, want: Array, tolerance: Array) -> int | None:
-    """The first element of ``got`` off ``want`` by more than ``tolerance``, or non-finite
-    where ``want`` is finite (NaN counts as off), or None."""
-    with np.errstate(invalid="ignore"):
-        bad = ~(np.abs(got - want) <= tolerance) | (~np.isfinite(got) & np.isfinite(want))
+    """The first element ``_outside`` its tolerance, or None."""
+    bad = _outside(got, want, tolerance)
     return int(bad.argmax()) if bad.any() else None
 
 
@@ -170,16 +170,32 @@ def _wrong(c: Array, exact: Array, magnitude: Array, k: int) -> str:
 
 def _block_products(b: Array, signs: Array, width: int) -> Array:
     """[..., K, blocks]: each column block B_J (``width`` columns) of ``b`` [..., K, n] times
-    its weights, one batched product over B's whole blocks and one for a narrower last."""
+    its weights: one matrix-vector product when there is one block, else one batched dot
+    product over B's whole blocks and one product for a narrower last."""
     n = b.shape[-1]
+    if n <= width:
+        one: Array = (b @ signs)[..., None]
+        return one
     whole = (n // width) * width
     out = np.empty((*b.shape[:-1], -(-n // width)), np.result_type(b, signs))
-    if whole:
-        blocks = b[..., :whole].reshape(*b.shape[:-1], whole // width, width)
-        out[..., : whole // width] = np.einsum("...kjw,jw->...kj", blocks,
-                                               signs[:whole].reshape(-1, width))  # fmt: skip
+    blocks = b[..., :whole].reshape(*b.shape[:-1], whole // width, width)
+    out[..., : whole // width] = np.vecdot(blocks, signs[:whole].reshape(-1, width))
     if whole < n:
         out[..., -1] = b[..., whole:] @ signs[whole:]
+    return out
+
+
+def _block_norms(c: Array, width: int) -> Array:
+    """[..., rows, blocks]: the 2-norms of each row of each column block of ``c``."""
+    n = c.shape[-1]
+    if n <= width:
+        one: Array = _norms(c, -1)[..., None]
+        return one
+    whole = (n // width) * width
+    out = np.empty((*c.shape[:-1], -(-n // width)), np.float64)
+    out[..., : whole // width] = _norms(c[..., :whole].reshape(*c.shape[:-1], -1, width), -1)
+    if whole < n:
+        out[..., -1] = _norms(c[..., whole:], -1)
     return out
 
 
@@ -274,7 +290,7 @@ def _judge(
     """The screen's verdict: within the device's term alone, or else within it plus the
     reference's own errors' size (``own()``, made only then)."""
     unit, floor = LAMBDA * unit_roundoff(dtype) * math.sqrt(k), _floor(k, dtype)
-    if _within(got, want, unit * 2 * size + floor):
+    if not _outside(got, want, unit * 2 * size + floor).any():
         return None
     return _first_out(got, want, unit * (2 * size + own()) + floor)
 
@@ -289,9 +305,18 @@ def confirm_conv(tile: ConvTileTask, c: Array) -> str:
 
 
 def _norms(x: Array, axis: int) -> Array:
-    """The 2-norms of ``x`` along ``axis``, summed in float64 (no overflow to inf)."""
-    along = np.moveaxis(x, axis, -1)
-    norms: Array = np.sqrt(np.einsum("...i,...i->...", along, along, dtype=np.float64))
+    """The 2-norms of ``x`` along ``axis``, in float64. Summed in ``x``'s dtype (a float64
+    sum is four times slower over float32), again in float64 where that overflowed or
+    met a non-finite element. (Squares that underflow can only make a norm smaller: a
+    tile sent to the confirmation, never one refused.)"""
+    along = x if axis in (-1, x.ndim - 1) else np.moveaxis(x, axis, -1)
+    with np.errstate(over="ignore"):  # (summed again below)
+        squares = np.vecdot(along, along).astype(np.float64)
+    spilled = ~np.isfinite(squares)
+    if spilled.any():
+        wide = along[spilled].astype(np.float64)
+        squares[spilled] = np.vecdot(wide, wide)
+    norms: Array = np.sqrt(squares)
     return norms
 
 

@@ -27,6 +27,8 @@ class TileLink(Protocol):
 
     def send(self, msg: Message) -> None: ...
 
+    def fail(self, code: str, reason: str) -> None: ...
+
 
 @dataclass(eq=False)
 class DeviceRecord:

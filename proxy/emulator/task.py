@@ -174,6 +174,11 @@ class Task:
         self.remaining -= 1
         return True
 
+    def take_back(self, tile: TaskTile) -> None:
+        """A stored tile found wrong (``verify``): it is to be computed again."""
+        self.done.discard(tile.id)
+        self.remaining += 1
+
 
 @dataclass(eq=False)
 class TaskTile(ABC):

@@ -49,6 +49,7 @@ from morphling.proxy.wire.operands import (
 from .conv_partition import AnyTile, ConvTileTask
 from .partition import Block, GemmTask, TileTask
 from .registry import DeviceRecord
+from .task import Task
 from .verify import Verifier, device_key
 
 if TYPE_CHECKING:
@@ -223,7 +224,7 @@ def take_result(
     scheduler: Scheduler, verifier: Verifier, device: DeviceRecord, msg: TileResult
 ) -> None:
     """A device's TILE_RESULT: its C into the request's output (unless written in place),
-    once checked (``verify``), and the job answered once every tile is in. A result that is
+    and the job answered once every tile is in and checked (``verify``). A result that is
     not what its TILE asked for is a protocol error, and a wrong one quarantines its device:
     either way the device is dropped and the tile sent to another (or given up,
     ``Scheduler.give_up_on``)."""
@@ -241,15 +242,44 @@ def take_result(
         task.bytes_up += segment.nbytes
         scheduler.bytes_returned += segment.nbytes
         values = None if tile.c_at.in_place else np.frombuffer(segment, dtype=task.out.dtype)
-        wrong = verifier.check(tile, values)
+        wrong = verifier.check(tile, values, device)
         if wrong:
-            verifier.quarantine(device.id, device_key(device.name, device.conn.peername), task.id,
-                                tile.id, wrong)  # fmt: skip
-            raise _refused(scheduler, tile, device, f"tile {tile.id} is wrong: {wrong}",
-                           "wrong_result")  # fmt: skip
-        if task.put(tile, values) and task.remaining == 0 and task.owner is not None:
-            task.owner.finish(task)
+            raise _wrong(scheduler, verifier, tile, device, wrong)
+        if task.put(tile, values) and task.remaining == 0:
+            _settle(scheduler, verifier, task)
     scheduler.dispatch()
+
+
+def _settle(scheduler: Scheduler, verifier: Verifier, task: Task) -> None:
+    """Every tile of ``task`` is in: the job is answered unless some are wrong, which are
+    taken back and computed again; each device that sent them is quarantined once, with
+    the evidence of its first, and dropped."""
+    by_device: dict[DeviceRecord, list[tuple[AnyTile, str]]] = {}
+    for tile, device, why in verifier.settle(task):
+        task.take_back(tile)
+        by_device.setdefault(device, []).append((tile, why))
+    for device, wrong in by_device.items():
+        (tile, why), more = wrong[0], len(wrong) - 1
+        if more:
+            why += f" (and {more} more of its tiles of request {task.id})"
+        error = _wrong(scheduler, verifier, tile, device, why)
+        for other, evidence in wrong[1:]:
+            _refused(scheduler, other, device, f"tile {other.id} is wrong: {evidence}",
+                     "wrong_result")  # fmt: skip
+        if device.conn.open:
+            device.conn.fail(error.code, error.reason)
+    if task.remaining == 0 and task.owner is not None and not task.cancelled:
+        task.owner.finish(task)
+
+
+def _wrong(
+    scheduler: Scheduler, verifier: Verifier, tile: AnyTile, device: DeviceRecord, why: str
+) -> RemoteProtocolError:
+    """``device``'s result for ``tile`` is wrong (``why``): it is quarantined, and the error
+    that drops it made once the tile is sent to another device or given up."""
+    key = device_key(device.name, device.conn.peername)
+    verifier.quarantine(device.id, key, tile.gemm.id, tile.id, why)
+    return _refused(scheduler, tile, device, f"tile {tile.id} is wrong: {why}", "wrong_result")
 
 
 def _refused(

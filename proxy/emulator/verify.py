@@ -1,11 +1,13 @@
 """Every tile checked before it reaches a job; a device that sends a wrong one quarantined.
 
 ``Verifier`` decides which tiles are checked (``--verify all``, ``sample:P`` or ``off``),
-checks a GEMM or convolution tile's result (``freivalds``: a screen for every tile, a
-float64 recomputation for those it flags) and keeps the quarantine book: a device whose
-tile was wrong is dropped with the evidence (the tile goes to another device, and nothing
-of its result reaches the job), and a device of that name is refused for
-``quarantine_s``, doubled at each further wrong tile, when it comes back.
+checks their results (``freivalds``: a screen for every tile, a float64 recomputation
+for those it flags) and keeps the quarantine book: a device whose tile was wrong is
+dropped with the evidence (the tile goes to another device, and nothing of its result
+reaches the job), and a device of that name is refused for ``quarantine_s``, doubled at
+each further wrong tile, when it comes back. A convolution tile is judged as it comes; a
+GEMM's tiles are stored and judged together once all are in (``settle``), one pass over
+the request's output instead of a dozen numpy calls per tile, before its job is answered.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ from typing import Any
 import numpy as np
 
 from . import freivalds
-from .conv_partition import AnyTile
+from .conv_partition import AnyTile, ConvTileTask
 from .partition import GemmTask, TileTask
+from .registry import DeviceRecord
 from .settings import parse_mode
 from .task import Task
 
@@ -54,8 +57,26 @@ def device_key(name: str, peer: str) -> str:
     return host if name == peer else f"{name}@{host}"
 
 
+class WeightPool:
+    """The screens' weights, drawn ``POOL`` at a time (one generator call for many
+    requests); each request takes fresh ones, never used before."""
+
+    POOL = 1 << 18
+
+    def __init__(self, rng: np.random.Generator) -> None:
+        self._rng = rng
+        self._left: dict[np.dtype[Any], np.ndarray] = {}
+
+    def take(self, n: int, dtype: np.dtype[Any]) -> np.ndarray:
+        left = self._left.get(dtype)
+        if left is None or len(left) < n:
+            left = freivalds.weights(self._rng, max(n, self.POOL), dtype)
+        self._left[dtype] = left[n:]
+        return left[:n]
+
+
 class Verifier:
-    """See the module docstring; ``check`` is the emulator's only question to it per tile."""
+    """See the module docstring: ``check`` for each tile, ``settle`` for each GEMM."""
 
     def __init__(self, mode: str, quarantine_s: float) -> None:
         self.mode = mode
@@ -64,7 +85,9 @@ class Verifier:
         # the check's weights and the samples: from a seed no device can know
         self._rng = np.random.default_rng(secrets.randbits(128))
         self._started = time.monotonic()
-        self._checks: weakref.WeakKeyDictionary[Task, freivalds.RequestCheck] = (
+        self._weights = WeightPool(self._rng)
+        # a request's GEMM tiles stored and not yet judged, by tile id, with their devices
+        self._pending: weakref.WeakKeyDictionary[Task, dict[int, tuple[TileTask, DeviceRecord]]] = (
             weakref.WeakKeyDictionary()
         )
         self.counts = {
@@ -73,55 +96,75 @@ class Verifier:
         self.quarantines: list[Quarantine] = []
         self._refused: dict[str, tuple[float, int]] = {}  # name@host -> (until, wrong tiles)
 
-    def check(self, tile: AnyTile, values: np.ndarray | None) -> str:
-        """Empty when ``tile``'s result (``values``, or what its device wrote into the
-        output when None) may reach its job, else the evidence that it is wrong. A check
-        that cannot run takes the tile unchecked, logged and counted: it must not lose the
-        tile or drop an honest device."""
+    def check(self, tile: AnyTile, values: np.ndarray | None, source: DeviceRecord) -> str:
+        """Whether ``tile``'s result (``values``, or what its device, ``source``, wrote into
+        the output when None) may be stored: empty, else the evidence that it is wrong. A
+        convolution tile is judged now; a GEMM tile is stored and judged with the rest of
+        its request (``settle``), in one pass over the request's output. A check that
+        cannot run takes the tile unchecked, logged and counted: it must not lose the tile
+        or drop an honest device."""
+        if self.fraction == 0.0:
+            return ""
+        if self.fraction < 1.0 and self._rng.random() >= self.fraction:
+            self.counts["sampled_out"] += 1
+            return ""
+        if isinstance(tile, TileTask):
+            if tile.id not in tile.gemm.done:  # (a duplicate is not stored)
+                self._pending.setdefault(tile.gemm, {})[tile.id] = (tile, source)
+            return ""
         try:
-            return self._check(tile, values)
+            return self._check_conv(tile, values)
         except Exception:
             log.exception("tile %d of request %d: its check failed; the result is taken "
                           "unchecked", tile.id, tile.gemm.id)  # fmt: skip
             self.counts["check_errors"] += 1
             return ""
 
-    def _check(self, tile: AnyTile, values: np.ndarray | None) -> str:
-        if self.fraction == 0.0:
-            return ""
-        if self.fraction < 1.0 and self._rng.random() >= self.fraction:
-            self.counts["sampled_out"] += 1
-            return ""
-        task = tile.gemm
-        c = task.out[tile.index] if values is None else values.reshape(tile.shape)
+    def _check_conv(self, tile: ConvTileTask, values: np.ndarray | None) -> str:
+        c = tile.gemm.out[tile.index] if values is None else values.reshape(tile.shape)
         if c.size == 0:
             return ""
         self.counts["checked"] += 1
-        if not isinstance(tile, TileTask):
-            if freivalds.screen_conv(tile, c, self._rng) is None:
-                return ""
-            self.counts["screened_out"] += 1
-            return self._judged(freivalds.confirm_conv(tile, c))
-        rows, cols = slice(tile.r0, tile.r1), slice(tile.c0, tile.c1)
-        request = self._request(tile.gemm)
-        if request.screen(tile.pivot, rows, cols, c) is None:
+        if freivalds.screen_conv(tile, c, self._rng) is None:
             return ""
         self.counts["screened_out"] += 1
-        a, b = request.a[tile.pivot], request.b[tile.pivot]
-        return self._judged(freivalds.confirm(a[rows], b[:, cols], c))
+        return self._judged(freivalds.confirm_conv(tile, c))
+
+    def settle(self, task: Task) -> list[tuple[TileTask, DeviceRecord, str]]:
+        """Every tile of ``task`` (all in) stored since it was last settled: those wrong,
+        with their devices and the evidence. They are to be computed again."""
+        pending = self._pending.pop(task, None)
+        if not pending:
+            return []
+        assert isinstance(task, GemmTask)
+        self.counts["checked"] += len(pending)
+        try:
+            a, b = task.op_views()
+            signs = self._weights.take(b.shape[-1], task.out.dtype)
+            request = freivalds.RequestCheck(a, b, task.block_edge, signs)
+            bad = request.screen(task.out)
+            edge = task.block_edge
+            flagged = [(tile, source) for tile, source in pending.values()
+                       if bad[tile.pivot, tile.r0 : tile.r1, tile.c0 // edge].any()]  # fmt: skip
+            self.counts["screened_out"] += len(flagged)
+            found = []
+            for tile, source in flagged:
+                a, b = request.a[tile.pivot], request.b[tile.pivot]
+                why = freivalds.confirm(a[tile.r0 : tile.r1], b[:, tile.c0 : tile.c1],
+                                        task.out[tile.index])  # fmt: skip
+                if self._judged(why):
+                    found.append((tile, source, why))
+            return found
+        except Exception:
+            log.exception("request %d: its check failed; its %d tiles are taken unchecked",
+                          task.id, len(pending))  # fmt: skip
+            self.counts["check_errors"] += len(pending)
+            return []
 
     def _judged(self, why: str) -> str:
         if why:
             self.counts["wrong"] += 1
         return why
-
-    def _request(self, task: GemmTask) -> freivalds.RequestCheck:
-        """The screen's figures for ``task``, made at its first tile checked."""
-        request = self._checks.get(task)
-        if request is None:
-            a, b = task.op_views()
-            request = self._checks[task] = freivalds.RequestCheck(a, b, task.block_edge, self._rng)
-        return request
 
     def quarantine(self, device: int, name: str, request: int, tile: int, evidence: str) -> None:
         """``device`` (``name``) sent a wrong ``tile`` of ``request``: log it, and refuse

@@ -11,7 +11,7 @@ from morphling.kernels.blas import gemm
 from morphling.kernels.conv import ConvGeometry
 from morphling.proxy.emulator import freivalds
 from morphling.proxy.emulator.conv_partition import make_conv_task
-from morphling.proxy.emulator.freivalds import RequestCheck, confirm
+from morphling.proxy.emulator.freivalds import RequestCheck, confirm, weights
 from morphling.proxy.job.client import conv_request
 
 BLOCK = 64
@@ -47,14 +47,9 @@ def kernels(a: np.ndarray, b: np.ndarray) -> dict[str, np.ndarray]:
 def screened(a: np.ndarray, b: np.ndarray, c: np.ndarray, rng: np.random.Generator) -> list[int]:
     """The tiles (by index) of ``c`` the screen flags, tiles of BLOCK × BLOCK."""
     m, n = c.shape
-    check = RequestCheck(a[None], b[None], BLOCK, rng)
-    flagged = []
+    bad = RequestCheck(a[None], b[None], BLOCK, weights(rng, n, c.dtype)).screen(c[None])
     tiles = [(r, j) for r in range(0, m, BLOCK) for j in range(0, n, BLOCK)]
-    for index, (r, j) in enumerate(tiles):
-        rows, cols = slice(r, min(r + BLOCK, m)), slice(j, min(j + BLOCK, n))
-        if check.screen(0, rows, cols, c[rows, cols]) is not None:
-            flagged.append(index)
-    return flagged
+    return [index for index, (r, j) in enumerate(tiles) if bad[0, r : r + BLOCK, j // BLOCK].any()]
 
 
 @pytest.mark.parametrize("kind", ["normal", "relu", "positive", "cancelling"])
@@ -132,7 +127,7 @@ def test_the_screens_reach_at_a_long_k():
     rng = np.random.default_rng(4)
     a, b = operands(rng, "normal", 64, 4096, 64, np.float32)
     c = gemm(a, b)
-    check = RequestCheck(a[None], b[None], 64, rng)
+    check = RequestCheck(a[None], b[None], 64, weights(rng, 64, c.dtype))
     u = freivalds.unit_roundoff(np.dtype(np.float32))
     size = np.linalg.norm(c, axis=1) + check.scale[0, :, 0]
     tolerance = freivalds.LAMBDA * u * np.sqrt(4096) * size

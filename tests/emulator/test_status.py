@@ -60,7 +60,7 @@ async def test_status_and_metrics_show_the_fleet_its_work_and_a_quarantine(fleet
     assert 0 < refused["left_s"] <= 60
     tiles, checks = status["tiles"], status["verification"]
     assert tiles["sent"] >= tiles["returned"] >= 16  # a 64² output in 16² tiles, and retries
-    assert checks["wrong"] == 1 and checks["checked"] == tiles["returned"]
+    assert checks["wrong"] >= 1 and checks["checked"] == tiles["returned"]
     assert status["bytes"]["down"] > 0 and status["bytes"]["up"] >= 64 * 64 * 4
 
     def sample(name: str, **labels: str) -> float:
@@ -70,7 +70,7 @@ async def test_status_and_metrics_show_the_fleet_its_work_and_a_quarantine(fleet
     assert sample("morphling_devices", state="busy") == 0
     assert sample("morphling_jobs") == 1
     assert sample("morphling_quarantined_devices") == 1
-    assert sample("morphling_verification_tiles_total", outcome="wrong") == 1
+    assert sample("morphling_verification_tiles_total", outcome="wrong") == checks["wrong"]
     assert sample("morphling_tiles_returned_total") == tiles["returned"]
     assert sample("morphling_tile_bytes_total", direction="up") == status["bytes"]["up"]
     assert sample("morphling_uptime_seconds") > 0

@@ -101,7 +101,7 @@ async def test_a_corrupting_device_is_caught_every_time_and_quarantined(fleet, t
     verifier = f.emu.verifier
     wrong = verifier.counts["wrong"]
     assert backend.corrupted >= 3
-    assert wrong == len(verifier.quarantines) >= 3  # each lie caught, its device dropped
+    assert wrong >= len(verifier.quarantines) >= 3  # each lie caught, its device dropped once
     assert {q.name for q in verifier.quarantines} == {"liar@127.0.0.1"}  # its name, its host
     assert all("elements wrong" in q.evidence for q in verifier.quarantines)
     f.emu.write_run()
@@ -215,7 +215,7 @@ async def test_training_beside_a_corrupting_device_has_the_native_losses(fleet, 
     finally:
         bad_workers.close()
     verifier = f.emu.verifier
-    assert verifier.counts["wrong"] == len(verifier.quarantines) >= 2  # it came back, lied again
+    assert verifier.counts["wrong"] >= len(verifier.quarantines) >= 2  # it came back, lied again
     assert backend.corrupted >= verifier.counts["wrong"]  # (some it computed never returned)
     got, want = (torch.tensor(x, dtype=torch.float64) for x in (losses, native))
     torch.testing.assert_close(got, want, rtol=1e-4, atol=0)
