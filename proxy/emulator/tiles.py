@@ -254,15 +254,15 @@ def _settle(scheduler: Scheduler, verifier: Verifier, task: Task) -> None:
     """Every tile of ``task`` is in: the job is answered unless some are wrong, which are
     taken back and computed again; each device that sent them is quarantined once, with
     the evidence of its first, and dropped."""
-    by_device: dict[DeviceRecord, list[tuple[AnyTile, str]]] = {}
+    by_device: dict[DeviceRecord, list[tuple[TileTask, str]]] = {}
     for tile, device, why in verifier.settle(task):
         task.take_back(tile)
         by_device.setdefault(device, []).append((tile, why))
     for device, wrong in by_device.items():
-        (tile, why), more = wrong[0], len(wrong) - 1
+        (first, why), more = wrong[0], len(wrong) - 1
         if more:
             why += f" (and {more} more of its tiles of request {task.id})"
-        error = _wrong(scheduler, verifier, tile, device, why)
+        error = _wrong(scheduler, verifier, first, device, why)
         for other, evidence in wrong[1:]:
             _refused(scheduler, other, device, f"tile {other.id} is wrong: {evidence}",
                      "wrong_result")  # fmt: skip
