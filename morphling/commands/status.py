@@ -106,7 +106,7 @@ def render(status: dict[str, Any]) -> str:
         lines.append("no devices connected")
     for q in status["quarantines"]:
         lines.append(f"quarantined: {q['device']} for {q['left_s']:.0f} s more "
-                     f"({q['wrong']} wrong tiles)")  # fmt: skip
+                     f"(caught {q['caught']} times)")  # fmt: skip
     for job in status["jobs"]:
         lines.append(f"job {job['id']} {job['name'] or '-'} from {job['peer']}: "
                      f"{job['steps']} steps, {job['tiles_in_flight']} tiles in flight")  # fmt: skip

@@ -224,8 +224,8 @@ class EmulatorConfig:
     )
     quarantine_s: float = _opt(
         60.0,
-        "how long a device whose tile was wrong is refused when it reconnects (doubled at "
-        "each further wrong tile)",
+        "how long a device whose tile was wrong is refused when it reconnects (doubled each "
+        "further time it is caught)",
         min=0.0,
     )
 

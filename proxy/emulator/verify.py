@@ -4,8 +4,8 @@
 checks their results (``freivalds``: a screen for every tile, a float64 recomputation
 for those it flags) and keeps the quarantine book: a device whose tile was wrong is
 dropped with the evidence (the tile goes to another device, and nothing of its result
-reaches the job), and a device of that name is refused for ``quarantine_s``, doubled at
-each further wrong tile, when it comes back. A convolution tile is judged as it comes; a
+reaches the job), and a device of that name is refused for ``quarantine_s``, doubled each
+further time it is caught, when it comes back. A convolution tile is judged as it comes; a
 GEMM's tiles are stored and judged together once all are in (``settle``), one pass over
 the request's output instead of a dozen numpy calls per tile, before its job is answered.
 """
@@ -30,7 +30,7 @@ from .task import Task
 
 log = logging.getLogger(__name__)
 
-MAX_DOUBLINGS = 16  # a device's refusal doubles per wrong tile up to 2¹⁶ times quarantine_s
+MAX_DOUBLINGS = 16  # a device's refusal doubles each time caught, up to 2¹⁶ × quarantine_s
 
 
 @dataclass
@@ -94,7 +94,7 @@ class Verifier:
             "checked": 0, "screened_out": 0, "wrong": 0, "sampled_out": 0, "check_errors": 0,
         }  # fmt: skip
         self.quarantines: list[Quarantine] = []
-        self._refused: dict[str, tuple[float, int]] = {}  # name@host -> (until, wrong tiles)
+        self._refused: dict[str, tuple[float, int]] = {}  # name@host -> (until, times caught)
 
     def check(self, tile: AnyTile, values: np.ndarray | None, source: DeviceRecord) -> str:
         """Whether ``tile``'s result (``values``, or what its device, ``source``, wrote into
@@ -170,9 +170,9 @@ class Verifier:
         """``device`` (``name``) sent a wrong ``tile`` of ``request``: log it, and refuse
         a device of that name for a while (longer each time)."""
         now = time.monotonic()
-        _, wrong = self._refused.get(name, (now, 0))
-        refused_s = self.quarantine_s * 2 ** min(wrong, MAX_DOUBLINGS)
-        self._refused[name] = (now + refused_s, wrong + 1)
+        _, caught = self._refused.get(name, (now, 0))
+        refused_s = self.quarantine_s * 2 ** min(caught, MAX_DOUBLINGS)
+        self._refused[name] = (now + refused_s, caught + 1)
         entry = Quarantine(device, name, request, tile, evidence, now - self._started, refused_s)
         self.quarantines.append(entry)
         log.error(
@@ -183,21 +183,22 @@ class Verifier:
 
     def refused(self, name: str) -> str:
         """Why the device ``name`` (``device_key``) may not join now, or empty when it may."""
-        until, wrong = self._refused.get(name, (0.0, 0))
+        until, caught = self._refused.get(name, (0.0, 0))
         left = until - time.monotonic()
         if left <= 0:
             return ""
         return (
-            f"device {name!r} is quarantined for {left:.0f} s more: {wrong} of its tiles "
-            "were wrong (run.json lists the evidence)"
+            f"device {name!r} is quarantined for {left:.0f} s more: its tiles were found "
+            f"wrong {caught} times (run.json lists the evidence)"
         )
 
     def refusing(self) -> list[dict[str, Any]]:
-        """The devices refused now: their ``device_key``, seconds left, wrong tiles."""
+        """The devices refused now: their ``device_key``, seconds left, and how many times
+        they were caught."""
         now = time.monotonic()
         return [
-            {"device": name, "left_s": until - now, "wrong": wrong}
-            for name, (until, wrong) in self._refused.items()
+            {"device": name, "left_s": until - now, "caught": caught}
+            for name, (until, caught) in self._refused.items()
             if until > now
         ]
 

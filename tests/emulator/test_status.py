@@ -56,7 +56,7 @@ async def test_status_and_metrics_show_the_fleet_its_work_and_a_quarantine(fleet
     assert device["probe"]["latency_s"] > 0 and device["probe"]["dl_bw"] > 0
     assert [j["name"] for j in status["jobs"]] == ["trainer"]  # the probe peer is no job
     [refused] = status["quarantines"]
-    assert refused["device"] == "liar@127.0.0.1" and refused["wrong"] == 1
+    assert refused["device"] == "liar@127.0.0.1" and refused["caught"] == 1
     assert 0 < refused["left_s"] <= 60
     tiles, checks = status["tiles"], status["verification"]
     assert tiles["sent"] >= tiles["returned"] >= 16  # a 64² output in 16² tiles, and retries
