@@ -13,8 +13,9 @@ Adds ``verify`` to ``bench-results/net.json`` (the rest of the file is kept):
 - ``false_alarms``: the same tiles, honest, refused (target 0); ``screened_out_honest`` counts
   those the screen sent to the confirmation (they cost a recomputation, never a refusal);
 - ``overhead_ratio``: host seconds of the embedded demo step (``train_demo_model.py`` on
-  the demo's fleet) with ``--verify all`` over ``--verify off``, the medians of the steps
-  after the first over ``--reps`` alternating runs of each.
+  the demo's fleet) with ``--verify all`` over ``--verify off``: over ``--reps`` pairs of
+  runs, each pair's ratio of its median steps after the first, and the median of those
+  (``overhead_ratio_min``/``_max``: the pairs' spread, this host's noise).
 """
 
 from __future__ import annotations
@@ -95,22 +96,29 @@ def demo_steps(workdir: Path, mode: str, steps: int) -> list[float]:
 
 
 def bench_overhead(reps: int, steps: int) -> dict:
+    """Each rep runs the demo under ``all`` then ``off`` (so load from elsewhere hits both
+    alike): the ratio is the median over reps of each pair's ratio of median steps; the
+    spread of the pairs' ratios says how noisy the host was."""
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        runs: dict[str, list[float]] = {"all": [], "off": []}
+        pairs, runs = [], {"all": [], "off": []}
         for _ in tqdm(range(reps), desc="verify: demo steps", leave=False):
-            for mode in runs:  # alternating, so load from elsewhere hits both alike
-                runs[mode] += demo_steps(work, mode, steps)
-    on, off = statistics.median(runs["all"]), statistics.median(runs["off"])
-    return {"step_s_all": round(on, 4), "step_s_off": round(off, 4),
-            "overhead_ratio": round(on / off, 4)}  # fmt: skip
+            on, off = demo_steps(work, "all", steps), demo_steps(work, "off", steps)
+            runs["all"] += on
+            runs["off"] += off
+            pairs.append(statistics.median(on) / statistics.median(off))
+    return {"step_s_all": round(statistics.median(runs["all"]), 4),
+            "step_s_off": round(statistics.median(runs["off"]), 4),
+            "overhead_ratio": round(statistics.median(pairs), 4),
+            "overhead_ratio_min": round(min(pairs), 4),
+            "overhead_ratio_max": round(max(pairs), 4), "reps": reps}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiles", type=int, default=10_000, help="tiles for detection")
-    parser.add_argument("--reps", type=int, default=3, help="alternating demo runs of each")
-    parser.add_argument("--steps", type=int, default=4, help="demo steps per run")
+    parser.add_argument("--reps", type=int, default=7, help="alternating demo runs of each")
+    parser.add_argument("--steps", type=int, default=6, help="demo steps per run")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, default=Path("bench-results/net.json"))
     args = parser.parse_args(argv)
