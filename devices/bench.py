@@ -107,8 +107,7 @@ class ProbeConnection(PeerProtocol):
         loop = asyncio.get_running_loop()
         self.token, self.name = token, name
         self.welcomed_as: asyncio.Future[int] = loop.create_future()
-        self.verdict: asyncio.Future[Verdict] | None = None
-        self.status: asyncio.Future[dict[str, Any]] | None = None
+        self.awaiting: dict[type[Message], asyncio.Future[Any]] = {}  # PROBE_VERDICT, STATUS
         self.error: BenchError | None = None
         self._waiters: dict[int, asyncio.Future[tuple[Answer, float]]] = {}
         self._answered = (0, 0, 0)  # (dim, compute_ns, runs) of the challenge we answered
@@ -139,15 +138,19 @@ class ProbeConnection(PeerProtocol):
         elif isinstance(msg, ProbeFlops):
             challenge.check_dim(msg.dim, "PROBE_FLOPS.dim")
             self.spawn(self._answer_challenge(msg))
-        elif isinstance(msg, ProbeVerdict) and self.verdict and not self.verdict.done():
-            self.verdict.set_result(Verdict(msg.ok, msg.flops, msg.reason, *self._answered))
-        elif isinstance(msg, Status) and self.status and not self.status.done():
-            self.status.set_result(msg.status)
+        elif isinstance(msg, ProbeVerdict | Status):
+            future = self.awaiting.pop(type(msg), None)
+            if future is None or future.done():
+                return
+            if isinstance(msg, Status):
+                future.set_result(msg.status)
+            else:
+                future.set_result(Verdict(msg.ok, msg.flops, msg.reason, *self._answered))
 
     def disconnected(self, exc: Exception | None) -> None:
         error = self.error or BenchError(f"connection to the emulator lost ({exc or 'closed'})")
         futures: list[asyncio.Future[Any]] = [self.welcomed_as, *self._waiters.values()]
-        futures += [f for f in (self.verdict, self.status) if f is not None]
+        futures += self.awaiting.values()
         for future in futures:
             if not future.done():
                 future.set_exception(error)
@@ -299,31 +302,27 @@ class ProbeClient:
 
     async def flops(self, dim: int) -> Verdict:
         """Ask for a FLOPS challenge of ``dim``, answer it, and return the verdict."""
-        conn = self.conn
-        if conn.error is not None:
-            raise conn.error
-        conn.verdict = asyncio.get_running_loop().create_future()
-        conn.send(ProbeFlopsRequest(dim=dim))
-        try:
-            return await asyncio.wait_for(conn.verdict, self.timeout)
-        except TimeoutError:
-            raise BenchError(f"no PROBE_VERDICT within {self.timeout:g} s") from None
-        finally:
-            conn.verdict = None
+        verdict: Verdict = await self._answer(ProbeFlopsRequest(dim=dim), ProbeVerdict)
+        return verdict
 
     async def status(self) -> dict[str, Any]:
         """The emulator's fleet, jobs and counters (STATUS; docs/PROTOCOL.md)."""
+        status: dict[str, Any] = await self._answer(StatusAsk(), Status)
+        return status
+
+    async def _answer(self, msg: Message, kind: type[Message]) -> Any:
+        """Send ``msg`` and wait for the one reply of ``kind`` it asks for."""
         conn = self.conn
         if conn.error is not None:
             raise conn.error
-        conn.status = asyncio.get_running_loop().create_future()
-        conn.send(StatusAsk())
+        future = conn.awaiting[kind] = asyncio.get_running_loop().create_future()
+        conn.send(msg)
         try:
-            return await asyncio.wait_for(conn.status, self.timeout)
+            return await asyncio.wait_for(future, self.timeout)
         except TimeoutError:
-            raise BenchError(f"no STATUS within {self.timeout:g} s") from None
+            raise BenchError(f"no {kind.TYPE.name} within {self.timeout:g} s") from None
         finally:
-            conn.status = None
+            conn.awaiting.pop(kind, None)
 
     async def close(self) -> None:
         if self.conn.open:

@@ -251,16 +251,21 @@ def _parse_text(f: _Field, text: str, where: str) -> Any:
         raise ConfigError(f"{where}: expected float, got {text!r}") from None
 
 
-def read_secret(path: str, where: str) -> str:
-    """The secret in file ``path``: its one line, without the line end. An empty file is an
-    error, not an empty secret, which would quietly turn authentication off."""
+def read_text(path: str, where: str) -> str:
+    """File ``path`` as UTF-8 text; ConfigError naming ``where`` (the setting) when it
+    cannot be read."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        return Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"{where}: cannot read {path}: {exc.strerror or exc}") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{where}: {path} is not UTF-8 text") from None
-    secret = text.rstrip("\r\n")
+
+
+def read_secret(path: str, where: str) -> str:
+    """The secret in file ``path``: its one line, without the line end. An empty file is an
+    error, not an empty secret, which would quietly turn authentication off."""
+    secret = read_text(path, where).rstrip("\r\n")
     if not secret:
         raise ConfigError(f"{where}: {path} is empty")
     if "\n" in secret:

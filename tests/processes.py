@@ -19,6 +19,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import numpy as np
 import pytest
 
 MORPHLING = [sys.executable, "-m", "morphling"]
@@ -82,6 +83,14 @@ def load_script(name: str) -> ModuleType:
 def succeeded(proc: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     return proc
+
+
+def gemm_cases(seed: int, count: int = 24) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``count`` float32 GEMMs [256, 96] · [96, 256]: 64 tiles each at block 32, enough
+    that every device has tiles in flight when a test cuts something mid-run."""
+    rng = np.random.default_rng(seed)
+    return [(rng.standard_normal((256, 96), np.float32),
+             rng.standard_normal((96, 256), np.float32)) for _ in range(count)]  # fmt: skip
 
 
 def free_port() -> int:

@@ -20,7 +20,7 @@ import pytest
 from morphling.nginx.conf import NginxConfig, render
 from morphling.nginx.harness import Nginx, NginxUnavailable, find_nginx
 from morphling.proxy.job.client import AsyncClient, gemm_request, result_array
-from processes import MORPHLING, Procs, child_env, free_port
+from processes import MORPHLING, Procs, child_env, free_port, gemm_cases
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -345,9 +345,7 @@ async def test_nginx_restarted_mid_run_devices_reconnect_and_no_tile_is_lost(ins
         for i in range(2):
             procs.device(proxy_port, f"board-{i}")
         procs.wait_for(emulator, ") ready", 2)
-        rng = np.random.default_rng(3)
-        cases = [(rng.standard_normal((256, 96), np.float32),
-                  rng.standard_normal((96, 256), np.float32)) for _ in range(24)]  # fmt: skip
+        cases = gemm_cases(3)
         client = await AsyncClient.connect("127.0.0.1", port, name="through-a-restart")
         try:
             tasks = [asyncio.ensure_future(client.matmul(a, b, timeout=120)) for a, b in cases]

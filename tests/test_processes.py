@@ -25,7 +25,7 @@ import pytest
 from morphling.devices.models.capacity import DEVICE_BYTES
 from morphling.proxy.job.client import AsyncClient, Client, EmulatorError
 from morphling.proxy.wire.messages import Gemm, Result
-from processes import MORPHLING, Procs, child_env, free_port, morphling_here
+from processes import MORPHLING, Procs, child_env, free_port, gemm_cases, morphling_here
 
 try:
     import torch
@@ -208,11 +208,8 @@ async def test_device_killed_mid_run_tiles_requeued(procs: Procs):
         text = procs.wait_for(device, "registered as device")
         ids[int(re.search(r"registered as device (\d+)", text)[1])] = device
 
-    rng = np.random.default_rng(7)
-    cases = [
-        (rng.standard_normal((256, 96), np.float32), rng.standard_normal((96, 256), np.float32))
-        for _ in range(24)
-    ]  # 64 tiles each: ~1,500 queued at once, so every device always has tiles in flight
+    rng = np.random.default_rng(7)  # (for the GEMMs after the kill)
+    cases = gemm_cases(7)  # ~1,500 tiles queued at once
     client = await RecordingClient.connect("127.0.0.1", port, name="killer")
     try:
         tasks = [asyncio.ensure_future(client.matmul(a, b, timeout=60)) for a, b in cases]
@@ -571,9 +568,7 @@ async def test_emulator_killed_and_restarted_a_job_gets_an_error_and_devices_com
     for i in range(2):
         procs.device(port, f"dev-{i}")
     procs.wait_for(emulator, ") ready", 2)
-    rng = np.random.default_rng(11)
-    cases = [(rng.standard_normal((256, 96), np.float32),
-              rng.standard_normal((96, 256), np.float32)) for _ in range(24)]  # fmt: skip
+    cases = gemm_cases(11)
     client = await AsyncClient.connect("127.0.0.1", port, name="cut-off")
     blocking = Client("127.0.0.1", port, name="cut-off-too")  # morphling run's client
     tasks = [asyncio.ensure_future(client.matmul(a, b, timeout=120)) for a, b in cases]

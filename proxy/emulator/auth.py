@@ -15,26 +15,19 @@ from __future__ import annotations
 import ipaddress
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from morphling.proxy.wire.errors import RemoteProtocolError
 from morphling.proxy.wire.handshake import check_token
 from morphling.proxy.wire.messages import Hello
 
-from morphling.config import ConfigError
+from morphling.config import ConfigError, read_text
 
 
 def read_tokens(path: str) -> dict[str, str]:
     """A tokens file: one ``NAME SECRET`` per line; blank lines and ``#`` comments are
     skipped. ConfigError naming the file, the line and what is wrong with it."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"tokens_file: cannot read {path}: {exc.strerror or exc}") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"tokens_file: {path} is not UTF-8 text") from None
     tokens: dict[str, str] = {}
-    for number, line in enumerate(text.splitlines(), 1):
+    for number, line in enumerate(read_text(path, "device_tokens").splitlines(), 1):
         words = line.split("#", 1)[0].split()
         if not words:
             continue
@@ -46,7 +39,7 @@ def read_tokens(path: str) -> dict[str, str]:
             raise ConfigError(f"{where}: {name!r} is listed twice")
         tokens[name] = secret
     if not tokens:  # an empty file would quietly let only the shared token in
-        raise ConfigError(f"tokens_file: {path} names no peer")
+        raise ConfigError(f"device_tokens: {path} names no peer")
     return tokens
 
 
