@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import msgpack
 import numpy as np
 from morphling.kernels import BufferPool, gemm
 from morphling.proxy.net.peer import PeerProtocol
@@ -143,7 +144,7 @@ class ProbeConnection(PeerProtocol):
             if future is None or future.done():
                 return
             if isinstance(msg, Status):
-                future.set_result(msg.status)
+                future.set_result(msgpack.unpackb(msg.segments[0]))
             else:
                 future.set_result(Verdict(msg.ok, msg.flops, msg.reason, *self._answered))
 

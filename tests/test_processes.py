@@ -572,19 +572,21 @@ async def test_emulator_killed_and_restarted_a_job_gets_an_error_and_devices_com
     client = await AsyncClient.connect("127.0.0.1", port, name="cut-off")
     blocking = Client("127.0.0.1", port, name="cut-off-too")  # morphling run's client
     tasks = [asyncio.ensure_future(client.matmul(a, b, timeout=120)) for a, b in cases]
-    while not any(t.done() for t in tasks):
-        await asyncio.sleep(0.005)
+    await asyncio.wait_for(asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED), 60)
     emulator.signal(signal.SIGKILL)
     killed = time.monotonic()
     outcomes = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 30)
     errors = [o for o in outcomes if isinstance(o, BaseException)]
     assert errors, "every GEMM finished before the kill"
     assert time.monotonic() - killed < 10
+    said = (
+        "the emulator closed the connection without a goodbye",  # FIN, or a reset:
+        "connection to the emulator lost",
+    )  # (the kernel resets what had bytes unread)
     assert all(isinstance(e, EmulatorError) and e.code == "disconnected"
-               and "the emulator closed the connection without a goodbye" in e.reason
-               for e in errors), errors[:3]  # fmt: skip
+               and e.reason.startswith(said) for e in errors), errors[:3]  # fmt: skip
     await client.close()
-    with pytest.raises(EmulatorError, match="the emulator closed the connection"):
+    with pytest.raises(EmulatorError, match=r"the emulator closed the connection|connection lost"):
         await asyncio.to_thread(blocking.matmul, *cases[0], timeout=30)
     blocking.close()
 
@@ -595,15 +597,11 @@ async def test_emulator_killed_and_restarted_a_job_gets_an_error_and_devices_com
         check(job.matmul(a, b, timeout=30), a, b)
 
 
-def morphling_status(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*MORPHLING, "status", *args], capture_output=True, text=True,
-                          timeout=60, env=child_env())  # fmt: skip
-
-
-def test_status_and_metrics_of_a_running_emulator(procs: Procs):
+def test_status_and_metrics_of_a_running_emulator(procs: Procs, capsys):
     """``morphling status`` prints the fleet (a table, or --json) and the metrics port
-    serves Prometheus text, from the same emulator process; an emulator that cannot be
-    reached is exit 2 with the reason; a metrics port in use is exit 2 naming it."""
+    serves Prometheus text, from the same emulator process; a refused token or an
+    emulator that cannot be reached is exit 2 with the reason; a metrics port in use is
+    exit 2 naming it. (The commands run in this process: a fresh one costs seconds.)"""
     metrics_port = free_port()
     emulator, port = procs.emulator("--token", "t0k", "--metrics-port", str(metrics_port))
     procs.device(port, "pi01", "rpi4", "--token", "t0k")
@@ -612,27 +610,27 @@ def test_status_and_metrics_of_a_running_emulator(procs: Procs):
     with Client("127.0.0.1", port, token="t0k", name="status-job") as job:
         a = np.eye(64, dtype=np.float32)
         np.testing.assert_array_equal(job.matmul(a, a), a)
-        shown, as_json = morphling_status(*server), morphling_status(*server, "--json")
-    assert shown.returncode == 0, shown.stderr
-    assert "1 devices, 1 jobs" in shown.stdout
-    [row] = [line for line in shown.stdout.splitlines() if line.startswith("0 ")]
+        code, shown, _ = morphling_here(capsys, "status", *server)
+        assert code == 0
+        code, as_json, _ = morphling_here(capsys, "status", *server, "--json")
+    assert "1 devices, 1 jobs" in shown
+    [row] = [line for line in shown.splitlines() if line.startswith("0 ")]
     assert re.match(r"0\s+pi01\s+127\.0\.0\.1:\d+\s+rpi4\s+idle\s+0\s+\d+\s+[\d.]+ ms", row)
     assert "GFLOP/s" in row
-    status = json.loads(as_json.stdout)
+    status = json.loads(as_json)
     assert status["devices"][0]["completed"] >= 1 and status["tiles"]["returned"] >= 1
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
         text = r.read().decode()
     assert 'morphling_devices{state="idle"} 1.0' in text
     assert re.search(r"^morphling_tiles_returned_total [1-9]", text, re.M)
 
-    refused = morphling_status("--server", f"127.0.0.1:{port}")
-    assert refused.returncode == 2 and "requires a token" in refused.stderr
-    gone = morphling_status("--server", f"127.0.0.1:{free_port()}")
-    assert gone.returncode == 2 and "cannot reach" in gone.stderr
-    taken = procs.start("emulator-2", "emulator", "--listen-port", "0", "--metrics-port",
-                        str(metrics_port))  # fmt: skip
-    assert taken.wait(30) == 2
-    assert f"cannot serve metrics on 127.0.0.1:{metrics_port}" in taken.text()
+    code, _, err = morphling_here(capsys, "status", "--server", f"127.0.0.1:{port}")
+    assert code == 2 and "requires a token" in err
+    code, _, err = morphling_here(capsys, "status", "--server", f"127.0.0.1:{free_port()}")
+    assert code == 2 and "cannot reach" in err
+    code, _, err = morphling_here(capsys, "emulator", "--listen-port", "0", "--metrics-port",
+                                  str(metrics_port))  # fmt: skip
+    assert code == 2 and f"cannot serve metrics on 127.0.0.1:{metrics_port}" in err
 
 
 # -- jobs stay connected while idle ---------------------------------------------------------

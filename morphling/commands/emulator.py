@@ -60,6 +60,10 @@ def run(args: argparse.Namespace) -> int:
             where = format_address(cfg.listen_ip, cfg.listen_port)
             print(f"morphling emulator: cannot listen on {where}: {reason}", file=sys.stderr)
             return 2
+        if not emulator.credentials.required:  # (loopback: the config allowed it)
+            log.warning("no token: any peer that reaches %s, through nginx too, may join as "
+                        "a device or run jobs (--token-file, --device-tokens)",
+                        format_address(host, port))  # fmt: skip
         scraped, metrics_at = None, format_address(cfg.metrics_ip, cfg.metrics_port)
         if cfg.metrics_port:
             try:

@@ -22,6 +22,8 @@ from morphling.devices.bench import BenchError, ProbeClient
 from morphling.runtime import parse_server
 from morphling.text import elide, elided_line, format_bytes
 
+PEER_NAME = "morphling-status"  # its HELLO name: the one a --device-tokens file may list
+
 
 @dataclass(frozen=True)
 class StatusConfig:
@@ -46,8 +48,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 async def ask(host: str, port: int, token: str, timeout_s: float) -> dict[str, Any]:
-    client = await ProbeClient.connect(host, port, token=token, name="morphling status",
-                                       timeout=timeout_s)  # fmt: skip
+    client = await ProbeClient.connect(host, port, token=token, name=PEER_NAME, timeout=timeout_s)
     try:
         return await client.status()
     finally:

@@ -24,11 +24,14 @@ from morphling.config import ConfigError, read_text
 
 
 def read_tokens(path: str) -> dict[str, str]:
-    """A tokens file: one ``NAME SECRET`` per line; blank lines and ``#`` comments are
-    skipped. ConfigError naming the file, the line and what is wrong with it."""
+    """A tokens file: one ``NAME SECRET`` per line; blank lines and comments (from a word
+    that starts with ``#``) are skipped. ConfigError naming the file, the line and what
+    is wrong with it."""
     tokens: dict[str, str] = {}
     for number, line in enumerate(read_text(path, "device_tokens").splitlines(), 1):
-        words = line.split("#", 1)[0].split()
+        words = line.split()
+        comment = next((i for i, w in enumerate(words) if w.startswith("#")), len(words))
+        words = words[:comment]  # (a '#' within a secret is the secret's)
         if not words:
             continue
         where = f"{path}:{number}"

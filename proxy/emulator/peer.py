@@ -113,7 +113,7 @@ class PeerConnection(FrameConnection):
         elif isinstance(msg, Hello):
             handshake.hello(self, msg)
         elif isinstance(msg, StatusAsk):
-            self.send(Status(status=status.snapshot(self.emulator)))
+            self.send(Status(segments=(status.packed(self.emulator),)))
         elif self.answer_probe(msg):
             pass
         elif isinstance(msg, (ProbeEcho, ProbeAck, ProbePulled, ProbeFlopsResult)):

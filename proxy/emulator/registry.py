@@ -55,6 +55,7 @@ class DeviceRecord:
     panels: int = 0
     # what its probes measured (``status``): latency_s, dl_bw, ul_bw, flops; empty: none
     probed: dict[str, float] = field(default_factory=dict)
+    quarantined: bool = False  # a tile of it was wrong: it is being dropped
 
     def take(self, tile: AnyTile) -> None:
         self.outstanding[tile.id] = tile

@@ -1,5 +1,5 @@
 """The emulator's state as an operator sees it: one snapshot for ``morphling status`` (the
-FLEET message) and the Prometheus metrics (``metrics``), so the two never disagree.
+STATUS message) and the Prometheus metrics (``metrics``), so the two never disagree.
 
 Taken on the event loop, from what the emulator keeps anyway; nothing here is on a
 tile's path.
@@ -10,6 +10,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
+import msgpack
+import numpy as np
 from morphling.proxy.wire.states import State
 
 from .registry import DeviceRecord
@@ -72,3 +74,8 @@ def snapshot(emulator: Emulator) -> dict[str, Any]:
         "unwelcomed": emulator.gate.waiting(),
         "clock": {"virtual_s": timeline.clock.now, "held": timeline.blocked()},
     }
+
+
+def packed(emulator: Emulator) -> np.ndarray:
+    """The snapshot as STATUS carries it: a msgpack map, as payload bytes."""
+    return np.frombuffer(msgpack.packb(snapshot(emulator), use_bin_type=True), np.uint8)

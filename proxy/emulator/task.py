@@ -15,7 +15,7 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import xxhash
@@ -119,6 +119,9 @@ class Task:
     owner: Owner | None = None  # None: a task no job asked for (the timeline's tests)
     remaining: int = 0
     done: set[int] = field(default_factory=set)
+    # GEMM tiles stored but not yet verified (``verify``), each with its device: on the
+    # task, so that they go with it however it ends
+    unchecked: dict[int, tuple[TaskTile, Any]] = field(default_factory=dict)
     devices: set[int] = field(default_factory=set)
     requeued: int = 0
     cancelled: bool = False

@@ -254,6 +254,9 @@ def _settle(scheduler: Scheduler, verifier: Verifier, task: Task) -> None:
     """Every tile of ``task`` is in: the job is answered unless some are wrong, which are
     taken back and computed again; each device that sent them is quarantined once, with
     the evidence of its first, and dropped."""
+    if task.writers is not None and task.writers.count:  # a lost device's kernel still writes
+        task.writers.then(lambda: _settle(scheduler, verifier, task))
+        return
     by_device: dict[DeviceRecord, list[tuple[TileTask, str]]] = {}
     for tile, device, why in verifier.settle(task):
         task.take_back(tile)
@@ -270,15 +273,24 @@ def _settle(scheduler: Scheduler, verifier: Verifier, task: Task) -> None:
             device.conn.fail(error.code, error.reason)
     if task.remaining == 0 and task.owner is not None and not task.cancelled:
         task.owner.finish(task)
+    scheduler.dispatch()  # the tiles taken back
 
 
 def _wrong(
     scheduler: Scheduler, verifier: Verifier, tile: AnyTile, device: DeviceRecord, why: str
 ) -> RemoteProtocolError:
-    """``device``'s result for ``tile`` is wrong (``why``): it is quarantined, and the error
-    that drops it made once the tile is sent to another device or given up."""
-    key = device_key(device.name, device.conn.peername)
-    verifier.quarantine(device.id, key, tile.gemm.id, tile.id, why)
+    """``device``'s result for ``tile`` is wrong (``why``): the error that drops it, made
+    once the tile is sent to another device or given up. The first time, it is quarantined,
+    and so is any device of its name on its host that joined since (the GEMM that found it
+    out may have been settled after it reconnected)."""
+    if not device.quarantined:
+        device.quarantined = True
+        key = device_key(device.name, device.conn.peername)
+        verifier.quarantine(device.id, key, tile.gemm.id, tile.id, why)
+        for other in list(scheduler.registry.devices.values()):
+            if other is not device and device_key(other.name, other.conn.peername) == key:
+                other.quarantined = True
+                other.conn.fail("quarantined", verifier.refused(key))
     return _refused(scheduler, tile, device, f"tile {tile.id} is wrong: {why}", "wrong_result")
 
 

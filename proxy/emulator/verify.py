@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,10 +85,6 @@ class Verifier:
         self._rng = np.random.default_rng(secrets.randbits(128))
         self._started = time.monotonic()
         self._weights = WeightPool(self._rng)
-        # a request's GEMM tiles stored and not yet judged, by tile id, with their devices
-        self._pending: weakref.WeakKeyDictionary[Task, dict[int, tuple[TileTask, DeviceRecord]]] = (
-            weakref.WeakKeyDictionary()
-        )
         self.counts = {
             "checked": 0, "screened_out": 0, "wrong": 0, "sampled_out": 0, "check_errors": 0,
         }  # fmt: skip
@@ -110,7 +105,7 @@ class Verifier:
             return ""
         if isinstance(tile, TileTask):
             if tile.id not in tile.gemm.done:  # (a duplicate is not stored)
-                self._pending.setdefault(tile.gemm, {})[tile.id] = (tile, source)
+                tile.gemm.unchecked[tile.id] = (tile, source)
             return ""
         try:
             return self._check_conv(tile, values)
@@ -133,7 +128,7 @@ class Verifier:
     def settle(self, task: Task) -> list[tuple[TileTask, DeviceRecord, str]]:
         """Every tile of ``task`` (all in) stored since it was last settled: those wrong,
         with their devices and the evidence. They are to be computed again."""
-        pending = self._pending.pop(task, None)
+        pending, task.unchecked = task.unchecked, {}
         if not pending:
             return []
         assert isinstance(task, GemmTask)
@@ -144,7 +139,8 @@ class Verifier:
             request = freivalds.RequestCheck(a, b, task.block_edge, signs)
             bad = request.screen(task.out)
             edge = task.block_edge
-            flagged = [(tile, source) for tile, source in pending.values()
+            tiles = [(t, source) for t, source in pending.values() if isinstance(t, TileTask)]
+            flagged = [(tile, source) for tile, source in tiles
                        if bad[tile.pivot, tile.r0 : tile.r1, tile.c0 // edge].any()]  # fmt: skip
             self.counts["screened_out"] += len(flagged)
             found = []

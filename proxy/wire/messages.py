@@ -241,10 +241,11 @@ class StatusAsk(Message):
 
 @dataclass(slots=True)
 class Status(Message):
-    """Server → probe peer: devices, jobs, quarantines and counters (docs/PROTOCOL.md)."""
+    """Server → probe peer: devices, jobs, quarantines and counters, a msgpack map in the
+    payload (docs/PROTOCOL.md): a fleet of thousands outgrows any header."""
 
     TYPE = MsgType.STATUS
-    status: dict[str, Any]
+    SEGMENTS = 1
 
 
 @dataclass(slots=True)

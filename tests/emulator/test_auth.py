@@ -75,22 +75,22 @@ async def test_per_device_tokens(fleet, tmp_path, caplog):
     """A listed name proves its own secret (not another's, not the shared one); an
     unlisted name needs the shared token; SIGHUP's reload takes a changed file, and keeps
     the old secrets when the new file does not parse."""
-    path = write_tokens(tmp_path / "tokens", "# board  secret\npi01 aaa\npi02 bbb  # rack 2\n")
+    path = write_tokens(tmp_path / "tokens", "# board  secret\npi01 a#a\npi02 bbb  # rack 2\n")
     f = await fleet(token="shared", device_tokens=path)
-    await f.add_device(name="pi01", token="aaa")
+    await f.add_device(name="pi01", token="a#a")  # a '#' within a secret is no comment
     await f.add_device(name="pi03", token="shared")  # unlisted: the shared token
-    for name, token in (("pi02", "aaa"), ("pi02", "shared"), ("pi04", "bbb")):
+    for name, token in (("pi02", "a#a"), ("pi02", "shared"), ("pi04", "bbb"), ("pi01", "a")):
         bad = f.agent(name=name, token=token)
         assert await asyncio.wait_for(f.run(bad), 10) == 2
         assert bad.last_error is not None and bad.last_error[0] == "auth", (name, token)
 
-    write_tokens(tmp_path / "tokens", "pi01 aaa\npi02 new\n")
+    write_tokens(tmp_path / "tokens", "pi01 a#a\npi02 new\n")
     f.emu.reload_tokens()
     await f.add_device(name="pi02", token="new")
-    write_tokens(tmp_path / "tokens", "pi01 aaa\npi02 new extra\n")
+    write_tokens(tmp_path / "tokens", "pi01 a#a\npi02 new extra\n")
     f.emu.reload_tokens()
     assert f"{path}:2: expected NAME SECRET, got 3 field(s)" in caplog.text
-    assert f.emu.credentials.per_peer == {"pi01": "aaa", "pi02": "new"}  # kept
+    assert f.emu.credentials.per_peer == {"pi01": "a#a", "pi02": "new"}  # kept
     assert len(f.emu.registry.ready()) == 3
 
 

@@ -221,3 +221,23 @@ async def test_training_beside_a_corrupting_device_has_the_native_losses(fleet, 
     torch.testing.assert_close(got, want, rtol=1e-4, atol=0)
     for name, tensor in native_model.state_dict().items():
         torch.testing.assert_close(trained[0].state_dict()[name], tensor, rtol=1e-4, atol=1e-4)
+
+
+async def test_a_device_of_the_liars_name_that_joined_meanwhile_is_dropped_too(fleet):
+    """A GEMM is judged once all its tiles are in, so the liar may have reconnected (or
+    joined twice) by then: every device of its name on its host goes when it is caught."""
+    f = await fleet(block_size=16, window=2, policy="round-robin", quarantine_s=60.0)
+    armed = threading.Event()
+    bad_workers = WorkerPool([CorruptingBackend(armed)])
+    try:
+        await f.add_device(name="honest")
+        await f.add_device(name="liar", workers=bad_workers)
+        twin = await f.add_device(name="liar")  # honest kernels, the same name and host
+        armed.set()
+        await honest_gemm(await f.client(), np.random.default_rng(9), (64, 64, 64))
+        await wait_for_condition(lambda: len(f.emu.registry.devices) == 1, 5, "both dropped")
+    finally:
+        bad_workers.close()
+    assert len(f.emu.verifier.quarantines) == 1  # one incident, one quarantine
+    assert twin.last_error is not None and twin.last_error[0] == "quarantined"
+    assert [d.name for d in f.emu.registry.devices.values()] == ["honest"]
