@@ -64,12 +64,11 @@ def device_rows(devices: list[dict[str, Any]]) -> list[list[str]]:
              "down", "up", "FLOPS"]]  # fmt: skip
     for d in devices:
         probe = d["probe"]
-        latency = probe.get("latency_s")
         rows.append([
             str(d["id"]), d["name"], d["peer"],
             d["profile"] + (" (virtual)" if d["virtual"] else ""),
             d["state"], str(d["in_flight"]), str(d["completed"]),
-            _rate(None if latency is None else latency * 1e3, 1, "ms"),
+            _rate(probe.get("latency_s"), 1e-3, "ms"),
             _rate(probe.get("dl_bw"), 1e6, "MB/s"), _rate(probe.get("ul_bw"), 1e6, "MB/s"),
             _rate(probe.get("flops"), 1e9, "GFLOP/s"),
         ])  # fmt: skip

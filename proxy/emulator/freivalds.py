@@ -170,32 +170,40 @@ def _wrong(c: Array, exact: Array, magnitude: Array, k: int) -> str:
 
 def _block_products(b: Array, signs: Array, width: int) -> Array:
     """[..., K, blocks]: each column block B_J (``width`` columns) of ``b`` [..., K, n] times
-    its weights: one matrix-vector product when there is one block, else one batched dot
-    product over B's whole blocks and one product for a narrower last."""
-    n = b.shape[-1]
-    if n <= width:
-        one: Array = (b @ signs)[..., None]
-        return one
-    whole = (n // width) * width
-    out = np.empty((*b.shape[:-1], -(-n // width)), np.result_type(b, signs))
-    blocks = b[..., :whole].reshape(*b.shape[:-1], whole // width, width)
-    out[..., : whole // width] = np.vecdot(blocks, signs[:whole].reshape(-1, width))
-    if whole < n:
-        out[..., -1] = b[..., whole:] @ signs[whole:]
-    return out
+    its weights."""
+
+    def times_weights(part: Array, cols: slice) -> Array:
+        w = signs[cols]
+        if w.size == part.shape[-1]:  # one block's columns: a matrix-vector product
+            product: Array = part @ w
+            return product
+        blocks: Array = np.vecdot(part, w.reshape(-1, part.shape[-1]))
+        return blocks
+
+    return _by_block(b, width, np.result_type(b, signs), times_weights)
 
 
 def _block_norms(c: Array, width: int) -> Array:
     """[..., rows, blocks]: the 2-norms of each row of each column block of ``c``."""
-    n = c.shape[-1]
+    return _by_block(c, width, np.dtype(np.float64), lambda part, _: _norms(part, -1))
+
+
+def _by_block(
+    x: Array, width: int, dtype: np.dtype[Any], each: Callable[[Array, slice], Array]
+) -> Array:
+    """[..., rows, blocks]: ``each(part, its columns)`` for the column blocks of ``x``
+    (``width`` wide, the last maybe narrower), a row's figure per block: one call for x's
+    whole blocks (as [..., rows, blocks, width]) and one for a narrower last."""
+    n = x.shape[-1]
     if n <= width:
-        one: Array = _norms(c, -1)[..., None]
+        one: Array = each(x, slice(0, n))[..., None]
         return one
     whole = (n // width) * width
-    out = np.empty((*c.shape[:-1], -(-n // width)), np.float64)
-    out[..., : whole // width] = _norms(c[..., :whole].reshape(*c.shape[:-1], -1, width), -1)
+    out = np.empty((*x.shape[:-1], -(-n // width)), dtype)
+    out[..., : whole // width] = each(x[..., :whole].reshape(*x.shape[:-1], -1, width),
+                                      slice(0, whole))  # fmt: skip
     if whole < n:
-        out[..., -1] = _norms(c[..., whole:], -1)
+        out[..., -1] = each(x[..., whole:], slice(whole, n))
     return out
 
 

@@ -28,71 +28,47 @@ SCRAPE_TIMEOUT_S = 5.0
 
 def families(snap: dict[str, Any]) -> Iterator[Metric]:
     """The metrics of one ``status.snapshot``."""
-    devices = GaugeMetricFamily(
-        "morphling_devices", "Devices connected, by state", labels=["state"]
-    )
-    counted = collections.Counter(d["state"] for d in snap["devices"])
-    for state in DEVICE_STATES:
-        devices.add_metric([state], counted[state])
-    yield devices
-    yield GaugeMetricFamily("morphling_jobs", "Jobs connected", value=len(snap["jobs"]))
-    tiles = snap["tiles"]
-    yield CounterMetricFamily("morphling_tiles_sent", "Tiles sent to devices", value=tiles["sent"])
-    yield CounterMetricFamily(
-        "morphling_tiles_returned", "Tile results received from devices", value=tiles["returned"]
-    )
-    wire = CounterMetricFamily(
-        "morphling_tile_bytes",
-        "Tile bytes on sockets (not those devices on this host read in place)",
-        labels=["direction"],
-    )
-    for direction, nbytes in snap["bytes"].items():
-        wire.add_metric([direction], nbytes)
-    yield wire
-    yield GaugeMetricFamily(
-        "morphling_tiles_queued", "Tiles placed on a device and not yet sent", value=tiles["queued"]
-    )
-    yield GaugeMetricFamily(
-        "morphling_tiles_in_flight",
-        "Tiles sent and not yet answered",
-        value=sum(d["in_flight"] for d in snap["devices"]),
-    )
-    yield GaugeMetricFamily(
-        "morphling_in_flight_bytes",
-        "Tile operand bytes on the wire",
-        value=tiles["in_flight_bytes"],
-    )
-    checks = CounterMetricFamily(
-        "morphling_verification_tiles",
-        "Tiles by what verification did: checked, screened_out (recomputed in float64), wrong, "
-        "sampled_out, check_errors",
-        labels=["outcome"],
-    )
-    for outcome, count in snap["verification"].items():
-        checks.add_metric([outcome], count)
-    yield checks
-    yield GaugeMetricFamily(
-        "morphling_quarantined_devices",
-        "Devices refused now for wrong tiles",
-        value=len(snap["quarantines"]),
-    )
-    yield GaugeMetricFamily(
-        "morphling_unwelcomed_connections",
-        "Connections whose HELLO is not yet accepted",
-        value=snap["unwelcomed"],
-    )
-    clock = snap["clock"]
-    yield GaugeMetricFamily(
-        "morphling_virtual_time_seconds", "The virtual clock", value=clock["virtual_s"]
-    )
-    yield GaugeMetricFamily(
-        "morphling_virtual_clock_held",
-        "1 while events are due that a job computing on the host holds back",
-        value=int(clock["held"]),
-    )
-    yield GaugeMetricFamily(
-        "morphling_uptime_seconds", "Seconds since the emulator started", value=snap["uptime_s"]
-    )
+    tiles, clock = snap["tiles"], snap["clock"]
+    states = collections.Counter(d["state"] for d in snap["devices"])
+    labelled = (  # (family, name, help, label, {label value: value})
+        (GaugeMetricFamily, "morphling_devices", "Devices connected, by state", "state",
+         {state: states[state] for state in DEVICE_STATES}),
+        (CounterMetricFamily, "morphling_tile_bytes",
+         "Tile bytes on sockets (not those devices on this host read in place)", "direction",
+         snap["bytes"]),
+        (CounterMetricFamily, "morphling_verification_tiles",
+         "Tiles by what verification did: checked, screened_out (recomputed in float64), "
+         "wrong, sampled_out, check_errors", "outcome", snap["verification"]),
+    )  # fmt: skip
+    for family, name, text, label, values in labelled:
+        metric = family(name, text, labels=[label])
+        for key, value in values.items():
+            metric.add_metric([key], value)
+        yield metric
+    plain = (  # (family, name, help, value)
+        (CounterMetricFamily, "morphling_tiles_sent", "Tiles sent to devices", tiles["sent"]),
+        (CounterMetricFamily, "morphling_tiles_returned", "Tile results received from devices",
+         tiles["returned"]),
+        (GaugeMetricFamily, "morphling_jobs", "Jobs connected", len(snap["jobs"])),
+        (GaugeMetricFamily, "morphling_tiles_queued", "Tiles placed on a device and not yet "
+         "sent", tiles["queued"]),
+        (GaugeMetricFamily, "morphling_tiles_in_flight", "Tiles sent and not yet answered",
+         sum(d["in_flight"] for d in snap["devices"])),
+        (GaugeMetricFamily, "morphling_in_flight_bytes", "Tile operand bytes on the wire",
+         tiles["in_flight_bytes"]),
+        (GaugeMetricFamily, "morphling_quarantined_devices", "Devices refused now for wrong "
+         "tiles", len(snap["quarantines"])),
+        (GaugeMetricFamily, "morphling_unwelcomed_connections", "Connections whose HELLO is "
+         "not yet accepted", snap["unwelcomed"]),
+        (GaugeMetricFamily, "morphling_virtual_time_seconds", "The virtual clock",
+         clock["virtual_s"]),
+        (GaugeMetricFamily, "morphling_virtual_clock_held", "1 while events are due that a "
+         "job computing on the host holds back", int(clock["held"])),
+        (GaugeMetricFamily, "morphling_uptime_seconds", "Seconds since the emulator started",
+         snap["uptime_s"]),
+    )  # fmt: skip
+    for family, name, text, value in plain:
+        yield family(name, text, value=value)
 
 
 class _Snapshots(Collector):

@@ -135,19 +135,17 @@ class Verifier:
         self.counts["checked"] += len(pending)
         try:
             a, b = task.op_views()
-            signs = self._weights.take(b.shape[-1], task.out.dtype)
-            request = freivalds.RequestCheck(a, b, task.block_edge, signs)
-            bad = request.screen(task.out)
             edge = task.block_edge
-            tiles = [(t, source) for t, source in pending.values() if isinstance(t, TileTask)]
-            flagged = [(tile, source) for tile, source in tiles
-                       if bad[tile.pivot, tile.r0 : tile.r1, tile.c0 // edge].any()]  # fmt: skip
-            self.counts["screened_out"] += len(flagged)
+            signs = self._weights.take(b.shape[-1], task.out.dtype)
+            bad = freivalds.RequestCheck(a, b, edge, signs).screen(task.out)
             found = []
-            for tile, source in flagged:
-                a, b = request.a[tile.pivot], request.b[tile.pivot]
-                why = freivalds.confirm(a[tile.r0 : tile.r1], b[:, tile.c0 : tile.c1],
-                                        task.out[tile.index])  # fmt: skip
+            for tile, source in pending.values():
+                assert isinstance(tile, TileTask)
+                p, rows, cols = tile.pivot, slice(tile.r0, tile.r1), slice(tile.c0, tile.c1)
+                if not bad[p, rows, tile.c0 // edge].any():
+                    continue
+                self.counts["screened_out"] += 1
+                why = freivalds.confirm(a[p, rows], b[p, :, cols], task.out[tile.index])
                 if self._judged(why):
                     found.append((tile, source, why))
             return found

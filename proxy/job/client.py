@@ -358,13 +358,6 @@ def tell(notice: Notice) -> None:
     log.log(level, "emulator: %s", notice.text)
 
 
-# what a job is told when the emulator's end closed without BYE or ERROR
-UNANNOUNCED_CLOSE = (
-    "the emulator closed the connection without a goodbye (it stopped or crashed, or "
-    "something between cut the connection)"
-)
-
-
 class EmulatorError(RuntimeError):
     """The emulator refused a request or the connection; ``code`` says why."""
 
@@ -416,7 +409,14 @@ class JobConnection(PeerProtocol):
             tell(msg)
 
     def disconnected(self, exc: Exception | None) -> None:
-        why = f"connection to the emulator lost ({exc})" if exc else UNANNOUNCED_CLOSE
+        why = (
+            f"connection to the emulator lost ({exc})"
+            if exc
+            else (
+                "the emulator closed the connection without a goodbye (it stopped or crashed, "
+                "or something between cut the connection)"
+            )
+        )
         error = self.error or EmulatorError("disconnected", why)
         waiting: list[asyncio.Future[Any]] = [
             self.welcomed_as,
