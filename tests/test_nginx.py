@@ -357,14 +357,13 @@ async def test_nginx_restarted_mid_run_devices_reconnect_and_no_tile_is_lost(ins
             results = await asyncio.gather(*tasks)
         finally:
             await client.close()
+        for i in range(2):  # each comes back through nginx (its backoff may outlast the job)
+            procs.wait_for(emulator, f"(board-{i}) ready", 2, timeout=60)
     finally:
         proxy.stop()
     for (a, b), c in zip(cases, results, strict=True):
         np.testing.assert_allclose(c, a @ b, rtol=1e-4, atol=1e-4)
-    text = emulator.text()
-    assert "lost with" in text  # the restart did cut them mid-run
-    for i in range(2):  # and each came back through nginx
-        assert text.count(f"(board-{i}) ready") == 2, text[-2000:]
+    assert "lost with" in emulator.text()  # the restart did cut them mid-run
 
 
 async def test_wrong_token_is_refused_with_a_clear_message_on_the_device(install, procs: Procs):
