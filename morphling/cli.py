@@ -1,13 +1,14 @@
 """The ``morphling`` command: one entry point, one subcommand per role.
 
 Each subcommand registers its parser here and runs a function that returns
-an exit code; ``_subcommands`` lists them. Role modules are imported only
-when the parser is built, so ``morphling --version`` stays fast.
+an exit code; ``_SUBCOMMANDS`` lists them. Only the chosen one's module is
+imported, so ``morphling device`` on a board never loads torch.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 from collections.abc import Callable, Iterable, Sequence
@@ -46,30 +47,45 @@ def _add_version(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_version)
 
 
-def _subcommands() -> list[Callable[[argparse._SubParsersAction], None]]:
-    from .commands.device import add_device_parser, add_fleet_parser
-    from .commands.emulator import add_parser as add_emulator_parser
-    from .commands.nginx_config import add_parser as add_nginx_parser
-    from .commands.profile import add_parser as add_profile_parser
-    from .commands.report import add_parser as add_report_parser
-    from .commands.run import add_parser as add_run_parser
-    from .commands.save import add_parser as add_save_parser
-    from .commands.status import add_parser as add_status_parser
-    from .commands.sweep import add_parser as add_sweep_parser
+# Each subcommand: the module that registers its parser, and the function that does. Only
+# the chosen one is imported (the others pull in torch and scipy, seconds on a board that
+# runs only ``morphling device``); ``morphling --help``, or no subcommand, imports them all.
+_SUBCOMMANDS = {
+    "emulator": ("emulator", "add_parser"),
+    "device": ("device", "add_device_parser"),
+    "fleet": ("device", "add_fleet_parser"),
+    "run": ("run", "add_parser"),
+    "save": ("save", "add_parser"),
+    "profile": ("profile", "add_parser"),
+    "report": ("report", "add_parser"),
+    "sweep": ("sweep", "add_parser"),
+    "nginx-config": ("nginx_config", "add_parser"),
+    "status": ("status", "add_parser"),
+}
 
-    return [
-        _add_version,
-        add_emulator_parser,
-        add_device_parser,
-        add_fleet_parser,
-        add_run_parser,
-        add_save_parser,
-        add_profile_parser,
-        add_report_parser,
-        add_sweep_parser,
-        add_nginx_parser,
-        add_status_parser,
-    ]
+
+def _chosen(argv: Sequence[str]) -> str | None:
+    """The subcommand ``argv`` names, past the top-level options (None: none, or unknown)."""
+    args = iter(argv)
+    for arg in args:
+        if arg == "--log-level":
+            next(args, None)
+        elif not arg.startswith("-"):
+            return arg if arg in _SUBCOMMANDS or arg == "version" else None
+    return None
+
+
+def _subcommands(argv: Sequence[str]) -> list[Callable[[argparse._SubParsersAction], None]]:
+    chosen = _chosen(argv)
+    if chosen == "version":
+        return [_add_version]
+    names = [chosen] if chosen is not None else list(_SUBCOMMANDS)
+    adders: list[Callable[[argparse._SubParsersAction], None]] = [] if chosen else [_add_version]
+    for name in names:
+        module, function = _SUBCOMMANDS[name]
+        commands = importlib.import_module(f".commands.{module}", __package__)
+        adders.append(getattr(commands, function))
+    return adders
 
 
 N = TypeVar("N")
@@ -110,18 +126,21 @@ def command_parser(prog: str, description: str) -> tuple[argparse.ArgumentParser
     return parser, sub
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The ``morphling`` parser: with only the subcommand ``argv`` names, or every one
+    when it names none (or is not given)."""
     parser, sub = command_parser(
         "morphling", "Emulate distributed ML training on fleets of edge devices."
     )
     parser.add_argument("--version", action="version", version=f"morphling {__version__}")
-    for add in _subcommands():
+    for add in _subcommands(argv or ()):
         add(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_command(build_parser(), argv)
+    argv = sys.argv[1:] if argv is None else argv
+    return run_command(build_parser(argv), argv)
 
 
 def emulator_main(argv: Sequence[str] | None = None) -> int:

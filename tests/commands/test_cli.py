@@ -32,6 +32,21 @@ def test_help_lists_subcommands():
     assert "version" in proc.stdout and "--log-level" in proc.stdout
 
 
+@pytest.mark.parametrize("argv", [["device"], ["--log-level", "debug", "fleet"], ["emulator"]])
+def test_a_board_side_command_never_loads_torch(argv: list[str]) -> None:
+    """Only the chosen subcommand's module is imported: ``morphling device`` on a Pi
+    would otherwise spend seconds importing torch (and scipy) it never uses."""
+    probe = (
+        "import sys\nfrom morphling.cli import build_parser\n"
+        f"build_parser({[*argv, '--help']!r})\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'scipy', 'matplotlib'}))"
+    )
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+    assert "morphling device" in morphling("device", "--help").stdout
+
+
 def test_version_and_verbose_kernel_report():
     assert morphling("version").stdout.strip() == f"morphling {__version__}"
     proc = morphling("version", "-v")
