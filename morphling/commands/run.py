@@ -37,9 +37,12 @@ from morphling.exiting import exit_without_finalizing
 from morphling.interrupt import Interrupted, Signals
 from morphling.outputs import check_file_writable
 from morphling.proxy.emulator.settings import (
+    AVAILABILITY_HELP,
+    CHURN_HELP,
     DEFAULT_MIN_FLOPS,
     VERIFY_MODES,
     EmulatorConfig,
+    availability_of,
     parse_mode,
 )
 from morphling.proxy.job.coordinator import MODES, PRODUCTS, coordinator_profile
@@ -201,6 +204,8 @@ class RunConfig:
     report: bool = _opt(True, "write the reports (summary, trace, plots) into the run directory")
     table: bool = _opt(True, "print the per-step table on stderr at the end")
     json: str = _opt("", "also write the per-step report as JSON to this file")
+    availability: str = _opt("", AVAILABILITY_HELP + " (--embedded)")
+    churn: str = _opt("", CHURN_HELP + " (--embedded)")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -343,6 +348,17 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
                 )
             if cfg.rank_devices:
                 rank_devices(cfg.rank_devices, cfg.ranks, device_names(fleet))
+            if cfg.ranks and (cfg.availability or cfg.churn):
+                raise configuration.ConfigError(
+                    "--availability and --churn move offloaded tiles; ranks leaving "
+                    "(--on-leave) are not built yet"
+                )
+            availability_of(_emulator_config(cfg, None), device_names(fleet))
+        elif cfg.availability or cfg.churn:
+            raise configuration.ConfigError(
+                "--availability and --churn are the emulator's: give them to the one at "
+                f"{cfg.server}"
+            )
         else:
             parse_server(cfg.server)
         profile = coordinator_profile(cfg.coordinator, cfg.coordinator_time or None,
@@ -445,6 +461,8 @@ def _emulator_config(cfg: RunConfig, run_dir: Path | None) -> EmulatorConfig:
         events=cfg.events,
         events_detail_steps=cfg.events_detail_steps,
         verify=cfg.verify,
+        availability=cfg.availability,
+        churn=cfg.churn,
     )
     if cfg.block_size:
         emulator = dataclasses.replace(emulator, block_size=cfg.block_size)

@@ -499,6 +499,8 @@ class Job:
                     oom=times.oom,
                     comm_ns=round(times.comm_s * 1e9),
                     comm_wait_ns=round(times.comm_wait_s * 1e9),
+                    interruptions=times.interruptions,
+                    lost_ns=round(times.lost_s * 1e9),
                 )
             )
 

@@ -17,6 +17,7 @@ import json
 import logging
 import time
 from collections import deque
+from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -46,7 +47,7 @@ from .jobs import Job
 from .peer import PeerConnection
 from .registry import Registry
 from .scheduler import Scheduler
-from .settings import EmulatorConfig
+from .settings import EmulatorConfig, availability_of
 from .tiles import TileMessages
 from .trainers import Trainers
 from .verify import Verifier
@@ -61,7 +62,15 @@ LATE_WRITE_GRACE_S = 60.0
 class Emulator:
     """The server: listen, accept, schedule. ``start()`` then ``serve_forever()`` or ``stop()``."""
 
-    def __init__(self, config: EmulatorConfig, *, pool: BufferPool | None = None) -> None:
+    def __init__(
+        self,
+        config: EmulatorConfig,
+        *,
+        pool: BufferPool | None = None,
+        fleet: Sequence[str] | None = None,
+    ) -> None:
+        """``fleet``: the names of the devices that will join, where known (an embedded
+        fleet's), which a trace of numeric client ids binds to."""
         self.config = config
         self.started_at = time.monotonic()
         self.pool = pool or BufferPool(pin=False)  # it never hands buffers to a GPU
@@ -94,6 +103,7 @@ class Emulator:
             algorithm=config.collective,
             residency=config.residency,
             dropped=self.scheduler.drop_panels,
+            availability=availability_of(config, fleet),  # (read and checked: the config's)
         )
         self.run_info: dict[str, Any] = {}  # extra keys for run.json (the command, settings)
         self.allocate = pool_allocator(self.pool)

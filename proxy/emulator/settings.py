@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import ipaddress
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
+from morphling.proxy.vtime.availability import Availability, bind, parse_churn, read_trace
 from morphling.proxy.vtime.collectives import ALGORITHMS
 from morphling.proxy.vtime.eventlog import DETAIL_STEPS, EVENT_LEVELS
 from morphling.proxy.vtime.placement import POLICIES
@@ -19,6 +22,16 @@ from .auth import needs_token
 PROFILE_SOURCES = ("auto", "declared", "measured")
 VERIFY_MODES = "all, sample:P (0 < P <= 1) or off"
 
+
+AVAILABILITY_HELP = (
+    "a trace of when devices are there in virtual time: a CSV of device,start,end or "
+    "FedScale's client_behave_trace as JSON (docs/TRAINING.md); a leaving "
+    "device's tiles are placed again; empty: devices stay"
+)
+CHURN_HELP = (
+    "devices leave and come back at random in virtual time: mtbf=SECONDS,mttr=SECONDS"
+    "[,seed=N] (exponential up and down times); empty: none"
+)
 
 # A job's GEMMs under 2·32³ FLOPs stay local: their round trip would dwarf their compute.
 DEFAULT_MIN_FLOPS = 2 * 32**3
@@ -38,6 +51,19 @@ def parse_mode(text: str) -> float:
     if not 0 < fraction <= 1:
         raise ValueError(f"--verify {text!r}: expected {VERIFY_MODES}")
     return fraction
+
+
+def availability_of(config: EmulatorConfig, fleet: Sequence[str] | None) -> Availability | None:
+    """``--availability``'s trace (for a fleet of these names, when known) or ``--churn``'s
+    model; None for neither; ValueError for both, or one that does not parse."""
+    if config.availability and config.churn:
+        raise ValueError("give --availability or --churn, not both")
+    if config.churn:
+        return parse_churn(config.churn)
+    if config.availability:
+        path = Path(config.availability)
+        return bind(read_trace(path), fleet, path)
+    return None
 
 
 def check_heartbeats(heartbeat_s: float, heartbeat_timeout_s: float) -> None:
@@ -229,8 +255,15 @@ class EmulatorConfig:
         min=0.0,
     )
 
+    availability: str = _opt("", AVAILABILITY_HELP)
+    churn: str = _opt("", CHURN_HELP)
+
     def __post_init__(self) -> None:
         check_heartbeats(self.heartbeat_s, self.heartbeat_timeout_s)
+        try:
+            availability_of(self, None)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         try:
             parse_mode(self.verify)
         except ValueError as exc:

@@ -21,7 +21,7 @@ import threading
 
 import uvloop
 from morphling.devices.fleet import Fleet
-from morphling.devices.models.profiles import expand_fleet
+from morphling.devices.models.profiles import device_names, expand_fleet
 from morphling.kernels import BufferPool, CpuBackend, WorkerPool
 from morphling.proxy.emulator.server import Emulator
 from morphling.proxy.emulator.settings import EmulatorConfig
@@ -114,7 +114,8 @@ class EmbeddedFleet:
         try:
             with WorkerPool([CpuBackend(1) for _ in range(self.workers)]) as workers:
                 pool = BufferPool(pin=False)  # one pool (and memlock budget) for both sides
-                emulator = self.emulator = Emulator(self.config, pool=pool)
+                names = device_names(self.profiles)
+                emulator = self.emulator = Emulator(self.config, pool=pool, fleet=names)
                 emulator.run_info.update(self.run_info)
                 host, port = await emulator.start()
                 fleet = await Fleet.build(self.profiles, workers, pool, token=self.config.token)

@@ -83,6 +83,10 @@ class StepReport:
     # the least the step's partitions send: each device's distinct operand blocks, once (a
     # ``bytes_down`` above it is blocks sent to a device more than once; below, residency)
     bytes_bound: int = 0
+    # tiles placed again because their device left (availability), and the time their
+    # passages had run by then
+    interruptions: int = 0
+    lost_s: float = 0.0
 
 
 class Session:
@@ -293,6 +297,8 @@ class Session:
             comm_wait_s=reply.comm_wait_ns / 1e9,
             bytes_saved=reply.link_saved,
             bytes_bound=reply.link_bound,
+            interruptions=reply.interruptions,
+            lost_s=reply.lost_ns / 1e9,
         )
         self.steps.append(report)
         self._counts = self.counts.snapshot()
@@ -325,6 +331,11 @@ class Session:
         if convs.remote or convs.local:  # a model without convolutions does not mention them
             rows.append(f"convolutions: {convs.remote} products on the fleet ({convs.copied} "
                         f"copied to NCHW first); kept local: {_by_reason(convs)}")  # fmt: skip
+        interrupted = sum(r.interruptions for r in self.steps)
+        if interrupted:  # a fleet whose devices come and go (--availability, --churn)
+            rows.append(f"devices leaving: {interrupted} tiles placed again, their passages "
+                        f"{sum(r.lost_s for r in self.steps):.4f} s in when the device "
+                        "left (every step; --json has each)")  # fmt: skip
         by_class = collections.Counter[str]()
         for r in self.steps:
             by_class.update(r.coord_split)

@@ -187,6 +187,10 @@ class Step:
     # other members to reach them (None: a job that is no rank, or a log from before ranks)
     comm_s: float | None = None
     comm_wait_s: float | None = None
+    # its tiles placed again because their device left (availability), and the time their
+    # passages had run by then (None: none, or a log from before availability)
+    interruptions: int | None = None
+    lost_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,7 +257,19 @@ class Freq:
     temp_c: float | None
 
 
-Record = Tile | Gemm | Coord | Step | DeviceStep | Oom | Freq | CollectivePart
+@dataclass(frozen=True, slots=True)
+class Away:
+    """A device left at ``t0`` (its availability) and is back at ``t1`` (None: never);
+    ``tiles`` of its tiles were placed again, ``lost_s`` the time their passages had run."""
+
+    device: int
+    t0: float
+    t1: float | None
+    tiles: int
+    lost_s: float
+
+
+Record = Tile | Gemm | Coord | Step | DeviceStep | Oom | Freq | CollectivePart | Away
 # Each kind by its ``ev``, the name a line carries.
 KINDS: dict[str, type[Record]] = {
     "tile": Tile,
@@ -264,6 +280,7 @@ KINDS: dict[str, type[Record]] = {
     "oom": Oom,
     "freq": Freq,
     "collective": CollectivePart,
+    "away": Away,
 }
 _EV = {kind: ev for ev, kind in KINDS.items()}
 # Each kind's fields, in order, with their default (``MISSING``: required).

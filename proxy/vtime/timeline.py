@@ -39,19 +39,22 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from heapq import heappop, heappush
 from typing import Generic, NamedTuple, TypeVar
 
 from morphling.devices.models.compute import GemmShape
 from morphling.devices.models.conv_shape import ConvShape
 from morphling.devices.models.profiles import DeviceProfile
 
+from .availability import Absence, Availability
 from .collectives import ALGORITHMS, Link, collective_s
 from .engine import Clock, Fifo, Span
 from .eventlog import (
     COMPONENTS,
     GEMM_OP,
+    Away,
     CollectivePart,
     DeviceStep,
     EventLog,
@@ -75,6 +78,9 @@ WORKS_KEPT = 4096  # distinct tile ``Work``s kept for reuse (a run has few)
 
 T = TypeVar("T", bound=TileWork)  # the caller's tiles, handed back to it placed
 Placed = list[tuple[T, int, Admission]]  # tiles with their devices and admissions
+# A tile's passage (``Timeline._run``): its stages, the MHz and °C it computes at, and its
+# spans on the shared FIFO (down, up; None without one)
+_Passage = tuple[Stages, tuple[float | None, float | None], tuple[Span | None, Span | None]]
 # What a tile's ``Work`` depends on (``Timeline._work``): its rows and columns, its operands'
 # leading dimensions as sent and their bytes, and its GEMM's k, transposes and dtype.
 _GemmKey = tuple[int, int, int, int, int, int, bool, bool, str]
@@ -158,6 +164,8 @@ class StepTimes:
     devices: dict[int, DeviceTotals] = field(default_factory=dict)
     comm_s: float = 0.0  # its collectives' time on the network (a rank's)
     comm_wait_s: float = 0.0  # ... and waiting for their other members
+    interruptions: int = 0  # its tiles placed again, their device having left
+    lost_s: float = 0.0  # ... and the time their passages had run when it did
 
     @property
     def emulated_s(self) -> float:
@@ -209,6 +217,20 @@ class _Gemm(Generic[T]):
     place: Callable[[Placed[T]], None]
     done: Callable[[float, float], None]
     seq: int  # its submission number in its job
+    pending: int = 0  # its tiles to place again (their device left before they were back)
+    last: _Back[T] | None = None  # its tile back last, of those placed for good
+
+
+@dataclass(eq=False)
+class _Requeue(Generic[T]):
+    """A tile whose passage its device leaves before it is back: placed again then."""
+
+    gemm: _Gemm[T]
+    tile: T
+    operands: tuple[Operand, Operand]
+    start: float  # when its passage started: what ran until the leave is lost
+    times: StepTimes
+    head: TileHead | None
 
 
 @dataclass(frozen=True)
@@ -252,6 +274,7 @@ class Timeline(Generic[T]):
         algorithm: str = "ring",
         residency: bool = True,
         dropped: Callable[[int, list[int]], None] | None = None,
+        availability: Availability | None = None,
     ) -> None:
         """``algorithm``: how collectives move their bytes (``collectives.ALGORITHMS``);
         ``residency``: devices keep the panels they are sent for any later tile that needs
@@ -259,7 +282,8 @@ class Timeline(Generic[T]):
         ``dropped`` hears of each device's), greedy prefers a device that holds a tile's
         blocks (or blocks around them) where that pays, and plans as a whole a request
         none of whose blocks any device holds (off: each tile carries its panels, and
-        greedy places tile by tile)."""
+        greedy places tile by tile); ``availability``: when devices leave and come back
+        (``availability``; None: they stay)."""
         if algorithm not in ALGORITHMS:
             raise ValueError(
                 f"collective algorithm {algorithm!r}: not one of {', '.join(ALGORITHMS)}"
@@ -286,21 +310,113 @@ class Timeline(Generic[T]):
         self._rank_epoch: float | None = None  # when the open ranks started
         self._rank_jobs: dict[int, _Job] = {}  # each rank's job
         self._works: dict[_WorkKey, Work] = {}  # see ``_work``
+        self.availability = availability
+        self._absences: dict[int, Iterator[Absence]] = {}  # each device's, those to come
+        self._transitions: list[tuple[float, int]] = []  # (time, device): leaves and returns
+        self._away: set[int] = set()  # devices away now
+        self._waking = math.nan  # the return the clock has an event for (``_unstall``)
+        self._doomed: dict[int, list[_Requeue[T]]] = {}  # tiles its leave will interrupt
+        self._orphans: list[_Requeue[T]] = []  # interrupted, waiting for a device to take them
+        self._gone: set[int] = set()  # devices whose connection left (they come back no more)
 
     # -- fleet and jobs ----------------------------------------------------------------
 
     def add_device(
         self, device_id: int, name: str, profile: DeviceProfile, *, convolutions: bool = True
     ) -> VirtualDevice:
-        """A device joins; ``convolutions``: it computes convolution tiles."""
+        """A device joins; ``convolutions``: it computes convolution tiles. (One its
+        availability has away now takes tiles once it is back.)"""
         device = VirtualDevice(device_id, name, profile, convolutions=convolutions)
         self.devices[device_id] = device
         self.placement.add(device)
+        if self.availability is not None:
+            self._absences[device_id] = self.availability.absences(name)
+            self._next_absence(device)
+            self._catch_up()
+        self._unstall()
+        self._advance()
+        return device
+
+    # -- availability: devices away and back ---------------------------------------------
+    #
+    # A device's leaves and returns are kept in ``_transitions`` and applied when the
+    # timeline next places a tile (``_catch_up``): a fleet of thousands churning puts no
+    # event on the clock for them. Only a leave that interrupts tiles is an event (at its
+    # time their passages stop, and they are placed again from there, in order with the
+    # other arrivals), and so is the next return while something waits for a device.
+
+    def _next_absence(self, device: VirtualDevice) -> None:
+        """Its next absence that is not over by now, as its next transition."""
+        now = self.clock.now
+        for leave, back in self._absences.get(device.id, ()):
+            if back > now:
+                device.leaves_at, device.back_at = leave, back
+                heappush(self._transitions, (leave, device.id))
+                return
+        device.leaves_at = device.back_at = math.inf
+        self._absences.pop(device.id, None)
+
+    def _catch_up(self) -> None:
+        """Apply every leave and return due by now, in order of time."""
+        transitions, now = self._transitions, self.clock.now
+        while transitions and transitions[0][0] <= now:
+            t, device_id = heappop(transitions)
+            device = self.devices[device_id]
+            if t == device.leaves_at and device.id not in self._away:
+                self._leave(device)
+            elif t == device.back_at and device.id in self._away:
+                self._away.discard(device_id)
+                if device_id not in self._gone:
+                    self.placement.add(device)
+                    self._next_absence(device)
+
+    def _leave(self, device: VirtualDevice) -> None:
+        """It leaves: no more tiles for it until it is back, and what it would have done
+        from now is void (its queues wait for its return); the tiles it had not sent back
+        (``_doomed``: the clock is at their leave) are placed again, on the devices there.
+        It comes back having lost what it held."""
+        leave, back = device.leaves_at, device.back_at
+        self._away.add(device.id)
+        self.placement.remove(device.id)
+        device.memory.distrust()
+        device.down.free_at = device.compute.free_at = device.up.free_at = back
+        device.outstanding(math.inf)  # (forgets every return it expected)
+        doomed = self._doomed.pop(device.id, [])
+        lost = 0.0
+        for requeue in doomed:
+            requeue.times.interruptions += 1
+            requeue.times.lost_s += max(0.0, leave - requeue.start)
+            lost += max(0.0, leave - requeue.start)
+        self.log.write(Away(device.id, leave, back if back < math.inf else None, len(doomed), lost))
+        self._orphans += doomed
+        if back < math.inf:
+            heappush(self._transitions, (back, device.id))
+
+    def _interrupt(self, device: VirtualDevice, requeue: _Requeue[T]) -> None:
+        """``requeue``'s tile will not be back before its device leaves: an event then."""
+        doomed = self._doomed.setdefault(device.id, [])
+        if not doomed:
+            self.clock.at(device.leaves_at, self._wake, None, device=device.id)
+        doomed.append(requeue)
+
+    def _wake(self, _: None) -> None:
+        self._catch_up()
+        self._unstall()
+
+    def _unstall(self) -> None:
+        """Place what waited for a device: interrupted tiles, then whole GEMMs; while
+        something still waits, the next return is an event."""
+        orphans, self._orphans = self._orphans, []
+        for requeue in orphans:
+            self._requeue(requeue)
         stalled, self._stalled = self._stalled, []
         for gemm in stalled:
             self._issue(gemm)
-        self._advance()
-        return device
+        if (self._orphans or self._stalled) and self._away:
+            back = min(self.devices[d].back_at for d in self._away)
+            if back < math.inf and back != self._waking:
+                self._waking = back
+                self.clock.at(back, self._wake, None)
 
     @property
     def stalled(self) -> int:
@@ -308,8 +424,11 @@ class Timeline(Generic[T]):
         return len(self._stalled)
 
     def remove_device(self, device_id: int) -> None:
-        """No more tiles go to it; those it already has finish in virtual time."""
+        """No more tiles go to it; those it already has finish in virtual time (but those
+        its availability's next leave interrupts), and it does not come back."""
+        self._gone.add(device_id)
         self.placement.remove(device_id)
+        self._away.discard(device_id)
 
     def open_job(
         self,
@@ -544,6 +663,8 @@ class Timeline(Generic[T]):
                 **times.critical,
                 comm_s=times.comm_s if job.resident else None,
                 comm_wait_s=times.comm_wait_s if job.resident else None,
+                interruptions=times.interruptions or None,
+                lost_s=times.lost_s if times.interruptions else None,
             )
         )
         for device, t in sorted(times.devices.items()):
@@ -660,6 +781,8 @@ class Timeline(Generic[T]):
         if not gemm.tiles:
             self._finish(gemm, None)
             return
+        if self._transitions:
+            self._catch_up()
         placement, task, pinned = self.placement, gemm.task, gemm.job.device
         if not placement.can_place(task.op != GEMM_OP, pinned):
             self._stalled.append(gemm)
@@ -701,21 +824,78 @@ class Timeline(Generic[T]):
             admission, work = self._admit(gemm, times, device, a, b, work)
             if gemm.job.resident:  # its operands are on the device already, its output stays
                 work = Work(0, 0, work.shape)
-            stages = self._run(now, device, head, work, times)
+            passage = self._run(now, device, work)
             placement.placed(index)
+            placed.append((tile, device.id, admission))
+            stages = passage[0]
+            back = stages[2][1]
+            if back > device.leaves_at:  # the device leaves first: placed again then
+                gemm.pending += 1
+                self._interrupt(device, _Requeue(gemm, tile, (a, b), stages[0][0], times, head))
+                continue
+            self._record(head, device, work, passage, times)
             link_down += work.bytes_down
             link_up += work.bytes_up
-            back = stages[2][1]
             if end is None or back > end:
                 end, end_tile, end_device, end_stages = back, self._tiles, device.id, stages
-            placed.append((tile, device.id, admission))
-        assert end is not None and end_stages is not None  # there was a tile
-        times.tiles += len(placed)
+        times.tiles += len(placed) - gemm.pending
         times.link_down += link_down
         times.link_up += link_up
-        last = _Back(gemm, end, end_tile, end_device, end_stages)
-        self.clock.at(end, self._returned, last, job=gemm.job.id, tile=end_tile)
+        if end is not None and end_stages is not None:
+            gemm.last = _Back(gemm, end, end_tile, end_device, end_stages)
+        if not gemm.pending:
+            self._end_at_last(gemm)
         gemm.place(placed)  # last: should it raise, the GEMM still ends in virtual time
+
+    def _end_at_last(self, gemm: _Gemm[T]) -> None:
+        """Every tile is placed for good: the GEMM ends when the last is back."""
+        last = gemm.last
+        assert last is not None  # there was a tile
+        self.clock.at(last.time, self._returned, last, job=gemm.job.id, tile=last.tile)
+
+    def _requeue(self, requeue: _Requeue[T]) -> None:
+        """Place an interrupted tile again, now, on a device that is there (or wait for
+        one). Its first device's real tile stands (numerics never depend on time), so the
+        device that takes it over keeps none of its blocks: its link carries those it does
+        not hold already."""
+        gemm, times, placement = requeue.gemm, requeue.times, self.placement
+        if self.jobs.get(gemm.job.id) is not gemm.job:  # its job left
+            return
+        pinned = gemm.job.device
+        if not placement.can_place(gemm.task.op != GEMM_OP, pinned):
+            self._orphans.append(requeue)
+            return
+        now = self.clock.now
+        a, b = requeue.operands
+        work = self._work(gemm.task, requeue.tile, a, b)
+        index = placement.choose(now, work) if pinned is None else placement.index(pinned)
+        device = placement.devices[index]
+        memory = device.memory
+        held = {x.key: x.nbytes for x in (a, b) if memory.covers(x.key, x.version, x.region)}
+        if held and not gemm.job.resident:
+            saved = sum(held.values())
+            times.link_saved += saved
+            work = Work(work.bytes_down - saved, work.bytes_up, work.shape, saved)
+        elif gemm.job.resident:
+            work = Work(0, 0, work.shape)
+        self._tiles += 1
+        passage = self._run(now, device, work)
+        placement.placed(index)
+        stages = passage[0]
+        back = stages[2][1]
+        if back > device.leaves_at:  # interrupted again
+            requeue.start = stages[0][0]
+            self._interrupt(device, requeue)
+            return
+        self._record(requeue.head, device, work, passage, times)
+        times.tiles += 1
+        times.link_down += work.bytes_down
+        times.link_up += work.bytes_up
+        if gemm.last is None or back > gemm.last.time:
+            gemm.last = _Back(gemm, back, self._tiles, device.id, stages)
+        gemm.pending -= 1
+        if not gemm.pending:
+            self._end_at_last(gemm)
 
     def _work(self, task: GemmWork, tile: TileWork, a: Operand, b: Operand) -> Work:
         """What ``tile`` asks of a device: its operands' bytes down, its output's up, and
@@ -811,17 +991,9 @@ class Timeline(Generic[T]):
             work = Work(work.bytes_down - resident, work.bytes_up, work.shape, resident)
         return admission, work
 
-    def _run(
-        self,
-        now: float,
-        device: VirtualDevice,
-        head: TileHead | None,
-        work: Work,
-        times: StepTimes,
-    ) -> Stages:
-        """The tile's passage, logged (``head``: ``EventLog.tile_head``; when the log keeps
-        its step's totals, added to its device's in ``times``): down the link (and the shared
-        FIFO), compute, up."""
+    def _run(self, now: float, device: VirtualDevice, work: Work) -> _Passage:
+        """The tile's passage: down the link (and the shared FIFO), compute, up; with the
+        state it computes at and its spans on the shared FIFO (``_record`` logs them)."""
         bottleneck, thermal, profile = self.bottleneck, device.thermal, device.profile
         nic_down = nic_up = None  # its spans on the shared FIFO, which the report reads
         if not work.bytes_down:
@@ -845,14 +1017,25 @@ class Timeline(Generic[T]):
             nic_up = self.nic_up.serve(compute[1], work.bytes_up / bottleneck.ul_bw)
             up = _behind(nic_up, device.up, profile.upload_s(work.bytes_up), profile.ul_lat_s)
         device.returns_at(up[1])
-        stages = (down, compute, up)
-        self.log.tile(head, self._tiles, device.id, work, stages, (freq, temp), (nic_down, nic_up))
+        return (down, compute, up), (freq, temp), (nic_down, nic_up)
+
+    def _record(
+        self,
+        head: TileHead | None,
+        device: VirtualDevice,
+        work: Work,
+        passage: _Passage,
+        times: StepTimes,
+    ) -> None:
+        """A tile's passage, logged (``head``: ``EventLog.tile_head``; when the log keeps
+        its step's totals, added to its device's in ``times``)."""
+        stages, state, nic = passage
+        self.log.tile(head, self._tiles, device.id, work, stages, state, nic)
         if times.totals:
             totals = times.devices.get(device.id)
             if totals is None:
                 totals = times.devices[device.id] = DeviceTotals()
-            totals.add(work, stages, (freq, temp))
-        return stages
+            totals.add(work, stages, state)
 
     def _returned(self, last: _Back[T]) -> None:
         self._finish(last.gemm, last)

@@ -10,6 +10,7 @@ tiles do not fit (an emulated out-of-memory event).
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -59,6 +60,8 @@ class VirtualDevice:
         self._returns: deque[float] = deque()  # when its tiles come back, in order
         self._nominal: dict[Compute, float] = {}
         self._last: tuple[Compute | None, float] = (None, 0.0)  # the last shape asked
+        # its next absence (the timeline's availability): when it leaves, and is back
+        self.leaves_at = self.back_at = math.inf
 
     def nominal_s(self, shape: Compute) -> float:
         """Seconds for ``shape`` at the top frequency (cached: a GEMM repeats few shapes).

@@ -571,7 +571,8 @@ class Step(Message):
     ``coord_split`` is the step's coordinator time by op class, as the jobs' splits
     attribute it (the rest of ``coord_ns`` was not split). A rank's ``comm_ns`` is the time
     its collectives took on the network, ``comm_wait_ns`` the time it waited in them for
-    the other members.
+    the other members. ``interruptions`` counts its tiles placed again because their
+    device left (availability), ``lost_ns`` the time their passages had run by then.
     """
 
     TYPE = MsgType.STEP
@@ -594,6 +595,8 @@ class Step(Message):
     oom: int = 0  # tiles whose operands did not fit a device's emulated memory
     comm_ns: int = 0
     comm_wait_ns: int = 0
+    interruptions: int = 0
+    lost_ns: int = 0
 
 
 @dataclass(slots=True)

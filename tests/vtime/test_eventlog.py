@@ -7,6 +7,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import math
 
 import pytest
 from morphling.devices.models.compute import GemmShape
@@ -15,6 +16,7 @@ from morphling.devices.models.profiles import BUILTIN
 from morphling.proxy.report.analysis import summarize
 from morphling.proxy.report.load import StepRange, load_run
 from morphling.proxy.report.records import parse
+from morphling.proxy.vtime.availability import Presence, Trace
 from morphling.proxy.vtime.eventlog import (
     COMPONENTS,
     COMPRESSED_EVENTS_FILE,
@@ -203,7 +205,11 @@ def test_the_report_reads_back_what_the_timeline_wrote(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     sink = open_event_file(run_dir / COMPRESSED_EVENTS_FILE)
-    tl = Timeline("round-robin", log=EventLog(sink), bottleneck=Bottleneck(1e12, 5e11))
+    # "small" is away for its first microsecond (an ``away`` record)
+    away = Trace({"small": Presence(((1e-6, math.inf),))})
+    tl = Timeline(
+        "round-robin", log=EventLog(sink), bottleneck=Bottleneck(1e12, 5e11), availability=away
+    )
     fleet = [("rpi4-0", LINKS["ideal"].apply(BUILTIN["rpi4"])), ("small", profile(memory=100_000))]
     for device, (name, p) in enumerate(fleet):
         tl.add_device(device, name, p)

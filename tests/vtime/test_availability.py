@@ -1,0 +1,176 @@
+"""Devices that leave and come back in virtual time: the trace readers, the churn model,
+and the timeline placing again the tiles a leaving device had not sent back."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from pathlib import Path
+
+import pytest
+from morphling.proxy.vtime.availability import (
+    Churn,
+    Presence,
+    Trace,
+    bind,
+    parse_churn,
+    read_trace,
+)
+from timeline_driver import MB, Recorder, new_timeline, profile, records, submit, task
+
+
+def first(absences, n: int) -> list[tuple[float, float]]:
+    return list(itertools.islice(absences, n))
+
+
+def test_a_csv_trace_gives_each_device_its_absences(tmp_path: Path) -> None:
+    path = tmp_path / "trace.csv"
+    path.write_text("device,start,end\n# a comment\na,0,10\na,20,30\nb,5,\nc,0,4\nc,3,8\n")
+    devices = read_trace(path)
+    assert first(devices["a"].absences(), 5) == [(10, 20), (30, math.inf)]
+    assert first(devices["b"].absences(), 5) == [(0, 5)]  # there from 5 s on, to the end
+    assert first(devices["c"].absences(), 5) == [(8, math.inf)]  # overlapping lines merge
+    assert first(Trace(devices).absences("unnamed"), 5) == []  # always there
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("a,0\n", "trace.csv:1: expected device,start,end"),
+        ("a,0,10\nb,x,3\n", "trace.csv:2: start 'x' is not a time"),
+        ("a,5,2\n", "trace.csv:1: end '2' is not after start 5.0"),
+        ("a,-1,2\n", "trace.csv:1: start '-1' is not a time"),
+        ('{"1": {"active": [0], "inactive": [5]}}', "client '1': no 'finish_time'"),
+        ('{"1": {"active": [0, 9], "inactive": [5], "finish_time": 10}}', "2 active and 1"),
+        ('{"1": {"active": [0], "inactive": [50], "finish_time": 10}}', "past finish_time"),
+        ('{"1": {"active": ["0"], "inactive": [5], "finish_time": 10}}', "active[0] '0'"),
+        ('{"1": [0, 5]', "trace.csv:1: not JSON"),
+    ],
+)
+def test_a_bad_trace_is_refused_naming_the_line_and_field(
+    tmp_path: Path, text: str, expected: str
+) -> None:
+    path = tmp_path / "trace.csv"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=None) as caught:
+        read_trace(path)
+    assert expected in str(caught.value)
+
+
+def test_fedscales_trace_repeats_every_finish_time_and_binds_ids_in_fleet_order(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "behave.json"
+    trace = {
+        "7": {"duration": 9, "active": [0, 6], "inactive": [4, 9], "finish_time": 10, "model": "x"},
+        "3": {"duration": 5, "active": [2], "inactive": [10], "finish_time": 10, "model": "y"},
+        "12": {"active": [0], "inactive": [10], "finish_time": 10},
+    }
+    path.write_text(json.dumps(trace))
+    devices = read_trace(path)
+    assert first(devices["7"].absences(), 4) == [(4, 6), (9, 10), (14, 16), (19, 20)]
+    bound = bind(devices, ["rpi4-0", "rpi4-1"], path)  # ids 3, 7 (12 unused: 2 devices)
+    assert first(bound.absences("rpi4-0"), 2) == [(0, 2), (10, 12)]
+    assert first(bound.absences("rpi4-1"), 1) == [(4, 6)]
+    always = Presence(((0.0, 10.0),), 10.0)
+    assert first(always.absences(), 3) == []  # there the whole period: no absence, ever
+
+
+def test_a_trace_naming_devices_the_fleet_lacks_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "t.csv"
+    path.write_text("rpi4-0,0,1\nghost,0,1\n")
+    with pytest.raises(ValueError, match="names devices the fleet lacks: ghost"):
+        bind(read_trace(path), ["rpi4-0", "rpi4-1"], path)
+
+
+def test_churn_is_seeded_by_the_seed_and_the_device_name() -> None:
+    churn = parse_churn("mtbf=100,mttr=10,seed=3")
+    assert churn == Churn(100.0, 10.0, 3)
+    a = first(churn.absences("rpi4-0"), 200)
+    assert a == first(churn.absences("rpi4-0"), 200)
+    assert a != first(churn.absences("rpi4-1"), 200)
+    assert a != first(parse_churn("mtbf=100,mttr=10,seed=4").absences("rpi4-0"), 200)
+    assert all(l1 < b1 <= l2 for (l1, b1), (l2, _) in itertools.pairwise(a))
+    ups = [l2 - b1 for (_, b1), (l2, _) in itertools.pairwise(a)]
+    downs = [b - leave for leave, b in a]
+    assert 60 < sum(ups) / len(ups) < 140 and 6 < sum(downs) / len(downs) < 14
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        ("mtbf=10", "mttr missing"),
+        ("mtbf=10,mttr=0", "mttr='0' is not seconds > 0"),
+        ("mtbf=ten,mttr=1", "mtbf='ten'"),
+        ("mtbf=10,mttr=1,seed=x", "seed='x' is not an integer"),
+        ("mtbf=10,mttr=1,rate=3", "'rate=3' is not a setting"),
+        ("mtbf=1,mtbf=2,mttr=1", "mtbf is given twice"),
+    ],
+)
+def test_a_churn_spec_that_does_not_parse_is_refused(spec: str, expected: str) -> None:
+    with pytest.raises(ValueError) as caught:
+        parse_churn(spec)
+    assert expected in str(caught.value)
+
+
+def run_gemm(availability, devices: int = 2):
+    """One 1024×1024×256 GEMM (16 tiles of 256²) on ``devices`` equal devices."""
+    tl, sink = new_timeline("greedy", availability=availability)
+    for d in range(devices):
+        tl.add_device(d, f"d-{d}", profile(flops=1e9, bw=100 * MB))
+    rec = Recorder()
+    tl.open_job(1, "job")
+    submit(tl, rec, 1, task(1, 1024, 1024, 256), block=256)
+    closed = []
+    tl.mark_step(1, 1, host_s=0.0, done=closed.append)
+    tl.close_job(1)
+    return rec, closed[0], sink, tl
+
+
+def test_a_leaving_device_s_tiles_are_placed_again_and_the_gemm_ends_later() -> None:
+    rec, steady, sink, _ = run_gemm(None)
+    end = rec.ended[1][1]
+    leave = end / 3  # device 0 leaves a third of the way through, back near the end
+    trace = Trace({"d-0": Presence(((0.0, leave), (end * 0.9, math.inf)))})
+    rec2, times, sink2, tl = run_gemm(trace)
+    tiles = records(sink2, "tile")
+    assert len(tiles) == 16 == times.tiles  # every tile once, where it was computed last
+    assert not [t for t in tiles if t["device"] == 0 and t["up"][1] > leave]
+    away = records(sink2, "away")
+    assert away == [
+        {"ev": "away", "device": 0, "t0": leave, "t1": end * 0.9, "tiles": away[0]["tiles"],
+         "lost_s": away[0]["lost_s"]}
+    ]  # fmt: skip
+    assert away[0]["tiles"] == times.interruptions > 0 and times.lost_s == away[0]["lost_s"] > 0
+    assert rec2.ended[1][1] > end  # the lost work and one device less cost time
+    assert steady.interruptions == 0 and records(sink, "away") == []
+    # what the real path was handed is unchanged: each tile once, on the device first chosen
+    assert len({t for t, _ in rec2.placed}) == len(rec2.placed) == len(rec.placed) == 16
+    step = records(sink2, "step")[0]
+    assert step["interruptions"] == times.interruptions and step["lost_s"] == times.lost_s
+    assert tl.log.digest() == run_gemm(trace)[3].log.digest()
+
+
+def test_tiles_wait_while_every_device_is_away() -> None:
+    trace = Trace({f"d-{d}": Presence(((0.0, 0.01), (5.0, math.inf))) for d in range(2)})
+    rec, times, sink, _ = run_gemm(trace)
+    assert rec.ended[1][1] > 5.0  # they went on once the devices were back
+    assert len(records(sink, "tile")) == 16 and times.interruptions > 0
+    assert all(t["down"][0] >= 5.0 for t in records(sink, "tile"))
+
+
+def test_a_device_away_when_it_joins_takes_tiles_only_once_it_is_back() -> None:
+    trace = Trace({"d-1": Presence(((1e6, math.inf),))})  # there only from 1e6 s on
+    _, times, sink, _ = run_gemm(trace)
+    assert {t["device"] for t in records(sink, "tile")} == {0}
+    assert times.interruptions == 0
+
+
+def test_churn_on_a_fleet_is_deterministic_and_counts_its_interruptions() -> None:
+    churn = Churn(mtbf_s=0.05, mttr_s=0.02, seed=1)
+    runs = [run_gemm(churn, devices=4) for _ in range(2)]
+    (_, times, sink, tl), (_, again, _, tl2) = runs
+    assert tl.log.digest() == tl2.log.digest()
+    assert times.interruptions == again.interruptions > 0
+    assert len(records(sink, "tile")) == 16
