@@ -40,6 +40,7 @@ from morphling.proxy.emulator.settings import (
     AVAILABILITY_HELP,
     CHURN_HELP,
     DEFAULT_MIN_FLOPS,
+    ON_LEAVE_HELP,
     VERIFY_MODES,
     EmulatorConfig,
     availability_of,
@@ -49,6 +50,7 @@ from morphling.proxy.job.coordinator import MODES, PRODUCTS, coordinator_profile
 from morphling.proxy.vtime.collectives import ALGORITHMS
 from morphling.proxy.vtime.eventlog import EVENT_LEVELS
 from morphling.proxy.vtime.placement import POLICIES
+from morphling.proxy.vtime.timeline import ON_LEAVE
 from morphling.runtime import parse_server
 
 from . import ranks
@@ -206,6 +208,7 @@ class RunConfig:
     json: str = _opt("", "also write the per-step report as JSON to this file")
     availability: str = _opt("", AVAILABILITY_HELP + " (--embedded)")
     churn: str = _opt("", CHURN_HELP + " (--embedded)")
+    on_leave: str = _opt("wait", ON_LEAVE_HELP + " (--embedded)", choices=ON_LEAVE)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -348,11 +351,6 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
                 )
             if cfg.rank_devices:
                 rank_devices(cfg.rank_devices, cfg.ranks, device_names(fleet))
-            if cfg.ranks and (cfg.availability or cfg.churn):
-                raise configuration.ConfigError(
-                    "--availability and --churn move offloaded tiles; ranks leaving "
-                    "(--on-leave) are not built yet"
-                )
             availability_of(_emulator_config(cfg, None), device_names(fleet))
         elif cfg.availability or cfg.churn:
             raise configuration.ConfigError(
@@ -463,6 +461,7 @@ def _emulator_config(cfg: RunConfig, run_dir: Path | None) -> EmulatorConfig:
         verify=cfg.verify,
         availability=cfg.availability,
         churn=cfg.churn,
+        on_leave=cfg.on_leave,
     )
     if cfg.block_size:
         emulator = dataclasses.replace(emulator, block_size=cfg.block_size)

@@ -104,6 +104,7 @@ class Emulator:
             residency=config.residency,
             dropped=self.scheduler.drop_panels,
             availability=availability_of(config, fleet),  # (read and checked: the config's)
+            on_leave=config.on_leave,
         )
         self.run_info: dict[str, Any] = {}  # extra keys for run.json (the command, settings)
         self.allocate = pool_allocator(self.pool)

@@ -12,6 +12,7 @@ from morphling.proxy.vtime.availability import Availability, bind, parse_churn, 
 from morphling.proxy.vtime.collectives import ALGORITHMS
 from morphling.proxy.vtime.eventlog import DETAIL_STEPS, EVENT_LEVELS
 from morphling.proxy.vtime.placement import POLICIES
+from morphling.proxy.vtime.timeline import ON_LEAVE
 from morphling.proxy.wire import challenge
 
 from morphling.config import ConfigError
@@ -31,6 +32,12 @@ AVAILABILITY_HELP = (
 CHURN_HELP = (
     "devices leave and come back at random in virtual time: mtbf=SECONDS,mttr=SECONDS"
     "[,seed=N] (exponential up and down times); empty: none"
+)
+
+ON_LEAVE_HELP = (
+    "what a rank whose device leaves does (--availability, --churn): wait (its work pauses "
+    "until the device is back; a tile or collective under way starts again) or restart "
+    "(once back, it does its step again from the step's start)"
 )
 
 # A job's GEMMs under 2·32³ FLOPs stay local: their round trip would dwarf their compute.
@@ -257,6 +264,7 @@ class EmulatorConfig:
 
     availability: str = _opt("", AVAILABILITY_HELP)
     churn: str = _opt("", CHURN_HELP)
+    on_leave: str = _opt("wait", ON_LEAVE_HELP, choices=ON_LEAVE)
 
     def __post_init__(self) -> None:
         check_heartbeats(self.heartbeat_s, self.heartbeat_timeout_s)

@@ -36,6 +36,7 @@ on the members' links by the timeline's algorithm (``collectives``).
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 from collections import deque
@@ -73,6 +74,10 @@ from .work import GemmWork, Operand, TileWork
 
 log = logging.getLogger(__name__)
 
+# What a rank does when its device leaves (``--on-leave``): ``wait``, its work pauses until
+# the device is back (a tile being computed starts again then); ``restart``, it starts its
+# step again once back (what the step had done until the leave is done again).
+ON_LEAVE = ("wait", "restart")
 ENDS_KEPT = 4096  # GEMM end times a job remembers for GEMMs issued "after" them
 WORKS_KEPT = 4096  # distinct tile ``Work``s kept for reuse (a run has few)
 
@@ -221,6 +226,42 @@ class _Gemm(Generic[T]):
     last: _Back[T] | None = None  # its tile back last, of those placed for good
 
 
+class _Absences:
+    """A rank's device's absences, listed from the availability as far as asked."""
+
+    def __init__(self, source: Iterator[Absence]) -> None:
+        self._source = source
+        self._known: list[Absence] = []
+        self._backs: list[float] = []
+        self.goes_on: dict[float, float] = {}  # leave → when the rank went on after it
+        self.last_back = -math.inf  # the latest of those
+        self.progress = 0.0  # ``restart``: its step's work done by then (done again first)
+        self._warned = False
+
+    def next_after(self, t: float, job: _Job) -> Absence:
+        """The first absence not over by ``t`` ((inf, inf): none). One for good is none:
+        a rank cannot wait for ever (a warning says so, once)."""
+        while not self._backs or self._backs[-1] <= t:
+            absence = next(self._source, None)
+            if absence is None:
+                return math.inf, math.inf
+            if absence[1] == math.inf:
+                if not self._warned:
+                    self._warned = True
+                    log.warning(
+                        "rank job %d (%s): its device leaves for good at %.6f s, and a rank "
+                        "cannot wait for ever: it stays",
+                        job.id,
+                        job.name,
+                        absence[0],
+                    )
+                self._source = iter(())
+                return math.inf, math.inf
+            self._known.append(absence)
+            self._backs.append(absence[1])
+        return self._known[bisect.bisect_right(self._backs, t)]
+
+
 @dataclass(eq=False)
 class _Requeue(Generic[T]):
     """A tile whose passage its device leaves before it is back: placed again then."""
@@ -275,6 +316,7 @@ class Timeline(Generic[T]):
         residency: bool = True,
         dropped: Callable[[int, list[int]], None] | None = None,
         availability: Availability | None = None,
+        on_leave: str = "wait",
     ) -> None:
         """``algorithm``: how collectives move their bytes (``collectives.ALGORITHMS``);
         ``residency``: devices keep the panels they are sent for any later tile that needs
@@ -283,7 +325,10 @@ class Timeline(Generic[T]):
         blocks (or blocks around them) where that pays, and plans as a whole a request
         none of whose blocks any device holds (off: each tile carries its panels, and
         greedy places tile by tile); ``availability``: when devices leave and come back
-        (``availability``; None: they stay)."""
+        (``availability``; None: they stay); ``on_leave``: what a rank whose device leaves
+        does (``ON_LEAVE``)."""
+        if on_leave not in ON_LEAVE:
+            raise ValueError(f"on_leave {on_leave!r}: not one of {', '.join(ON_LEAVE)}")
         if algorithm not in ALGORITHMS:
             raise ValueError(
                 f"collective algorithm {algorithm!r}: not one of {', '.join(ALGORITHMS)}"
@@ -318,6 +363,8 @@ class Timeline(Generic[T]):
         self._doomed: dict[int, list[_Requeue[T]]] = {}  # tiles its leave will interrupt
         self._orphans: list[_Requeue[T]] = []  # interrupted, waiting for a device to take them
         self._gone: set[int] = set()  # devices whose connection left (they come back no more)
+        self.on_leave = on_leave
+        self._rank_absences: dict[int, _Absences] = {}  # a rank's device's, by its id
 
     # -- fleet and jobs ----------------------------------------------------------------
 
@@ -362,6 +409,8 @@ class Timeline(Generic[T]):
         while transitions and transitions[0][0] <= now:
             t, device_id = heappop(transitions)
             device = self.devices[device_id]
+            if device_id in self._rank_absences:  # a rank's: its own time (``_rank_time``)
+                continue
             if t == device.leaves_at and device.id not in self._away:
                 self._leave(device)
             elif t == device.back_at and device.id in self._away:
@@ -391,6 +440,80 @@ class Timeline(Generic[T]):
         self._orphans += doomed
         if back < math.inf:
             heappush(self._transitions, (back, device.id))
+
+    def _own_device(self, device: VirtualDevice) -> None:
+        """A rank runs on ``device``: its absences apply to the rank's own time, not the
+        clock's (``_rank_time``), and no tile of another job waits for it."""
+        absences = self.availability.absences(device.name) if self.availability else iter(())
+        self._rank_absences[device.id] = _Absences(absences)
+        self._absences.pop(device.id, None)
+        device.leaves_at = device.back_at = math.inf
+        if device.id in self._away:
+            self._away.discard(device.id)
+            self.placement.add(device)
+
+    def _rank_time(self, job: _Job, start: float, seconds: float) -> float:
+        """When ``seconds`` of a rank's own work begun at ``start`` (its coordinator work)
+        is done, its device's absences skipped: the work pauses while it is away."""
+        absences = None if job.device is None else self._rank_absences.get(job.device)
+        if absences is None:
+            return start + seconds
+        t, left = start, seconds
+        while True:
+            leave, back = absences.next_after(t, job)
+            if t + left <= leave:
+                return t + left
+            if t < leave:
+                left -= leave - t
+            t = self._rank_away(job, absences, t, leave, back)
+
+    def _rank_window(self, job: _Job, start: float, seconds: float) -> float:
+        """The earliest start from ``start`` of ``seconds`` of a rank's work that cannot
+        pause (a tile's computation, a collective): its device there throughout."""
+        absences = None if job.device is None else self._rank_absences.get(job.device)
+        t = start
+        while absences is not None:
+            leave, back = absences.next_after(t, job)
+            if t + seconds <= leave:
+                break
+            t = self._rank_away(job, absences, t, leave, back)
+        return t
+
+    def _rank_away(
+        self, job: _Job, absences: _Absences, t: float, leave: float, back: float
+    ) -> float:
+        """The rank's device is away from ``leave`` to ``back`` as its work reaches ``t``:
+        when the rank goes on (``on_leave``: back, or back and its step done again until
+        the leave). Each absence is counted, and logged, once."""
+        goes_on = absences.goes_on.get(leave)
+        if goes_on is None:  # met for the first time: counted, logged
+            times = self._step_of(job, t)
+            redo = 0.0  # ``restart``: the step's work until the leave, done again once back
+            if self.on_leave == "restart":
+                base = absences.last_back
+                if base <= times.t0:  # its first absence in this step
+                    redo = max(0.0, leave - times.t0)
+                else:  # it went on in this step: what it had done then (redone, if not yet)
+                    redo = absences.progress + max(0.0, leave - base)
+                absences.progress = redo
+            goes_on = absences.goes_on[leave] = back + redo
+            absences.last_back = goes_on
+            times.interruptions += 1
+            times.lost_s += redo
+            self.log.write(Away(job.device or 0, leave, back, 1, redo))
+        return goes_on
+
+    def _rank_tile(
+        self, job: _Job, device: VirtualDevice, work: Work, passage: _Passage
+    ) -> _Passage:
+        """A rank's tile computes while its device is there: one its device leaves during
+        starts again once it is back."""
+        (c0, c1) = passage[0][1]
+        again = self._rank_window(job, c0, c1 - c0)
+        if again == c0:
+            return passage
+        device.compute.free_at = again
+        return self._run(again, device, work)
 
     def _interrupt(self, device: VirtualDevice, requeue: _Requeue[T]) -> None:
         """``requeue``'s tile will not be back before its device leaves: an event then."""
@@ -450,6 +573,8 @@ class Timeline(Generic[T]):
             job.clock = job.step_end = self._rank_epoch
             job.released, job.started = False, True
             self._rank_jobs[rank] = job
+            if device is not None and self.availability is not None:
+                self._own_device(self.devices[device])
         else:
             self._holding[job_id] = job
         self.jobs[job_id] = job
@@ -577,7 +702,7 @@ class Timeline(Generic[T]):
         job.inflight[seq] = []
 
         def start(base: float) -> None:
-            at = base + host_s
+            at = self._rank_time(job, base, host_s) if job.resident else base + host_s
             if not job.resident:  # a released job's starts no earlier than the clock
                 at = max(at, self.clock.now)
             times = self._step_of(job, at)
@@ -607,7 +732,7 @@ class Timeline(Generic[T]):
         job.waiting += 1
 
         def close(base: float) -> None:
-            at = base + host_s
+            at = self._rank_time(job, base, host_s) if job.resident else base + host_s
             times = self._step_of(job, at)
             self._coordinator(job, times, base, at, host_split)
             times.t1, times.step = at, step
@@ -825,6 +950,8 @@ class Timeline(Generic[T]):
             if gemm.job.resident:  # its operands are on the device already, its output stays
                 work = Work(0, 0, work.shape)
             passage = self._run(now, device, work)
+            if gemm.job.resident and device.id in self._rank_absences:
+                passage = self._rank_tile(gemm.job, device, work, passage)
             placement.placed(index)
             placed.append((tile, device.id, admission))
             stages = passage[0]
@@ -1094,13 +1221,29 @@ class Timeline(Generic[T]):
             bottleneck = self.bottleneck.dl_bw if self.bottleneck is not None else math.inf
             ready = max(p.at for p in parts.values())  # its last member there
             start = max(ready, *(self._comm_free.get(r, 0.0) for r in members))
-            end = start + collective_s(op.op, nbytes, links, op.root, bottleneck, self.algorithm)
+            seconds = collective_s(op.op, nbytes, links, op.root, bottleneck, self.algorithm)
+            start = self._members_there(members, start, seconds)
+            end = start + seconds
             for rank, queue in queues.items():
                 self._comm_free[rank] = end
                 queue.popleft()
                 if queue:
                     keys.append(queue[0])
             self.clock.at(end, self._collective_end, (list(parts.values()), ready, start, end))
+
+    def _members_there(self, members: Sequence[int], start: float, seconds: float) -> float:
+        """The earliest start from ``start`` of a collective of ``seconds`` with every
+        member's device there throughout."""
+        if not self._rank_absences:
+            return start
+        moved = True
+        while moved:
+            moved = False
+            for rank in members:
+                job = self._rank_jobs.get(rank)
+                if job is not None and (later := self._rank_window(job, start, seconds)) > start:
+                    start, moved = later, True
+        return start
 
     def _member_device(self, rank: int) -> VirtualDevice | None:
         job = self._rank_jobs.get(rank)

@@ -72,7 +72,7 @@ def test_a_trace_keeps_a_device_away_for_its_gap(tmp_path: Path) -> None:
         (["--availability", "TRACE"], "names devices the fleet lacks: ghost"),
         (["--availability", "nowhere.csv"], "nowhere.csv: cannot read it"),
         (["--churn", "mtbf=1,mttr=1", "--availability", "TRACE"], "not both"),
-        (["--ranks", "2", "--churn", "mtbf=1,mttr=1"], "(--on-leave) are not built yet"),
+        (["--on-leave", "drop"], "--on-leave: 'drop' is not one of 'wait', 'restart'"),
     ],
 )
 def test_bad_availability_settings_are_refused_before_anything_runs(

@@ -99,6 +99,24 @@ def test_ranks_train_as_torchrun_does(tmp_path: Path, script: str) -> None:
         assert ops == sorted([("send", 2), ("recv", 2)] * 2 * 3 + [("allreduce", 2)] * 2), ops
 
 
+def test_ranks_whose_devices_churn_restart_their_steps_and_train_as_torchrun_does(
+    tmp_path: Path,
+) -> None:
+    """Issue 24's --on-leave: the devices leave and come back in virtual time; each rank
+    does its step again once back, and only the timeline moves."""
+    flags = ("--churn", "mtbf=0.05,mttr=0.02,seed=1", "--on-leave", "restart")
+    proc, report, run_dir = ranks_run(tmp_path, "ranks_ddp.py", flags=flags)
+    succeeded(proc)
+    expected = torchrun_losses("ranks_ddp.py")
+    for rank, values in expected.items():
+        assert losses(proc.stdout)[rank] == pytest.approx(values, rel=1e-5, abs=1e-6), rank
+    steps = [s for r in json.loads(report.read_text())["ranks"] for s in r["steps"]]
+    interrupted = sum(s["interruptions"] for s in steps)
+    assert interrupted > 0 and sum(s["lost_s"] for s in steps) > 0
+    away = records(run_dir, "away")
+    assert len(away) == interrupted and {a["device"] for a in away} <= {0, 1}
+
+
 def timeline(run_dir: Path) -> list[dict]:
     """The run's events, each job named by its rank, without the timeline's tile numbers
     (which count every rank's tiles in the order they came), in a canonical order."""

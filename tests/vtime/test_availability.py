@@ -17,6 +17,7 @@ from morphling.proxy.vtime.availability import (
     parse_churn,
     read_trace,
 )
+from morphling.proxy.vtime.timeline import Operation
 from timeline_driver import MB, Recorder, new_timeline, profile, records, submit, task
 
 
@@ -174,3 +175,73 @@ def test_churn_on_a_fleet_is_deterministic_and_counts_its_interruptions() -> Non
     assert tl.log.digest() == tl2.log.digest()
     assert times.interruptions == again.interruptions > 0
     assert len(records(sink, "tile")) == 16
+
+
+def rank_round(on_leave: str, away: dict[str, tuple[float, float]]):
+    """Two ranks, each on its own device: 0.5 s of its own work, then a 4 MB all-reduce,
+    then a step mark; ``away``: device name → (leave, back). Each rank's step times."""
+    trace = Trace({name: Presence(((0.0, leave), (back, math.inf))) for name, (leave, back)
+                   in away.items()})  # fmt: skip
+    tl, sink = new_timeline(availability=trace, on_leave=on_leave)
+    for r in range(2):
+        tl.add_device(r, f"d-{r}", profile(bw=10 * MB, lat=0.001))
+        tl.open_job(r + 1, f"rank-{r}", device=r, rank=r)
+    ended, steps = {}, {}
+    op = Operation(("world", 1), "allreduce", 4_000_000, (0, 1))
+    for r in range(2):
+        tl.collective(r + 1, r, 7, op, after=0, host_s=0.5,
+                      done=lambda issue, end, r=r: ended.__setitem__(r, end))  # fmt: skip
+    for r in range(2):
+        tl.mark_step(r + 1, 1, host_s=0.0, done=lambda t, r=r: steps.__setitem__(r, t))
+    return ended, steps, sink
+
+
+ALLREDUCE_S = 2 * 1 / 2 * 4_000_000 / (10 * MB) + 2 * 1 * 2 * 0.001
+
+
+def test_a_rank_waits_for_its_device_and_the_others_wait_for_it_in_the_collective() -> None:
+    ended, steps, _ = rank_round("wait", {})
+    assert ended[0] == pytest.approx(0.5 + ALLREDUCE_S)
+    # rank 1's device is away from 0.2 s to 1.2 s: its work pauses, then goes on
+    ended, steps, sink = rank_round("wait", {"d-1": (0.2, 1.2)})
+    assert ended == {0: pytest.approx(1.5 + ALLREDUCE_S), 1: pytest.approx(1.5 + ALLREDUCE_S)}
+    assert steps[1].interruptions == 1 and steps[1].lost_s == 0.0
+    assert steps[0].interruptions == 0 and steps[0].comm_wait_s == pytest.approx(1.0)
+    assert records(sink, "away") == [
+        {"ev": "away", "device": 1, "t0": 0.2, "t1": 1.2, "tiles": 1, "lost_s": 0.0}
+    ]
+
+
+def test_a_restarting_rank_does_its_step_again_once_back() -> None:
+    ended, steps, _ = rank_round("restart", {"d-1": (0.2, 1.2)})
+    # back at 1.2 s, the 0.2 s it had done are done again, then its last 0.3 s
+    assert ended[1] == pytest.approx(1.2 + 0.2 + 0.3 + ALLREDUCE_S)
+    assert steps[1].lost_s == pytest.approx(0.2) and steps[1].interruptions == 1
+
+
+def test_a_collective_waits_for_a_member_that_leaves_during_it() -> None:
+    leave = 0.5 + ALLREDUCE_S / 2  # in the middle of the all-reduce
+    ended, steps, _ = rank_round("wait", {"d-0": (leave, 2.0)})
+    assert ended[0] == pytest.approx(2.0 + ALLREDUCE_S)  # it starts again once back
+    assert steps[0].interruptions == 1
+
+
+def test_on_leave_must_be_known() -> None:
+    with pytest.raises(ValueError, match="on_leave 'drop': not one of wait, restart"):
+        new_timeline(on_leave="drop")
+
+
+def test_a_rank_that_leaves_again_while_redoing_its_step_redoes_it_all() -> None:
+    """Away from 0.2 to 1.2 s with 0.2 s of its step done, and again from 1.3 to 1.5 s,
+    while redoing them: back at 1.5, it redoes the 0.2 s once more, then its last 0.3."""
+    trace = Trace({"d-1": Presence(((0.0, 0.2), (1.2, 1.3), (1.5, math.inf)))})
+    tl, _ = new_timeline(availability=trace, on_leave="restart")
+    for r in range(2):
+        tl.add_device(r, f"d-{r}", profile(bw=10 * MB, lat=0.001))
+        tl.open_job(r + 1, f"rank-{r}", device=r, rank=r)
+    steps = {}
+    for r in range(2):
+        tl.mark_step(r + 1, 1, host_s=0.5, done=lambda t, r=r: steps.__setitem__(r, t))
+    assert steps[1].t1 == pytest.approx(1.5 + 0.2 + 0.3)
+    assert steps[1].interruptions == 2 and steps[1].lost_s == pytest.approx(0.4)
+    assert steps[0].t1 == pytest.approx(0.5) and steps[0].interruptions == 0
