@@ -83,6 +83,9 @@ class Placement:
         self._stale = True
         self._cursor = -1  # round-robin: the id of the device served last
         self._kept: _Predicted | None = None  # greedy's predictions, while they hold
+        # devices away (availability): placed among the others, with no tile for them
+        self._absent: set[int] = set()
+        self._absent_mask = np.zeros(0, dtype=bool)  # by index, as the arrays
 
     def add(self, device: VirtualDevice) -> None:
         index = bisect.bisect(self._ids, device.id)
@@ -93,8 +96,26 @@ class Placement:
         self._kinds[device.id] = repr(device.profile)
         self._stale, self._kept = True, None
 
+    def away(self, device_id: int) -> None:
+        """No tiles for it until ``back``: cheaper than ``remove`` and ``add``, which a
+        fleet of thousands coming and going would make at every placement."""
+        if device_id in self._kinds and device_id not in self._absent:
+            self._absent.add(device_id)
+            self._mark(device_id, True)
+
+    def back(self, device_id: int) -> None:
+        if device_id in self._absent:
+            self._absent.discard(device_id)
+            self._mark(device_id, False)
+
+    def _mark(self, device_id: int, absent: bool) -> None:
+        self._kept = None
+        if not self._stale:
+            self._absent_mask[bisect.bisect_left(self._ids, device_id)] = absent
+
     def remove(self, device_id: int) -> None:
         """No more tiles for it (what it has placed stays placed)."""
+        self._absent.discard(device_id)
         if self._kinds.pop(device_id, None) is not None:
             index = self._ids.index(device_id)
             del self._ids[index], self.devices[index]
@@ -107,9 +128,10 @@ class Placement:
         ``conv``: one that computes them)."""
         ids = self._conv_ids if conv else self._ids
         if device is None:
-            return bool(ids)
+            absent = self._absent
+            return len(ids) > len(absent) or any(i not in absent for i in ids)
         at = bisect.bisect_left(ids, device)
-        return at < len(ids) and ids[at] == device
+        return at < len(ids) and ids[at] == device and device not in self._absent
 
     def index(self, device: int) -> int:
         """Device ``device``'s index in ``devices`` (one that is there), for a tile that
@@ -131,6 +153,7 @@ class Placement:
         self._link_columns = np.array(self._links).reshape(-1, 4).T
         self._free = np.empty((len(devices), 4))  # ``_free`` of each device, a row each
         self._changed = set(range(len(devices)))  # rows to read again before they are used
+        self._absent_mask = np.array([d.id in self._absent for d in devices], dtype=bool)
         self._stale = False
 
     def placed(self, index: int) -> None:
@@ -161,7 +184,7 @@ class Placement:
         conv = isinstance(work.shape, ConvShape)
         for index in sorted(held):
             device = self.devices[index]
-            if conv and not device.convolutions:
+            if (conv and not device.convolutions) or device.id in self._absent:
                 continue
             lighter = Work(work.bytes_down - held[index], work.bytes_up, work.shape)
             nominal = kept.nominal[self._groups[index]]
@@ -181,12 +204,17 @@ class Placement:
         some = isinstance(work.shape, ConvShape) and len(self._conv_ids) < len(devices)
         if self.policy == "greedy":
             return self._greedy(now, work, some) if len(devices) > 1 else 0  # one: no choice
+        absent = self._absent
         if self.policy == "load-balanced":
             counts = [
-                d.outstanding(now) if d.convolutions or not some else math.inf for d in devices
-            ]
+                d.outstanding(now) if (d.convolutions or not some) and d.id not in absent
+                else math.inf
+                for d in devices
+            ]  # fmt: skip
             return counts.index(min(counts))
         ids = self._conv_ids if some else self._ids
+        if absent:
+            ids = [i for i in ids if i not in absent]
         self._cursor = ids[bisect.bisect_right(ids, self._cursor) % len(ids)]
         return bisect.bisect_left(self._ids, self._cursor)
 
@@ -201,6 +229,8 @@ class Placement:
         finish = _finish(now, work, nominals, self._free.T, self._link_columns, np.maximum)
         if some:
             finish = np.where(self._conv_mask, finish, np.inf)
+        if self._absent:
+            finish = np.where(self._absent_mask, np.inf, finish)
         self._kept = _Predicted(now, work, nominal, finish)
         return int(finish.argmin())
 
@@ -220,7 +250,11 @@ class Placement:
         if self._stale:
             self._rebuild()
         conv = isinstance(work.shape, ConvShape)
-        able = [i for i, d in enumerate(self.devices) if d.convolutions or not conv]
+        absent = self._absent
+        able = [
+            i for i, d in enumerate(self.devices)
+            if (d.convolutions or not conv) and d.id not in absent
+        ]  # fmt: skip
         if len(able) < 2:
             return None
         self._kept = None  # (its tiles change the devices' queues: predict afresh after)

@@ -416,7 +416,7 @@ class Timeline(Generic[T]):
             elif t == device.back_at and device.id in self._away:
                 self._away.discard(device_id)
                 if device_id not in self._gone:
-                    self.placement.add(device)
+                    self.placement.back(device_id)
                     self._next_absence(device)
 
     def _leave(self, device: VirtualDevice) -> None:
@@ -426,7 +426,7 @@ class Timeline(Generic[T]):
         It comes back having lost what it held."""
         leave, back = device.leaves_at, device.back_at
         self._away.add(device.id)
-        self.placement.remove(device.id)
+        self.placement.away(device.id)
         device.memory.distrust()
         device.down.free_at = device.compute.free_at = device.up.free_at = back
         device.outstanding(math.inf)  # (forgets every return it expected)
@@ -450,7 +450,7 @@ class Timeline(Generic[T]):
         device.leaves_at = device.back_at = math.inf
         if device.id in self._away:
             self._away.discard(device.id)
-            self.placement.add(device)
+            self.placement.back(device.id)
 
     def _rank_time(self, job: _Job, start: float, seconds: float) -> float:
         """When ``seconds`` of a rank's own work begun at ``start`` (its coordinator work)

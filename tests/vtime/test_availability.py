@@ -115,9 +115,9 @@ def test_a_churn_spec_that_does_not_parse_is_refused(spec: str, expected: str) -
     assert expected in str(caught.value)
 
 
-def run_gemm(availability, devices: int = 2):
+def run_gemm(availability, devices: int = 2, policy: str = "greedy"):
     """One 1024×1024×256 GEMM (16 tiles of 256²) on ``devices`` equal devices."""
-    tl, sink = new_timeline("greedy", availability=availability)
+    tl, sink = new_timeline(policy, availability=availability)
     for d in range(devices):
         tl.add_device(d, f"d-{d}", profile(flops=1e9, bw=100 * MB))
     rec = Recorder()
@@ -161,10 +161,11 @@ def test_tiles_wait_while_every_device_is_away() -> None:
     assert all(t["down"][0] >= 5.0 for t in records(sink, "tile"))
 
 
-def test_a_device_away_when_it_joins_takes_tiles_only_once_it_is_back() -> None:
+@pytest.mark.parametrize("policy", ["greedy", "round-robin", "load-balanced"])
+def test_a_device_away_when_it_joins_takes_tiles_only_once_it_is_back(policy: str) -> None:
     trace = Trace({"d-1": Presence(((1e6, math.inf),))})  # there only from 1e6 s on
-    _, times, sink, _ = run_gemm(trace)
-    assert {t["device"] for t in records(sink, "tile")} == {0}
+    _, times, sink, _ = run_gemm(trace, devices=3, policy=policy)
+    assert {t["device"] for t in records(sink, "tile")} == {0, 2}
     assert times.interruptions == 0
 
 
