@@ -8,7 +8,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from morphling.proxy.vtime.availability import Availability, bind, parse_churn, read_trace
+from morphling.proxy.vtime.availability import (
+    Availability,
+    Churn,
+    Presence,
+    bind,
+    parse_churn,
+    read_trace,
+)
 from morphling.proxy.vtime.collectives import ALGORITHMS
 from morphling.proxy.vtime.eventlog import DETAIL_STEPS, EVENT_LEVELS
 from morphling.proxy.vtime.placement import POLICIES
@@ -37,7 +44,7 @@ CHURN_HELP = (
 ON_LEAVE_HELP = (
     "what a rank whose device leaves does (--availability, --churn): wait (its work pauses "
     "until the device is back; a tile or collective under way starts again) or restart "
-    "(once back, it does its step again from the step's start)"
+    "(once back, it first does its step's work so far again)"
 )
 
 # A job's GEMMs under 2·32³ FLOPs stay local: their round trip would dwarf their compute.
@@ -60,17 +67,26 @@ def parse_mode(text: str) -> float:
     return fraction
 
 
-def availability_of(config: EmulatorConfig, fleet: Sequence[str] | None) -> Availability | None:
-    """``--availability``'s trace (for a fleet of these names, when known) or ``--churn``'s
-    model; None for neither; ValueError for both, or one that does not parse."""
+def _availability_source(config: EmulatorConfig) -> Churn | dict[str, Presence] | None:
+    """``--churn``'s model, or the devices ``--availability``'s trace names; ValueError
+    for both, or one that does not parse."""
     if config.availability and config.churn:
         raise ValueError("give --availability or --churn, not both")
     if config.churn:
         return parse_churn(config.churn)
-    if config.availability:
-        path = Path(config.availability)
-        return bind(read_trace(path), fleet, path)
-    return None
+    return read_trace(Path(config.availability)) if config.availability else None
+
+
+def availability_of(config: EmulatorConfig, fleet: Sequence[str] | None) -> Availability | None:
+    """``--availability``'s trace (for a fleet of these names, when known) or ``--churn``'s
+    model; None for neither; ConfigError for both, or one that does not parse or bind."""
+    try:
+        source = _availability_source(config)
+        if isinstance(source, dict):
+            return bind(source, fleet, Path(config.availability))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return source
 
 
 def check_heartbeats(heartbeat_s: float, heartbeat_timeout_s: float) -> None:
@@ -268,8 +284,8 @@ class EmulatorConfig:
 
     def __post_init__(self) -> None:
         check_heartbeats(self.heartbeat_s, self.heartbeat_timeout_s)
-        try:
-            availability_of(self, None)
+        try:  # (it binds to the fleet's names once they are known: ``availability_of``)
+            _availability_source(self)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         try:

@@ -333,9 +333,9 @@ class Session:
                         f"copied to NCHW first); kept local: {_by_reason(convs)}")  # fmt: skip
         interrupted = sum(r.interruptions for r in self.steps)
         if interrupted:  # a fleet whose devices come and go (--availability, --churn)
-            rows.append(f"devices leaving: {interrupted} tiles placed again, their passages "
-                        f"{sum(r.lost_s for r in self.steps):.4f} s in when the device "
-                        "left (every step; --json has each)")  # fmt: skip
+            rows.append(f"devices leaving: {interrupted} interruptions (tiles placed again, or "
+                        f"a rank's device away), {sum(r.lost_s for r in self.steps):.4f} s of "
+                        "work lost (every step; --json has each)")  # fmt: skip
         by_class = collections.Counter[str]()
         for r in self.steps:
             by_class.update(r.coord_split)

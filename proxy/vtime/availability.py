@@ -57,6 +57,9 @@ class Presence:
     period: float | None = None
 
     def absences(self) -> Iterator[Absence]:
+        if not self.spans:  # never there
+            yield 0.0, math.inf
+            return
         here_until, offset = 0.0, 0.0
         while True:
             away = False  # in this period
@@ -127,7 +130,9 @@ def parse_churn(spec: str) -> Churn:
     try:
         seed = int(values.get("seed", "0"))
     except ValueError:
-        raise ValueError(f"--churn {spec!r}: seed={values['seed']!r} is not an integer") from None
+        seed = -1
+    if seed < 0:
+        raise ValueError(f"--churn {spec!r}: seed={values['seed']!r} is not an integer >= 0")
     return Churn(seconds["mtbf"], seconds["mttr"], seed)
 
 
@@ -148,8 +153,10 @@ def _spans(spans: list[Span], where: str) -> tuple[Span, ...]:
     """Sorted, touching or overlapping ones merged; ValueError for one that ends first."""
     merged: list[Span] = []
     for start, end in sorted(spans):
-        if end <= start:
+        if end < start:
             raise ValueError(f"{where}: ends at {end} before it starts at {start}")
+        if end == start:  # (there for an instant: FedScale's windows are closed)
+            continue
         if merged and start <= merged[-1][1]:
             merged[-1] = (merged[-1][0], max(end, merged[-1][1]))
         else:
@@ -163,8 +170,8 @@ def _read_csv(path: Path, text: str) -> dict[str, Presence]:
         where = f"{path}:{number}"
         if not row or row[0].strip().startswith("#"):
             continue
-        if number == 1 and [c.strip() for c in row] == ["device", "start", "end"]:
-            continue
+        if [c.strip().lower() for c in row] == ["device", "start", "end"]:
+            continue  # the header
         if len(row) != 3 or not row[0].strip():
             raise ValueError(f"{where}: expected device,start,end, got {','.join(row)!r}")
         start = _seconds(row[1], where, "start")
@@ -202,7 +209,7 @@ def _read_fedscale(path: Path, data: object) -> dict[str, Presence]:
             for i, (a, b) in enumerate(zip(active, inactive, strict=True))
         ]
         merged = _spans(spans, where)
-        if merged[-1][1] > period:
+        if merged and merged[-1][1] > period:
             raise ValueError(f"{where}: inactive time {merged[-1][1]} past finish_time {period}")
         devices[str(client)] = Presence(merged, period)
     return devices
@@ -218,7 +225,7 @@ def read_trace(path: Path) -> dict[str, Presence]:
     """The devices a trace file names, with when each is there (by content: a JSON object
     is FedScale's shape, anything else the CSV); ValueError naming the file, line and field."""
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8-sig")  # (a spreadsheet's BOM too)
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"availability trace {path}: cannot read it: {exc}") from None
     if text.lstrip().startswith("{"):

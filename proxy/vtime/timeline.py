@@ -78,6 +78,7 @@ log = logging.getLogger(__name__)
 # the device is back (a tile being computed starts again then); ``restart``, it starts its
 # step again once back (what the step had done until the leave is done again).
 ON_LEAVE = ("wait", "restart")
+WINDOW_TRIES = 64  # absences a rank's work that starts again may skip to find its window
 ENDS_KEPT = 4096  # GEMM end times a job remembers for GEMMs issued "after" them
 WORKS_KEPT = 4096  # distinct tile ``Work``s kept for reuse (a run has few)
 
@@ -200,6 +201,9 @@ class _Job:
     resident: bool = False  # it runs on ``device`` itself (a rank): its tiles cross no link
     counted: float = 0.0  # its coordinator time is counted up to here
     overlapped: float = 0.0  # the end of its latest collective it did not wait for at once
+    # a rank's absences met since its step's times last took them (``_rank_away``)
+    interruptions: int = 0
+    lost_s: float = 0.0
 
 
 class _Back(NamedTuple, Generic[T]):
@@ -234,9 +238,15 @@ class _Absences:
         self._known: list[Absence] = []
         self._backs: list[float] = []
         self.goes_on: dict[float, float] = {}  # leave → when the rank went on after it
-        self.last_back = -math.inf  # the latest of those
-        self.progress = 0.0  # ``restart``: its step's work done by then (done again first)
+        self.redoing = False  # ``restart``: it is doing its step again
+        self.redos = 0  # redos cut short in a row
         self._warned = False
+
+    def warn(self, job: _Job, why: str) -> None:
+        """A warning about its rank's job, once."""
+        if not self._warned:
+            self._warned = True
+            log.warning("rank job %d (%s): %s", job.id, job.name, why)
 
     def next_after(self, t: float, job: _Job) -> Absence:
         """The first absence not over by ``t`` ((inf, inf): none). One for good is none:
@@ -246,15 +256,8 @@ class _Absences:
             if absence is None:
                 return math.inf, math.inf
             if absence[1] == math.inf:
-                if not self._warned:
-                    self._warned = True
-                    log.warning(
-                        "rank job %d (%s): its device leaves for good at %.6f s, and a rank "
-                        "cannot wait for ever: it stays",
-                        job.id,
-                        job.name,
-                        absence[0],
-                    )
+                self.warn(job, f"its device leaves for good at {absence[0]:.6f} s, and a rank "
+                          "cannot wait for ever: it stays")  # fmt: skip
                 self._source = iter(())
                 return math.inf, math.inf
             self._known.append(absence)
@@ -359,7 +362,8 @@ class Timeline(Generic[T]):
         self._absences: dict[int, Iterator[Absence]] = {}  # each device's, those to come
         self._transitions: list[tuple[float, int]] = []  # (time, device): leaves and returns
         self._away: set[int] = set()  # devices away now
-        self._waking = math.nan  # the return the clock has an event for (``_unstall``)
+        self._waking = math.nan  # the return the clock has an event for (``_wake_later``)
+        self._never_back = False  # said that nothing waiting can be placed for good
         self._doomed: dict[int, list[_Requeue[T]]] = {}  # tiles its leave will interrupt
         self._orphans: list[_Requeue[T]] = []  # interrupted, waiting for a device to take them
         self._gone: set[int] = set()  # devices whose connection left (they come back no more)
@@ -412,6 +416,8 @@ class Timeline(Generic[T]):
             if device_id in self._rank_absences:  # a rank's: its own time (``_rank_time``)
                 continue
             if t == device.leaves_at and device.id not in self._away:
+                if device_id in self._gone and device_id not in self._doomed:
+                    continue  # (its connection left: nothing of it to place again)
                 self._leave(device)
             elif t == device.back_at and device.id in self._away:
                 self._away.discard(device_id)
@@ -448,13 +454,33 @@ class Timeline(Generic[T]):
         self._rank_absences[device.id] = _Absences(absences)
         self._absences.pop(device.id, None)
         device.leaves_at = device.back_at = math.inf
+        self._orphans += self._doomed.pop(device.id, [])  # (other jobs' tiles: placed again)
         if device.id in self._away:
             self._away.discard(device.id)
             self.placement.back(device.id)
 
-    def _rank_time(self, job: _Job, start: float, seconds: float) -> float:
+    def _host_work(self, job: _Job, base: float, seconds: float) -> tuple[float, list[Span]]:
+        """When the job's ``seconds`` of coordinator work from ``base`` are done, and the
+        spans in between its rank's device was away (or redoing its step), which are no
+        coordinator time."""
+        away: list[Span] = []
+        if not job.resident:
+            return base + seconds, away
+        return self._rank_time(job, base, seconds, away=away), away
+
+    def _rank_time(
+        self,
+        job: _Job,
+        start: float,
+        seconds: float,
+        *,
+        redo: bool = False,
+        away: list[Span] | None = None,
+    ) -> float:
         """When ``seconds`` of a rank's own work begun at ``start`` (its coordinator work)
-        is done, its device's absences skipped: the work pauses while it is away."""
+        is done, its device's absences skipped: the work pauses while it is away (``away``
+        gets those spans). (``redo``: it is the step done again after an absence, which
+        another absence starts again.)"""
         absences = None if job.device is None else self._rank_absences.get(job.device)
         if absences is None:
             return start + seconds
@@ -463,57 +489,84 @@ class Timeline(Generic[T]):
             leave, back = absences.next_after(t, job)
             if t + left <= leave:
                 return t + left
-            if t < leave:
-                left -= leave - t
+            went = max(t, leave)
+            if self.on_leave == "wait":
+                left -= went - t  # (done: it goes on from there)
+            elif redo:
+                left = 0.0  # (the redo after this absence does it all again)
             t = self._rank_away(job, absences, t, leave, back)
+            if away is not None:
+                away.append((went, t))
 
-    def _rank_window(self, job: _Job, start: float, seconds: float) -> float:
-        """The earliest start from ``start`` of ``seconds`` of a rank's work that cannot
-        pause (a tile's computation, a collective): its device there throughout."""
+    def _rank_span(self, job: _Job, start: float, seconds: float) -> Span:
+        """(start, end) from ``start`` of ``seconds`` of a rank's work that starts again
+        if its device leaves (a tile's computation, its part in a collective): in the first
+        window its device is there throughout, or, where its absences leave none among the
+        next ``WINDOW_TRIES``, from ``start``, pausing while it is away."""
         absences = None if job.device is None else self._rank_absences.get(job.device)
-        t = start
-        while absences is not None:
+        if absences is None:
+            return start, start + seconds
+        t, skipped = start, []
+        for _ in range(WINDOW_TRIES):
             leave, back = absences.next_after(t, job)
             if t + seconds <= leave:
                 break
-            t = self._rank_away(job, absences, t, leave, back)
-        return t
+            skipped.append((leave, back))
+            t = absences.goes_on.get(leave, back)
+        else:
+            return start, self._rank_time(job, start, seconds)
+        if not skipped:
+            return start, start + seconds
+        for leave, back in skipped:  # counted; ``restart`` redoes the step, which moves it
+            t = self._rank_away(job, absences, start, leave, back)
+        return self._rank_span(job, t, seconds)
 
     def _rank_away(
         self, job: _Job, absences: _Absences, t: float, leave: float, back: float
     ) -> float:
-        """The rank's device is away from ``leave`` to ``back`` as its work reaches ``t``:
-        when the rank goes on (``on_leave``: back, or back and its step done again until
-        the leave). Each absence is counted, and logged, once."""
+        """The rank's device is away from ``leave`` to ``back`` as its work from ``t``
+        reaches it: when the rank goes on. With ``wait``, once back; with ``restart``, once
+        back and its step's work so far is done again (its coordinator, GEMM and collective
+        seconds, itself work an absence cuts short), the work from ``t`` lost. Each
+        absence is counted, and logged, once."""
         goes_on = absences.goes_on.get(leave)
-        if goes_on is None:  # met for the first time: counted, logged
-            times = self._step_of(job, t)
-            redo = 0.0  # ``restart``: the step's work until the leave, done again once back
-            if self.on_leave == "restart":
-                base = absences.last_back
-                if base <= times.t0:  # its first absence in this step
-                    redo = max(0.0, leave - times.t0)
-                else:  # it went on in this step: what it had done then (redone, if not yet)
-                    redo = absences.progress + max(0.0, leave - base)
-                absences.progress = redo
-            goes_on = absences.goes_on[leave] = back + redo
-            absences.last_back = goes_on
-            times.interruptions += 1
-            times.lost_s += redo
-            self.log.write(Away(job.device or 0, leave, back, 1, redo))
+        if goes_on is not None:
+            return goes_on
+        redo = lost = 0.0
+        times = job.step
+        if self.on_leave == "restart":
+            if times is not None:
+                redo = times.coord_s + times.gemm_s + times.comm_s
+            if absences.redoing:
+                absences.redos += 1
+                if absences.redos > WINDOW_TRIES:  # its device never stays for so long
+                    cut = f"its step's {redo:.6f} s were cut short {WINDOW_TRIES} times"
+                    absences.warn(job, f"{cut}: it goes on as with --on-leave wait")
+                    redo = 0.0
+            lost = redo + max(0.0, leave - t)
+        absences.goes_on[leave] = back  # (while the redo runs: an absence met again)
+        job.interruptions += 1
+        job.lost_s += lost
+        self.log.write(Away(job.device or 0, leave, back, 1, lost))
+        goes_on = back
+        if redo:
+            outer, absences.redoing = absences.redoing, True
+            goes_on = self._rank_time(job, back, redo, redo=True)
+            absences.redoing = outer
+            if not outer:
+                absences.redos = 0
+        absences.goes_on[leave] = goes_on
         return goes_on
 
-    def _rank_tile(
-        self, job: _Job, device: VirtualDevice, work: Work, passage: _Passage
-    ) -> _Passage:
+    def _rank_tile(self, job: _Job, device: VirtualDevice, passage: _Passage) -> _Passage:
         """A rank's tile computes while its device is there: one its device leaves during
-        starts again once it is back."""
+        starts again once it is back (``_rank_span``)."""
         (c0, c1) = passage[0][1]
-        again = self._rank_window(job, c0, c1 - c0)
-        if again == c0:
+        start, end = self._rank_span(job, c0, c1 - c0)
+        if (start, end) == (c0, c1):
             return passage
-        device.compute.free_at = again
-        return self._run(again, device, work)
+        device.compute.free_at = end
+        return ((start, start), (start, end), (end, end)), passage[1], passage[2]
 
     def _interrupt(self, device: VirtualDevice, requeue: _Requeue[T]) -> None:
         """``requeue``'s tile will not be back before its device leaves: an event then."""
@@ -535,11 +588,24 @@ class Timeline(Generic[T]):
         stalled, self._stalled = self._stalled, []
         for gemm in stalled:
             self._issue(gemm)
-        if (self._orphans or self._stalled) and self._away:
-            back = min(self.devices[d].back_at for d in self._away)
-            if back < math.inf and back != self._waking:
-                self._waking = back
-                self.clock.at(back, self._wake, None)
+        self._wake_later()
+
+    def _wake_later(self) -> None:
+        """While tiles or GEMMs wait for a device and some device is away, the next
+        return is an event (an error is logged once if none of them comes back)."""
+        if not (self._orphans or self._stalled) or not self._away:
+            return
+        back = min(self.devices[d].back_at for d in self._away)
+        if back == math.inf:
+            if not self._never_back:
+                self._never_back = True
+                log.error(
+                    "tiles wait for a device, and every device away has left for good "
+                    "(its availability ends): virtual time cannot go on until one joins"
+                )
+        elif back != self._waking:
+            self._waking = back
+            self.clock.at(back, self._wake, None)
 
     @property
     def stalled(self) -> int:
@@ -702,11 +768,11 @@ class Timeline(Generic[T]):
         job.inflight[seq] = []
 
         def start(base: float) -> None:
-            at = self._rank_time(job, base, host_s) if job.resident else base + host_s
+            at, away = self._host_work(job, base, host_s)
             if not job.resident:  # a released job's starts no earlier than the clock
                 at = max(at, self.clock.now)
             times = self._step_of(job, at)
-            self._coordinator(job, times, base, at, host_split)
+            self._coordinator(job, times, base, at, host_split, away)
             issue(at, times, seq)
 
         if waits is not None:
@@ -732,9 +798,9 @@ class Timeline(Generic[T]):
         job.waiting += 1
 
         def close(base: float) -> None:
-            at = self._rank_time(job, base, host_s) if job.resident else base + host_s
+            at, away = self._host_work(job, base, host_s)
             times = self._step_of(job, at)
-            self._coordinator(job, times, base, at, host_split)
+            self._coordinator(job, times, base, at, host_split, away)
             times.t1, times.step = at, step
             job.steps += 1
             job.step, job.step_end = None, at
@@ -867,6 +933,10 @@ class Timeline(Generic[T]):
             step = job.steps + 1
             totals = self.log.steps and not self.log.detail(step)
             job.step = StepTimes(step, t0, t0, 0.0, 0, 0, 0, 0, 0, totals=totals)
+        if job.interruptions:  # a rank's, met since
+            job.step.interruptions += job.interruptions
+            job.step.lost_s += job.lost_s
+            job.interruptions, job.lost_s = 0, 0.0
         return job.step
 
     def _coordinator(
@@ -876,22 +946,24 @@ class Timeline(Generic[T]):
         base: float,
         at: float,
         split: Mapping[str, int] | None,
+        away: Sequence[Span] = (),
     ) -> None:
-        """The script computed on the host from ``base`` to ``at``: coordinator time, by op
-        class as ``split`` divides it. The part before the step's start, or already counted
+        """The script computed on the host from ``base`` to ``at``, but for the spans
+        ``away`` (its rank's device was): coordinator time, by op class as ``split``
+        divides it. The part before the step's start, or already counted
         (a rank's time before a collective it did not wait for is the next request's too),
         is left out, and the split with it in proportion (``attribute``)."""
         start = max(base, times.t0, job.counted)
         job.counted = max(job.counted, at)
-        if at > start:
-            seconds = at - start
+        kept = split if split and any(split.values()) else None
+        for t0, t1 in _between(start, at, away):
+            seconds = t1 - t0
             times.coord_s += seconds
-            kept = split if split and any(split.values()) else None
             if kept is not None:
                 by_op = times.coord_split
                 for op, part in attribute(seconds, kept).items():
                     by_op[op] = by_op.get(op, 0.0) + part
-            self.log.coord(job.id, times.step, start, at, kept)
+            self.log.coord(job.id, times.step, t0, t1, kept)
 
     def _issue(self, gemm: _Gemm[T]) -> None:
         """Place every tile at the issue time and run it through its device's FIFOs.
@@ -911,6 +983,7 @@ class Timeline(Generic[T]):
         placement, task, pinned = self.placement, gemm.task, gemm.job.device
         if not placement.can_place(task.op != GEMM_OP, pinned):
             self._stalled.append(gemm)
+            self._wake_later()
             return
         now = gemm.issue if gemm.job.resident else self.clock.now  # (a stalled one's: later)
         times = self._step_of(gemm.job, now)
@@ -951,12 +1024,13 @@ class Timeline(Generic[T]):
                 work = Work(0, 0, work.shape)
             passage = self._run(now, device, work)
             if gemm.job.resident and device.id in self._rank_absences:
-                passage = self._rank_tile(gemm.job, device, work, passage)
+                passage = self._rank_tile(gemm.job, device, passage)
             placement.placed(index)
             placed.append((tile, device.id, admission))
             stages = passage[0]
             back = stages[2][1]
             if back > device.leaves_at:  # the device leaves first: placed again then
+                times.link_saved -= work.bytes_saved  # (its last passage's count)
                 gemm.pending += 1
                 self._interrupt(device, _Requeue(gemm, tile, (a, b), stages[0][0], times, head))
                 continue
@@ -991,6 +1065,7 @@ class Timeline(Generic[T]):
         pinned = gemm.job.device
         if not placement.can_place(gemm.task.op != GEMM_OP, pinned):
             self._orphans.append(requeue)
+            self._wake_later()
             return
         now = self.clock.now
         a, b = requeue.operands
@@ -998,9 +1073,8 @@ class Timeline(Generic[T]):
         index = placement.choose(now, work) if pinned is None else placement.index(pinned)
         device = placement.devices[index]
         memory = device.memory
-        held = {x.key: x.nbytes for x in (a, b) if memory.covers(x.key, x.version, x.region)}
-        if held and not gemm.job.resident:
-            saved = sum(held.values())
+        saved = sum(x.nbytes for x in (a, b) if memory.covers(x.key, x.version, x.region))
+        if saved and not gemm.job.resident:
             times.link_saved += saved
             work = Work(work.bytes_down - saved, work.bytes_up, work.shape, saved)
         elif gemm.job.resident:
@@ -1222,8 +1296,7 @@ class Timeline(Generic[T]):
             ready = max(p.at for p in parts.values())  # its last member there
             start = max(ready, *(self._comm_free.get(r, 0.0) for r in members))
             seconds = collective_s(op.op, nbytes, links, op.root, bottleneck, self.algorithm)
-            start = self._members_there(members, start, seconds)
-            end = start + seconds
+            start, end = self._members_there(members, start, seconds)
             for rank, queue in queues.items():
                 self._comm_free[rank] = end
                 queue.popleft()
@@ -1231,19 +1304,19 @@ class Timeline(Generic[T]):
                     keys.append(queue[0])
             self.clock.at(end, self._collective_end, (list(parts.values()), ready, start, end))
 
-    def _members_there(self, members: Sequence[int], start: float, seconds: float) -> float:
-        """The earliest start from ``start`` of a collective of ``seconds`` with every
-        member's device there throughout."""
+    def _members_there(self, members: Sequence[int], start: float, seconds: float) -> Span:
+        """(start, end) of a collective of ``seconds`` from ``start``: once every member's
+        device is there throughout (``_rank_span``: or pausing while one is away)."""
         if not self._rank_absences:
-            return start
-        moved = True
-        while moved:
-            moved = False
-            for rank in members:
-                job = self._rank_jobs.get(rank)
-                if job is not None and (later := self._rank_window(job, start, seconds)) > start:
-                    start, moved = later, True
-        return start
+            return start, start + seconds
+        jobs = [job for rank in members if (job := self._rank_jobs.get(rank)) is not None]
+        for _ in range(WINDOW_TRIES):
+            spans = [self._rank_span(job, start, seconds) for job in jobs]
+            later = max((s for s, _ in spans), default=start)
+            if later == start:
+                return start, max((e for _, e in spans), default=start + seconds)
+            start = later
+        return start, start + seconds
 
     def _member_device(self, rank: int) -> VirtualDevice | None:
         job = self._rank_jobs.get(rank)
@@ -1288,6 +1361,18 @@ class Timeline(Generic[T]):
             barrier, job.barrier = job.barrier, []
             for action in barrier:
                 action(max(job.clock, job.overlapped))
+
+
+def _between(start: float, end: float, gaps: Sequence[Span]) -> Iterator[Span]:
+    """[start, end) without ``gaps`` (in order, apart), as its non-empty spans."""
+    for gap_start, gap_end in gaps:
+        if gap_start >= end:
+            break
+        if gap_start > start:
+            yield start, gap_start
+        start = max(start, gap_end)
+    if end > start:
+        yield start, end
 
 
 def _link(device: VirtualDevice | None) -> Link:

@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 
 import pytest
+from morphling.proxy.emulator.settings import EmulatorConfig, availability_of
 from morphling.proxy.vtime.availability import (
     Churn,
     Presence,
@@ -19,6 +20,8 @@ from morphling.proxy.vtime.availability import (
 )
 from morphling.proxy.vtime.timeline import Operation
 from timeline_driver import MB, Recorder, new_timeline, profile, records, submit, task
+
+from morphling.config import ConfigError
 
 
 def first(absences, n: int) -> list[tuple[float, float]]:
@@ -233,8 +236,8 @@ def test_on_leave_must_be_known() -> None:
 
 
 def test_a_rank_that_leaves_again_while_redoing_its_step_redoes_it_all() -> None:
-    """Away from 0.2 to 1.2 s with 0.2 s of its step done, and again from 1.3 to 1.5 s,
-    while redoing them: back at 1.5, it redoes the 0.2 s once more, then its last 0.3."""
+    """Away from 0.2 to 1.2 s with 0.2 s of its step's work done, and again from 1.3 to
+    1.5 s, 0.1 s into doing it again: from 1.5 s it does the whole 0.5 s."""
     trace = Trace({"d-1": Presence(((0.0, 0.2), (1.2, 1.3), (1.5, math.inf)))})
     tl, _ = new_timeline(availability=trace, on_leave="restart")
     for r in range(2):
@@ -244,5 +247,96 @@ def test_a_rank_that_leaves_again_while_redoing_its_step_redoes_it_all() -> None
     for r in range(2):
         tl.mark_step(r + 1, 1, host_s=0.5, done=lambda t, r=r: steps.__setitem__(r, t))
     assert steps[1].t1 == pytest.approx(1.5 + 0.2 + 0.3)
-    assert steps[1].interruptions == 2 and steps[1].lost_s == pytest.approx(0.4)
+    assert steps[1].interruptions == 2 and steps[1].lost_s == pytest.approx(0.3)
     assert steps[0].t1 == pytest.approx(0.5) and steps[0].interruptions == 0
+
+
+def test_a_gemm_issued_while_every_device_is_away_starts_when_one_is_back() -> None:
+    trace = Trace({f"d-{d}": Presence(((0.0, 0.5), (5.0, math.inf))) for d in range(2)})
+    tl, _ = new_timeline("greedy", availability=trace)
+    for d in range(2):
+        tl.add_device(d, f"d-{d}", profile(flops=1e9, bw=100 * MB))
+    rec, closed = Recorder(), []
+    tl.open_job(1, "job")
+    submit(tl, rec, 1, task(1, 512, 512, 256), block=256, host_s=1.0)  # issued at 1 s
+    tl.mark_step(1, 1, host_s=0.0, done=closed.append)
+    assert rec.ended[1][0] == 1.0 and rec.ended[1][1] > 5.0 and len(closed) == 1
+
+
+def test_every_gemm_of_a_long_run_on_a_churning_fleet_ends() -> None:
+    tl, _ = new_timeline("greedy", availability=Churn(0.05, 0.02, 1))
+    for d in range(2):
+        tl.add_device(d, f"d-{d}", profile(flops=1e9, bw=100 * MB))
+    rec = Recorder()
+    tl.open_job(1, "job")
+    for g in range(1, 201):
+        submit(tl, rec, 1, task(g, 256, 256, 64), block=128, after=g - 1, host_s=0.001)
+    assert len(rec.ended) == 200 and tl.stalled == 0
+
+
+def test_a_fedscale_trace_of_ids_binds_to_an_embedded_fleet_and_a_bad_seed_is_refused(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "behave.json"
+    path.write_text(json.dumps({"5": {"active": [1], "inactive": [1], "finish_time": 3}}))
+    config = EmulatorConfig(availability=str(path))  # parses; binds once the fleet is known
+    trace = availability_of(config, ["rpi4-0"])
+    assert first(trace.absences("rpi4-0"), 2) == [(0.0, math.inf)]  # (an instant: never)
+    with pytest.raises(ConfigError, match="numeric ids"):
+        availability_of(config, None)
+    with pytest.raises(ValueError, match="seed='-1' is not an integer >= 0"):
+        parse_churn("mtbf=1,mttr=1,seed=-1")
+    csv = tmp_path / "t.csv"
+    csv.write_text("\ufeff# boards\nDevice, Start, End\nrpi4-0,1,2\n")
+    assert first(read_trace(csv)["rpi4-0"].absences(), 2) == [(0.0, 1.0), (2.0, math.inf)]
+
+
+def test_a_restart_interrupted_during_its_redo_redoes_the_step_again() -> None:
+    """Away 0.2-1.2 s, doing its work again from 1.2 s, away again 1.25-1.35 s: it does
+    it all from 1.35 s (0.2 + 0.05 s lost)."""
+    trace = Trace({"d-1": Presence(((0.0, 0.2), (1.2, 1.25), (1.35, math.inf)))})
+    tl, _ = new_timeline(availability=trace, on_leave="restart")
+    for r in range(2):
+        tl.add_device(r, f"d-{r}", profile(bw=10 * MB, lat=0.001))
+        tl.open_job(r + 1, f"rank-{r}", device=r, rank=r)
+    steps = {}
+    for r in range(2):
+        tl.mark_step(r + 1, 1, host_s=0.5, done=lambda t, r=r: steps.__setitem__(r, t))
+    assert steps[1].t1 == pytest.approx(1.85)
+    assert steps[1].interruptions == 2 and steps[1].lost_s == pytest.approx(0.25)
+
+
+def test_a_collective_longer_than_every_window_pauses_instead_of_waiting_for_ever() -> None:
+    trace = Trace({"d-1": Presence(((0.0, 0.1),), 0.2)})  # there 0.1 s of every 0.2 s
+    tl, _ = new_timeline(availability=trace)
+    for r in range(2):
+        tl.add_device(r, f"d-{r}", profile(bw=10 * MB, lat=0.001))
+        tl.open_job(r + 1, f"rank-{r}", device=r, rank=r)
+    op = Operation(("world", 1), "allreduce", 4_000_000, (0, 1))  # 0.404 s on the network
+    ended = {}
+    for r in range(2):
+        tl.collective(r + 1, r, 7, op, after=0, host_s=0.05,
+                      done=lambda issue, end, r=r: ended.__setitem__(r, end))  # fmt: skip
+    # from 0.05 s: 0.05 there, then 0.1 of each 0.2 s period: done in the fifth window
+    assert ended[0] == ended[1] == pytest.approx(0.854)
+
+
+def test_a_ranks_time_away_is_no_coordinator_time() -> None:
+    trace = Trace({"d-1": Presence(((0.0, 0.2), (1.2, math.inf)))})
+    tl, sink = new_timeline(availability=trace)
+    for r in range(2):
+        tl.add_device(r, f"d-{r}", profile(bw=10 * MB, lat=0.001))
+        tl.open_job(r + 1, f"rank-{r}", device=r, rank=r)
+    op = Operation(("world", 1), "allreduce", 1000, (0, 1))
+    steps = {}
+    for r in range(2):  # a collective at once opens the step; then 0.5 s of own work
+        tl.collective(r + 1, r, 7, op, after=0, host_s=0.0, done=lambda *_: None)
+    start = records(sink, "collective")[0]["end"]
+    for r in range(2):
+        tl.mark_step(r + 1, 1, host_s=0.5, host_split={"elementwise": 5},
+                     done=lambda t, r=r: steps.__setitem__(r, t))  # fmt: skip
+    assert steps[1].t1 == pytest.approx(start + 0.5 + 1.0)  # the second away in between
+    assert steps[1].coord_s == pytest.approx(0.5)
+    assert steps[1].coord_split == {"elementwise": pytest.approx(0.5)}
+    spans = [(c["t0"], c["t1"]) for c in records(sink, "coord") if c["job"] == 2]
+    assert spans == [(start, 0.2), (1.2, pytest.approx(start + 1.5))]
