@@ -235,22 +235,6 @@ def test_on_leave_must_be_known() -> None:
         new_timeline(on_leave="drop")
 
 
-def test_a_rank_that_leaves_again_while_redoing_its_step_redoes_it_all() -> None:
-    """Away from 0.2 to 1.2 s with 0.2 s of its step's work done, and again from 1.3 to
-    1.5 s, 0.1 s into doing it again: from 1.5 s it does the whole 0.5 s."""
-    trace = Trace({"d-1": Presence(((0.0, 0.2), (1.2, 1.3), (1.5, math.inf)))})
-    tl, _ = new_timeline(availability=trace, on_leave="restart")
-    for r in range(2):
-        tl.add_device(r, f"d-{r}", profile(bw=10 * MB, lat=0.001))
-        tl.open_job(r + 1, f"rank-{r}", device=r, rank=r)
-    steps = {}
-    for r in range(2):
-        tl.mark_step(r + 1, 1, host_s=0.5, done=lambda t, r=r: steps.__setitem__(r, t))
-    assert steps[1].t1 == pytest.approx(1.5 + 0.2 + 0.3)
-    assert steps[1].interruptions == 2 and steps[1].lost_s == pytest.approx(0.3)
-    assert steps[0].t1 == pytest.approx(0.5) and steps[0].interruptions == 0
-
-
 def test_a_gemm_issued_while_every_device_is_away_starts_when_one_is_back() -> None:
     trace = Trace({f"d-{d}": Presence(((0.0, 0.5), (5.0, math.inf))) for d in range(2)})
     tl, _ = new_timeline("greedy", availability=trace)
@@ -291,10 +275,21 @@ def test_a_fedscale_trace_of_ids_binds_to_an_embedded_fleet_and_a_bad_seed_is_re
     assert first(read_trace(csv)["rpi4-0"].absences(), 2) == [(0.0, 1.0), (2.0, math.inf)]
 
 
-def test_a_restart_interrupted_during_its_redo_redoes_the_step_again() -> None:
-    """Away 0.2-1.2 s, doing its work again from 1.2 s, away again 1.25-1.35 s: it does
-    it all from 1.35 s (0.2 + 0.05 s lost)."""
-    trace = Trace({"d-1": Presence(((0.0, 0.2), (1.2, 1.25), (1.35, math.inf)))})
+@pytest.mark.parametrize(
+    ("second", "end", "lost"),
+    [
+        # 0.1 s into doing it again from 1.2 s: from 1.5 s it does the whole 0.5 s
+        ((1.3, 1.5), 2.0, 0.3),
+        # 0.05 s into it: from 1.35 s it does it all (0.2 + 0.05 s lost)
+        ((1.25, 1.35), 1.85, 0.25),
+    ],
+)
+def test_a_restarting_rank_away_again_while_it_redoes_its_work_does_it_all_again(
+    second: tuple[float, float], end: float, lost: float
+) -> None:
+    """Away from 0.2 to 1.2 s with 0.2 s of its work done, and away again as it does it
+    again."""
+    trace = Trace({"d-1": Presence(((0.0, 0.2), (1.2, second[0]), (second[1], math.inf)))})
     tl, _ = new_timeline(availability=trace, on_leave="restart")
     for r in range(2):
         tl.add_device(r, f"d-{r}", profile(bw=10 * MB, lat=0.001))
@@ -302,8 +297,9 @@ def test_a_restart_interrupted_during_its_redo_redoes_the_step_again() -> None:
     steps = {}
     for r in range(2):
         tl.mark_step(r + 1, 1, host_s=0.5, done=lambda t, r=r: steps.__setitem__(r, t))
-    assert steps[1].t1 == pytest.approx(1.85)
-    assert steps[1].interruptions == 2 and steps[1].lost_s == pytest.approx(0.25)
+    assert steps[1].t1 == pytest.approx(end)
+    assert steps[1].interruptions == 2 and steps[1].lost_s == pytest.approx(lost)
+    assert steps[0].t1 == pytest.approx(0.5) and steps[0].interruptions == 0
 
 
 def test_a_collective_longer_than_every_window_pauses_instead_of_waiting_for_ever() -> None:
