@@ -63,6 +63,9 @@ class Placement:
     the next placement: a fleet of a thousand joining devices costs one rebuild,
     not a thousand.
 
+    A device away (``away``: its availability) keeps its row, masked, so a fleet coming
+    and going costs no rebuilds.
+
     A GEMM's tiles mostly share one shape and one issue time, and a placement
     changes only the device that took the tile. So greedy keeps the predictions
     it made, with the time and the ``Work`` object they are for (the timeline
