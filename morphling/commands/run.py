@@ -352,10 +352,10 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
             if cfg.rank_devices:
                 rank_devices(cfg.rank_devices, cfg.ranks, device_names(fleet))
             availability_of(_emulator_config(cfg, None), device_names(fleet))
-        elif cfg.availability or cfg.churn:
+        elif cfg.availability or cfg.churn or sources["on_leave"] == "flag":
             raise configuration.ConfigError(
-                "--availability and --churn are the emulator's: give them to the one at "
-                f"{cfg.server}"
+                "--availability, --churn and --on-leave are the emulator's: give them to "
+                f"the one at {cfg.server}"
             )
         else:
             parse_server(cfg.server)

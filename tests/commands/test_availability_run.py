@@ -65,6 +65,19 @@ def test_a_trace_keeps_a_device_away_for_its_gap(tmp_path: Path) -> None:
     assert {t["device"] for t in tiles} >= {1, 2, 3}
 
 
+def test_a_job_of_another_emulator_is_told_these_settings_are_the_emulators(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("print('ran')\n")
+    for flags in (["--churn", "mtbf=1,mttr=1"], ["--on-leave", "restart"]):
+        code, out, err = morphling_here(
+            capsys, "run", "--server", "127.0.0.1:9", *flags, "--", "python", "train.py"
+        )
+        assert code == 2 and "ran" not in out
+        assert "--on-leave are the emulator's: give them to the one at 127.0.0.1:9" in err
+
+
 @pytest.mark.parametrize(
     ("flags", "expected"),
     [
