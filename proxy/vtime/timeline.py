@@ -455,9 +455,11 @@ class Timeline(Generic[T]):
         self._absences.pop(device.id, None)
         device.leaves_at = device.back_at = math.inf
         self._orphans += self._doomed.pop(device.id, [])  # (other jobs' tiles: placed again)
-        if device.id in self._away:
+        if device.id in self._away:  # (its queues wait no more for a return)
             self._away.discard(device.id)
             self.placement.back(device.id)
+            now = self.clock.now
+            device.down.free_at = device.compute.free_at = device.up.free_at = now
 
     def _host_work(self, job: _Job, base: float, seconds: float) -> tuple[float, list[Span]]:
         """When the job's ``seconds`` of coordinator work from ``base`` are done, and the
@@ -467,6 +469,15 @@ class Timeline(Generic[T]):
         if not job.resident:
             return base + seconds, away
         return self._rank_time(job, base, seconds, away=away), away
+
+    def _release_device(self, device_id: int) -> None:
+        """A rank's device whose rank left: its absences are the clock's again."""
+        device = self.devices.get(device_id)
+        if self._rank_absences.pop(device_id, None) is not None and device is not None:
+            assert self.availability is not None
+            self._absences[device_id] = self.availability.absences(device.name)
+            self._next_absence(device)
+            self._catch_up()
 
     def _rank_time(
         self,
@@ -657,6 +668,8 @@ class Timeline(Generic[T]):
             del self._rank_jobs[rank]
             self._reached.pop(rank, None)  # what it reached and left will never start
             self._comm_free.pop(rank, None)
+        if job is not None and job.resident and job.device is not None and self.availability:
+            self._release_device(job.device)
         self._stalled = [gemm for gemm in self._stalled if gemm.job.id != job_id]  # its memory
         self._advance()
 

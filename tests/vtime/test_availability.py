@@ -336,3 +336,16 @@ def test_a_ranks_time_away_is_no_coordinator_time() -> None:
     assert steps[1].coord_split == {"elementwise": pytest.approx(0.5)}
     spans = [(c["t0"], c["t1"]) for c in records(sink, "coord") if c["job"] == 2]
     assert spans == [(start, 0.2), (1.2, pytest.approx(start + 1.5))]
+
+
+def test_a_ranks_device_is_away_for_the_other_jobs_once_its_rank_has_left() -> None:
+    trace = Trace({"d-0": Presence(((0.0, 1e-9), (1e6, math.inf)))})  # away from 1 ns
+    tl, sink = new_timeline(availability=trace)
+    for d in range(2):
+        tl.add_device(d, f"d-{d}", profile(flops=1e9, bw=100 * MB))
+    tl.open_job(1, "rank-0", device=0, rank=0)  # its absences: its own time's
+    tl.close_job(1)
+    rec = Recorder()
+    tl.open_job(2, "job")
+    submit(tl, rec, 2, task(1, 512, 512, 256), block=256)
+    assert {t["device"] for t in records(sink, "tile")} == {1}
