@@ -106,7 +106,11 @@ FLOPS_REPLIES = {
 async def test_flops_challenge_through_a_raw_device(fleet, caplog, reply):
     caplog.set_level(logging.INFO, logger="morphling")
     flops_reply, code = FLOPS_REPLIES[reply]
-    f = await fleet(probe=True, block_size=8)
+    # Heartbeats of 1 s, not FAST's 0.25: the job and the honest device share this test's
+    # loop, and in the whole suite (never alone, nor beside two other heavy files) a stall
+    # of it outlasted their 3 × 0.25 s timeout, twice in a row at ce098d2. Heartbeats are
+    # not what this test checks.
+    f = await fleet(probe=True, block_size=8, heartbeat_s=1.0, heartbeat_timeout_s=4.0)
     await f.add_device(name="honest")
     client = await f.client()
     rng = np.random.default_rng(15)
