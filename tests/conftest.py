@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import os
 import signal
 import subprocess
@@ -17,6 +19,14 @@ from processes import Procs
 # does). A handler, unlike SIG_IGN, is reset to the default in a child.
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+# Every worker imports the heavy libraries once, up front, as building the whole
+# ``morphling`` parser used to: imported first inside an async test (a lazy import on the
+# emulator's or a device's path), seconds of import hold the GIL and stall that test's
+# event loop past its peers' heartbeat timeouts.
+for _heavy in ("torch", "scipy.optimize", "matplotlib"):
+    with contextlib.suppress(ImportError):  # (the tests that need it skip, saying why)
+        importlib.import_module(_heavy)
 
 
 @pytest.fixture
