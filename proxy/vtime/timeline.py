@@ -439,9 +439,10 @@ class Timeline(Generic[T]):
         doomed = self._doomed.pop(device.id, [])
         lost = 0.0
         for requeue in doomed:
+            ran = max(0.0, leave - requeue.start)
             requeue.times.interruptions += 1
-            requeue.times.lost_s += max(0.0, leave - requeue.start)
-            lost += max(0.0, leave - requeue.start)
+            requeue.times.lost_s += ran
+            lost += ran
         self.log.write(Away(device.id, leave, back if back < math.inf else None, len(doomed), lost))
         self._orphans += doomed
         if back < math.inf:
@@ -460,6 +461,10 @@ class Timeline(Generic[T]):
             self.placement.back(device.id)
             now = self.clock.now
             device.down.free_at = device.compute.free_at = device.up.free_at = now
+
+    def _absences_of(self, job: _Job) -> _Absences | None:
+        """A rank's device's absences (None: it has none, or the job is no rank's)."""
+        return None if job.device is None else self._rank_absences.get(job.device)
 
     def _host_work(self, job: _Job, base: float, seconds: float) -> tuple[float, list[Span]]:
         """When the job's ``seconds`` of coordinator work from ``base`` are done, and the
@@ -492,7 +497,7 @@ class Timeline(Generic[T]):
         is done, its device's absences skipped: the work pauses while it is away (``away``
         gets those spans). (``redo``: it is the step done again after an absence, which
         another absence starts again.)"""
-        absences = None if job.device is None else self._rank_absences.get(job.device)
+        absences = self._absences_of(job)
         if absences is None:
             return start + seconds
         t, left = start, seconds
@@ -514,7 +519,7 @@ class Timeline(Generic[T]):
         if its device leaves (a tile's computation, its part in a collective): in the first
         window its device is there throughout, or, where its absences leave none among the
         next ``WINDOW_TRIES``, from ``start``, pausing while it is away."""
-        absences = None if job.device is None else self._rank_absences.get(job.device)
+        absences = self._absences_of(job)
         if absences is None:
             return start, start + seconds
         t, skipped = start, []
