@@ -43,7 +43,9 @@ FAST = {
     "listen_port": 0,
     "block_size": 16,
     "probe": False,
-    "heartbeat_s": 0.25,
+    # Peers give up on an emulator silent for 3 periods: 1.5 s, not less, since the whole
+    # suite on two cores can stall a test's event loop past 0.75 s (test_probes did).
+    "heartbeat_s": 0.5,
     "heartbeat_timeout_s": 2.0,
     "hello_timeout_s": 1.0,
     "probe_bandwidth_bytes": 65536,

@@ -148,7 +148,15 @@ async def test_flops_challenge_through_a_raw_device(fleet, caplog, reply):
 async def test_a_device_that_leaves_a_push_unanswered_is_still_challenged(fleet, answers):
     """A network probe that runs out of time keeps the declared link but never skips the
     FLOPS check: a device that answers no challenge gets no tiles."""
-    f = await fleet(probe=True, profile_source="measured", probe_timeout_s=1.0, block_size=8)
+    # The raw device never heartbeats: the emulator must not drop it for silence before
+    # its two probes (1 s each) have timed out.
+    f = await fleet(
+        probe=True,
+        profile_source="measured",
+        probe_timeout_s=1.0,
+        block_size=8,
+        heartbeat_timeout_s=6.0,
+    )
     peer = await f.raw_peer()
     welcome = await peer.hello(
         "device",
