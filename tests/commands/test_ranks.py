@@ -7,6 +7,7 @@ collectives must take their closed forms in virtual time on the ranks' links.
 
 from __future__ import annotations
 
+import functools
 import gzip
 import json
 import re
@@ -39,6 +40,7 @@ def losses(stdout: str) -> dict[int, list[float]]:
     return {obj["rank"]: obj["losses"] for obj in rank_objects(stdout)}
 
 
+@functools.cache  # three tests compare against ranks_ddp.py's: torchrun runs it once
 def torchrun_losses(script: str, *args: str) -> dict[int, list[float]]:
     return losses(succeeded(torchrun(script, *args)).stdout)
 

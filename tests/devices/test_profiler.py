@@ -214,16 +214,43 @@ def measured(caplog: pytest.LogCaptureFixture) -> list[str]:
     return found
 
 
+class _Said(logging.Handler):
+    """The profiler's warnings while it is attached (``caplog`` is one test's only)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
 @pytest.fixture(scope="module")
-def host_1t(tmp_path_factory) -> Path:
-    """This host measured once on one thread: a cached profile for tests to copy."""
-    return cached_host_profile(threads=1, directory=tmp_path_factory.mktemp("cache"), plan=SMALL)
+def first_use(tmp_path_factory) -> tuple[Path, Path, list[str]]:
+    """This host measured once on one thread into an empty cache: the cache directory, the
+    profile (for tests to copy) and what the profiler warned of."""
+    directory, said = tmp_path_factory.mktemp("cache"), _Said()
+    logger = logging.getLogger("morphling.devices.profiler")
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    logger.addHandler(said)
+    try:
+        path = cached_host_profile(threads=1, directory=directory, plan=SMALL)
+    finally:
+        logger.removeHandler(said)
+        logger.setLevel(level)
+    return directory, path, said.messages
 
 
-def test_host_profile_is_measured_on_first_use_then_loaded_from_the_cache(tmp_path, caplog):
+@pytest.fixture(scope="module")
+def host_1t(first_use) -> Path:
+    return first_use[1]
+
+
+def test_host_profile_is_measured_on_first_use_then_loaded_from_the_cache(first_use, caplog):
     caplog.set_level(logging.WARNING, logger="morphling.devices.profiler")
-    path = cached_host_profile(threads=1, directory=tmp_path, plan=SMALL)
-    [message] = measured(caplog)
+    tmp_path, path, said = first_use
+    [message] = [m for m in said if MEASURING in m]
     assert path == tmp_path / "host-1t.toml" and str(path) in message and "no cached" in message
     with path.open("rb") as f:
         doc = tomllib.load(f)
