@@ -43,11 +43,14 @@ class Fleet:
         *,
         token: str = "",
         tls: Tls | None = None,
+        names: list[str] | None = None,
     ) -> Fleet:
-        """A device per profile, made ``BATCH`` at a time with the event loop run between."""
+        """A device per profile, made ``BATCH`` at a time with the event loop run between;
+        ``names``: theirs (by default, ``device_names``')."""
         log.info("fleet: making %d virtual devices", len(profiles))
         agents = []
-        for i, (p, name) in enumerate(zip(profiles, device_names(profiles), strict=True)):
+        names = device_names(profiles) if names is None else names
+        for i, (p, name) in enumerate(zip(profiles, names, strict=True)):
             agents.append(
                 DeviceAgent(p, workers, pool, name=name, token=token, virtual=True, tls=tls)
             )

@@ -128,29 +128,36 @@ def launch(
     command: list[str],
     signals: Signals,
     settings_env: set[str],
+    *,
+    computed: int = 0,
 ) -> tuple[list[Rank], Interrupted | None]:
     """Start a rank on each of ``devices`` (names of the started ``embedded`` emulator's
     fleet, in rank order), wait for them all (one failing stops the others), and return
     them with the signal, if one came.
 
     ``job_flags`` are ``morphling run`` flags every rank takes (the coordinator's, say);
-    ``settings_env`` the environment variables of its settings, which the ranks do not get."""
+    ``settings_env`` the environment variables of its settings, which the ranks do not get;
+    ``computed``: how many of the ranks run (0: all), a world of their own for torch; the
+    emulator replays the others (``--numerics sample:K``), rank s copying rank s mod K, so
+    rank r also prices its own work on the profiles of the ranks that copy it."""
     assert embedded.address is not None, "the embedded emulator is started"
     host, port = embedded.address
     profiles = dict(zip(device_names(embedded.profiles), embedded.profiles, strict=True))
-    ranks = len(devices)
+    world, ranks = len(devices), computed or len(devices)
     level = logging.getLevelName(logging.getLogger("morphling").getEffectiveLevel()).lower()
     master = free_port()
     command = command[1:] if command[:1] == ["--"] else command
     workdir = Path(tempfile.mkdtemp(prefix="morphling-ranks-"))
     children: list[Rank] = []
     try:
-        for r, name in enumerate(devices):
+        for r, name in enumerate(devices[:ranks]):
             report = workdir / f"rank-{r}.json"
+            copies = sorted({profiles[d].name for d in devices[r + ranks :: ranks]})
             cmd = [
                 sys.executable, "-m", "morphling", "--log-level", level, "run",
                 "--server", f"{host}:{port}", "--device", name, "--rank", str(r),
-                "--world", str(ranks), "--coordinator", profiles[name].name,
+                "--world", str(world), "--coordinator", profiles[name].name,
+                *(["--replayed-on", ",".join(copies)] if copies else []),
                 "--coordinator-time", "model", "--no-table", "--json", str(report),
                 *job_flags, "--", *command,
             ]  # fmt: skip
@@ -312,6 +319,15 @@ def table(run: dict[str, Any]) -> str:
     if any(r["stopped"] for r in run["ranks"]):
         rows.append("* stopped by morphling run when another rank failed or on a signal")
     rows += _collective_notes(run["ranks"])
+    replay = run.get("replay")
+    if replay:
+        rows.append(
+            f"{replay['replayed']} more ranks replayed ({replay['copies']}), each timed on its "
+            f"own device: their steps are in the run directory (morphling report)"
+        )
+        if replay["diverged_steps"]:
+            rows.append(f"replay may be wrong: in {replay['diverged_steps']} steps the computed "
+                        "ranks' shapes differed")  # fmt: skip
     if run["steps"]:
         rows += ["", f"{'step':>5} {'emulated s':>11} {'slowest rank':>12}"]
         rows += [f"{s['step']:>5} {s['emulated_s']:>11.4f} {s['rank']:>12}" for s in run["steps"]]

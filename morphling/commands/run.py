@@ -36,6 +36,7 @@ from morphling.devices.models.thermal import COOLING
 from morphling.exiting import exit_without_finalizing
 from morphling.interrupt import Interrupted, Signals
 from morphling.outputs import check_file_writable
+from morphling.proxy.emulator.replay import NUMERICS_HELP, parse_numerics
 from morphling.proxy.emulator.settings import (
     AVAILABILITY_HELP,
     CHURN_HELP,
@@ -91,6 +92,12 @@ class RunConfig:
         min=-1,
     )
     world: int = _opt(0, "with --rank: how many ranks the distributed script has", min=0)
+    numerics: str = _opt("all", NUMERICS_HELP)
+    replayed_on: str = _opt(
+        "",
+        "with --rank: the coordinator profiles (comma-separated) of the ranks that replay "
+        "this one, on which its own work is priced too (--numerics sample:K sets it)",
+    )
     products: str = _opt(
         "",
         "who computes a rank's GEMMs and convolutions: its device, or the rank itself, its "
@@ -332,6 +339,7 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
             _check_ranks(cfg)
         elif cfg.rank_devices:
             raise configuration.ConfigError("--rank-devices needs --ranks")
+        _check_numerics(cfg)
         cfg = _rank_from_env(cfg)
         if cfg.rank >= 0 and not cfg.rank < cfg.world:
             raise configuration.ConfigError(
@@ -410,6 +418,7 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
             rank=cfg.rank if cfg.rank >= 0 else None,
             world=cfg.world,
             products=cfg.products or "device",
+            replayed_on=[name for name in cfg.replayed_on.split(",") if name],
         ) as session:
             try:
                 code = _run_script(*target)
@@ -506,6 +515,19 @@ def _check_ranks(cfg: RunConfig) -> None:
             raise configuration.ConfigError(f"--ranks does not take {flag}: {why}")
 
 
+def _check_numerics(cfg: RunConfig) -> None:
+    """``--numerics``: parsed against ``--ranks``; replay times ranks' own products only."""
+    try:
+        computed = parse_numerics(cfg.numerics, cfg.ranks)
+    except ValueError as exc:
+        raise configuration.ConfigError(str(exc)) from None
+    if computed is not None and cfg.products == "device":
+        raise configuration.ConfigError(
+            f"--numerics {cfg.numerics} needs --products rank: a replayed rank's products are "
+            "timed on its device, and no device can compute them for it"
+        )
+
+
 def rank_devices(spec: str, ranks: int, names: list[str]) -> list[str]:
     """``--rank-devices``: one device of the fleet (``names``) per rank, each once."""
     chosen = [name.strip() for name in spec.split(",")]
@@ -543,27 +565,26 @@ def _run_ranks(
     from morphling.proxy.job.embedded import EmbeddedFleet
 
     run_dir, created = None, False
+    computed = parse_numerics(cfg.numerics, cfg.ranks) or cfg.ranks  # (checked: main)
     try:
         run_dir, created = claim(cfg.run_dir, script, force=cfg.force)
+        names = device_names(expand_fleet(cfg.devices, max_devices=cfg.max_devices))
+        chosen = (rank_devices(cfg.rank_devices, cfg.ranks, names) if cfg.rank_devices
+                  else names[: cfg.ranks])  # fmt: skip
         embedded = EmbeddedFleet(
             cfg.devices, _emulator_config(cfg, run_dir), link=cfg.link or None,
             cooling=cfg.cooling or None, max_devices=cfg.max_devices,
             run_info={"ranks": cfg.ranks, "coordinator": "each rank's device",
                       "coordinator_time": "model", "link": cfg.link, "cooling": cfg.cooling,
-                      "devices": cfg.devices},
+                      "devices": cfg.devices, "numerics": cfg.numerics},
+            replay=(computed, chosen) if computed < cfg.ranks else None,
         )  # fmt: skip
         try:
             embedded.start()
             signals.raising = False  # from now on the ranks report what they ran, and we wait
-            names = device_names(embedded.profiles)
-            chosen = (
-                rank_devices(cfg.rank_devices, cfg.ranks, names)
-                if cfg.rank_devices
-                else (names[: cfg.ranks])
-            )
             children, interrupted = ranks.launch(
                 embedded, chosen, _rank_flags(cfg), command, signals,
-                configuration.env_names(RunConfig),
+                configuration.env_names(RunConfig), computed=computed,
             )  # fmt: skip
             failure = ranks.failed(children)
             if interrupted is not None:  # run.json says the run did not end
@@ -583,6 +604,8 @@ def _run_ranks(
         print(f"morphling run: {exc}", file=sys.stderr)
         return 1
     run = ranks.summary(children)
+    if embedded.emulator is not None and embedded.emulator.replay is not None:
+        run["replay"] = embedded.emulator.replay.summary()
     if cfg.table:
         print(ranks.table(run), file=sys.stderr)
     code = 0

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, TypedDict
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, NamedTuple, TypedDict
 
 import numpy as np
 from morphling.devices.models.profiles import fleet_order
@@ -58,6 +59,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 RANK_BLOCK = 1 << 16  # a rank's tile edge, unless its OPEN says: its products whole
+REPLAY_CHUNK = 256  # timeline calls for a rank's copies between two turns of the event loop
 
 
 class Totals(TypedDict):
@@ -96,6 +98,11 @@ class Job:
         self.slab_gemm = 0  # the GEMM in flight that uses the slab (one at a time)
         self.totals = Totals(gemms=0, tiles=0, model_ns=0, bytes_down=0, bytes_up=0, oom=0)
         self.rank: int | None = None  # OPEN's, for a rank of a distributed script
+        self.copies: list[_Timed] = []  # a computed rank's replayed ones (``replay``)
+        # what its copies have yet to do (``_replay``): each a call per copy, in order
+        self._backlog: deque[Callable[[_Timed], None]] = deque()
+        self._replayed = 0  # the copies the first of them has been called for
+        self._work = 0  # a digest of a computed rank's shapes in its step under way
         self._wire_at_step = (0, 0)  # totals' bytes at the last STEP
         self.closed = False  # it said CLOSE
 
@@ -138,6 +145,72 @@ class Job:
         self.rank = rank
         if rank is not None:
             emulator.ranks_lost.pop(rank, None)
+            self._open_copies(rank, msg.world, device)
+
+    def _open_copies(self, rank: int, world: int, device: int | None) -> None:
+        """Under replay, the replayed ranks that copy this computed one join with it."""
+        replay = self.emulator.replay
+        if replay is None:
+            return
+        if world != replay.world or rank >= replay.computed:
+            raise RemoteProtocolError(
+                f"OPEN.rank={rank} of world={world}: this emulator computes ranks 0 to "
+                f"{replay.computed - 1} of {replay.world} and replays the others",
+                "bad_open",
+            )
+        timeline = self.emulator.timeline
+        own = timeline.devices[device].profile.name if device is not None else ""
+        for copy in replay.copies(rank):
+            job_id, device_id = self.emulator.next_client_id(), replay.devices[copy]
+            timeline.open_job(job_id, f"rank {copy}, replaying {self.name}",
+                              device=device_id, rank=copy)  # fmt: skip
+            profile = timeline.devices[device_id].profile.name
+            self.copies.append(_Timed(job_id, copy, "" if profile == own else profile))
+
+    def _timed(self) -> _Timed:
+        return _Timed(self.id, -1 if self.rank is None else self.rank, "")
+
+    def _each(self, call: Callable[[_Timed], None]) -> None:
+        """``call`` for this job's timeline job now, and for its copies (``_each_copy``)."""
+        call(self._timed())
+        self._each_copy(call)
+
+    def _each_copy(self, call: Callable[[_Timed], None]) -> None:
+        """``call`` for each of a rank's copies in turn (``_replay``)."""
+        if self.copies:
+            self._backlog.append(call)
+            if len(self._backlog) == 1:
+                self.conn.spawn(self._replay())
+
+    def _finish_replay(self) -> None:
+        """The backlog's calls made for every copy, at once."""
+        start = self._replayed
+        for call in self._backlog:
+            for copy in self.copies[start:]:
+                call(copy)
+            start = 0
+
+    async def _replay(self) -> None:
+        """Make the backlog's calls for every copy, ``REPLAY_CHUNK`` at a time with the
+        event loop run between: one request of a rank that thousands replay is thousands of
+        timeline calls, and the loop must go on serving (heartbeats, other peers). Each
+        copy's calls stay in order; across jobs the timeline needs none."""
+        backlog, copies = self._backlog, self.copies
+        while backlog:
+            call, start = backlog[0], self._replayed
+            end = min(start + REPLAY_CHUNK, len(copies))
+            try:
+                for copy in copies[start:end]:
+                    call(copy)
+            except Exception:  # a bug of ours: the job cannot be timed, and says so
+                log.exception("job %d (%s): replaying its work failed", self.id, self.name)
+                self.conn.fail("replay_failed", "replaying this rank's work on its copies failed")
+                return
+            if end == len(copies):
+                backlog.popleft()
+                end = 0
+            self._replayed = end
+            await asyncio.sleep(0)
 
     def _rank(self, msg: Open) -> int | None:
         """OPEN's ``rank``, checked: None for a job that is no rank."""
@@ -322,14 +395,26 @@ class Job:
             )
         group = tuple(ranks)
         kind = "p2p" if msg.op in PAIR else "group"  # numbered apart (PROTOCOL.md)
+        key: tuple[object, ...] = (kind, group, msg.seq)
+        replay = self.emulator.replay
+        if replay is not None:  # the world's: its members all ranks, named by its size
+            group = replay.group(msg.op, ranks, name)
+            key = (kind, len(group), msg.seq)
+            self._work = hash((self._work, msg.op, msg.nbytes))
         op = Operation(
-            (kind, group, msg.seq), msg.op, msg.nbytes, group,
+            key, msg.op, msg.nbytes, group,
             root=group.index(msg.root) if msg.root != -1 else 0, blocking=msg.blocking,
         )  # fmt: skip
-        self.emulator.timeline.collective(
-            self.id, self.rank, msg.gemm, op, after=msg.after, host_s=msg.host_ns / 1e9,
-            host_split=msg.host_split, done=lambda issue, end: None,
-        )  # fmt: skip
+        timeline = self.emulator.timeline
+
+        def part(timed: _Timed) -> None:
+            host_s, split = _host(msg, timed.profile)
+            timeline.collective(
+                timed.job, timed.rank, msg.gemm, op, after=msg.after, host_s=host_s,
+                host_split=split, done=lambda issue, end: None,
+            )  # fmt: skip
+
+        self._each(part)
 
     def wait(self, msg: Wait) -> None:
         """A rank's WAIT: it waits for its earlier COLLECTIVE ``msg.wait`` here (no answer)."""
@@ -341,10 +426,14 @@ class Job:
                 f"WAIT {msg.gemm}: wait={msg.wait} is not an earlier request's id",
                 "bad_collective",
             )
-        self.emulator.timeline.wait(
-            self.id, msg.wait, msg.gemm, after=msg.after, host_s=msg.host_ns / 1e9,
-            host_split=msg.host_split,
-        )  # fmt: skip
+        timeline = self.emulator.timeline
+
+        def wait(timed: _Timed) -> None:
+            host_s, split = _host(msg, timed.profile)
+            timeline.wait(timed.job, msg.wait, msg.gemm, after=msg.after, host_s=host_s,
+                          host_split=split)  # fmt: skip
+
+        self._each(wait)
 
     def _handed(self, msg: Gemm | Conv) -> local.JobOperands | None:
         """A new request's id checked (a ``by_rank`` one: from a rank), and the arrays it
@@ -360,9 +449,15 @@ class Job:
 
     def _start(self, task: AnyTask, tiles: Sequence[AnyTile], msg: Gemm | Conv) -> None:
         """Count the task in flight and have the timeline issue it as ``msg`` places it (a
-        rank's own product: ``_time_only``)."""
+        rank's own product: ``_time_only``, and again for each of its copies)."""
         if msg.by_rank:
-            self._time_only(task, tiles, msg)
+            self._time_only(self._timed(), task, tiles, msg)
+            if self.emulator.replay is not None:
+                self._work = hash((self._work, _shape(msg)))
+            if self.copies:  # one task for them all: nothing reads what the clock writes
+                again, again_tiles = self._again(msg)  # into a copy's (its ``oom``)
+                self._each_copy(lambda copy: self._time_only(copy, again, again_tiles, msg,
+                                                             counted=False))  # fmt: skip
             return
         emulator = self.emulator
         self.tiles_in_flight += len(tiles)
@@ -388,21 +483,37 @@ class Job:
             return
         self.regulate()
 
-    def _time_only(self, task: AnyTask, tiles: Sequence[AnyTile], msg: Gemm | Conv) -> None:
-        """A product the rank computed itself: its tiles placed on the rank's device in
-        virtual time and sent nowhere; no RESULT answers it."""
+    def _again(self, msg: Gemm | Conv) -> tuple[AnyTask, Sequence[AnyTile]]:
+        """A rank's own product (``by_rank``: its layout only) made again, with its tiles,
+        for a replayed copy (the rank's own was made from the same message)."""
+        if isinstance(msg, Gemm):
+            task = make_task(msg)
+            return task, task.tiles(self.block)
+        conv = make_conv_task(msg)
+        return conv, conv.tiles(self.block, self.emulator.config.max_job_tiles)
+
+    def _time_only(
+        self, timed: _Timed, task: AnyTask, tiles: Sequence[AnyTile], msg: Gemm | Conv,
+        *, counted: bool = True,
+    ) -> None:  # fmt: skip
+        """A product the rank computed itself: its tiles placed on the device of ``timed``
+        (the rank's job, or a copy's) in virtual time and sent nowhere; no RESULT answers
+        it. ``counted``: in this job's totals (a copy's is not)."""
         totals = self.totals
-        totals["gemms"] += 1
-        totals["tiles"] += len(tiles)
+        if counted:
+            totals["gemms"] += 1
+            totals["tiles"] += len(tiles)
 
-        def timed(issue: float, end: float) -> None:
+        def settled(issue: float, end: float) -> None:
             task.settled(issue, end)
-            totals["model_ns"] += task.virtual_ns
-            totals["oom"] += task.oom
+            if counted:
+                totals["model_ns"] += task.virtual_ns
+                totals["oom"] += task.oom
 
+        host_s, split = _host(msg, timed.profile)
         self.emulator.timeline.submit(
-            self.id, task, tiles, after=msg.after, host_s=msg.host_ns / 1e9,
-            host_split=msg.host_split, place=_place_nowhere, done=timed,
+            timed.job, task, tiles, after=msg.after, host_s=host_s, host_split=split,
+            place=_place_nowhere, done=settled,
         )  # fmt: skip
 
     def _output_memory(self, nbytes: int) -> memoryview:
@@ -468,14 +579,24 @@ class Job:
             self.trained["steps"] = self.steps
         else:
             self._count_as_trainer()
-        self.emulator.timeline.mark_step(
-            self.id,
-            msg.step,
-            host_s=msg.host_ns / 1e9,
-            host_split=msg.host_split,
-            local_gemms=msg.local_gemms,
-            done=self._step_done,
-        )
+        replay = self.emulator.replay
+        if replay is not None and self.rank is not None:
+            replay.check(self.rank, msg.step, self._work)
+            self._work = 0
+        timeline = self.emulator.timeline
+
+        def mark(timed: _Timed) -> None:
+            host_s, split = _host(msg, timed.profile)
+            timeline.mark_step(
+                timed.job,
+                msg.step,
+                host_s=host_s,
+                host_split=split,
+                local_gemms=msg.local_gemms,
+                done=self._step_done if timed.job == self.id else _copied,
+            )
+
+        self._each(mark)
 
     def _step_done(self, times: StepTimes) -> None:
         """The step is settled in virtual time: answer the job's STEP."""
@@ -520,6 +641,12 @@ class Job:
         if self.trained is not None:
             self.trained["running"] = False
         emulator.timeline.close_job(self.id)
+        if self.closed:  # its copies do what it did to the end (the end of its last step)
+            self._finish_replay()
+        self._backlog.clear()  # (else what they had yet to do is void)
+        self._replayed = 0
+        for copy in self.copies:
+            emulator.timeline.close_job(copy.job)
         self.slab = None
         for task in self.gemms.values():
             emulator.scheduler.cancel(task)
@@ -647,6 +774,37 @@ class Job:
                 limit_s=self.device_wait_s,
             )
         )
+
+
+class _Timed(NamedTuple):
+    """A timeline job that does what a rank asks: the rank's own, or a replayed copy's."""
+
+    job: int
+    rank: int
+    profile: str  # its coordinator profile, where not the rank's own (``host_alt``'s key)
+
+
+def _host(
+    msg: Gemm | Conv | Collective | Wait | Step, profile: str
+) -> tuple[float, dict[str, int]]:
+    """A request's coordinator time (seconds, by op class) on ``profile`` (``host_alt``), or
+    as the rank priced it for itself (``profile`` empty, or not among ``host_alt``'s)."""
+    split = msg.host_alt.get(profile) if profile else None
+    if split is None:
+        return msg.host_ns / 1e9, msg.host_split
+    return sum(split.values()) / 1e9, split
+
+
+def _shape(msg: Gemm | Conv) -> tuple[object, ...]:
+    """What a rank's product is, for comparing computed ranks' work (``Replay.check``)."""
+    if isinstance(msg, Gemm):
+        return ("gemm", msg.dtype, msg.ta, msg.tb, msg.m, msg.n, msg.k, msg.batch)
+    return ("conv", msg.kind, msg.dtype, *msg.input, *msg.weight, *msg.stride,
+            *msg.dilation, *msg.padding, msg.groups)  # fmt: skip
+
+
+def _copied(times: StepTimes) -> None:
+    """A replayed copy's step: logged by the timeline, answered to nobody."""
 
 
 def _place_nowhere(placed: Sequence[object]) -> None:

@@ -106,6 +106,10 @@ class Registry:
         self.devices[record.id] = record
         return record
 
+    def reserve(self) -> int:
+        """An id for a device the timeline times without an agent (a replayed rank's)."""
+        return next(self._ids)
+
     def remove(self, device_id: int) -> DeviceRecord | None:
         return self.devices.pop(device_id, None)
 

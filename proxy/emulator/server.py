@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
+from morphling.devices.models.profiles import DeviceProfile
 from morphling.kernels import BufferPool
 from morphling.proxy.net.protocol import SMALL_PAYLOAD, pool_allocator
 from morphling.proxy.shm import handover as local
@@ -46,6 +47,7 @@ from .conv_partition import AnyTile
 from .jobs import Job
 from .peer import PeerConnection
 from .registry import Registry
+from .replay import Replay
 from .scheduler import Scheduler
 from .settings import EmulatorConfig, availability_of
 from .tiles import TileMessages
@@ -114,6 +116,7 @@ class Emulator:
         # that outlives its job (stuck where it can neither heartbeat nor notice)
         self.ranks_lost: dict[int, str] = {}
         self.trainers = Trainers(self.timeline)  # of the shared weights
+        self.replay: Replay | None = None  # ranks computed and replayed (``replay_ranks``)
         self.weights: SharedWeights | None = None  # the checkpoint's, once started
         self.arena: OperandArena | None = None  # jobs' operands, once started
         self._late_writes: deque[tuple[float, list[np.ndarray]]] = deque()  # (until, outputs)
@@ -131,6 +134,20 @@ class Emulator:
         self._server: asyncio.Server | None = None
         self._housekeeping: asyncio.Task[None] | None = None
         self._sync: asyncio.Task[None] | None = None
+
+    def replay_ranks(
+        self, world: int, computed: int, devices: Sequence[tuple[str, DeviceProfile]]
+    ) -> None:
+        """``--numerics sample:K``: of ``world`` ranks, ranks 0..``computed``-1 will join;
+        every other rank's work is replayed (``replay``) on its device of ``devices`` (the
+        name and profile of each replayed rank's, in rank order), which the timeline times
+        and no agent serves."""
+        ids = {}
+        for rank, (name, profile) in enumerate(devices, computed):
+            ids[rank] = self.registry.reserve()
+            self.timeline.add_device(ids[rank], name, profile, placed=False)
+        self.replay = Replay(world, computed, ids)
+        log.info("%d ranks computed, %d replayed on their own devices", computed, len(ids))
 
     def next_client_id(self) -> int:
         self._client_ids += 1
@@ -264,6 +281,8 @@ class Emulator:
         # each job of a standalone emulator chose its own (``morphling run`` says which)
         info["coordinator_time"] = "per job"
         info["verification"] = self.verifier.summary()
+        if self.replay is not None:
+            info["replay"] = self.replay.summary()
         info.update(self.run_info)
         path = Path(cfg.run_dir) / RUN_FILE
         path.write_text(json.dumps(info, indent=1) + "\n")

@@ -87,6 +87,7 @@ def gemm_request(
     host_split: dict[str, int] | None = None,
     epoch: int = 0,
     by_rank: bool = False,
+    host_alt: dict[str, dict[str, int]] | None = None,
 ) -> tuple[Gemm, tuple[int, ...]]:
     """The GEMM message for ``a @ b`` and the shape of its result.
 
@@ -94,7 +95,8 @@ def gemm_request(
     the emulator's shared weights) goes by reference, with a version made of its
     tensor's and ``epoch`` (see ``_location``). ``after`` and ``host_ns`` place it
     in virtual time, ``host_split`` says what the host did then (see ``Gemm``).
-    ``by_rank``: the rank computed it itself, and sends its layout only.
+    ``by_rank``: the rank computed it itself, and sends its layout only; ``host_alt``:
+    its host time on the profiles of the ranks replaying it (see ``Gemm``).
     """
     oa, ob = blas_operand(a, "a"), blas_operand(b, "b")
     dtype = _dtype_name(oa.span.dtype)
@@ -128,6 +130,7 @@ def gemm_request(
         after=after,
         host_ns=host_ns,
         host_split=host_split or {},
+        host_alt=host_alt or {},
         **gemm_fields(at_a, at_b),
         by_rank=by_rank,
         segments=segments,
@@ -193,6 +196,7 @@ def rank_conv_request(
     conv: int, kind: str, dtype: str, *, input_shape: tuple[int, ...],
     weight_shape: tuple[int, ...], stride: Pair, padding: Padding, dilation: Pair, groups: int,
     after: int = 0, host_ns: int = 0, host_split: dict[str, int] | None = None,
+    host_alt: dict[str, dict[str, int]] | None = None,
 ) -> Conv:  # fmt: skip
     """The CONV message for a convolution's product ``kind`` that the rank computed itself
     (``by_rank``: its shapes and ``dtype``, no operands); the arguments as ``conv_request``
@@ -202,7 +206,7 @@ def rank_conv_request(
     geom, shapes = _conv_shapes(kind, input_shape, weight_shape, stride, padding, dilation,
                                 groups)  # fmt: skip
     return _conv_message(conv, kind, dtype, geom, shapes, after, host_ns, host_split,
-                         segments=(b"", b""), by_rank=True)  # fmt: skip
+                         segments=(b"", b""), by_rank=True, host_alt=host_alt)  # fmt: skip
 
 
 Shapes = dict[str, tuple[int, ...]]  # a convolution's input, weight and output, by name
@@ -234,7 +238,7 @@ def _conv_shapes(
 def _conv_message(
     conv: int, kind: str, dtype: str, geom: ConvGeometry, shapes: Shapes, after: int,
     host_ns: int, host_split: dict[str, int] | None, *, segments: tuple[Any, Any],
-    by_rank: bool = False,
+    by_rank: bool = False, host_alt: dict[str, dict[str, int]] | None = None,
 ) -> Conv:  # fmt: skip
     """The CONV of ``_conv_shapes``' checked geometry and shapes."""
     return Conv(
@@ -250,6 +254,7 @@ def _conv_message(
         after=after,
         host_ns=host_ns,
         host_split=host_split or {},
+        host_alt=host_alt or {},
         by_rank=by_rank,
         segments=segments,
     )
@@ -688,20 +693,23 @@ class Client:
             return product_array(request, self._call(request, timeout), shape)
 
     def rank_matmul(
-        self, a: Any, b: Any, *, host_ns: int, host_split: dict[str, int] | None = None
-    ) -> None:
+        self, a: Any, b: Any, *, host_ns: int, host_split: dict[str, int] | None = None,
+        host_alt: dict[str, dict[str, int]] | None = None,
+    ) -> None:  # fmt: skip
         """``a @ b``, which this rank computed itself, to be timed on its device (GEMM
         ``by_rank``: its layout only), sent without waiting; ``host_ns`` and ``host_split``
-        as in ``matmul``."""
+        as in ``matmul``, ``host_alt`` as in ``gemm_request``."""
         with self._call_lock:
             request, _ = gemm_request(next(self._ids), a, b, after=self._after, host_ns=host_ns,
-                                      host_split=host_split, by_rank=True)  # fmt: skip
+                                      host_split=host_split, by_rank=True,
+                                      host_alt=host_alt)  # fmt: skip
             self._send_blocking(request)
 
     def rank_conv(
         self, kind: str, dtype: str, *, input_shape: tuple[int, ...],
         weight_shape: tuple[int, ...], stride: Pair, padding: Padding, dilation: Pair,
         groups: int, host_ns: int, host_split: dict[str, int] | None = None,
+        host_alt: dict[str, dict[str, int]] | None = None,
     ) -> None:  # fmt: skip
         """A convolution's product ``kind``, which this rank computed itself, to be timed
         on its device (CONV ``by_rank``, ``rank_conv_request``), sent without waiting."""
@@ -709,7 +717,7 @@ class Client:
             request = rank_conv_request(
                 next(self._ids), kind, dtype, input_shape=input_shape, weight_shape=weight_shape,
                 stride=stride, padding=padding, dilation=dilation, groups=groups,
-                after=self._after, host_ns=host_ns, host_split=host_split,
+                after=self._after, host_ns=host_ns, host_split=host_split, host_alt=host_alt,
             )  # fmt: skip
             self._send_blocking(request)
 
@@ -792,7 +800,7 @@ class Client:
     def collective(
         self, op: str, nbytes: int, *, ranks: list[int], seq: int, root: int = -1,
         blocking: bool = True, host_ns: int | None = None,
-        host_split: dict[str, int] | None = None,
+        host_split: dict[str, int] | None = None, host_alt: dict[str, dict[str, int]] | None = None,
     ) -> int:  # fmt: skip
         """A rank's part in collective ``op`` (the fields: ``Collective``), sent without
         waiting: the emulator does not answer. A ``blocking`` one is what the next request
@@ -804,6 +812,7 @@ class Client:
             request = Collective(
                 gemm=request_id, op=op, nbytes=nbytes, ranks=ranks, seq=seq, root=root,
                 blocking=blocking, after=self._after, host_ns=host, host_split=host_split or {},
+                host_alt=host_alt or {},
             )  # fmt: skip
             if blocking:
                 self._send_blocking(request)
@@ -813,18 +822,19 @@ class Client:
 
     def wait(
         self, request: int, *, host_ns: int | None = None,
-        host_split: dict[str, int] | None = None,
+        host_split: dict[str, int] | None = None, host_alt: dict[str, dict[str, int]] | None = None,
     ) -> None:  # fmt: skip
         """The rank waits here for its earlier non-blocking collective ``request`` (WAIT;
         no answer): what the next request comes after."""
         with self._call_lock:
             host = self.elapsed_ns() if host_ns is None else host_ns
             self._send_blocking(Wait(gemm=next(self._ids), wait=request, after=self._after,
-                                     host_ns=host, host_split=host_split or {}))  # fmt: skip
+                                     host_ns=host, host_split=host_split or {},
+                                     host_alt=host_alt or {}))  # fmt: skip
 
     def step(
         self, step: int, *, host_ns: int | None = None, local_gemms: int = 0,
-        host_split: dict[str, int] | None = None,
+        host_split: dict[str, int] | None = None, host_alt: dict[str, dict[str, int]] | None = None,
     ) -> Step:  # fmt: skip
         """Mark the end of a training step (``local_gemms`` computed on the host in it;
         ``host_ns`` and ``host_split`` as in ``matmul``); the emulator's account of it,
@@ -833,7 +843,8 @@ class Client:
         with self._call_lock:
             host = self.elapsed_ns() if host_ns is None else host_ns
             split = host_split or {}
-            self._send(Step(step=step, host_ns=host, host_split=split, local_gemms=local_gemms))
+            self._send(Step(step=step, host_ns=host, host_split=split, local_gemms=local_gemms,
+                            host_alt=host_alt or {}))  # fmt: skip
             reply = self._expect(Step, None)
             self.steps += 1  # the optimizer may have changed any weight (``_weight_ref``)
             self._after, self._since_ns = 0, time.perf_counter_ns()

@@ -18,6 +18,8 @@ timeline on any host, however busy, and the time comes split by op class.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from morphling.devices.models.ops import OP_CLASSES, OpModel
 from morphling.devices.models.profiles import HOST, DeviceProfile, load_profile, with_cooling
 from morphling.devices.models.thermal import ThermalParams, ThermalState
@@ -76,9 +78,12 @@ class HostWork:
 
     Between its bursts the coordinator is taken as busy (the board that runs the script is
     computing or waiting on a link, never cooling long): a burst starts where the last ended.
+    ``also``: profiles the same work is priced on besides (those of the ranks that replay
+    this one, ``take_also``), each with its own thermal state.
     """
 
-    def __init__(self, profile: DeviceProfile) -> None:
+    def __init__(self, profile: DeviceProfile, also: Sequence[DeviceProfile] = ()) -> None:
+        self.also = {p.name: HostWork(p) for p in also if p.name != profile.name}
         self.model = op_model_of(profile)
         self.gemm_flops = profile.flops
         self.seconds = dict.fromkeys(OP_CLASSES, 0.0)
@@ -90,10 +95,14 @@ class HostWork:
     def op(self, cls: str, nbytes: int, fresh: int, flops: float) -> None:
         """An op of class ``cls`` (``op_count.count_op``) ran."""
         self.seconds[cls] += self.model.op_s(cls, nbytes, fresh, flops)
+        for other in self.also.values():
+            other.op(cls, nbytes, fresh, flops)
 
     def product(self, cls: str, flops: float) -> None:
         """A GEMM (``GEMM``) or a convolution product (``CONV``) of ``flops`` ran locally."""
         self.seconds[cls] += self.model.dispatch_s["elementwise"] + flops / self.gemm_flops
+        for other in self.also.values():
+            other.product(cls, flops)
 
     def take(self) -> dict[str, int]:
         """The work so far in nanoseconds by class (those with any), and start again."""
@@ -106,3 +115,7 @@ class HostWork:
         split = {cls: round(s / speed * 1e9) for cls, s in self.seconds.items() if s > 0}
         self.seconds = dict.fromkeys(OP_CLASSES, 0.0)
         return split
+
+    def take_also(self) -> dict[str, dict[str, int]]:
+        """``take`` on each profile of ``also``, by name."""
+        return {name: other.take() for name, other in self.also.items()}

@@ -18,6 +18,7 @@ import logging
 import os
 import resource
 import threading
+from collections.abc import Sequence
 
 import uvloop
 from morphling.devices.fleet import Fleet
@@ -62,13 +63,21 @@ class EmbeddedFleet:
         cooling: str | None = None,
         run_info: dict | None = None,
         max_devices: int = 0,
+        replay: tuple[int, Sequence[str]] | None = None,
     ) -> None:
+        """``replay``: (K, the device of each rank, in rank order): ranks K and up are
+        replayed (``proxy.emulator.replay``), so their devices are timed without agents."""
         # ValueError for a bad SPEC, link or cooling, or more devices than the host can
         # hold (``max_devices``: see ``expand_fleet``), before any thread starts
         self.profiles = expand_fleet(
             devices, link_name=link, cooling=cooling, max_devices=max_devices
         )
-        open_files_for(len(self.profiles))
+        self.replay = replay
+        named = dict(zip(device_names(self.profiles), self.profiles, strict=True))
+        replayed = list(replay[1][replay[0] :]) if replay is not None else []
+        self._timed_only = [(name, named.pop(name)) for name in replayed]
+        self._agents = named  # the devices that run: all but replayed ranks'
+        open_files_for(len(self._agents))
         self.run_info = run_info or {}  # extra keys for the run directory's run.json
         self.config = dataclasses.replace(
             config or EmulatorConfig(), listen_ip="127.0.0.1", listen_port=0
@@ -117,11 +126,16 @@ class EmbeddedFleet:
                 names = device_names(self.profiles)
                 emulator = self.emulator = Emulator(self.config, pool=pool, fleet=names)
                 emulator.run_info.update(self.run_info)
+                if self.replay is not None:
+                    ranks = len(self.replay[1])
+                    emulator.replay_ranks(ranks, self.replay[0], self._timed_only)
                 host, port = await emulator.start()
-                fleet = await Fleet.build(self.profiles, workers, pool, token=self.config.token)
+                agents = self._agents
+                fleet = await Fleet.build(list(agents.values()), workers, pool,
+                                          token=self.config.token, names=list(agents))  # fmt: skip
                 running = asyncio.ensure_future(fleet.run(host, port))
                 try:
-                    while len(emulator.registry.ready()) < len(self.profiles):
+                    while len(emulator.registry.ready()) < len(self._agents):
                         if running.done() or self._stop.is_set():
                             raise RuntimeError("the fleet stopped before every device was ready")
                         await asyncio.sleep(0.01)
@@ -129,7 +143,7 @@ class EmbeddedFleet:
                         "embedded emulator on %s:%d with %d ready devices",
                         host,
                         port,
-                        len(self.profiles),
+                        len(self._agents),
                     )
                     self.address = (host, port)
                     self._ready.set()

@@ -24,7 +24,7 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -53,6 +53,9 @@ from .embedded import EmbeddedFleet
 from .intercept import Interceptor, ProductCounts
 
 log = logging.getLogger("morphling.job")
+# A request's coordinator time: nanoseconds, by op class, and by op class on each profile
+# replaying the rank (``Session._host_time``).
+HostTime = tuple[int, dict[str, int], dict[str, dict[str, int]]]
 
 
 @dataclass(frozen=True)
@@ -95,17 +98,18 @@ class Session:
     def __init__(
         self, client: Client, *, min_flops: int = DEFAULT_MIN_FLOPS,
         coordinator: DeviceProfile | None = None, scale: float = 1.0,
-        own_products: bool = False,
+        own_products: bool = False, replayed_on: Sequence[DeviceProfile] = (),
     ) -> None:  # fmt: skip
         """``coordinator``: the profile whose op model prices the script's own work
         (modelled coordinator time); None: this host's wall time, times ``scale``.
         ``own_products``: a rank computes its products itself, its device only times them
-        (``time_gemm``, ``time_conv``)."""
+        (``time_gemm``, ``time_conv``); ``replayed_on``: the coordinator profiles of the
+        ranks that replay this one, on which its own work is priced too (``host_alt``)."""
         if not 0 <= scale < math.inf:  # 0: the script's own time does not count at all
             raise ValueError(f"coordinator scale={scale!r}: must be finite and >= 0")
         self.client = client
         self.checkpoint: Checkpoint | None = None
-        self.work = HostWork(coordinator) if coordinator is not None else None
+        self.work = HostWork(coordinator, replayed_on) if coordinator is not None else None
         self.scale = scale
         self.interceptor = Interceptor(self._remote, self._remote_conv, min_flops=min_flops,
                                        host_work=self.work,
@@ -116,9 +120,11 @@ class Session:
         self._counts = ProductCounts()
         self._conv_counts = ProductCounts()
         self._marked_ns = 0  # when the last step mark went back to the script
-        # modelled coordinator time sent with a collective the rank did not wait for: the
-        # next request comes after the same one, so its time includes this too
+        # modelled coordinator time sent with a collective the rank did not wait for (and
+        # on the profiles replaying it): the next request comes after the same one, so its
+        # time includes this too
         self._carried: dict[str, int] = {}
+        self._carried_alt: dict[str, dict[str, int]] = {}
         self._collectives: dict[tuple[str, tuple[int, ...]], int] = {}  # each group's count
 
     def share_weights(self, ckpt: str) -> None:
@@ -173,26 +179,26 @@ class Session:
         """Convolution products."""
         return self.interceptor.conv_counts
 
-    def _host_time(self, until_ns: int) -> tuple[int, dict[str, int]]:
+    def _host_time(self, until_ns: int) -> HostTime:
         """Coordinator time up to ``until_ns`` since the script last got control back from
-        a fleet GEMM or a step mark, and how it divides among op classes: modelled (by
-        class), or measured (scaled; 0 before the first; not divided).
+        a fleet GEMM or a step mark, how it divides among op classes: modelled (by class),
+        or measured (scaled; 0 before the first; not divided), and, modelled, how it
+        divides on each profile replaying this rank.
 
         Measured from the interceptor's stamps, so the time Morphling itself spends on a
         GEMM (checking it, sending it, waiting, making the result a tensor) is not the
         script's: what is left is what the script would spend without Morphling.
         """
         if self.work is not None:
-            split = self.work.take()
-            if self._carried:
-                split = {c: split.get(c, 0) + self._carried.get(c, 0)
-                         for c in split.keys() | self._carried.keys()}  # fmt: skip
-                self._carried = {}
-            return sum(split.values()), split
+            split = _plus(self.work.take(), self._carried)
+            alt = {name: _plus(s, self._carried_alt.get(name, {}))
+                   for name, s in self.work.take_also().items()}  # fmt: skip
+            self._carried, self._carried_alt = {}, {}
+            return sum(split.values()), split, alt
         since = max(self.interceptor.returned_ns, self._marked_ns)
-        return (round((until_ns - since) * self.scale) if since else 0), {}
+        return (round((until_ns - since) * self.scale) if since else 0), {}, {}
 
-    def _request_host_time(self) -> tuple[int, dict[str, int]]:
+    def _request_host_time(self) -> HostTime:
         """The coordinator time before a product about to be sent (the step's first
         starts the step)."""
         if self._step_start is None:
@@ -208,14 +214,14 @@ class Session:
         waits in gloo are no work of its own). One it does not wait for at once is pending
         until an op uses its ``tensors`` (``_wait``)."""
         assert self.work is not None, "a rank's coordinator time is modelled (emulate)"
-        host_ns, split = self._request_host_time()
+        host_ns, split, alt = self._request_host_time()
         if not blocking:
-            self._carried = split
+            self._carried, self._carried_alt = split, alt
         key = ("p2p" if op in PAIR else "group", tuple(ranks))
         seq = self._collectives[key] = self._collectives.get(key, 0) + 1
         request = self.client.collective(op, nbytes, ranks=ranks, seq=seq, root=root,
                                          blocking=blocking, host_ns=host_ns,
-                                         host_split=split)  # fmt: skip
+                                         host_split=split, host_alt=alt)  # fmt: skip
         if not blocking:
             if self.interceptor.pending is None:
                 self.interceptor.pending = Pending(self._wait)
@@ -224,17 +230,17 @@ class Session:
     def _wait(self, request: int) -> None:
         """The rank uses the tensors of its pending collective ``request``: it waits for it
         here, after the modelled time since its last request."""
-        host_ns, split = self._request_host_time()
-        self.client.wait(request, host_ns=host_ns, host_split=split)
+        host_ns, split, alt = self._request_host_time()
+        self.client.wait(request, host_ns=host_ns, host_split=split, host_alt=alt)
 
     def _remote(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        host_ns, split = self._request_host_time()
+        host_ns, split, _ = self._request_host_time()  # (no rank replays a fleet's product)
         return torch.from_numpy(self.client.matmul(a, b, host_ns=host_ns, host_split=split))
 
     def _remote_conv(
         self, kind: str, a: torch.Tensor, b: torch.Tensor, call: ConvCall
     ) -> torch.Tensor:
-        host_ns, split = self._request_host_time()
+        host_ns, split, _ = self._request_host_time()
         geometry = call.geometry
         return torch.from_numpy(
             self.client.conv(
@@ -247,25 +253,25 @@ class Session:
 
     def time_gemm(self, a: torch.Tensor, b: torch.Tensor) -> None:
         """``a @ b``, which the rank computed itself, timed on its device."""
-        host_ns, split = self._request_host_time()
-        self.client.rank_matmul(a, b, host_ns=host_ns, host_split=split)
+        host_ns, split, alt = self._request_host_time()
+        self.client.rank_matmul(a, b, host_ns=host_ns, host_split=split, host_alt=alt)
 
     def time_conv(self, kind: str, call: ConvCall, dtype: torch.dtype) -> None:
         """A convolution's product, which the rank computed itself, timed on its device."""
-        host_ns, split = self._request_host_time()
+        host_ns, split, alt = self._request_host_time()
         geometry = call.geometry
         self.client.rank_conv(
             kind, str(dtype).removeprefix("torch."), input_shape=call.input,
             weight_shape=call.weight, stride=geometry.stride, padding=geometry.padding,
             dilation=geometry.dilation, groups=geometry.groups, host_ns=host_ns,
-            host_split=split,
+            host_split=split, host_alt=alt,
         )  # fmt: skip
 
     def end_step(self) -> StepReport:
         """Close the current step (called after every optimizer step)."""
         if self.interceptor.pending:  # the step's end waits for all of them
             self.interceptor.pending.wait_all()
-        host_ns, split = self._host_time(time.perf_counter_ns())
+        host_ns, split, alt = self._host_time(time.perf_counter_ns())
         if self.work is not None:
             self.work.in_optimizer = False  # its step is over
         now = time.perf_counter()
@@ -273,7 +279,11 @@ class Session:
         convs = self.conv_counts.since(self._conv_counts)
         local = sum(counts.local.values())
         reply = self.client.step(
-            len(self.steps) + 1, host_ns=host_ns, host_split=split, local_gemms=local
+            len(self.steps) + 1,
+            host_ns=host_ns,
+            host_split=split,
+            local_gemms=local,
+            host_alt=alt,
         )
         emulated_s, coord_s = reply.emulated_ns / 1e9, reply.coord_ns / 1e9
         report = StepReport(
@@ -397,6 +407,7 @@ def emulate(
     rank: int | None = None,
     world: int = 0,
     products: str = "device",
+    replayed_on: Sequence[str] = (),
 ) -> Iterator[Session]:
     """Run the body's GEMMs on a fleet: a running emulator at ``server``
     (``HOST:PORT``), or an embedded one with the virtual ``devices`` SPEC (the
@@ -422,7 +433,9 @@ def emulate(
     (``collectives``), and its own work is modelled by the coordinator profile (its
     device's). ``products`` (``PRODUCTS``) says who computes a rank's products: its
     ``device``, or the ``rank`` itself, its device only timing them (for a device that is a
-    model computing on this host: an embedded one). Should the body raise (Ctrl-C, say), the
+    model computing on this host: an embedded one). ``replayed_on``: the coordinator
+    profiles (names or files) of the ranks replaying this one (``--numerics sample:K``),
+    on which its own work is priced too. Should the body raise (Ctrl-C, say), the
     embedded emulator's run directory is marked incomplete, with the reason.
     """
     if (server is None) == (devices is None):
@@ -436,6 +449,7 @@ def emulate(
     if products not in PRODUCTS or (products == "rank" and rank is None):
         raise ValueError(f"products={products!r}: one of {', '.join(PRODUCTS)} ('rank' for a "
                          "rank only)")  # fmt: skip
+    also = [coordinator_profile(name, "model", cooling=cooling) for name in replayed_on]
     with contextlib.ExitStack() as stack:
         if devices is not None:
             if ckpt is not None:
@@ -459,6 +473,7 @@ def emulate(
                                  world=world),
                           min_flops=min_flops, coordinator=profile,
                           own_products=products == "rank",
+                          replayed_on=[p for p in also if p is not None],
                           scale=scale)  # fmt: skip
         stack.callback(session.close)
         if ckpt is not None:
@@ -524,3 +539,10 @@ def _bind_first_module(session: Session) -> Any:
 
     handle = register_module_forward_pre_hook(hook)
     return handle
+
+
+def _plus(split: dict[str, int], more: dict[str, int]) -> dict[str, int]:
+    """Two op-class splits added."""
+    if not more:
+        return split
+    return {c: split.get(c, 0) + more.get(c, 0) for c in split.keys() | more.keys()}

@@ -369,17 +369,29 @@ class Timeline(Generic[T]):
         self._gone: set[int] = set()  # devices whose connection left (they come back no more)
         self.on_leave = on_leave
         self._rank_absences: dict[int, _Absences] = {}  # a rank's device's, by its id
+        self._unplaced: set[int] = set()  # devices only their ranks' work runs on
+        self._in_memory: dict[int, VirtualDevice] = {}  # those that may hold panels (``_sweep``)
 
     # -- fleet and jobs ----------------------------------------------------------------
 
     def add_device(
-        self, device_id: int, name: str, profile: DeviceProfile, *, convolutions: bool = True
+        self,
+        device_id: int,
+        name: str,
+        profile: DeviceProfile,
+        *,
+        convolutions: bool = True,
+        placed: bool = True,
     ) -> VirtualDevice:
-        """A device joins; ``convolutions``: it computes convolution tiles. (One its
-        availability has away now takes tiles once it is back.)"""
+        """A device joins; ``convolutions``: it computes convolution tiles; not ``placed``:
+        it takes no tiles, only its rank's own work (a replayed rank's: it has no agent).
+        (One its availability has away now takes tiles once it is back.)"""
         device = VirtualDevice(device_id, name, profile, convolutions=convolutions)
         self.devices[device_id] = device
-        self.placement.add(device)
+        if placed:
+            self.placement.add(device)
+        else:
+            self._unplaced.add(device_id)
         if self.availability is not None:
             self._absences[device_id] = self.availability.absences(name)
             self._next_absence(device)
@@ -838,10 +850,13 @@ class Timeline(Generic[T]):
     def _sweep(self) -> None:
         """A step ended: each device lets go of the panels no tile used since the last
         step's end, and forgets it held them."""
-        for device in self.devices.values():
-            dropped = device.memory.sweep()
+        for device in list(self._in_memory.values()):
+            memory = device.memory
+            dropped = memory.sweep()
             if dropped and self.dropped is not None:
                 self.dropped(device.id, dropped)
+            if not memory.resident:
+                del self._in_memory[device.id]
         self._holders = {
             key: still
             for key, devices in self._holders.items()
@@ -999,7 +1014,8 @@ class Timeline(Generic[T]):
         if self._transitions:
             self._catch_up()
         placement, task, pinned = self.placement, gemm.task, gemm.job.device
-        if not placement.can_place(task.op != GEMM_OP, pinned):
+        unplaced = pinned in self._unplaced  # (its rank's own device: always there for it)
+        if not unplaced and not placement.can_place(task.op != GEMM_OP, pinned):
             self._stalled.append(gemm)
             self._wake_later()
             return
@@ -1025,13 +1041,18 @@ class Timeline(Generic[T]):
         for i, tile in enumerate(gemm.tiles):
             a, b = operands[i]
             work = self._work(task, tile, a, b)
+            index = -1
             if planned is not None:
                 index = planned[i]
             elif pinned is None:
                 index = placement.choose(now, work, self._held(a, b) if follows_data else None)
-            else:
+            elif not unplaced:
                 index = placement.index(pinned)
-            device = placement.devices[index]
+            if index >= 0:
+                device = placement.devices[index]
+            else:
+                assert pinned is not None, "an unplaced device is its rank's"
+                device = self.devices[pinned]
             for x in (a, b) if not gemm.job.resident else ():
                 if (device.id, x.key) not in needs:
                     needs.add((device.id, x.key))
@@ -1043,7 +1064,8 @@ class Timeline(Generic[T]):
             passage = self._run(now, device, work)
             if gemm.job.resident and device.id in self._rank_absences:
                 passage = self._rank_tile(gemm.job, device, passage)
-            placement.placed(index)
+            if index >= 0:
+                placement.placed(index)
             placed.append((tile, device.id, admission))
             stages = passage[0]
             back = stages[2][1]
@@ -1173,6 +1195,7 @@ class Timeline(Generic[T]):
             kept = [x for x in (a, b) if x.offset is not None]
             transient = work.bytes_up + sum(x.nbytes for x in (a, b) if x.offset is None)
         admission = memory.admit([(x.key, x.version, x.nbytes, x.region) for x in kept], transient)
+        self._in_memory[device.id] = device
         if not admission.fits:
             job, task = gemm.job, gemm.task
             times.oom += 1

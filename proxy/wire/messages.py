@@ -69,6 +69,7 @@ COLLECTIVE_OPS = (
 DTYPES = (*GEMM_DTYPES, "uint8")  # a payload segment's: an operand's, or plain bytes
 # ``host_split``: at most this many op classes, so a header stays small whatever the job sends.
 MAX_SPLIT_CLASSES = 32
+MAX_ALT_PROFILES = 16  # ``host_alt``: at most this many other profiles
 
 
 @dataclass(slots=True)
@@ -413,7 +414,9 @@ class Gemm(Message):
     after GEMM ``after`` of the same job ended — the one whose result the job
     last waited for; 0: after the job's last settled event. ``host_split`` says what
     the host did in that time: op class → nanoseconds, summing to ``host_ns`` (empty:
-    not said, as for measured time).
+    not said, as for measured time). ``host_alt``: a rank whose work other ranks replay
+    (``--numerics sample:K``) says what that time comes to on each of their coordinator
+    profiles (name → a ``host_split``; empty: none).
     """
 
     TYPE = MsgType.GEMM
@@ -435,6 +438,7 @@ class Gemm(Message):
     after: int = 0
     host_ns: int = 0
     host_split: dict[str, int] = field(default_factory=dict)  # see ``check_host_split``
+    host_alt: dict[str, dict[str, int]] = field(default_factory=dict)  # ``check_host_alt``
     # Byte offsets in the job's slab (see ``Slab``): where it wrote A and B (their segments
     # are then empty) and where the emulator is to put C (then RESULT carries none); -1: not.
     slab_a: int = -1
@@ -477,6 +481,7 @@ class Collective(Message):
     after: int = 0
     host_ns: int = 0
     host_split: dict[str, int] = field(default_factory=dict)
+    host_alt: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -493,6 +498,7 @@ class Wait(Message):
     after: int = 0
     host_ns: int = 0
     host_split: dict[str, int] = field(default_factory=dict)
+    host_alt: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -529,6 +535,7 @@ class Conv(Message):
     after: int = 0
     host_ns: int = 0
     host_split: dict[str, int] = field(default_factory=dict)
+    host_alt: dict[str, dict[str, int]] = field(default_factory=dict)
     local: bool = False
     by_rank: bool = False
 
@@ -579,6 +586,7 @@ class Step(Message):
     step: int
     host_ns: int = 0
     host_split: dict[str, int] = field(default_factory=dict)
+    host_alt: dict[str, dict[str, int]] = field(default_factory=dict)
     local_gemms: int = 0  # job → server: GEMMs it computed itself in the step (reported)
     emulated_ns: int = 0
     coord_ns: int = 0
@@ -720,6 +728,20 @@ def check_host_split(name: str, split: dict[str, Any], host_ns: int) -> None:
         raise ValueError(f"{where}: sums to {total} ns, not host_ns={host_ns}")
 
 
+def check_host_alt(name: str, alt: dict[str, Any]) -> None:
+    """``alt`` (``name``'s ``host_alt``) is profile name → a ``host_split`` (which sums to
+    that profile's host time): at most ``MAX_ALT_PROFILES``; else ``ValueError``."""
+    where = f"{name}.host_alt"
+    if len(alt) > MAX_ALT_PROFILES:
+        raise ValueError(f"{where}: {len(alt)} profiles, at most {MAX_ALT_PROFILES}")
+    for profile, split in alt.items():
+        if not isinstance(profile, str) or not profile or not isinstance(split, dict):
+            raise ValueError(f"{where}: {profile!r:.40} → {split!r:.40} is not a profile's "
+                             "name and its host_split")  # fmt: skip
+        check_host_split(f"{where}[{profile!r:.40}]", split, sum(
+            ns for ns in split.values() if isinstance(ns, int)))  # fmt: skip
+
+
 def from_wire(msg_type: int, header: dict[str, Any], segments: tuple[Any, ...]) -> Message:
     """Build a message from a decoded header, or raise ``ValueError`` naming the field.
 
@@ -737,6 +759,8 @@ def from_wire(msg_type: int, header: dict[str, Any], segments: tuple[Any, ...]) 
         header = _checked(cls, schema, header)
     if msg_type in _SPLIT and header.get("host_split"):
         check_host_split(cls.TYPE.name, header["host_split"], header.get("host_ns", 0))
+    if msg_type in _SPLIT and header.get("host_alt"):
+        check_host_alt(cls.TYPE.name, header["host_alt"])
     return cls(**header, segments=segments)
 
 

@@ -103,6 +103,9 @@ def messages(draw, cls: type[Message] | None = None) -> Message:
     if values.get("host_split"):  # op class → ns, summing to host_ns (``check_host_split``)
         values["host_split"] = split = draw(SPLITS)
         values["host_ns"] = sum(split.values())
+    if values.get("host_alt"):  # profile → a host_split (``check_host_alt``)
+        values["host_alt"] = draw(st.dictionaries(st.text(min_size=1, max_size=12), SPLITS,
+                                                  max_size=3))  # fmt: skip
     segments = tuple(draw(_segments) for _ in range(cls.SEGMENTS))
     return cls(**values, segments=segments)
 
