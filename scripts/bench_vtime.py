@@ -18,6 +18,11 @@ Writes ``bench-results/vtime.json``:
   demo model on 1,000 virtual devices (modelled coordinator time): the wall
   seconds of the whole command (start-up of the fleet included), of the
   second step, and the same second step run natively.
+- ``whatif_10000``: ``morphling run --ranks 10000 --numerics sample:1`` of three
+  data-parallel (DDP) steps of the demo model on a mixed fleet of 10,000 devices over
+  Wi-Fi behind one access point (``--bottleneck-bw``), rank 0 computed and the others
+  replayed: the wall seconds of the whole command and the peak RSS of its processes
+  (the largest of them: the launcher, which holds the emulator).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import argparse
 import gc
 import heapq
 import json
+import resource
 import statistics
 import subprocess
 import sys
@@ -47,6 +53,25 @@ STAGES = 3  # download, compute, upload
 CORE_EVENTS = 200_000  # per run of the event core, and of its anchor
 PAIRS = 5  # core and anchor runs per rep, alternating: ``ratio_to_heap`` is their median
 FLEET_1000 = "rpi4:400,rpi5:300,orin-nano:200,jetson-nano:100"
+FLEET_10000 = "rpi4:4000,rpi5:3000,orin-nano:2000,jetson-nano:1000"
+ACCESS_POINT_BW = 12.5e6  # bytes/s: a 100 Mbit/s access point every device's Wi-Fi shares
+DDP_SCRIPT = """\
+import sys, torch, torch.distributed as dist
+sys.path.insert(0, {scripts!r})
+from demo import MODEL
+from morphling.proxy.checkpoint.hf_models import build_model, load_config
+dist.init_process_group("gloo")
+cfg = load_config("opt-tiny")
+cfg.update(MODEL)
+model = torch.nn.parallel.DistributedDataParallel(build_model(cfg, seed=0))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+batch = torch.randint(0, cfg["vocab_size"], (4, 64))
+for _ in range(int(sys.argv[1])):
+    model(input_ids=batch, labels=batch).loss.backward()
+    opt.step()
+    opt.zero_grad()
+dist.destroy_process_group()
+"""
 
 STEP_SCRIPT = """\
 import json, sys, time, torch
@@ -160,11 +185,41 @@ def whatif(devices: str) -> dict[str, float]:
             "step_ratio_to_native": round(step["host_s"] / native, 1)}  # fmt: skip
 
 
+def whatif_ranks(devices: str, steps: int = 3) -> dict[str, float]:
+    """The data-parallel what-if: every device a rank, one computed (``whatif_10000``)."""
+    ranks = sum(int(part.rpartition(":")[2]) for part in devices.split(","))
+    scripts = str(Path(__file__).resolve().parent)
+    with tempfile.TemporaryDirectory() as tmp:
+        script = Path(tmp) / "ddp.py"
+        script.write_text(DDP_SCRIPT.format(scripts=scripts))
+        report = Path(tmp) / "report.json"
+        start = time.perf_counter()
+        subprocess.run(
+            [sys.executable, "-m", "morphling", "--log-level", "warning", "run", "--embedded",
+             "--devices", devices, "--ranks", str(ranks), "--numerics", "sample:1",
+             "--link", "wifi", "--bottleneck-bw", str(ACCESS_POINT_BW), "--run-dir",
+             str(Path(tmp) / "run"), "--no-report", "--no-table", "--json", str(report),
+             "--", "python", str(script), str(steps)],
+            check=True, capture_output=True, text=True,
+        )  # fmt: skip
+        wall = time.perf_counter() - start
+        run = json.loads(report.read_text())
+    rss_mib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # (KiB on Linux)
+    return {"ranks": ranks, "steps": len(run["steps"]), "replayed": run["replay"]["replayed"],
+            "wall_s": round(wall, 1), "target_wall_s_max": 60.0, "rss_mib": round(rss_mib),
+            "target_rss_mib_max": 2048,
+            "emulated_step_s": [round(s["emulated_s"], 3) for s in run["steps"]],
+            "met": wall <= 60.0 and rss_mib <= 2048}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=3, help="engine runs, alternating")
     parser.add_argument("--gemms", type=int, default=40, help="GEMMs per engine run")
     parser.add_argument("--devices", default=FLEET_1000, help="the what-if fleet")
+    parser.add_argument(
+        "--rank-devices", default=FLEET_10000, help="the data-parallel what-if's fleet, a rank each"
+    )
     parser.add_argument("--output", type=Path, default=Path("bench-results/vtime.json"))
     args = parser.parse_args(argv)
     engine, core, heap, ratios = [], [], [], []
@@ -191,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
             "met": events_per_s >= 200_000 and ratio >= 0.5,
         },
         "whatif_1000": {"devices": args.devices, **whatif(args.devices)},
+        "whatif_10000": {"devices": args.rank_devices, **whatif_ranks(args.rank_devices)},
     }
     write_results(results, args.output)
     return 0
