@@ -223,6 +223,13 @@ BAD_SPLITS = {  # name: (the message's fields, the reason's text)
         {"host_ns": 33, "host_split": {f"c{i}": 1 for i in range(33)}},
         "33 op classes, at most 32",
     ),
+    # host_alt: each profile's own host_split (a rank that others replay)
+    "alt_not_a_split": ({"host_alt": {"rpi5": 3}}, "is not a profile's name and its host_split"),
+    "alt_negative": ({"host_alt": {"rpi5": {"other": -1}}}, "-1 is not an integer >= 0"),
+    "alt_too_many": (
+        {"host_alt": {f"p{i}": {"other": 1} for i in range(17)}},
+        "17 profiles, at most 16",
+    ),
 }
 
 
@@ -240,7 +247,8 @@ async def test_a_bad_host_split_is_refused_naming_the_field(fleet, case, kind):
     request = gemm_request(a, a)
     raw.send(dataclasses.replace(request, **fields) if kind == "GEMM" else Step(step=1, **fields))
     error = await raw.expect_error("bad_header")
-    assert f"{kind}.host_split" in error.reason and text in error.reason, error.reason
+    field = "host_alt" if case.startswith("alt") else "host_split"
+    assert f"{kind}.{field}" in error.reason and text in error.reason, error.reason
     await check_serving(client)
 
 
