@@ -29,6 +29,29 @@ for _heavy in ("torch", "scipy.optimize", "matplotlib"):
         importlib.import_module(_heavy)
 
 
+# The files that take longest (minutes each, most of it child processes), run first: the
+# two workers take whole files (``--dist loadfile``) in collection order, and one of these
+# started last kept one worker busy long after the other had run out of files.
+SLOWEST_FIRST = (
+    "commands/test_ranks.py",
+    "commands/test_run.py",
+    "devices/test_profiler.py",
+    "vtime/test_vtime_runs.py",
+    "commands/test_replay.py",
+    "checkpoint/test_checkpoint.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    tests = Path(__file__).parent
+
+    def order(item: pytest.Item) -> int:
+        name = item.path.relative_to(tests).as_posix() if item.path.is_relative_to(tests) else ""
+        return SLOWEST_FIRST.index(name) if name in SLOWEST_FIRST else len(SLOWEST_FIRST)
+
+    items.sort(key=order)  # (stable: each file's tests keep their order)
+
+
 @pytest.fixture
 def procs(tmp_path: Path):
     group = Procs(tmp_path)
