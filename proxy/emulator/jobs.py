@@ -182,35 +182,33 @@ class Job:
             if len(self._backlog) == 1:
                 self.conn.spawn(self._replay())
 
-    def _finish_replay(self) -> None:
-        """The backlog's calls made for every copy, at once."""
-        start = self._replayed
-        for call in self._backlog:
-            for copy in self.copies[start:]:
-                call(copy)
-            start = 0
-
     async def _replay(self) -> None:
         """Make the backlog's calls for every copy, ``REPLAY_CHUNK`` at a time with the
         event loop run between: one request of a rank that thousands replay is thousands of
         timeline calls, and the loop must go on serving (heartbeats, other peers). Each
         copy's calls stay in order; across jobs the timeline needs none."""
-        backlog, copies = self._backlog, self.copies
-        while backlog:
-            call, start = backlog[0], self._replayed
-            end = min(start + REPLAY_CHUNK, len(copies))
+        while self._backlog:
             try:
-                for copy in copies[start:end]:
-                    call(copy)
+                self._replay_calls(REPLAY_CHUNK)
             except Exception:  # a bug of ours: the job cannot be timed, and says so
                 log.exception("job %d (%s): replaying its work failed", self.id, self.name)
                 self.conn.fail("replay_failed", "replaying this rank's work on its copies failed")
                 return
+            await asyncio.sleep(0)
+
+    def _replay_calls(self, limit: int) -> None:
+        """Up to ``limit`` of the backlog's calls, in order (copy by copy, call by call)."""
+        backlog, copies = self._backlog, self.copies
+        while backlog and limit > 0:
+            start = self._replayed
+            end = min(start + limit, len(copies))
+            for copy in copies[start:end]:
+                backlog[0](copy)
+            limit -= end - start
             if end == len(copies):
                 backlog.popleft()
                 end = 0
             self._replayed = end
-            await asyncio.sleep(0)
 
     def _rank(self, msg: Open) -> int | None:
         """OPEN's ``rank``, checked: None for a job that is no rank."""
@@ -642,7 +640,7 @@ class Job:
             self.trained["running"] = False
         emulator.timeline.close_job(self.id)
         if self.closed:  # its copies do what it did to the end (the end of its last step)
-            self._finish_replay()
+            self._replay_calls(len(self._backlog) * len(self.copies))
         self._backlog.clear()  # (else what they had yet to do is void)
         self._replayed = 0
         for copy in self.copies:

@@ -716,6 +716,15 @@ def check_host_split(name: str, split: dict[str, Any], host_ns: int) -> None:
     ``MAX_SPLIT_CLASSES`` non-empty names, integers >= 0 that sum to ``host_ns``; else
     ``ValueError`` naming the field. The class names are the job's: any string will do."""
     where = f"{name}.host_split"
+    _check_split(where, split)
+    total = sum(split.values())
+    if total != host_ns:
+        raise ValueError(f"{where}: sums to {total} ns, not host_ns={host_ns}")
+
+
+def _check_split(where: str, split: dict[str, Any]) -> None:
+    """``split`` (the field ``where``) is at most ``MAX_SPLIT_CLASSES`` non-empty names,
+    each to an integer >= 0; else ``ValueError`` naming it."""
     if len(split) > MAX_SPLIT_CLASSES:
         raise ValueError(f"{where}: {len(split)} op classes, at most {MAX_SPLIT_CLASSES}")
     for op, ns in split.items():
@@ -723,9 +732,6 @@ def check_host_split(name: str, split: dict[str, Any], host_ns: int) -> None:
             raise ValueError(f"{where}: op class {op!r:.40} is not a non-empty string")
         if not isinstance(ns, int) or isinstance(ns, bool) or ns < 0:
             raise ValueError(f"{where}[{op!r:.40}]: {ns!r:.40} is not an integer >= 0")
-    total = sum(split.values())
-    if total != host_ns:
-        raise ValueError(f"{where}: sums to {total} ns, not host_ns={host_ns}")
 
 
 def check_host_alt(name: str, alt: dict[str, Any]) -> None:
@@ -738,8 +744,7 @@ def check_host_alt(name: str, alt: dict[str, Any]) -> None:
         if not isinstance(profile, str) or not profile or not isinstance(split, dict):
             raise ValueError(f"{where}: {profile!r:.40} → {split!r:.40} is not a profile's "
                              "name and its host_split")  # fmt: skip
-        check_host_split(f"{where}[{profile!r:.40}]", split, sum(
-            ns for ns in split.values() if isinstance(ns, int)))  # fmt: skip
+        _check_split(f"{where}[{profile!r:.40}]", split)
 
 
 def from_wire(msg_type: int, header: dict[str, Any], segments: tuple[Any, ...]) -> Message:

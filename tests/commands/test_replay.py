@@ -108,7 +108,7 @@ def test_ten_thousand_ranks_one_computed_run_in_seconds(tmp_path: Path) -> None:
     """The suite's what-if at scale: 10,000 ranks of a one-layer DDP, one computed, one
     step; every rank is in the log on its own device."""
     run_dir, report = replay_run(tmp_path, "big", 10_000, "sample:1", "rpi4:5000,rpi5:5000",
-                                 "ranks_tiny.py", "1")  # fmt: skip
+                                 "ranks_ddp.py", "1", "-1", "-1", "-1", "tiny")  # fmt: skip
     run = json.loads((run_dir / "run.json").read_text())
     assert len(run["fleet"]) == 10_000 and len(run["jobs"]) == 10_000
     assert run["replay"]["replayed"] == 9_999
