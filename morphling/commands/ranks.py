@@ -322,8 +322,9 @@ def table(run: dict[str, Any]) -> str:
     replay = run.get("replay")
     if replay:
         rows.append(
-            f"{replay['replayed']} more ranks replayed ({replay['copies']}), each timed on its "
-            f"own device: their steps are in the run directory (morphling report)"
+            f"{replay['replayed']} more ranks replayed ({replay['copies']}) on their own "
+            f"devices, {replay['timed']} timed and the others mirroring one timed on a device "
+            "alike: their steps are in the run directory (morphling report)"
         )
         if replay["diverged_steps"]:
             rows.append(f"replay may be wrong: in {replay['diverged_steps']} steps the computed "

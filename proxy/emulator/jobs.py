@@ -160,10 +160,10 @@ class Job:
             )
         timeline = self.emulator.timeline
         own = timeline.devices[device].profile.name if device is not None else ""
-        for copy in replay.copies(rank):
+        for copy, mirrors in replay.classes(rank, timeline.timed_by):
             job_id, device_id = self.emulator.next_client_id(), replay.devices[copy]
             timeline.open_job(job_id, f"rank {copy}, replaying {self.name}",
-                              device=device_id, rank=copy)  # fmt: skip
+                              device=device_id, rank=copy, mirrors=mirrors)  # fmt: skip
             profile = timeline.devices[device_id].profile.name
             self.copies.append(_Timed(job_id, copy, "" if profile == own else profile))
 

@@ -8,6 +8,13 @@ is asked again for s, on s's own device (profile, thermal state, link), which ha
 agent: it is timed, never given tiles. A collective of the computed world is one of all
 N ranks, its bytes per member as the computed rank said.
 
+Copies whose devices the timeline cannot tell apart (the same profile, so the same
+model, link and cooling, and no absences) would be timed alike, event for event: nothing
+they share tells them apart, a collective ending for all its members at once. So of each
+such *class* one copy is timed and the others *mirror* it (``classes``): they take
+their part in each collective with it, on their own links, and have its times. That
+makes a what-if of thousands of ranks on a few kinds of board cost a few timed ranks.
+
 That is right when every rank does the same work whatever its data, as data-parallel
 and federated training do with a fixed batch per rank; it is wrong where control flow
 depends on the rank or its data (a pipeline's stages, early exits, variable-length
@@ -19,7 +26,7 @@ logged and counted in ``summary`` (with K ≥ 2 they are compared).
 from __future__ import annotations
 
 import logging
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 
 from morphling.proxy.vtime.collectives import PAIR
 from morphling.proxy.wire.errors import RemoteProtocolError
@@ -58,6 +65,9 @@ class Replay:
         self.world, self.computed = world, computed
         self.devices = dict(devices)
         self.members = tuple(range(world))  # the whole world's collectives' (one tuple)
+        # the classes of copies timed alike (``classes``): the timed copy's rank and device,
+        # and its mirrors', by rank
+        self.mirrored: list[tuple[int, int, dict[int, int]]] = []
         self._work: dict[int, Hashable] = {}  # step → the first computed rank's work
         self.diverged: list[dict[str, int]] = []
         self.diverged_steps = 0
@@ -65,6 +75,26 @@ class Replay:
     def copies(self, rank: int) -> list[int]:
         """The replayed ranks that copy computed ``rank``."""
         return list(range(rank + self.computed, self.world, self.computed))
+
+    def classes(
+        self, rank: int, alike: Callable[[int], Hashable | None]
+    ) -> list[tuple[int, dict[int, int]]]:
+        """The copies of computed ``rank`` in classes timed alike, each (the copy timed,
+        the devices of those that mirror it, by rank); ``alike(device)``: what a copy on
+        ``device`` is timed by, equal for devices timed alike (None: its own)."""
+        found: dict[Hashable, tuple[int, dict[int, int]]] = {}
+        classes = []
+        for copy in self.copies(rank):
+            device = self.devices[copy]
+            key = alike(device)
+            same = found.get(key) if key is not None else None
+            if same is None:
+                same = found[key if key is not None else ("own", copy)] = (copy, {})
+                classes.append(same)
+            else:
+                same[1][copy] = device
+        self.mirrored += [(t, self.devices[t], m) for t, m in classes if m]
+        return classes
 
     def group(self, op: str, ranks: Sequence[int], what: str) -> tuple[int, ...]:
         """The members, among all ranks, of collective ``op`` over computed ``ranks``: all
@@ -102,6 +132,11 @@ class Replay:
             "computed": list(range(self.computed)),
             "replayed": self.world - self.computed,
             "copies": f"rank s replays rank s mod {self.computed}",
+            "timed": self.world - self.computed - sum(len(m) for _, _, m in self.mirrored),
+            "mirrors": [
+                {"rank": rank, "device": device, "ranks": list(m), "devices": list(m.values())}
+                for rank, device, m in self.mirrored
+            ],
             "diverged_steps": self.diverged_steps,
             "diverged": self.diverged,
         }

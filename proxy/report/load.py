@@ -191,6 +191,13 @@ class Run:
     span_s: float  # the last thing that happened
     incomplete: str | None = None  # why the run ended early (SIGTERM, ...), None when it did not
     verification: Verification | None = None  # run.json's (None: an engine before it)
+    # replay's: a timed rank's device → those of the ranks mirroring it, in ``devices``
+    # and ``thermal`` with its figures (``Meta.mirrors``)
+    mirrors: dict[int, tuple[int, ...]] = field(default_factory=dict)
+
+    def devices_of(self, tile: Tile) -> tuple[int, ...]:
+        """The devices ``tile`` is the work of: its own, and those mirroring it."""
+        return (tile.device, *self.mirrors.get(tile.device, ()))
 
     def shows(self, step: int) -> bool:
         """Whether the reports show this step tile by tile."""
@@ -675,6 +682,14 @@ class _Reader:
             for device, sample in (step.samples or {}).items():
                 self.samples[device].append(sample)
         meta = self.meta
+        devices = {d: sums.figures() for d, sums in sorted(self.devices.items())}
+        thermal = {d: sorted(s, key=lambda x: x[0]) for d, s in sorted(self.samples.items())}
+        for timed, mirrors in meta.mirrors.items():  # (they have its times: replay.py)
+            for mirror in mirrors:
+                if timed in devices:
+                    devices[mirror] = devices[timed]
+                if timed in thermal:
+                    thermal[mirror] = thermal[timed]
         return Run(
             path=root,
             policy=meta.policy,
@@ -689,8 +704,8 @@ class _Reader:
             fleet=self.fleet,
             jobs=self.jobs,
             steps=tuple(self._figures(key, self.steps[key]) for key in sorted(self.steps)),
-            devices={d: sums.figures() for d, sums in sorted(self.devices.items())},
-            thermal={d: sorted(s, key=lambda x: x[0]) for d, s in sorted(self.samples.items())},
+            devices=devices,
+            thermal=thermal,
             nic_busy_s=(union_s(self.nic[0]), union_s(self.nic[1])),
             tiles=tuple(self.tiles),
             gemms=tuple(g for g, _ in self.gemms),
@@ -700,6 +715,7 @@ class _Reader:
             span_s=self.span_s,
             incomplete=meta.incomplete,
             verification=meta.verification,
+            mirrors=meta.mirrors,
         )
 
     def _figures(self, key: tuple[int, int], sums: _StepSums) -> StepFigures:

@@ -102,9 +102,9 @@ def plot_timeline(run: Run, summary: Summary, path: Path) -> Path | None:
         d: {kind: [] for kind in COLOURS} for d in row
     }
     for t in run.tiles:
-        if t.device in row:
+        for device in (d for d in run.devices_of(t) if d in row):
             for kind, (t0, t1) in (("downlink", t.down), ("compute", t.compute), ("uplink", t.up)):
-                bars[t.device][kind].append((t0, t1 - t0))
+                bars[device][kind].append((t0, t1 - t0))
     rows_high = 0.35 * len(shown)
     if note:  # a fleet too large for a row each: its heat map above the busiest rows
         fig = _figure(11, 4.6 + rows_high)
@@ -151,9 +151,9 @@ def _heat_map(fig: Figure, ax: Any, run: Run, summary: Summary, start: float, en
     sizes = np.diff(np.append(starts, len(ranked)))
     groups = np.repeat(np.arange(len(starts)), sizes)
     group_of = {d["id"]: int(g) for d, g in zip(ranked, groups, strict=True)}
-    tiles = [t for t in run.tiles if t.device in group_of]
-    spans = np.array([t.compute for t in tiles], dtype=np.float64).reshape(-1, 2)
-    rows = np.array([group_of[t.device] for t in tiles], dtype=np.int64)
+    tiles = [(t, d) for t in run.tiles for d in run.devices_of(t) if d in group_of]
+    spans = np.array([t.compute for t, _ in tiles], dtype=np.float64).reshape(-1, 2)
+    rows = np.array([group_of[d] for _, d in tiles], dtype=np.int64)
     seconds = occupancy(spans, rows, len(starts), start, end, HEAT_BINS)
     share = 100 * seconds / (sizes[:, None] * (end - start) / HEAT_BINS)
     image = ax.imshow(share, aspect="auto", interpolation="nearest", cmap="viridis", vmin=0,

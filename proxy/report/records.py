@@ -16,7 +16,7 @@ import io
 import json
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass, field, fields
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, NewType, TypeVar, cast, get_type_hints
@@ -88,6 +88,9 @@ class Meta:
     fleet: object  # as read, for ``read_fleet``
     jobs: object
     verification: Verification | None = None  # None: an engine before tile verification
+    # replay's classes: each timed replayed rank's device → the devices of the ranks
+    # mirroring it, which have its figures and no records of their own
+    mirrors: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -276,7 +279,26 @@ def _meta(meta: object) -> Meta:
         fleet=meta.get("fleet"),
         jobs=meta.get("jobs"),
         verification=None if verification is None else _verification(verification),
+        mirrors=_mirrors(meta.get("replay")),
     )
+
+
+def _mirrors(replay: object) -> dict[int, tuple[int, ...]]:
+    """run.json's ``replay.mirrors``, as ``Meta.mirrors``."""
+    if replay is None:
+        return {}
+    if not isinstance(replay, dict) or not isinstance(replay.get("mirrors", []), list):
+        raise ValueError("field 'replay' must be an object whose 'mirrors' is a list")
+    mirrors = {}
+    for m in replay.get("mirrors", []):
+        if not isinstance(m, dict):
+            raise ValueError(f"field 'replay.mirrors': {m!r:.80} is not an object")
+        devices = m.get("devices")
+        if not isinstance(devices, list):
+            raise ValueError(f"field 'replay.mirrors': {m!r:.80} lacks a list 'devices'")
+        timed = _count(m.get("device"), "replay.mirrors.device")
+        mirrors[timed] = tuple(_count(d, "replay.mirrors.devices") for d in devices)
+    return mirrors
 
 
 def _verification(value: object) -> Verification:

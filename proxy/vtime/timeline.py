@@ -199,6 +199,7 @@ class _Job:
     started: bool = False
     device: int | None = None  # the one device its tiles go to (a rank's), or any
     resident: bool = False  # it runs on ``device`` itself (a rank): its tiles cross no link
+    ranks: tuple[int, ...] = ()  # a rank's: its own, then those that mirror it (``open_job``)
     counted: float = 0.0  # its coordinator time is counted up to here
     overlapped: float = 0.0  # the end of its latest collective it did not wait for at once
     # a rank's absences met since its step's times last took them (``_rank_away``)
@@ -356,7 +357,8 @@ class Timeline(Generic[T]):
         self._reached: dict[int, deque[tuple[object, ...]]] = {}  # each rank's, not started
         self._comm_free: dict[int, float] = {}  # when each rank's links are done with them
         self._rank_epoch: float | None = None  # when the open ranks started
-        self._rank_jobs: dict[int, _Job] = {}  # each rank's job
+        self._rank_jobs: dict[int, _Job] = {}  # each rank's job (a mirror's: the one it mirrors)
+        self._mirror_devices: dict[int, int] = {}  # each mirroring rank's device
         self._works: dict[_WorkKey, Work] = {}  # see ``_work``
         self.availability = availability
         self._absences: dict[int, Iterator[Absence]] = {}  # each device's, those to come
@@ -399,6 +401,15 @@ class Timeline(Generic[T]):
         self._unstall()
         self._advance()
         return device
+
+    def timed_by(self, device_id: int) -> Hashable | None:
+        """What a rank's work on the device is timed by: equal for two devices only when
+        their ranks' work is timed alike (the same profile, neither with absences; None:
+        by nothing another device shares)."""
+        device = self.devices[device_id]
+        if self.availability is not None and next(self.availability.absences(device.name), None):
+            return None
+        return repr(device.profile)
 
     # -- availability: devices away and back ---------------------------------------------
     #
@@ -654,19 +665,28 @@ class Timeline(Generic[T]):
         *,
         device: int | None = None,
         rank: int | None = None,
+        mirrors: Mapping[int, int] | None = None,
     ) -> None:
         """A job joins; ``device``: all its tiles go to that device. A ``rank`` runs on
         ``device`` itself, so its tiles cross no link, and its time is its own: it starts
         with the other ranks, whenever it joins, and never holds the clock back, since
         nothing of it is shared but its collectives (each event of it carries its own time:
-        events of the past do not move the clock back, and need not)."""
+        events of the past do not move the clock back, and need not).
+
+        ``mirrors`` (rank → device): ranks whose time is this rank's, each on a device the
+        timeline cannot tell from its own (the same profile, no absences): each reaches
+        every collective as it does and takes its part on its own device's links, and
+        has no job, requests nor events of its own (replay's classes)."""
         job = _Job(job_id, name, clock=self.clock.now, device=device, resident=rank is not None)
         if rank is not None:
             if self._rank_epoch is None or not self._rank_jobs:
                 self._rank_epoch = self.clock.now
             job.clock = job.step_end = self._rank_epoch
             job.released, job.started = False, True
-            self._rank_jobs[rank] = job
+            job.ranks = (rank, *(mirrors or {}))
+            for r in job.ranks:
+                self._rank_jobs[r] = job
+            self._mirror_devices.update(mirrors or {})
             if device is not None and self.availability is not None:
                 self._own_device(self.devices[device])
         else:
@@ -681,8 +701,9 @@ class Timeline(Generic[T]):
     def close_job(self, job_id: int) -> None:
         job = self.jobs.pop(job_id, None)
         self._holding.pop(job_id, None)
-        for rank in [r for r, j in self._rank_jobs.items() if j is job]:
+        for rank in job.ranks if job is not None else ():
             del self._rank_jobs[rank]
+            self._mirror_devices.pop(rank, None)
             self._reached.pop(rank, None)  # what it reached and left will never start
             self._comm_free.pop(rank, None)
         if job is not None and job.resident and job.device is not None and self.availability:
@@ -1308,9 +1329,10 @@ class Timeline(Generic[T]):
         """A rank reached a collective; once its last member has, it starts when every
         member's links are done with the collectives each reached before it."""
         op = part.op
-        self._reached.setdefault(part.rank, deque()).append(op.key)
         parts = self._gathering.setdefault(op.key, {})
-        parts[part.rank] = part
+        for rank in part.job.ranks or (part.rank,):  # (its mirrors reach it with it)
+            self._reached.setdefault(rank, deque()).append(op.key)
+            parts[rank] = part
         if len(parts) == len(op.members):
             self._start_ready([op.key])
 
@@ -1343,14 +1365,17 @@ class Timeline(Generic[T]):
                 queue.popleft()
                 if queue:
                     keys.append(queue[0])
-            self.clock.at(end, self._collective_end, (list(parts.values()), ready, start, end))
+            jobs_parts = list({p.job.id: p for p in parts.values()}.values())  # (no mirrors)
+            self.clock.at(end, self._collective_end, (jobs_parts, ready, start, end))
 
     def _members_there(self, members: Sequence[int], start: float, seconds: float) -> Span:
         """(start, end) of a collective of ``seconds`` from ``start``: once every member's
         device is there throughout (``_rank_span``: or pausing while one is away)."""
         if not self._rank_absences:
             return start, start + seconds
-        jobs = [job for rank in members if (job := self._rank_jobs.get(rank)) is not None]
+        jobs = list(
+            {job.id: job for rank in members if (job := self._rank_jobs.get(rank))}.values()
+        )
         for _ in range(WINDOW_TRIES):
             spans = [self._rank_span(job, start, seconds) for job in jobs]
             later = max((s for s, _ in spans), default=start)
@@ -1360,6 +1385,9 @@ class Timeline(Generic[T]):
         return start, start + seconds
 
     def _member_device(self, rank: int) -> VirtualDevice | None:
+        mirror = self._mirror_devices.get(rank)
+        if mirror is not None:
+            return self.devices.get(mirror)
         job = self._rank_jobs.get(rank)
         return None if job is None or job.device is None else self.devices.get(job.device)
 

@@ -15,6 +15,8 @@ from typing import Any
 
 import pytest
 from morphling.proxy.emulator.replay import Replay, parse_numerics
+from morphling.proxy.report.analysis import summarize
+from morphling.proxy.report.load import load_run
 from morphling.proxy.vtime.eventlog import COMPRESSED_EVENTS_FILE
 from morphling.proxy.wire.errors import RemoteProtocolError
 from processes import SCRIPTS, morphling_here, morphling_run, succeeded
@@ -36,12 +38,24 @@ def replay_run(tmp: Path, name: str, ranks: int, numerics: str, devices: str, sc
 
 def timeline(run_dir: Path) -> list[dict[str, Any]]:
     """The run's events, each job named by its rank and each device by its name; times
-    from the run's first product on taken from it (see the test), earlier ones left out."""
+    from the run's first product on taken from it (see the test), earlier ones left out.
+    A rank that mirrors a timed one (``Replay.classes``) has the timed one's events, on its
+    own device."""
     run = json.loads((run_dir / "run.json").read_text())
     names = {d["id"]: d["name"] for d in run["fleet"]}
     ranks = {j["id"]: int(re.search(r"rank (\d+)", j["name"])[1]) for j in run["jobs"]}
     lines = gzip.decompress((run_dir / COMPRESSED_EVENTS_FILE).read_bytes()).splitlines()
     records = [json.loads(line) for line in lines]
+    mirrored = {m["rank"]: m for m in run.get("replay", {}).get("mirrors", [])}
+    for r in list(records):
+        timed = mirrored.get(ranks.get(r.get("job", -1), -1))
+        if timed is None or r.get("device", timed["device"]) != timed["device"]:
+            continue
+        for rank, device in zip(timed["ranks"], timed["devices"], strict=True):
+            ranks[-rank - 1] = rank  # (a job id of no job)
+            copy = {**r, "job": -rank - 1}
+            copy.update({k: device for k in ("device", "last_device") if k in r})
+            records.append(copy)
     origin = min(r["issue"] for r in records if r["ev"] == "gemm")
     events = []
     for r in records:
@@ -95,38 +109,53 @@ def test_fifteen_replayed_ranks_have_the_timeline_of_fifteen_computed(tmp_path: 
         assert_same(g, w, f"event {i} ({w['ev']} of rank {w['job']})")
 
     run = json.loads((replayed / "run.json").read_text())
-    assert run["replay"] == {"world": 16, "computed": [0], "replayed": 15,
+    mirrors = [(m["rank"], m["ranks"]) for m in run["replay"].pop("mirrors")]
+    assert mirrors == [(1, [2, 3, 4, 5, 6, 7]), (8, [9, 10, 11]), (12, [13, 14, 15])]
+    assert run["replay"] == {"world": 16, "computed": [0], "replayed": 15, "timed": 3,
                              "copies": "rank s replays rank s mod 1", "diverged_steps": 0,
                              "diverged": []}  # fmt: skip
     assert report["replay"]["replayed"] == 15 and [r["rank"] for r in report["ranks"]] == [0]
     assert [s["emulated_s"] for s in report["steps"][1:]] == pytest.approx(
         [s["emulated_s"] for s in full_report["steps"][1:]], abs=1e-9
     )
+    # the report has each mirroring rank's device busy as its timed rank's
+    busy = {d["name"]: d["busy_s"] for d in summarize(load_run(replayed))["devices"]}
+    full_busy = {d["name"]: d["busy_s"] for d in summarize(load_run(full))["devices"]}
+    assert busy == pytest.approx(full_busy, abs=1e-9) and min(busy.values()) > 0
 
 
-def test_ten_thousand_ranks_one_computed_run_in_seconds(tmp_path: Path) -> None:
+def test_ten_thousand_ranks_one_computed_two_timed_the_rest_mirrored(tmp_path: Path) -> None:
     """The suite's what-if at scale: 10,000 ranks of a one-layer DDP, one computed, one
-    step; every rank is in the log on its own device."""
+    step; the replayed ones in two classes (a board each), one timed of each, and
+    every other rank mirroring it on its own device."""
     run_dir, report = replay_run(tmp_path, "big", 10_000, "sample:1", "rpi4:5000,rpi5:5000",
                                  "ranks_ddp.py", "1", "-1", "-1", "-1", "tiny")  # fmt: skip
     run = json.loads((run_dir / "run.json").read_text())
-    assert len(run["fleet"]) == 10_000 and len(run["jobs"]) == 10_000
-    assert run["replay"]["replayed"] == 9_999
+    assert len(run["fleet"]) == 10_000 and len(run["jobs"]) == 3
+    replay = run["replay"]
+    assert replay["replayed"] == 9_999 and replay["timed"] == 2
+    assert [(m["rank"], len(m["ranks"])) for m in replay["mirrors"]] == [(1, 4998), (5000, 4999)]
+    mirrored = {r for m in replay["mirrors"] for r in (m["rank"], *m["ranks"])}
+    assert mirrored == set(range(1, 10_000))
+    names = {d["id"]: d["name"] for d in run["fleet"]}
+    assert {names[d].rpartition("-")[0] for d in replay["mirrors"][1]["devices"]} == {"rpi5"}
     lines = gzip.decompress((run_dir / COMPRESSED_EVENTS_FILE).read_bytes()).splitlines()
     steps = [r for r in map(json.loads, lines) if r["ev"] == "step"]
-    assert len(steps) == 10_000 and {s["step"] for s in steps} == {1}
+    assert len(steps) == 3 and {s["step"] for s in steps} == {1}
     assert len(report["steps"]) == 1 and report["steps"][0]["emulated_s"] > 0
 
 
 def test_two_computed_ranks_of_six_each_replayed_by_two(tmp_path: Path) -> None:
-    """K = 2: ranks 2 and 4 copy rank 0, ranks 3 and 5 rank 1; both computed ranks run (a
-    world of two for gloo) and their work, the same shapes, is not taken for divergent."""
+    """K = 2: ranks 2 and 4 copy rank 0, ranks 3 and 5 rank 1 (2 and 3 timed, 4 and 5
+    mirroring them: one board for all); both computed ranks run (a world of two for gloo)
+    and their work, the same shapes, is not taken for divergent."""
     run_dir, report = replay_run(tmp_path, "k2", 6, "sample:2", "rpi4:6", "ranks_ddp.py", "2")
     assert sorted(r["rank"] for r in report["ranks"]) == [0, 1]
     run = json.loads((run_dir / "run.json").read_text())
     names = [j["name"] for j in run["jobs"]]
-    assert sum("replaying" in n and n.endswith("rank 0") for n in names) == 2
-    assert sum("replaying" in n and n.endswith("rank 1") for n in names) == 2
+    copies = [re.findall(r"rank (\d+)", n) for n in names if "replaying" in n]
+    assert copies == [["2", "0"], ["3", "1"]]  # (each: "rank 2, replaying SCRIPT rank 0")
+    assert [(m["rank"], m["ranks"]) for m in run["replay"]["mirrors"]] == [(2, [4]), (3, [5])]
     assert run["replay"]["diverged_steps"] == 0
 
 
@@ -170,6 +199,18 @@ def test_replay_maps_the_whole_worlds_collectives_and_refuses_others() -> None:
         with pytest.raises(RemoteProtocolError, match="whole world") as refused:
             replay.group(op, ranks, "COLLECTIVE 3")
         assert refused.value.code == "bad_collective"
+
+
+def test_copies_timed_alike_are_one_class_and_a_device_of_its_own_times_its_copy_alone() -> None:
+    """Of rank 0's copies 2, 4, 6, 8 (devices 102..108), 2 and 6 are on one kind of board,
+    4 on another, and 8's device has absences of its own (``alike``: None)."""
+    kinds = {102: "rpi4", 104: "rpi5", 106: "rpi4", 108: "rpi4"}
+    replay = Replay(9, 2, {r: 100 + r for r in range(2, 9)})
+    classes = replay.classes(0, lambda device: None if device == 108 else kinds[device])
+    assert classes == [(2, {6: 106}), (4, {}), (8, {})]
+    summary = replay.summary()
+    assert summary["timed"] == 6  # of 7 replayed: 6 mirrors 2
+    assert summary["mirrors"] == [{"rank": 2, "device": 102, "ranks": [6], "devices": [106]}]
 
 
 def test_computed_ranks_whose_work_differs_are_counted() -> None:

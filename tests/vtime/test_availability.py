@@ -349,3 +349,13 @@ def test_a_ranks_device_is_away_for_the_other_jobs_once_its_rank_has_left() -> N
     tl.open_job(2, "job")
     submit(tl, rec, 2, task(1, 512, 512, 256), block=256)
     assert {t["device"] for t in records(sink, "tile")} == {1}
+
+
+def test_only_devices_without_absences_of_their_own_are_timed_alike():
+    """``timed_by``: replay mirrors a rank only on a device timed as another is; one a
+    trace takes away is timed by nothing another shares."""
+    tl, _ = new_timeline(availability=Trace({"d-1": Presence(((0.0, 1.0),))}))
+    for d, p in enumerate([profile("a"), profile("a"), profile("a"), profile("b")]):
+        tl.add_device(d, f"d-{d}", p, placed=False)
+    keys = [tl.timed_by(d) for d in range(4)]
+    assert keys[0] == keys[2] is not None and keys[1] is None and keys[3] not in (None, keys[0])

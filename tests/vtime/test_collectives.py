@@ -266,3 +266,35 @@ def test_a_collective_completes_after_a_member_that_reached_it_has_left():
     tl.close_job(jobs[1])
     tl.collective(jobs[0], 0, 2, op, after=0, host_s=0.0, done=lambda i, e: ended.append(e))
     assert ended == [pytest.approx(0.5 + ring_allreduce_s(2, 1_000_000, 1 * MB, 0.0))]
+
+
+def test_ranks_that_mirror_a_rank_have_its_times_and_take_their_part_on_their_own_links():
+    """Replay's classes: ranks 2 and 3 mirror rank 1 (no job of their own, on devices of
+    rank 1's profile). Each round of the all-reduce through the access point moves every
+    member's chunk, theirs included; the steps end as they do with a job for each rank."""
+    n, size = 4, 4_000_000
+
+    def run(mirrored: bool) -> tuple[dict[int, float], dict[int, float]]:
+        tl, _ = new_timeline(bottleneck=Bottleneck(5 * MB, 5 * MB))
+        slow, fast = profile("slow", bw=10 * MB, lat=0.001), profile("fast", bw=40 * MB)
+        for r in range(n):
+            tl.add_device(r, f"d{r}", fast if r == 0 else slow)
+        jobs = (0, 1) if mirrored else range(n)
+        for r in jobs:
+            mirrors = {2: 2, 3: 3} if mirrored and r == 1 else None
+            tl.open_job(r + 1, f"rank-{r}", device=r, rank=r, mirrors=mirrors)
+        op = Operation(("world", 1), "allreduce", size, tuple(range(n)), blocking=False)
+        rec, ended, steps = Recorder(), {}, {}
+        for r in jobs:
+            submit(tl, rec, r + 1, task(10 + r, 256, 256, 256), 256, host_s=0.1 * (r > 0))
+            tl.collective(r + 1, r, 20, op, after=10 + r, host_s=0.0,
+                          done=lambda i, e, r=r: ended.__setitem__(r, e))  # fmt: skip
+            tl.mark_step(r + 1, 1, host_s=0.05, done=lambda t, r=r: steps.setdefault(r, t.t1))
+        return ended, steps
+
+    ended, steps = run(mirrored=False)
+    assert len(set(ended.values())) == 1 and steps[2] == steps[3] == steps[1]
+    assert ended[0] > 2 * (n - 1) * size / (5 * MB)  # four members' chunks a round
+    got_ended, got_steps = run(mirrored=True)
+    assert got_ended == {r: pytest.approx(ended[r], abs=1e-12) for r in (0, 1)}
+    assert got_steps == {r: pytest.approx(steps[r], abs=1e-12) for r in (0, 1)}
