@@ -31,7 +31,6 @@ import argparse
 import gc
 import heapq
 import json
-import resource
 import statistics
 import subprocess
 import sys
@@ -185,6 +184,14 @@ def whatif(devices: str) -> dict[str, float]:
             "step_ratio_to_native": round(step["host_s"] / native, 1)}  # fmt: skip
 
 
+# The peak RSS of a command's processes alone: RUSAGE_CHILDREN of a process whose only
+# children are the command's (this script's own counts every run before it too).
+PEAK_RSS = (
+    "import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, "
+    "stdout=subprocess.DEVNULL); print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)"
+)
+
+
 def whatif_ranks(devices: str, steps: int = 3) -> dict[str, float]:
     """The data-parallel what-if: every device a rank, one computed (``whatif_10000``)."""
     ranks = sum(int(part.rpartition(":")[2]) for part in devices.split(","))
@@ -194,18 +201,19 @@ def whatif_ranks(devices: str, steps: int = 3) -> dict[str, float]:
         script.write_text(DDP_SCRIPT.format(scripts=scripts))
         report = Path(tmp) / "report.json"
         start = time.perf_counter()
-        subprocess.run(
-            [sys.executable, "-m", "morphling", "--log-level", "warning", "run", "--embedded",
-             "--devices", devices, "--ranks", str(ranks), "--numerics", "sample:1",
-             "--link", "wifi", "--bottleneck-bw", str(ACCESS_POINT_BW), "--run-dir",
-             str(Path(tmp) / "run"), "--no-report", "--no-table", "--json", str(report),
-             "--", "python", str(script), str(steps)],
+        peak = subprocess.run(
+            [sys.executable, "-c", PEAK_RSS, sys.executable, "-m", "morphling", "--log-level",
+             "warning", "run", "--embedded", "--devices", devices, "--ranks", str(ranks),
+             "--numerics", "sample:1", "--link", "wifi", "--bottleneck-bw",
+             str(ACCESS_POINT_BW), "--run-dir", str(Path(tmp) / "run"), "--no-report",
+             "--no-table", "--json", str(report), "--", "python", str(script), str(steps)],
             check=True, capture_output=True, text=True,
-        )  # fmt: skip
+        ).stdout  # fmt: skip
         wall = time.perf_counter() - start
         run = json.loads(report.read_text())
-    rss_mib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # (KiB on Linux)
+    rss_mib = int(peak.split()[-1]) / 1024  # (KiB on Linux)
     return {"ranks": ranks, "steps": len(run["steps"]), "replayed": run["replay"]["replayed"],
+            "timed": run["replay"]["timed"],
             "wall_s": round(wall, 1), "target_wall_s_max": 60.0, "rss_mib": round(rss_mib),
             "target_rss_mib_max": 2048,
             "emulated_step_s": [round(s["emulated_s"], 3) for s in run["steps"]],
