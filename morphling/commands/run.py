@@ -365,6 +365,11 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
                 "--availability, --churn and --on-leave are the emulator's: give them to "
                 f"the one at {cfg.server}"
             )
+        elif cfg.numerics != "all" and not cfg.ranks:
+            raise configuration.ConfigError(
+                f"--numerics {cfg.numerics} of an offloaded run is the emulator's: start the "
+                f"one at {cfg.server} with --sample-tiles K"
+            )
         else:
             parse_server(cfg.server)
         profile = coordinator_profile(cfg.coordinator, cfg.coordinator_time or None,
@@ -471,6 +476,7 @@ def _emulator_config(cfg: RunConfig, run_dir: Path | None) -> EmulatorConfig:
         availability=cfg.availability,
         churn=cfg.churn,
         on_leave=cfg.on_leave,
+        sample_tiles=0 if cfg.ranks else parse_numerics(cfg.numerics, 0) or 0,
     )
     if cfg.block_size:
         emulator = dataclasses.replace(emulator, block_size=cfg.block_size)
@@ -516,12 +522,13 @@ def _check_ranks(cfg: RunConfig) -> None:
 
 
 def _check_numerics(cfg: RunConfig) -> None:
-    """``--numerics``: parsed against ``--ranks``; replay times ranks' own products only."""
+    """``--numerics``: parsed against ``--ranks``; replay times ranks' own products only.
+    (Without ``--ranks``, ``sample:K`` is the embedded emulator's ``sample_tiles``.)"""
     try:
         computed = parse_numerics(cfg.numerics, cfg.ranks)
     except ValueError as exc:
         raise configuration.ConfigError(str(exc)) from None
-    if computed is not None and cfg.products == "device":
+    if computed is not None and cfg.ranks and cfg.products == "device":
         raise configuration.ConfigError(
             f"--numerics {cfg.numerics} needs --products rank: a replayed rank's products are "
             "timed on its device, and no device can compute them for it"

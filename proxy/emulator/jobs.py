@@ -31,6 +31,7 @@ from morphling.proxy.checkpoint.errors import CheckpointError
 from morphling.proxy.shm import handover as local
 from morphling.proxy.vtime.collectives import PAIR
 from morphling.proxy.vtime.eventlog import GEMM_OP
+from morphling.proxy.vtime.memory import Admission
 from morphling.proxy.vtime.timeline import Operation, StepTimes
 from morphling.proxy.wire.errors import RemoteProtocolError
 from morphling.proxy.wire.messages import (
@@ -48,8 +49,9 @@ from morphling.proxy.wire.messages import (
 )
 
 from .conv_partition import AnyTask, AnyTile, make_conv_task
-from .partition import make_task
+from .partition import GemmTask, make_task
 from .task import GemmError, Task
+from .tiles import settle
 from .trainers import Trained
 
 if TYPE_CHECKING:
@@ -458,6 +460,7 @@ class Job:
                                                              counted=False))  # fmt: skip
             return
         emulator = self.emulator
+        here, scheduler = emulator.host_products.takes(task, tiles), emulator.scheduler
         self.tiles_in_flight += len(tiles)
         self.bytes_in_flight += _held_bytes(task)
         self.totals["gemms"] += 1
@@ -473,13 +476,44 @@ class Job:
             after=msg.after,
             host_s=msg.host_ns / 1e9,
             host_split=msg.host_split,
-            place=emulator.scheduler.submit,
+            place=scheduler.submit if here is None else self._on_host(here, tiles),
             done=task.settled,
         )
         if not tiles:
             self.finish(task)  # (which regulates)
             return
         self.regulate()
+
+    def _on_host(self, task: GemmTask, tiles: Sequence[AnyTile]) -> Callable[[list[_Placed]], None]:
+        """The placer of a product this host computes (``host_products``): once C is
+        computed, its sampled tiles go to their devices (their blocks of C then theirs) and
+        the others are in."""
+        emulator = self.emulator
+        host = emulator.host_products
+        sent, computed = host.sample(tiles), host.compute(task)
+
+        def place(placed: list[_Placed]) -> None:
+            def go(future: asyncio.Future[np.ndarray]) -> None:
+                if task.cancelled or not self.conn.open:
+                    return
+                try:
+                    task.out[...] = future.result()
+                except Exception:  # a bug of ours, or memory: the job says so
+                    log.exception("job %d: GEMM %d on this host failed", self.id, task.id)
+                    self.conn.fail("host_product_failed", f"GEMM {task.id} failed on the host")
+                    return
+                to_devices = [p for p in placed if p[0].id in sent]
+                here = [p[0] for p in placed if p[0].id not in sent]
+                host.count(len(here), len(to_devices))
+                for tile in here:
+                    task.put(tile, None)
+                emulator.scheduler.submit(to_devices)
+                if task.remaining == 0:
+                    settle(emulator.scheduler, emulator.verifier, task)
+
+            computed.add_done_callback(go)
+
+        return place
 
     def _again(self, msg: Gemm | Conv) -> tuple[AnyTask, Sequence[AnyTile]]:
         """A rank's own product (``by_rank``: its layout only) made again, with its tiles,
@@ -772,6 +806,9 @@ class Job:
                 limit_s=self.device_wait_s,
             )
         )
+
+
+_Placed = tuple[AnyTile, int, Admission]  # a tile, its device, what its memory took in
 
 
 class _Timed(NamedTuple):

@@ -35,21 +35,22 @@ log = logging.getLogger(__name__)
 
 DIVERGED_KEPT = 16  # the first steps whose computed ranks differed, kept for the report
 NUMERICS_HELP = (
-    "with --ranks: 'all' computes every rank; 'sample:K' computes ranks 0..K-1 for real "
-    "and times every other rank s by replaying rank s mod K's work on s's own device"
+    "'all' computes everything on the devices; 'sample:K': with --ranks, computes ranks "
+    "0..K-1 for real and times every other rank s by replaying rank s mod K's work on s's "
+    "own device; without, computes K tiles of each offloaded GEMM on their devices and "
+    "the rest of it on this host, every tile timed on its device all the same"
 )
 
 
 def parse_numerics(spec: str, ranks: int) -> int | None:
-    """``--numerics``: None for ``all``, else K of ``sample:K`` (1 <= K <= ``ranks``)."""
+    """``--numerics``: None for ``all``, else K of ``sample:K`` (K >= 1, and with
+    ``ranks``, K <= ``ranks``)."""
     if spec == "all":
         return None
     kind, _, count = spec.partition(":")
     if kind != "sample" or not count.isdigit() or int(count) < 1:
         raise ValueError(f"--numerics {spec!r}: give 'all' or 'sample:K' with K >= 1")
-    if not ranks:
-        raise ValueError(f"--numerics {spec}: replay is of ranks; give --ranks N")
-    if int(count) > ranks:
+    if ranks and int(count) > ranks:
         raise ValueError(f"--numerics {spec}: {count} computed ranks, but --ranks is {ranks}")
     return int(count)
 

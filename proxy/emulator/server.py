@@ -44,6 +44,7 @@ from morphling.config import ConfigError
 
 from .auth import Credentials, Gate
 from .conv_partition import AnyTile
+from .host_products import HostProducts
 from .jobs import Job
 from .peer import PeerConnection
 from .registry import Registry
@@ -83,6 +84,7 @@ class Emulator:
             self.registry, self.tiles, window=config.window, inflight_bytes=config.inflight_bytes
         )
         self.verifier = Verifier(config.verify, config.quarantine_s)
+        self.host_products = HostProducts(config.sample_tiles)
         # ConfigError: a tokens file that cannot be read or parsed
         self.credentials = Credentials.load(config.token, config.device_tokens)
         self.gate = Gate(config.max_unwelcomed)
@@ -283,6 +285,8 @@ class Emulator:
         info["verification"] = self.verifier.summary()
         if self.replay is not None:
             info["replay"] = self.replay.summary()
+        if self.host_products.sample_tiles:
+            info["host_products"] = self.host_products.summary()
         info.update(self.run_info)
         path = Path(cfg.run_dir) / RUN_FILE
         path.write_text(json.dumps(info, indent=1) + "\n")

@@ -278,6 +278,14 @@ class EmulatorConfig:
         min=0.0,
     )
 
+    sample_tiles: int = _opt(
+        0,
+        "tiles of each offloaded GEMM computed on their devices, the product computed whole "
+        "on this host and every tile timed on its device all the same (a fast what-if); "
+        "0: every tile on its device",
+        min=0,
+    )
+
     availability: str = _opt("", AVAILABILITY_HELP)
     churn: str = _opt("", CHURN_HELP)
     on_leave: str = _opt("wait", ON_LEAVE_HELP, choices=ON_LEAVE)

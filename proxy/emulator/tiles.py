@@ -246,16 +246,16 @@ def take_result(
         if wrong:
             raise _wrong(scheduler, verifier, tile, device, wrong)
         if task.put(tile, values) and task.remaining == 0:
-            _settle(scheduler, verifier, task)
+            settle(scheduler, verifier, task)
     scheduler.dispatch()
 
 
-def _settle(scheduler: Scheduler, verifier: Verifier, task: Task) -> None:
+def settle(scheduler: Scheduler, verifier: Verifier, task: Task) -> None:
     """Every tile of ``task`` is in: the job is answered unless some are wrong, which are
     taken back and computed again; each device that sent them is quarantined once, with
     the evidence of its first, and dropped."""
     if task.writers is not None and task.writers.count:  # a lost device's kernel still writes
-        task.writers.then(lambda: _settle(scheduler, verifier, task))
+        task.writers.then(lambda: settle(scheduler, verifier, task))
         return
     by_device: dict[DeviceRecord, list[tuple[TileTask, str]]] = {}
     for tile, device, why in verifier.settle(task):

@@ -142,6 +142,33 @@ def test_training_matches_native(trainings: Trainings, script: str) -> None:
     assert_same_training(*trainings.get((script, EMBEDDED), (script, NATIVE)))
 
 
+MODELLED = (*EMBEDDED, "--coordinator-time", "model")  # emulated times that runs repeat
+
+
+def test_products_computed_on_this_host_train_natively_and_are_timed_the_same(
+    trainings: Trainings,
+) -> None:
+    """``--numerics sample:1`` without ``--ranks``: each GEMM of several tiles computed on
+    this host, one tile of it on its device; the losses are native, every tile is timed
+    as before (the same emulated steps, the same bytes on the emulated links)."""
+    sampled_flags = (*MODELLED, "--numerics", "sample:1", "--run-dir", "sampled-run")
+    sampled, every, native = trainings.get(
+        ("train_opt.py", sampled_flags), ("train_opt.py", MODELLED), ("train_opt.py", NATIVE)
+    )
+    assert_same_training(sampled, native)
+    assert sampled.report is not None and every.report is not None
+    got, want = sampled.report["steps"], every.report["steps"]
+    assert [(s["tiles"], s["bytes_down"]) for s in got] == [
+        (s["tiles"], s["bytes_down"]) for s in want]  # fmt: skip
+    assert [s["emulated_s"] for s in got] == pytest.approx(
+        [s["emulated_s"] for s in want], abs=1e-9
+    )
+    run = json.loads((trainings.tmp / "sampled-run" / "run.json").read_text())
+    host = run["host_products"]
+    assert host["sample_tiles"] == 1 and host["tiles_on_host"] > host["tiles_on_devices"] > 0
+    assert host["tiles_on_host"] + host["tiles_on_devices"] <= sum(s["tiles"] for s in got)
+
+
 @pytest.mark.parametrize("script", TRAIN_SCRIPTS)
 def test_report_has_every_step(trainings: Trainings, script: str) -> None:
     run = trainings.get((script, EMBEDDED))[0]
@@ -435,6 +462,12 @@ USAGE_ERRORS = [
         ["--embedded", "--coordinator", "rpi4", "--coordinator-time", "measured", "--", "ECHO"],
         "--coordinator rpi4 runs on modelled time: only this host's",
         id="measured-profile-coordinator",
+    ),
+    pytest.param(
+        ["--server", "127.0.0.1:1", "--numerics", "sample:2", "--", "ECHO"],
+        "--numerics sample:2 of an offloaded run is the emulator's: start the one at "
+        "127.0.0.1:1 with --sample-tiles K",
+        id="sampled-products-of-another-emulator",
     ),
     pytest.param(
         ["--server", "127.0.0.1:1", "--rank", "0", "--world", "2", "--", "ECHO"],

@@ -168,3 +168,26 @@ async def test_two_jobs_at_once(fleet):
     await asyncio.gather(*(work(client) for client in jobs))
     totals = [await client.step(7) for client in jobs]
     assert [t.gemms for t in totals] == [5, 5]
+
+
+async def test_products_computed_on_the_emulators_host_match_numpy_and_send_their_sample(fleet):
+    """``sample_tiles=2``: a GEMM of more than two tiles is computed by the emulator, two
+    of its tiles by their devices (over their sockets, checked as any); one of two tiles
+    or fewer goes to the devices whole. Every random case still matches numpy."""
+    f = await fleet(block_size=16, sample_tiles=2)
+    for i in range(3):
+        await f.add_device(name=f"dev{i}")
+    client = await f.client(name="sampled")
+    rng = np.random.default_rng(7)
+    cases = [random_case(rng) for _ in range(24)]
+    results = await asyncio.gather(*(client.matmul(a, b, timeout=TIMEOUT) for a, b, _ in cases))
+    for (a, b, what), c in zip(cases, results, strict=True):
+        assert_gemm_close(c, a, b, what)
+    host = f.emu.host_products
+    devices = sum(f.record(agent).completed for agent in f.agents)
+    assert host.on_host > 0 and host.on_devices > 0
+    assert devices >= host.on_devices  # (and every tile of the small GEMMs)
+    tiles = [max(a.shape[0] if a.ndim == 3 else 1, b.shape[0] if b.ndim == 3 else 1)
+             * -(-a.shape[-2] // 16) * -(-b.shape[-1] // 16) for a, b, _ in cases]  # fmt: skip
+    assert host.on_devices == 2 * sum(t > 2 for t in tiles)  # two of each, whatever its size
+    assert host.on_host == sum(t - 2 for t in tiles if t > 2)

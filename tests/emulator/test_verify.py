@@ -186,7 +186,8 @@ async def test_training_beside_a_corrupting_device_has_the_native_losses(fleet, 
     returns is caught; the model trains exactly as natively."""
     from morphling.proxy.job.session import emulate  # torch: the interceptor
 
-    monkeypatch.setattr(sys, "argv", ["train_conv1d.py", "", "8"])  # 8 steps (``_training``)
+    # 32 steps (``_training``): time for the liar to come back (its backoff, its probes)
+    monkeypatch.setattr(sys, "argv", ["train_conv1d.py", "", "32"])
     script, training = load_script("train_conv1d.py"), load_script("_training.py")
     native_model, native_loss = script.build()
     native = training.fit(native_model, native_loss)
