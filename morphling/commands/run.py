@@ -528,6 +528,12 @@ def _check_numerics(cfg: RunConfig) -> None:
         computed = parse_numerics(cfg.numerics, cfg.ranks)
     except ValueError as exc:
         raise configuration.ConfigError(str(exc)) from None
+    if cfg.on_leave == "drop" and (computed is None or not cfg.ranks):
+        raise configuration.ConfigError(
+            "--on-leave drop drops replayed ranks, whose numerics nobody computes: give "
+            "--ranks N --numerics sample:K (a computed rank takes part in every collective "
+            "for real, so it cannot be dropped)"
+        )
     if computed is not None and cfg.ranks and cfg.products == "device":
         raise configuration.ConfigError(
             f"--numerics {cfg.numerics} needs --products rank: a replayed rank's products are "

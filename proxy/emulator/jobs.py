@@ -164,8 +164,8 @@ class Job:
         own = timeline.devices[device].profile.name if device is not None else ""
         for copy, mirrors in replay.classes(rank, timeline.timed_by):
             job_id, device_id = self.emulator.next_client_id(), replay.devices[copy]
-            timeline.open_job(job_id, f"rank {copy}, replaying {self.name}",
-                              device=device_id, rank=copy, mirrors=mirrors)  # fmt: skip
+            timeline.open_job(job_id, f"rank {copy}, replaying {self.name}", device=device_id,
+                              rank=copy, mirrors=mirrors, droppable=True)  # fmt: skip
             profile = timeline.devices[device_id].profile.name
             self.copies.append(_Timed(job_id, copy, "" if profile == own else profile))
 

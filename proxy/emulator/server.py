@@ -285,6 +285,9 @@ class Emulator:
         info["verification"] = self.verifier.summary()
         if self.replay is not None:
             info["replay"] = self.replay.summary()
+            if timeline.on_leave == "drop":
+                dropped = timeline.ranks_dropped.items()
+                info["replay"]["dropped"] = [{"rank": r, "at": t} for r, t in dropped]
         if self.host_products.sample_tiles:
             info["host_products"] = self.host_products.summary()
         info.update(self.run_info)

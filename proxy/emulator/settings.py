@@ -43,8 +43,10 @@ CHURN_HELP = (
 
 ON_LEAVE_HELP = (
     "what a rank whose device leaves does (--availability, --churn): wait (its work pauses "
-    "until the device is back; a tile or collective under way starts again) or restart "
-    "(once back, it first does its step's work so far again)"
+    "until the device is back; a tile or collective under way starts again), restart "
+    "(once back, it first does its step's work so far again) or drop (with --numerics "
+    "sample:K, a replayed rank leaves the run when its device first leaves, and the "
+    "others' collectives go on without it; a computed rank waits)"
 )
 
 # A job's GEMMs under 2·32³ FLOPs stay local: their round trip would dwarf their compute.

@@ -76,8 +76,11 @@ log = logging.getLogger(__name__)
 
 # What a rank does when its device leaves (``--on-leave``): ``wait``, its work pauses until
 # the device is back (a tile being computed starts again then); ``restart``, it starts its
-# step again once back (what the step had done until the leave is done again).
-ON_LEAVE = ("wait", "restart")
+# step again once back (what the step had done until the leave is done again); ``drop``, a
+# rank ``open_job`` calls droppable (a replayed one) leaves the run for good when its
+# device first leaves, and the collectives that start after that go on without it (the
+# others wait, as with ``wait``).
+ON_LEAVE = ("wait", "restart", "drop")
 WINDOW_TRIES = 64  # absences a rank's work that starts again may skip to find its window
 ENDS_KEPT = 4096  # GEMM end times a job remembers for GEMMs issued "after" them
 WORKS_KEPT = 4096  # distinct tile ``Work``s kept for reuse (a run has few)
@@ -200,6 +203,8 @@ class _Job:
     device: int | None = None  # the one device its tiles go to (a rank's), or any
     resident: bool = False  # it runs on ``device`` itself (a rank): its tiles cross no link
     ranks: tuple[int, ...] = ()  # a rank's: its own, then those that mirror it (``open_job``)
+    drop_at: float = math.inf  # when it leaves the run (``drop``: its device's first leave)
+    dropped: bool = False  # its work has reached ``drop_at``: it does nothing more
     counted: float = 0.0  # its coordinator time is counted up to here
     overlapped: float = 0.0  # the end of its latest collective it did not wait for at once
     # a rank's absences met since its step's times last took them (``_rank_away``)
@@ -359,6 +364,8 @@ class Timeline(Generic[T]):
         self._rank_epoch: float | None = None  # when the open ranks started
         self._rank_jobs: dict[int, _Job] = {}  # each rank's job (a mirror's: the one it mirrors)
         self._mirror_devices: dict[int, int] = {}  # each mirroring rank's device
+        self.ranks_dropped: dict[int, float] = {}  # ranks dropped (``drop``), when
+        self._droppable = 0  # ranks that will be (``drop``: their devices leave)
         self._works: dict[_WorkKey, Work] = {}  # see ``_work``
         self.availability = availability
         self._absences: dict[int, Iterator[Absence]] = {}  # each device's, those to come
@@ -486,8 +493,11 @@ class Timeline(Generic[T]):
             device.down.free_at = device.compute.free_at = device.up.free_at = now
 
     def _absences_of(self, job: _Job) -> _Absences | None:
-        """A rank's device's absences (None: it has none, or the job is no rank's)."""
-        return None if job.device is None else self._rank_absences.get(job.device)
+        """A rank's device's absences (None: it has none, the job is no rank's, or one that
+        is dropped when its device leaves, whose work never pauses)."""
+        if job.device is None or job.drop_at < math.inf:
+            return None
+        return self._rank_absences.get(job.device)
 
     def _host_work(self, job: _Job, base: float, seconds: float) -> tuple[float, list[Span]]:
         """When the job's ``seconds`` of coordinator work from ``base`` are done, and the
@@ -529,7 +539,7 @@ class Timeline(Generic[T]):
             if t + left <= leave:
                 return t + left
             went = max(t, leave)
-            if self.on_leave == "wait":
+            if self.on_leave != "restart":  # (``drop``: one that is not dropped waits)
                 left -= went - t  # (done: it goes on from there)
             elif redo:
                 left = 0.0  # (the redo after this absence does it all again)
@@ -666,6 +676,7 @@ class Timeline(Generic[T]):
         device: int | None = None,
         rank: int | None = None,
         mirrors: Mapping[int, int] | None = None,
+        droppable: bool = False,
     ) -> None:
         """A job joins; ``device``: all its tiles go to that device. A ``rank`` runs on
         ``device`` itself, so its tiles cross no link, and its time is its own: it starts
@@ -676,7 +687,8 @@ class Timeline(Generic[T]):
         ``mirrors`` (rank → device): ranks whose time is this rank's, each on a device the
         timeline cannot tell from its own (the same profile, no absences): each reaches
         every collective as it does and takes its part on its own device's links, and
-        has no job, requests nor events of its own (replay's classes)."""
+        has no job, requests nor events of its own (replay's classes). A ``droppable``
+        rank leaves the run when its device first leaves, under ``drop``."""
         job = _Job(job_id, name, clock=self.clock.now, device=device, resident=rank is not None)
         if rank is not None:
             if self._rank_epoch is None or not self._rank_jobs:
@@ -689,6 +701,10 @@ class Timeline(Generic[T]):
             self._mirror_devices.update(mirrors or {})
             if device is not None and self.availability is not None:
                 self._own_device(self.devices[device])
+                if droppable and self.on_leave == "drop":
+                    leaves = self.availability.absences(self.devices[device].name)
+                    job.drop_at = next((leave for leave, _ in leaves), math.inf)
+                    self._droppable += job.drop_at < math.inf
         else:
             self._holding[job_id] = job
         self.jobs[job_id] = job
@@ -820,6 +836,11 @@ class Timeline(Generic[T]):
 
         def start(base: float) -> None:
             at, away = self._host_work(job, base, host_s)
+            if at >= job.drop_at:  # it left the run first: this does nothing, at once
+                if self._drop(job):
+                    self._start_ready(list(self._gathering))
+                self._settle(job, request_id, seq, job.drop_at, blocking=blocking)
+                return
             if not job.resident:  # a released job's starts no earlier than the clock
                 at = max(at, self.clock.now)
             times = self._step_of(job, at)
@@ -850,6 +871,11 @@ class Timeline(Generic[T]):
 
         def close(base: float) -> None:
             at, away = self._host_work(job, base, host_s)
+            if at >= job.drop_at:  # (it left the run first: the step never ends)
+                if self._drop(job):
+                    self._start_ready(list(self._gathering))
+                job.waiting -= 1
+                return
             times = self._step_of(job, at)
             self._coordinator(job, times, base, at, host_split, away)
             times.t1, times.step = at, step
@@ -1333,7 +1359,7 @@ class Timeline(Generic[T]):
         for rank in part.job.ranks or (part.rank,):  # (its mirrors reach it with it)
             self._reached.setdefault(rank, deque()).append(op.key)
             parts[rank] = part
-        if len(parts) == len(op.members):
+        if len(parts) == len(op.members) or self._droppable:  # (``drop``: or its last there)
             self._start_ready([op.key])
 
     def _start_ready(self, keys: list[tuple[object, ...]]) -> None:
@@ -1347,26 +1373,80 @@ class Timeline(Generic[T]):
             if parts is None:
                 continue
             op = next(iter(parts.values())).op
-            members = op.members
+            taking = self._taking_part(op.members, parts)
+            if taking is None:
+                continue
+            members, ready = taking  # ``ready``: its last member there
             # (a member that reached it and left since has no queue: it holds nothing up)
             queues = {r: q for r in members if (q := self._reached.get(r)) is not None}
-            if len(parts) < len(members) or any(q[0] != key for q in queues.values()):
+            if any(q[0] != key for q in queues.values()):
                 continue
             del self._gathering[key]
-            links = [_link(self._member_device(rank)) for rank in members]
             nbytes = max(p.op.nbytes for p in parts.values())
             bottleneck = self.bottleneck.dl_bw if self.bottleneck is not None else math.inf
-            ready = max(p.at for p in parts.values())  # its last member there
             start = max(ready, *(self._comm_free.get(r, 0.0) for r in members))
-            seconds = collective_s(op.op, nbytes, links, op.root, bottleneck, self.algorithm)
-            start, end = self._members_there(members, start, seconds)
+            while True:  # (``drop``: a member that leaves under way has it start again without it)
+                root = op.members[op.root]
+                root = members.index(root) if root in members else 0  # (it may be gone)
+                links = [_link(self._member_device(rank)) for rank in members]
+                seconds = collective_s(op.op, nbytes, links, root, bottleneck, self.algorithm)
+                start, end = self._members_there(members, start, seconds)
+                leaving = [
+                    parts[r].job.drop_at for r in members if start < parts[r].job.drop_at < end
+                ]
+                if not leaving:
+                    break
+                start = max(leaving)
+                members = [r for r in members if parts[r].job.drop_at > start]
             for rank, queue in queues.items():
                 self._comm_free[rank] = end
                 queue.popleft()
                 if queue:
                     keys.append(queue[0])
-            jobs_parts = list({p.job.id: p for p in parts.values()}.values())  # (no mirrors)
-            self.clock.at(end, self._collective_end, (jobs_parts, ready, start, end))
+            if len(members) < len(parts):  # (``drop``: those that reached it and left)
+                kept = set(members)
+                for job in {p.job.id: p.job for r, p in parts.items() if r not in kept}.values():
+                    self._drop(job)
+                keys += self._gathering  # (they hold up those they had not reached no more)
+            jobs_parts = list({parts[r].job.id: parts[r] for r in members}.values())  # (mirrors)
+            self.clock.at(end, self._collective_end, (jobs_parts, ready, start, end, len(members)))
+
+    def _taking_part(
+        self, members: Sequence[int], parts: Mapping[int, _Part]
+    ) -> tuple[Sequence[int], float] | None:
+        """The members that take part in a collective, and when the last of them is there;
+        None while a member may still come. Without ``drop``, all of them, once all are
+        there. Under ``drop``, a member dropped before it reached the collective holds the
+        others until it leaves, and then takes no part, nor does one that reached it but
+        leaves before it starts: it starts at the first time from which every member has
+        either reached it or left."""
+        if len(parts) == len(members) and not self._droppable:
+            return members, max(p.at for p in parts.values())
+        gone = -math.inf  # when the last member that will not come left
+        for rank in members:
+            if rank not in parts:
+                job = self._rank_jobs.get(rank)
+                if job is None or not job.dropped:
+                    return None
+                gone = max(gone, job.drop_at)
+        there = [(p.at, p.job.drop_at) for p in parts.values()]
+        for t in sorted({gone, *(at for at, _ in there), *(d for _, d in there if d < math.inf)}):
+            if t >= gone and all(at <= t for at, drop_at in there if drop_at > t):
+                return [r for r in members if r in parts and parts[r].job.drop_at > t], t
+        return None  # (no member left: nothing can start it)
+
+    def _drop(self, job: _Job) -> bool:
+        """``job`` leaves the run at its ``drop_at`` (its work reached it, or a collective
+        it reached starts after it): it does nothing more, and the collectives that waited
+        for it may start without it (the caller starts them). False: it had left."""
+        if job.dropped:
+            return False
+        job.dropped = True
+        for rank in job.ranks:
+            self.ranks_dropped[rank] = job.drop_at
+            self._reached.pop(rank, None)
+        log.info("%s leaves the run at %.6f s (--on-leave drop)", job.name, job.drop_at)
+        return True
 
     def _members_there(self, members: Sequence[int], start: float, seconds: float) -> Span:
         """(start, end) of a collective of ``seconds`` from ``start``: once every member's
@@ -1391,10 +1471,11 @@ class Timeline(Generic[T]):
         job = self._rank_jobs.get(rank)
         return None if job is None or job.device is None else self.devices.get(job.device)
 
-    def _collective_end(self, ended: tuple[list[_Part], float, float, float]) -> None:
+    def _collective_end(self, ended: tuple[list[_Part], float, float, float, int]) -> None:
         """Every member's part ends: logged, counted in its step (waiting for the other
-        members; then on the network, queued behind earlier collectives included), settled."""
-        parts, ready, start, now = ended
+        members; then on the network, queued behind earlier collectives included), settled.
+        (``taking``: how many members took part.)"""
+        parts, ready, start, now, taking = ended
         for part in parts:
             job = part.job
             times = job.step
@@ -1403,7 +1484,7 @@ class Timeline(Generic[T]):
                 times.comm_wait_s += ready - part.at
             op = part.op
             self.log.write(CollectivePart(job.id, part.request, part.step, op.op, op.nbytes,
-                                          len(op.members), part.at, start, now, ready))  # fmt: skip
+                                          taking, part.at, start, now, ready))  # fmt: skip
             part.done(part.at, now)
             if self.jobs.get(job.id) is job:  # (a member that left has nothing to settle)
                 self._settle(job, part.request, part.seq, now, blocking=op.blocking)

@@ -85,7 +85,8 @@ def test_a_job_of_another_emulator_is_told_these_settings_are_the_emulators(
         (["--availability", "TRACE"], "names devices the fleet lacks: ghost"),
         (["--availability", "nowhere.csv"], "nowhere.csv: cannot read it"),
         (["--churn", "mtbf=1,mttr=1", "--availability", "TRACE"], "not both"),
-        (["--on-leave", "drop"], "--on-leave: 'drop' is not one of 'wait', 'restart'"),
+        (["--on-leave", "leave"], "--on-leave: 'leave' is not one of 'wait', 'restart', 'drop'"),
+        (["--on-leave", "drop"], "--on-leave drop drops replayed ranks, whose numerics nobody"),
     ],
 )
 def test_bad_availability_settings_are_refused_before_anything_runs(

@@ -230,9 +230,58 @@ def test_a_collective_waits_for_a_member_that_leaves_during_it() -> None:
     assert steps[0].interruptions == 1
 
 
+def drop_round(leave: float, *, droppable: bool = True):
+    """Three ranks, as ``rank_round``, rank 2 ``droppable`` and its device away from
+    ``leave`` to 10 s, under ``drop``; then a second round. Each rank's all-reduce ends
+    (round 1, round 2), and the timeline."""
+    trace = Trace({"d-2": Presence(((0.0, leave), (10.0, math.inf)))})
+    tl, _ = new_timeline(availability=trace, on_leave="drop")
+    for r in range(3):
+        tl.add_device(r, f"d-{r}", profile(bw=10 * MB, lat=0.001))
+        tl.open_job(r + 1, f"rank-{r}", device=r, rank=r, droppable=droppable and r == 2)
+    ended: dict[int, list[float]] = {r: [] for r in range(3)}
+    for round_ in (1, 2):
+        op = Operation(("world", round_), "allreduce", 4_000_000, (0, 1, 2))
+        for r in range(3):
+            tl.collective(r + 1, r, round_, op, after=0, host_s=0.5,
+                          done=lambda issue, end, r=r: ended[r].append(end))  # fmt: skip
+    return ended, tl
+
+
+def ring_s(n: int) -> float:
+    """``ALLREDUCE_S``'s ring of ``n`` members."""
+    return 2 * (n - 1) / n * 4_000_000 / (10 * MB) + 2 * (n - 1) * 2 * 0.001
+
+
+def test_a_dropped_rank_leaves_the_run_and_the_others_go_on_without_it() -> None:
+    """Its device leaves at 0.2 s, in its own work before the all-reduce: the others start
+    it at 0.5 s, the two of them, and then their second round."""
+    ended, tl = drop_round(0.2)
+    first = 0.5 + ring_s(2)
+    assert ended[0] == ended[1] == [pytest.approx(first), pytest.approx(first + 0.5 + ring_s(2))]
+    assert ended[2] == [] and tl.ranks_dropped == {2: 0.2}
+
+
+def test_a_collective_a_dropped_rank_leaves_under_way_starts_again_without_it() -> None:
+    leave = 0.5 + ring_s(3) / 2  # in the middle of the three ranks' all-reduce
+    ended, tl = drop_round(leave)
+    assert ended[0] == ended[1] == [pytest.approx(leave + ring_s(2)),
+                                    pytest.approx(leave + ring_s(2) + 0.5 + ring_s(2))]  # fmt: skip
+    assert ended[2] == [] and tl.ranks_dropped == {2: leave}
+
+
+def test_a_rank_that_cannot_be_dropped_waits_under_drop() -> None:
+    """A computed rank (not ``droppable``) takes part in every collective for real: under
+    ``drop`` it waits for its device, as under ``wait``."""
+    ended, tl = drop_round(0.2, droppable=False)
+    first = 10.0 + 0.3 + ring_s(3)  # its last 0.3 s of work once back
+    assert ended[2] == [pytest.approx(first), pytest.approx(first + 0.5 + ring_s(3))]
+    assert tl.ranks_dropped == {}
+
+
 def test_on_leave_must_be_known() -> None:
-    with pytest.raises(ValueError, match="on_leave 'drop': not one of wait, restart"):
-        new_timeline(on_leave="drop")
+    with pytest.raises(ValueError, match="on_leave 'leave': not one of wait, restart, drop"):
+        new_timeline(on_leave="leave")
 
 
 def test_a_gemm_issued_while_every_device_is_away_starts_when_one_is_back() -> None:
