@@ -2,12 +2,13 @@
 (``--sample-tiles K``, ``morphling run --numerics sample:K`` without ``--ranks``).
 
 A what-if of a thousand virtual devices spends its wall time moving tiles through the
-protocol to kernels that run on this host anyway. With ``sample_tiles`` K, each GEMM of
-more than K tiles is computed here whole, in one call on a thread, and only K of its
-tiles, spread over its output, go to their devices (which are then the ones that compute
-those blocks of C, checked as any tile is). Every tile is placed and timed on its device
-all the same: the timeline, the links' bytes and the reports do not change, only who
-computes the numbers. Convolutions' tiles all go to their devices.
+protocol to kernels that run on this host anyway. With ``sample_tiles`` K, each request
+of more than K tiles is computed here, on a thread, and only K of its tiles, spread over
+its output, go to their devices (which are then the ones that compute those blocks of
+C, checked as any tile is): a GEMM whole, in one call; a convolution tile by tile, each
+by the ``kernels.conv`` call its device would make. Every tile is placed and timed on
+its device all the same: the timeline, the links' bytes and the reports do not change,
+only who computes the numbers.
 """
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ from collections.abc import Sequence
 import numpy as np
 
 from .conv_partition import AnyTask, AnyTile
-from .partition import GemmTask
+from .freivalds import conv_call
+from .partition import GemmTask, TileTask
+
+Blocks = list[tuple[tuple[int | slice, ...], np.ndarray]]  # blocks of C, by where they go
 
 
 class HostProducts:
@@ -29,11 +33,9 @@ class HostProducts:
         self.on_host = 0  # tiles whose blocks this host computed
         self.on_devices = 0  # tiles of those products sent to their devices
 
-    def takes(self, task: AnyTask, tiles: Sequence[AnyTile]) -> GemmTask | None:
-        """``task``, when it is computed here: a GEMM of more tiles than the sample."""
-        if isinstance(task, GemmTask) and 0 < self.sample_tiles < len(tiles):
-            return task
-        return None
+    def takes(self, tiles: Sequence[AnyTile]) -> bool:
+        """Whether the request of ``tiles`` is computed here: more tiles than the sample."""
+        return 0 < self.sample_tiles < len(tiles)
 
     def sample(self, tiles: Sequence[AnyTile]) -> set[int]:
         """The ids of the tiles that go to their devices: ``sample_tiles`` of them, spread
@@ -41,11 +43,13 @@ class HostProducts:
         k, n = self.sample_tiles, len(tiles)
         return {tiles[j * n // k].id for j in range(k)}
 
-    def compute(self, task: GemmTask) -> asyncio.Future[np.ndarray]:
-        """C of ``task``, computed on a thread into new memory: the caller copies it into
-        the task's output once it is still wanted (a job that left may have given its
-        slab back)."""
-        return asyncio.ensure_future(asyncio.to_thread(product, task))
+    def compute(
+        self, task: AnyTask, tiles: Sequence[AnyTile], sent: set[int]
+    ) -> asyncio.Future[Blocks]:
+        """What this host computes of ``task`` (``blocks``), on a thread into new memory:
+        the caller copies it into the task's output once it is still wanted (a job that
+        left may have given its slab back)."""
+        return asyncio.ensure_future(asyncio.to_thread(blocks, task, tiles, sent))
 
     def count(self, host: int, devices: int) -> None:
         self.on_host += host
@@ -56,8 +60,16 @@ class HostProducts:
                 "tiles_on_devices": self.on_devices}  # fmt: skip
 
 
-def product(task: GemmTask) -> np.ndarray:
-    """op(A)·op(B) of every pivot, [batch, m, n]."""
-    a, b = task.op_views()
-    c: np.ndarray = np.matmul(a, b)
-    return c
+def blocks(task: AnyTask, tiles: Sequence[AnyTile], sent: set[int]) -> Blocks:
+    """A GEMM's whole C (op(A)·op(B) of every pivot; the tiles ``sent`` are then
+    overwritten by their devices'), or a convolution's tiles but those ``sent``."""
+    if isinstance(task, GemmTask):
+        a, b = task.op_views()
+        return [((slice(None),), np.matmul(a, b))]
+    here: Blocks = []
+    for tile in tiles:
+        if tile.id not in sent:
+            assert not isinstance(tile, TileTask), "a convolution's tiles"
+            call, _, _ = conv_call(tile)
+            here.append((tile.index, call(tile.a, tile.b).reshape(tile.shape)))
+    return here

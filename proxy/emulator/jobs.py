@@ -49,7 +49,8 @@ from morphling.proxy.wire.messages import (
 )
 
 from .conv_partition import AnyTask, AnyTile, make_conv_task
-from .partition import GemmTask, make_task
+from .host_products import Blocks
+from .partition import make_task
 from .task import GemmError, Task
 from .tiles import settle
 from .trainers import Trained
@@ -460,7 +461,7 @@ class Job:
                                                              counted=False))  # fmt: skip
             return
         emulator = self.emulator
-        here, scheduler = emulator.host_products.takes(task, tiles), emulator.scheduler
+        here, scheduler = emulator.host_products.takes(tiles), emulator.scheduler
         self.tiles_in_flight += len(tiles)
         self.bytes_in_flight += _held_bytes(task)
         self.totals["gemms"] += 1
@@ -476,7 +477,7 @@ class Job:
             after=msg.after,
             host_s=msg.host_ns / 1e9,
             host_split=msg.host_split,
-            place=scheduler.submit if here is None else self._on_host(here, tiles),
+            place=self._on_host(task, tiles) if here else scheduler.submit,
             done=task.settled,
         )
         if not tiles:
@@ -484,23 +485,26 @@ class Job:
             return
         self.regulate()
 
-    def _on_host(self, task: GemmTask, tiles: Sequence[AnyTile]) -> Callable[[list[_Placed]], None]:
+    def _on_host(self, task: AnyTask, tiles: Sequence[AnyTile]) -> Callable[[list[_Placed]], None]:
         """The placer of a product this host computes (``host_products``): once C is
         computed, its sampled tiles go to their devices (their blocks of C then theirs) and
         the others are in."""
         emulator = self.emulator
         host = emulator.host_products
-        sent, computed = host.sample(tiles), host.compute(task)
+        sent = host.sample(tiles)
+        computed = host.compute(task, tiles, sent)
 
         def place(placed: list[_Placed]) -> None:
-            def go(future: asyncio.Future[np.ndarray]) -> None:
+            def go(future: asyncio.Future[Blocks]) -> None:
                 if task.cancelled or not self.conn.open:
                     return
                 try:
-                    task.out[...] = future.result()
+                    for index, values in future.result():
+                        task.out[index] = values
                 except Exception:  # a bug of ours, or memory: the job says so
-                    log.exception("job %d: GEMM %d on this host failed", self.id, task.id)
-                    self.conn.fail("host_product_failed", f"GEMM {task.id} failed on the host")
+                    what = f"{task.request.TYPE.name} {task.id}"
+                    log.exception("job %d: %s on this host failed", self.id, what)
+                    self.conn.fail("host_product_failed", f"{what} failed on the host")
                     return
                 to_devices = [p for p in placed if p[0].id in sent]
                 here = [p[0] for p in placed if p[0].id not in sent]

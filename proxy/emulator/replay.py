@@ -37,8 +37,8 @@ DIVERGED_KEPT = 16  # the first steps whose computed ranks differed, kept for th
 NUMERICS_HELP = (
     "'all' computes everything on the devices; 'sample:K': with --ranks, computes ranks "
     "0..K-1 for real and times every other rank s by replaying rank s mod K's work on s's "
-    "own device; without, computes K tiles of each offloaded GEMM on their devices and "
-    "the rest of it on this host, every tile timed on its device all the same"
+    "own device; without, computes K tiles of each offloaded GEMM or convolution on their "
+    "devices and the rest of it on this host, every tile timed on its device all the same"
 )
 
 

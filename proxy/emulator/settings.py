@@ -282,8 +282,8 @@ class EmulatorConfig:
 
     sample_tiles: int = _opt(
         0,
-        "tiles of each offloaded GEMM computed on their devices, the product computed whole "
-        "on this host and every tile timed on its device all the same (a fast what-if); "
+        "tiles of each offloaded GEMM or convolution computed on their devices, the rest of "
+        "it on this host, every tile timed on its device all the same (a fast what-if); "
         "0: every tile on its device",
         min=0,
     )

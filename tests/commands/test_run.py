@@ -145,15 +145,19 @@ def test_training_matches_native(trainings: Trainings, script: str) -> None:
 MODELLED = (*EMBEDDED, "--coordinator-time", "model")  # emulated times that runs repeat
 
 
+@pytest.mark.parametrize("script", ["train_opt.py", "train_conv1d.py"])
 def test_products_computed_on_this_host_train_natively_and_are_timed_the_same(
-    trainings: Trainings,
+    trainings: Trainings, script: str
 ) -> None:
-    """``--numerics sample:1`` without ``--ranks``: each GEMM of several tiles computed on
-    this host, one tile of it on its device; the losses are native, every tile is timed
-    as before (the same emulated steps, the same bytes on the emulated links)."""
-    sampled_flags = (*MODELLED, "--numerics", "sample:1", "--run-dir", "sampled-run")
+    """``--numerics sample:1`` without ``--ranks``: each GEMM or convolution of several
+    tiles computed on this host, one tile of it on its device; the losses are native,
+    every tile is timed as before (the same emulated steps, the same bytes on the
+    emulated links)."""
+    run_dir = f"sampled-{script}"
+    every_flags = (*MODELLED, "--block-size", "8")  # (the convolutions: several tiles each)
+    sampled_flags = (*every_flags, "--numerics", "sample:1", "--run-dir", run_dir)
     sampled, every, native = trainings.get(
-        ("train_opt.py", sampled_flags), ("train_opt.py", MODELLED), ("train_opt.py", NATIVE)
+        (script, sampled_flags), (script, every_flags), (script, NATIVE)
     )
     assert_same_training(sampled, native)
     assert sampled.report is not None and every.report is not None
@@ -163,7 +167,7 @@ def test_products_computed_on_this_host_train_natively_and_are_timed_the_same(
     assert [s["emulated_s"] for s in got] == pytest.approx(
         [s["emulated_s"] for s in want], abs=1e-9
     )
-    run = json.loads((trainings.tmp / "sampled-run" / "run.json").read_text())
+    run = json.loads((trainings.tmp / run_dir / "run.json").read_text())
     host = run["host_products"]
     assert host["sample_tiles"] == 1 and host["tiles_on_host"] > host["tiles_on_devices"] > 0
     assert host["tiles_on_host"] + host["tiles_on_devices"] <= sum(s["tiles"] for s in got)

@@ -155,6 +155,23 @@ async def test_every_kind_matches_torch(fleet, case, dtype, block):
     assert all(f.record(a).completed for a in f.agents), "both devices computed tiles"
 
 
+@needs_torch
+@pytest.mark.parametrize("case", CASES)
+async def test_convolutions_computed_on_the_emulators_host_match_torch(fleet, case):
+    """``sample_tiles=1``: every kind of convolution cut in several tiles is computed
+    tile by tile on the emulator's host but one, which its device computes."""
+    problem = Problem(CASES[case], np.float32, seed=len(case))
+    f = await conv_fleet(fleet, block_size=3, policy="round-robin", sample_tiles=1)
+    client = await f.client()
+    for kind in KINDS:
+        got = await client.conv(kind, *problem.operands(kind), **problem.geo, timeout=TIMEOUT)
+        problem.check(kind, got)
+    host = f.emu.host_products
+    assert host.on_host > 0 and 1 <= host.on_devices <= len(KINDS)  # (one of several each)
+    # (and every tile of a kind its block leaves whole)
+    assert sum(f.record(a).completed for a in f.agents) <= len(KINDS)
+
+
 BAD = [  # (what is changed in a good forward CONV, what the refusal names)
     ({"kind": "sideways"}, "kind 'sideways' is not one of forward, grad_input, grad_weight"),
     ({"dtype": "float16"}, "dtype 'float16' is not supported"),
