@@ -408,3 +408,31 @@ def test_only_devices_without_absences_of_their_own_are_timed_alike():
         tl.add_device(d, f"d-{d}", p, placed=False)
     keys = [tl.timed_by(d) for d in range(4)]
     assert keys[0] == keys[2] is not None and keys[1] is None and keys[3] not in (None, keys[0])
+
+
+def test_churn_under_drop_drops_each_replayed_rank_at_its_devices_first_leave() -> None:
+    """Six ranks on a churning fleet, 1 to 5 droppable: each round the ranks still there
+    all-reduce; a rank leaves at its device's first leave if that comes before its last
+    round is done, and the run is the same when run again."""
+    churn = Churn(mtbf_s=2.0, mttr_s=1.0, seed=3)
+
+    def run() -> tuple[dict[int, float], list[float]]:
+        tl, _ = new_timeline(availability=churn, on_leave="drop")
+        for r in range(6):
+            tl.add_device(r, f"d-{r}", profile(bw=10 * MB, lat=0.001))
+            tl.open_job(r + 1, f"rank-{r}", device=r, rank=r, droppable=r > 0)
+        ended: list[float] = []
+        for round_ in range(1, 4):
+            op = Operation(("world", round_), "allreduce", 4_000_000, tuple(range(6)))
+            tl.collective(1, 0, round_, op, after=0, host_s=0.5,
+                          done=lambda i, e: ended.append(e))  # fmt: skip
+            for r in range(1, 6):
+                tl.collective(r + 1, r, round_, op, after=0, host_s=0.5,
+                              done=lambda i, e: None)  # fmt: skip
+        return dict(tl.ranks_dropped), ended
+
+    dropped, ended = run()
+    assert (dropped, ended) == run() and len(ended) == 3  # rank 0 (it waits) ends all three
+    first = {r: next(churn.absences(f"d-{r}"))[0] for r in range(1, 6)}
+    assert dropped == {r: first[r] for r in dropped} and 0 < len(dropped) < 5
+    assert all(first[r] > ended[-1] for r in range(1, 6) if r not in dropped)
