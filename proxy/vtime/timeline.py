@@ -1422,6 +1422,8 @@ class Timeline(Generic[T]):
         either reached it or left."""
         if len(parts) == len(members) and not self._droppable:
             return members, max(p.at for p in parts.values())
+        if len(parts) + len(self.ranks_dropped) < len(members):  # (one may yet come)
+            return None
         gone = -math.inf  # when the last member that will not come left
         for rank in members:
             if rank not in parts:
