@@ -151,10 +151,17 @@ def _heat_map(fig: Figure, ax: Any, run: Run, summary: Summary, start: float, en
     sizes = np.diff(np.append(starts, len(ranked)))
     groups = np.repeat(np.arange(len(starts)), sizes)
     group_of = {d["id"]: int(g) for d, g in zip(ranked, groups, strict=True)}
-    tiles = [(t, d) for t in run.tiles for d in run.devices_of(t) if d in group_of]
-    spans = np.array([t.compute for t, _ in tiles], dtype=np.float64).reshape(-1, 2)
-    rows = np.array([group_of[d] for _, d in tiles], dtype=np.int64)
-    seconds = occupancy(spans, rows, len(starts), start, end, HEAT_BINS)
+    # each device with tiles' occupancy, then each group's: its devices' and mirrors' sum
+    source = {d: i for i, d in enumerate(dict.fromkeys(t.device for t in run.tiles))}
+    spans = np.array([t.compute for t in run.tiles], dtype=np.float64).reshape(-1, 2)
+    rows = np.array([source[t.device] for t in run.tiles], dtype=np.int64)
+    each = occupancy(spans, rows, len(source), start, end, HEAT_BINS)
+    members = np.zeros((len(starts), len(source)))
+    for device, i in source.items():
+        for d in (device, *run.mirrors.get(device, ())):
+            if d in group_of:
+                members[group_of[d], i] += 1
+    seconds = members @ each
     share = 100 * seconds / (sizes[:, None] * (end - start) / HEAT_BINS)
     image = ax.imshow(share, aspect="auto", interpolation="nearest", cmap="viridis", vmin=0,
                       vmax=100, extent=(start, end, len(starts), 0))  # fmt: skip

@@ -74,7 +74,11 @@ def trace_events(run: Run) -> Iterator[Event]:
         pid = job_pid[job.id]
         threads = RANK_THREADS if job.id in ranks else JOB_THREADS
         yield from _process(pid, f"job {job.id}: {job.name}", pid, threads)
+    # a replayed rank's device that mirrors a timed one's has its times: shown once, there
+    mirrored = {m for mirrors in run.mirrors.values() for m in mirrors}
     for d in run.fleet:
+        if d.id in mirrored:
+            continue
         pid = device_pid[d.id]
         yield from _process(pid, f"device {d.id}: {d.name} ({d.profile})", pid, DEVICE_THREADS)
     if run.bottleneck is not None:
@@ -124,6 +128,8 @@ def trace_events(run: Run) -> Iterator[Event]:
         oom = {"name": "OOM", "cat": "oom", "ph": "i", "s": "t", "pid": pid, "tid": COMPUTE}
         yield oom | {"ts": o.t * US_PER_S, "args": which | need}
     for device, samples in run.thermal.items():
+        if device in mirrored:
+            continue
         pid = device_pid[device]
         for when, mhz, temp in samples:
             if not start <= when <= end:
@@ -181,6 +187,14 @@ def _header(run: Run) -> dict[str, object]:
             "steps": f"{steps_text(run.window)} of each job, tile by tile where the log has "
             f"them ({steps_text(run.logged)}); morphling report --detail-steps A:B|all "
             "for others",
+            **(
+                {
+                    "mirrored": f"{sum(map(len, run.mirrors.values()))} devices of replayed "
+                    "ranks timed as another's are shown by that one's (run.json)"
+                }
+                if run.mirrors
+                else {}
+            ),
         },
     }
 

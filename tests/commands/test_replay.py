@@ -17,6 +17,7 @@ import pytest
 from morphling.proxy.emulator.replay import Replay, parse_numerics
 from morphling.proxy.report.analysis import summarize
 from morphling.proxy.report.load import load_run
+from morphling.proxy.report.trace import chrome_trace
 from morphling.proxy.vtime.eventlog import COMPRESSED_EVENTS_FILE
 from morphling.proxy.wire.errors import RemoteProtocolError
 from processes import SCRIPTS, morphling_here, morphling_run, succeeded
@@ -118,10 +119,19 @@ def test_fifteen_replayed_ranks_have_the_timeline_of_fifteen_computed(tmp_path: 
     assert [s["emulated_s"] for s in report["steps"][1:]] == pytest.approx(
         [s["emulated_s"] for s in full_report["steps"][1:]], abs=1e-9
     )
-    # the report has each mirroring rank's device busy as its timed rank's
-    busy = {d["name"]: d["busy_s"] for d in summarize(load_run(replayed))["devices"]}
+    # the report has each mirroring rank's device busy as its timed rank's; the trace
+    # shows a device of each kind that was timed (the computed rank's, three copies')
+    loaded = load_run(replayed)
+    busy = {d["name"]: d["busy_s"] for d in summarize(loaded)["devices"]}
     full_busy = {d["name"]: d["busy_s"] for d in summarize(load_run(full))["devices"]}
     assert busy == pytest.approx(full_busy, abs=1e-9) and min(busy.values()) > 0
+    trace = chrome_trace(loaded)
+    shown = [
+        e["args"]["name"]
+        for e in trace["traceEvents"]  # type: ignore[union-attr]
+        if e.get("name") == "process_name" and e["args"]["name"].startswith("device")
+    ]
+    assert len(shown) == 4 and "12 devices" in trace["otherData"]["mirrored"]  # type: ignore[index]
 
 
 def test_ten_thousand_ranks_one_computed_two_timed_the_rest_mirrored(tmp_path: Path) -> None:
