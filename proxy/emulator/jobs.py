@@ -195,7 +195,7 @@ class Job:
                 self._replay_calls(REPLAY_CHUNK)
             except Exception:  # a bug of ours: the job cannot be timed, and says so
                 log.exception("job %d (%s): replaying its work failed", self.id, self.name)
-                self.conn.fail("replay_failed", "replaying this rank's work on its copies failed")
+                self.conn.fail("internal", "replaying this rank's work on its copies failed")
                 return
             await asyncio.sleep(0)
 
@@ -504,7 +504,7 @@ class Job:
                 except Exception:  # a bug of ours, or memory: the job says so
                     what = f"{task.request.TYPE.name} {task.id}"
                     log.exception("job %d: %s on this host failed", self.id, what)
-                    self.conn.fail("host_product_failed", f"{what} failed on the host")
+                    self.conn.fail("internal", f"{what} failed on the host")
                     return
                 to_devices = [p for p in placed if p[0].id in sent]
                 here = [p[0] for p in placed if p[0].id not in sent]
