@@ -32,6 +32,7 @@ import torch
 from morphling.devices.models.profiles import HOST, DeviceProfile
 from morphling.kernels.layout import as_array
 from morphling.proxy.checkpoint.format import Checkpoint, CheckpointError
+from morphling.proxy.emulator.host_products import HostProducts
 from morphling.proxy.emulator.settings import DEFAULT_MIN_FLOPS, EmulatorConfig
 from morphling.proxy.vtime.collectives import PAIR
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -118,6 +119,8 @@ class Session:
         self.totals: dict[str, int] = {}
         self._step_start: float | None = None  # step 1 starts at its first GEMM
         self._counts = ProductCounts()
+        # an embedded emulator's products computed on this host (``--numerics sample:K``)
+        self.host_products: HostProducts | None = None
         self._conv_counts = ProductCounts()
         self._marked_ns = 0  # when the last step mark went back to the script
         # modelled coordinator time sent with a collective the rank did not wait for (and
@@ -341,6 +344,11 @@ class Session:
         if convs.remote or convs.local:  # a model without convolutions does not mention them
             rows.append(f"convolutions: {convs.remote} products on the fleet ({convs.copied} "
                         f"copied to NCHW first); kept local: {_by_reason(convs)}")  # fmt: skip
+        host = self.host_products
+        if host is not None and host.sample_tiles:
+            rows.append(f"tiles computed on this host: {host.on_host}, and {host.on_devices} "
+                        f"on their devices ({host.sample_tiles} of each product of more; "
+                        "--numerics sample:K); every tile timed on its device")  # fmt: skip
         interrupted = sum(r.interruptions for r in self.steps)
         if interrupted:  # a fleet whose devices come and go (--availability, --churn)
             rows.append(f"devices leaving: {interrupted} interruptions (tiles placed again, or "
@@ -476,6 +484,8 @@ def emulate(
                           replayed_on=[p for p in also if p is not None],
                           scale=scale)  # fmt: skip
         stack.callback(session.close)
+        if devices is not None and embedded.emulator is not None:
+            session.host_products = embedded.emulator.host_products
         if ckpt is not None:
             session.share_weights(ckpt)
             stack.callback(_bind_first_module(session).remove)

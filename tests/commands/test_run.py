@@ -171,6 +171,7 @@ def test_products_computed_on_this_host_train_natively_and_are_timed_the_same(
     host = run["host_products"]
     assert host["sample_tiles"] == 1 and host["tiles_on_host"] > host["tiles_on_devices"] > 0
     assert host["tiles_on_host"] + host["tiles_on_devices"] <= sum(s["tiles"] for s in got)
+    assert f"tiles computed on this host: {host['tiles_on_host']}, and " in sampled.stderr
 
 
 @pytest.mark.parametrize("script", TRAIN_SCRIPTS)
