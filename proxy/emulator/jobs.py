@@ -507,9 +507,9 @@ class Job:
                     self.conn.fail("internal", f"{what} failed on the host")
                     return
                 to_devices = [p for p in placed if p[0].id in sent]
-                here = [p[0] for p in placed if p[0].id not in sent]
-                host.count(len(here), len(to_devices))
-                for tile in here:
+                done_here = [p[0] for p in placed if p[0].id not in sent]
+                host.count(len(done_here), len(to_devices))
+                for tile in done_here:
                     task.put(tile, None)
                 emulator.scheduler.submit(to_devices)
                 if task.remaining == 0:

@@ -685,11 +685,10 @@ class _Reader:
         devices = {d: sums.figures() for d, sums in sorted(self.devices.items())}
         thermal = {d: sorted(s, key=lambda x: x[0]) for d, s in sorted(self.samples.items())}
         for timed, mirrors in meta.mirrors.items():  # (they have its times: replay.py)
-            for mirror in mirrors:
-                if timed in devices:
-                    devices[mirror] = devices[timed]
-                if timed in thermal:
-                    thermal[mirror] = thermal[timed]
+            if timed in devices:
+                devices.update(dict.fromkeys(mirrors, devices[timed]))
+            if timed in thermal:
+                thermal.update(dict.fromkeys(mirrors, thermal[timed]))
         return Run(
             path=root,
             policy=meta.policy,
