@@ -75,9 +75,11 @@ def _reading(value: float | None) -> float:
     return math.nan if value is None else value
 
 
-def _sample(since_begin: float, sysfs: Path) -> tuple[float, float, float]:
-    """An idle sample: time, temperature and clock (NaN for a missing sensor)."""
-    return since_begin, _reading(read_temperature_c(sysfs)), _reading(read_clock_mhz(sysfs))
+def _sample(begin: float, sysfs: Path) -> tuple[float, float, float]:
+    """An idle sample: time since ``begin`` (once its temperature is read), temperature and
+    clock (NaN for a missing sensor)."""
+    temp = _reading(read_temperature_c(sysfs))
+    return time.perf_counter() - begin, temp, _reading(read_clock_mhz(sysfs))
 
 
 def run_bursts(
@@ -106,8 +108,12 @@ def run_bursts(
     latencies: list[float] = []
     log.info("sustained load for %g s", duration_s)
     begin = time.perf_counter()
-    while (now := time.perf_counter()) - begin < duration_s:
+    while True:
+        # a burst's time is its reading's, taken after it: a process's first read of
+        # sysfs can take tens of milliseconds, heating time the trace would not place
         temp = read_temperature_c(sysfs)
+        if (now := time.perf_counter()) - begin >= duration_s:
+            break
         for _ in range(calls):
             run_plan(plan)
         latencies.append((time.perf_counter() - now) / calls)
@@ -115,8 +121,8 @@ def run_bursts(
     load_end = idle_end = time.perf_counter()
     if cooldown_s > 0:
         log.info("idle for %g s, sampling every %g s", cooldown_s, burst_s)
-    while (now := time.perf_counter()) - load_end < cooldown_s:
-        rows.append(_sample(now - begin, sysfs))
+    while time.perf_counter() - load_end < cooldown_s:
+        rows.append(_sample(begin, sysfs))
         time.sleep(burst_s)
         idle_end = time.perf_counter()
     start_s, temp_c, clock_mhz = (np.array(column) for column in zip(*rows, strict=True))
