@@ -65,6 +65,7 @@ if TYPE_CHECKING:
     from .conv_partition import ConvTileTask
 
 Array = npt.NDArray[Any]
+Draw = Callable[[int, np.dtype[Any]], Array]  # n fresh screen weights of a dtype (``weights``)
 LAMBDA = 8.0  # the screen's multiple of the rounding errors' scale (module docstring)
 CONFIRM_LAMBDA = 10.0  # the confirmation's λ₂: its bound holds but with odds below 1e-16
 
@@ -170,7 +171,16 @@ def _wrong(c: Array, exact: Array, magnitude: Array, k: int) -> str:
 
 def _block_products(b: Array, signs: Array, width: int) -> Array:
     """[..., K, blocks]: each column block B_J (``width`` columns) of ``b`` [..., K, n] times
-    its weights."""
+    its weights. Where b's columns are strided (a transposed operand), a matrix-vector
+    product per block: BLAS reads that layout, numpy's blockwise dot products crawl on it."""
+    dtype = np.result_type(b, signs)
+    n = b.shape[-1]
+    if n > width and b.strides[-1] != b.itemsize:
+        out = np.empty((*b.shape[:-1], -(-n // width)), dtype)
+        for j, start in enumerate(range(0, n, width)):
+            cols = slice(start, start + width)
+            out[..., j] = b[..., cols] @ signs[cols]
+        return out
 
     def times_weights(part: Array, cols: slice) -> Array:
         w = signs[cols]
@@ -180,7 +190,7 @@ def _block_products(b: Array, signs: Array, width: int) -> Array:
         blocks: Array = np.vecdot(part, w.reshape(-1, part.shape[-1]))
         return blocks
 
-    return _by_block(b, width, np.result_type(b, signs), times_weights)
+    return _by_block(b, width, dtype, times_weights)
 
 
 def _block_norms(c: Array, width: int) -> Array:
@@ -245,13 +255,14 @@ def conv_call(tile: ConvTileTask) -> tuple[Callable[[Array, Array], Array], int,
     return (lambda x, dy: conv_grad_weight(x, dy, geom)), n * oh * ow, geom
 
 
-def screen_conv(tile: ConvTileTask, c: Array, rng: np.random.Generator) -> int | None:
-    """The screen for a convolution tile's product ``c`` (module docstring): the first
-    element of its check outside the tolerance, or None when all are within it."""
+def screen_conv(tile: ConvTileTask, c: Array, draw: Draw) -> int | None:
+    """The screen for a convolution tile's product ``c`` (module docstring), its weights
+    from ``draw``: the first element of its check outside the tolerance, or None when all
+    are within it."""
     kind = tile.gemm.request.kind
     call, k, geom = conv_call(tile)
     a, b, groups = tile.a, tile.b, tile.groups
-    r = weights(rng, c.shape[1] if kind != "grad_weight" else c[0].size, c.dtype)
+    r = draw(c.shape[1] if kind != "grad_weight" else c[0].size, c.dtype)
     if kind == "grad_weight":  # dW [OC, Cg, kh, kw]: weights over each row's Cg·kh·kw
         rows = c.reshape(c.shape[0], -1)
         got, size = rows @ r, _norms(rows, 1)
@@ -260,11 +271,11 @@ def screen_conv(tile: ConvTileTask, c: Array, rng: np.random.Generator) -> int |
         probe = np.ascontiguousarray(
             np.broadcast_to(r.reshape(1, *c.shape[1:]), (groups, *c.shape[1:]))
         )
-        v = _one_channel_forward(a, probe, geom).reshape(n, groups, oh * ow)
-        want = np.einsum("ngop,ngp->go", dy, v).reshape(-1)
+        v = _one_channel_forward(a, probe, geom).reshape(n, groups, oh * ow, 1)
+        want = np.matmul(dy, v).sum(axis=0).reshape(-1)  # Σ over images and positions
 
         def own() -> Array:  # the errors of its sum over N·OH·OW terms (x ⋆ r's: smaller)
-            terms: Array = np.einsum("ngop,ngp->go", np.abs(dy), np.abs(v))
+            terms: Array = np.matmul(np.abs(dy), np.abs(v)).sum(axis=0)
             return terms.reshape(-1)
 
         return _judge(got, want, size, own, k, c.dtype)
@@ -273,7 +284,7 @@ def screen_conv(tile: ConvTileTask, c: Array, rng: np.random.Generator) -> int |
     per = channels // groups
     flat = c.reshape(n, groups, per, -1)
     u = r.reshape(groups, per)
-    got, size = np.einsum("ngcp,gc->ngp", flat, u), _norms(flat, 2)
+    got, size = np.matmul(u[None, :, None], flat)[:, :, 0], _norms(flat, 2)
     w = b.reshape(groups, b.shape[0] // groups, b.shape[1], -1)
     if kind == "forward":  # Σ u·W over each group's output channels: [G, Cg, kh, kw]
         probe = np.einsum("gokt,go->gkt", w, u).reshape(groups, *b.shape[1:])
@@ -316,10 +327,18 @@ def _norms(x: Array, axis: int) -> Array:
     """The 2-norms of ``x`` along ``axis``, in float64. Summed in ``x``'s dtype (a float64
     sum is four times slower over float32), again in float64 where that overflowed or
     met a non-finite element. (Squares that underflow can only make a norm smaller: a
-    tile sent to the confirmation, never one refused.)"""
-    along = x if axis in (-1, x.ndim - 1) else np.moveaxis(x, axis, -1)
+    tile sent to the confirmation, never one refused.) An inner axis is summed by einsum
+    in x's own layout: dot products along it, as a moved axis's, stride through memory."""
+    last = axis in (-1, x.ndim - 1)
+    along = x if last else np.moveaxis(x, axis, -1)
     with np.errstate(over="ignore"):  # (summed again below)
-        squares = np.vecdot(along, along).astype(np.float64)
+        if last:
+            sums = np.vecdot(x, x)
+        else:
+            subscripts = "abcdefgh"[: x.ndim]
+            kept = subscripts.replace(subscripts[axis], "")
+            sums = np.einsum(f"{subscripts},{subscripts}->{kept}", x, x)
+        squares = sums.astype(np.float64)
     spilled = ~np.isfinite(squares)
     if spilled.any():
         wide = along[spilled].astype(np.float64)

@@ -184,15 +184,19 @@ def conv_tiles(case: tuple, kind: str, block: int, rng: np.random.Generator):
 @pytest.mark.parametrize("case", list(CONV_CASES))
 def test_convolution_tiles_honest_pass_and_one_corrupted_element_is_caught(case, kind):
     rng = np.random.default_rng(7)
+
+    def draw(n, dtype):
+        return freivalds.weights(rng, n, dtype)
+
     for block in (4, 16, 256):
         for tile, c in conv_tiles(CONV_CASES[case], kind, block, rng):
-            assert freivalds.screen_conv(tile, c, rng) is None, (block, tile.out_shape)
+            assert freivalds.screen_conv(tile, c, draw) is None, (block, tile.out_shape)
             assert freivalds.confirm_conv(tile, c) == ""
             bad = c.copy()
             flat = bad.reshape(-1)
             at = int(rng.integers(flat.size))
             flat[at] += 0.05 * max(1e-3, float(np.sqrt(np.mean(c.astype(np.float64) ** 2))))
-            assert freivalds.screen_conv(tile, bad, rng) is not None, (block, at)
+            assert freivalds.screen_conv(tile, bad, draw) is not None, (block, at)
             why = freivalds.confirm_conv(tile, bad)
             where = ", ".join(map(str, np.unravel_index(at, bad.shape)))
             assert why.startswith("1 of") and f"({where})" in why, why
