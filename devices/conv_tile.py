@@ -40,8 +40,12 @@ def operand(msg: ConvTile, index: int, segment: Any) -> np.ndarray:
     return np.frombuffer(segment, dtype).reshape(shape)
 
 
-def prepare(msg: ConvTile, a: Any, b: Any) -> tuple[Callable[[], np.ndarray], int]:
-    """The call that computes the tile's product from ``a`` and ``b``, and its FLOPs
+Product = Callable[[np.ndarray | None], np.ndarray]  # the call, given where it writes (or None)
+
+
+def prepare(msg: ConvTile, a: Any, b: Any) -> tuple[Product, int]:
+    """The call that computes the tile's product from ``a`` and ``b`` (into the array it is
+    given, a view of the job's output in this process, or a new one), and its FLOPs
     (``conv_flops``); ValueError naming the field where the tile describes no convolution.
     The call raises ValueError too where the operands' shapes disagree with the geometry."""
     _dtype(msg)
@@ -57,7 +61,7 @@ def prepare(msg: ConvTile, a: Any, b: Any) -> tuple[Callable[[], np.ndarray], in
     if msg.kind == "forward":
         oh, ow = geom.output_size(a.shape[2], a.shape[3])
         flops = conv_flops((a.shape[0], b.shape[0], oh, ow), b.shape)
-        return lambda: conv_forward(a, b, geom), flops
+        return lambda out: conv_forward(a, b, geom, out), flops
     if msg.kind == "grad_input":
         if len(msg.input_size) != 2 or len(msg.rows) != 2:
             raise ValueError(
@@ -67,12 +71,12 @@ def prepare(msg: ConvTile, a: Any, b: Any) -> tuple[Callable[[], np.ndarray], in
         size, rows = (msg.input_size[0], msg.input_size[1]), (msg.rows[0], msg.rows[1])
         oh_lo = msg.oh_lo
 
-        def grad_input() -> np.ndarray:
-            return conv_grad_input(a, b, geom, input_size=size, oh_lo=oh_lo, rows=rows)
+        def grad_input(out: np.ndarray | None) -> np.ndarray:
+            return conv_grad_input(a, b, geom, input_size=size, oh_lo=oh_lo, rows=rows, out=out)
 
         return grad_input, conv_flops(a.shape, b.shape)
     weight = (b.shape[1], a.shape[1] // geom.groups, *geom.kernel)
-    return lambda: conv_grad_weight(a, b, geom), conv_flops(b.shape, weight)
+    return lambda out: conv_grad_weight(a, b, geom, out), conv_flops(b.shape, weight)
 
 
 def _dtype(msg: ConvTile) -> np.dtype[Any]:

@@ -188,7 +188,8 @@ def conv_forward(x: Array, w: Array, geom: ConvGeometry, out: Array | None = Non
     oh, ow = geom.output_size(height, width)
     y = _output(out, (n, w.shape[0], oh, ow), dtype, x, w)
     if w.shape[1] == 1:
-        _direct("forward", _c_geometry(geom, x.shape, w.shape[0], (oh, ow)), x, w, y)
+        cgeom = _c_geometry(geom, x.shape, w.shape[0], (oh, ow))
+        _filled(y, lambda dst: _direct("forward", cgeom, x, w, dst))
     else:
         cols = _unfold(x, geom, oh, ow)  # [G, K, N·P]
         yk = gemm(_grouped(w, geom.groups), cols)  # [G, OC/G, N·P]
@@ -234,7 +235,8 @@ def conv_grad_input(
     if w.shape[1] == 1:
         shape = (n, channels, height, width)
         band = (i0, i1 - i0, oh_lo, r)
-        _direct("grad_input", _c_geometry(geom, shape, oc, (oh, ow)), dy, w, dx, *band)
+        cgeom = _c_geometry(geom, shape, oc, (oh, ow))
+        _filled(dx, lambda dst: _direct("grad_input", cgeom, dy, w, dst, *band))
         return dx
     if geom.stride == (1, 1):
         return _grad_input_forward(
@@ -269,14 +271,13 @@ def conv_grad_weight(x: Array, dy: Array, geom: ConvGeometry, out: Array | None 
         raise ValueError(f"dy: shape {dy.shape}, expected [{n}, OC, {oh}, {ow}]")
     dw = _output(out, (dy.shape[1], channels // groups, *geom.kernel), dtype, x, dy)
     if channels == groups:
-        _direct("grad_weight", _c_geometry(geom, x.shape, dy.shape[1], (oh, ow)), x, dy, dw)
+        cgeom = _c_geometry(geom, x.shape, dy.shape[1], (oh, ow))
+        _filled(dw, lambda dst: _direct("grad_weight", cgeom, x, dy, dst))
     else:
         cols = _unfold(x, geom, oh, ow)  # [G, K, N·P]
-        gemm(
-            _channel_major(dy, groups),
-            cols.transpose(0, 2, 1),
-            dw.reshape(groups, -1, cols.shape[1]),
-        )
+        dy_rows = _channel_major(dy, groups)
+        _filled(dw, lambda dst: gemm(dy_rows, cols.transpose(0, 2, 1),
+                                     dst.reshape(groups, -1, cols.shape[1])))  # fmt: skip
     return dw
 
 
@@ -319,17 +320,29 @@ def _check_weight(w: Array, geom: ConvGeometry, channels: int, side: str) -> Non
 def _output(
     out: Array | None, shape: tuple[int, ...], dtype: np.dtype[Any], *inputs: Array
 ) -> Array:
-    """``out`` checked (C-contiguous, writable, apart from the inputs), or a new array."""
+    """``out`` checked (writable, apart from the inputs; any strides, as a band of a larger
+    output has), or a new array."""
     if out is None:
         return np.empty(shape, dtype)
     if not isinstance(out, np.ndarray) or out.shape != shape or out.dtype != dtype:
         got = f"{getattr(out, 'shape', type(out).__name__)} {getattr(out, 'dtype', '')}"
         raise ValueError(f"out: expected a {dtype} array of shape {shape}, got {got.strip()}")
-    if not (out.flags.c_contiguous and out.flags.writeable):
-        raise ValueError("out: must be C-contiguous and writable")
+    if not out.flags.writeable:
+        raise ValueError("out: must be writable")
     if any(np.may_share_memory(out, arr) for arr in inputs):
         raise ValueError("out: overlaps an input")
     return out
+
+
+def _filled(out: Array, fill: Callable[[Array], object]) -> None:
+    """``fill`` writes a C-contiguous array (a C kernel's, a GEMM's output): ``out`` itself
+    where it is one, else a scratch array copied into it."""
+    if out.flags.c_contiguous:
+        fill(out)
+        return
+    scratch = np.empty(out.shape, out.dtype)
+    fill(scratch)
+    out[...] = scratch
 
 
 # --- shared pieces ------------------------------------------------------------------------
