@@ -112,8 +112,8 @@ def run_bursts(
         # a burst's time is its reading's, taken after it: a process's first read of
         # sysfs can take tens of milliseconds, heating time the trace would not place
         temp = read_temperature_c(sysfs)
-        if (now := time.perf_counter()) - begin >= duration_s:
-            break
+        if (now := time.perf_counter()) - begin >= duration_s and rows:
+            break  # (after one burst at least: that first read may outlast a short load)
         for _ in range(calls):
             run_plan(plan)
         latencies.append((time.perf_counter() - now) / calls)

@@ -41,7 +41,7 @@ from morphling.devices.profiler.host_cache import (
 from morphling.devices.profiler.profile_file import LARGE_GEMM, QUICK, Plan, profile
 from morphling.devices.profiler.sensors import read_temperature_c, top_clock_mhz
 from morphling.devices.profiler.shapes import K_LEVELS, MN_LEVELS, grid_shapes, heldout_shapes
-from morphling.devices.profiler.sustained_load import clock_levels, sustained_trace
+from morphling.devices.profiler.sustained_load import clock_levels, run_bursts, sustained_trace
 from morphling.devices.profiler.timing import measure
 from morphling.devices.profiler.toml_writer import dump_toml
 
@@ -431,6 +431,16 @@ def test_a_grad_input_call_is_timed_on_a_band_that_needs_all_its_dy_rows():
         i0, oh_lo = band_placement(shape)
         lo, hi = geometry(shape).grad_output_rows(shape.h, i0, i0 + shape.rows)
         assert (lo, hi) == (oh_lo, oh_lo + shape.dy_rows), shape
+
+
+def test_a_load_shorter_than_a_sysfs_read_still_runs_one_burst(tmp_path):
+    """The first temperature is read before the load's first burst, and a process's first
+    sysfs read can take longer than a short load (seen at 0.1 s on a loaded host): a load
+    of a microsecond still gives one burst, its reading, and a trace."""
+    burst = GemmShape(64, 64, 64, False, True, 64, 64, "float32")
+    bursts = run_bursts(1e-6, burst_shape=burst, burst_s=1e-6, sysfs=tmp_path)
+    assert bursts.start_s.size == bursts.latency_s.size == 1
+    assert bursts.latency_s[0] > 0
 
 
 def test_sustained_trace_without_cpufreq_infers_clocks_from_latency(tmp_path):
