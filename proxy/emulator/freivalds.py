@@ -329,10 +329,8 @@ def _norms(x: Array, axis: int) -> Array:
     met a non-finite element. (Squares that underflow can only make a norm smaller: a
     tile sent to the confirmation, never one refused.) An inner axis is summed by einsum
     in x's own layout: dot products along it, as a moved axis's, stride through memory."""
-    last = axis in (-1, x.ndim - 1)
-    along = x if last else np.moveaxis(x, axis, -1)
     with np.errstate(over="ignore"):  # (summed again below)
-        if last:
+        if axis in (-1, x.ndim - 1):
             sums = np.vecdot(x, x)
         else:
             subscripts = "abcdefgh"[: x.ndim]
@@ -341,7 +339,7 @@ def _norms(x: Array, axis: int) -> Array:
         squares = sums.astype(np.float64)
     spilled = ~np.isfinite(squares)
     if spilled.any():
-        wide = along[spilled].astype(np.float64)
+        wide = np.moveaxis(x, axis, -1)[spilled].astype(np.float64)
         squares[spilled] = np.vecdot(wide, wide)
     norms: Array = np.sqrt(squares)
     return norms

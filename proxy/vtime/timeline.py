@@ -837,8 +837,7 @@ class Timeline(Generic[T]):
         def start(base: float) -> None:
             at, away = self._host_work(job, base, host_s)
             if at >= job.drop_at:  # it left the run first: this does nothing, at once
-                if self._drop(job):
-                    self._start_ready(list(self._gathering))
+                self._rank_leaves(job)
                 self._settle(job, request_id, seq, job.drop_at, blocking=blocking)
                 return
             if not job.resident:  # a released job's starts no earlier than the clock
@@ -872,8 +871,7 @@ class Timeline(Generic[T]):
         def close(base: float) -> None:
             at, away = self._host_work(job, base, host_s)
             if at >= job.drop_at:  # (it left the run first: the step never ends)
-                if self._drop(job):
-                    self._start_ready(list(self._gathering))
+                self._rank_leaves(job)
                 job.waiting -= 1
                 return
             times = self._step_of(job, at)
@@ -1436,6 +1434,12 @@ class Timeline(Generic[T]):
             if t >= gone and all(at <= t for at, drop_at in there if drop_at > t):
                 return [r for r in members if r in parts and parts[r].job.drop_at > t], t
         return None  # (no member left: nothing can start it)
+
+    def _rank_leaves(self, job: _Job) -> None:
+        """``job``'s work reached its ``drop_at``: it is dropped, and the collectives that
+        waited for it start without it."""
+        if self._drop(job):
+            self._start_ready(list(self._gathering))
 
     def _drop(self, job: _Job) -> bool:
         """``job`` leaves the run at its ``drop_at`` (its work reached it, or a collective
