@@ -10,8 +10,9 @@ of A, B and C per request, not per tile.
 A convolution tile is checked through its GEMM view (an implicit GEMM: y = W·unfold(x)),
 never unfolding x: its product's channels within each group are summed with random weights
 u (forward: output channels; grad input: input channels), and the same sum is computed
-from the operands with one channel per group — Σu·W applied to x (each tap's sum over the
-channels one matmul over x, then the taps' shifted sums) or to dy (the kernel's own call).
+from the operands with one channel per group — Σu·W applied to x or to dy, each tap's sum
+over the channels one matmul over x (dy), then the taps' sums added where they land (the
+kernel's own call where a group has fewer channels than taps).
 A grad-weight tile dW [OC, C·kh·kw] = dy·unfold(x)ᵀ takes weights r over each row: dW·r
 against dy·(unfold(x)ᵀ·r), where unfold(x)ᵀ·r is x convolved with r, one output channel.
 K is then the length of the tile's dot products (C/groups·kh·kw, OC/groups·kh·kw or
@@ -287,16 +288,20 @@ def screen_conv(tile: ConvTileTask, c: Array, draw: Draw) -> int | None:
     got, size = np.matmul(u[None, :, None], flat)[:, :, 0], _norms(flat, 2)
     w = b.reshape(groups, b.shape[0] // groups, b.shape[1], -1)
     if kind == "forward":  # Σ u·W over each group's output channels: [G, Cg, kh, kw]
-        probe = np.einsum("gokt,go->gkt", w, u).reshape(groups, *b.shape[1:])
+        probe = np.matmul(u[:, None, :], w.reshape(groups, w.shape[1], -1))
+        probe = probe.reshape(groups, *b.shape[1:])
 
         def reference(first: Array, second: Array) -> Array:
             return _one_channel_forward(first, second, geom).reshape(got.shape)
 
     else:  # over each group's input channels: [OC, 1, kh, kw]
-        probe = np.einsum("gokt,gk->got", w, u).reshape(b.shape[0], 1, *b.shape[2:])
+        probe = np.matmul(u[:, None, None, :], w).reshape(b.shape[0], 1, *b.shape[2:])
+        extent, band = tile.gemm.input_shape[2:], (tile.oh_lo, tile.rows)
 
         def reference(first: Array, second: Array) -> Array:
-            return call(first, second).reshape(got.shape)
+            if second.shape[0] // groups < second.shape[2] * second.shape[3]:
+                return call(first, second).reshape(got.shape)  # (few channels: the kernel)
+            return _one_channel_grad_input(first, second, geom, extent, *band).reshape(got.shape)
 
     operands = (a, probe)
     want = reference(*operands)
@@ -369,6 +374,38 @@ def _one_channel_forward(x: Array, probe: Array, geom: ConvGeometry) -> Array:
             c0, c1, cols = _reach(j * dw - left, sw, ow, width)
             if r0 < r1 and c0 < c1:
                 out[:, :, r0:r1, c0:c1] += taps[:, :, i, j, rows, cols]
+    return out
+
+
+def _one_channel_grad_input(
+    dy: Array,
+    probe: Array,
+    geom: ConvGeometry,
+    size: tuple[int, ...],
+    oh_lo: int,
+    rows: tuple[int, int],
+) -> Array:
+    """``conv_grad_input`` of dy (grad-output rows from ``oh_lo``) with ``probe`` [OC, 1, kh,
+    kw], one input channel per group, for input rows ``rows`` of an input of ``size``: each
+    tap's sum over a group's output channels one matmul over dy, then the taps' sums added
+    where they land. dy is read once; the kernel would unfold it (stride 1) or walk it
+    channel by channel (one input channel: its direct path)."""
+    n, channels, r, ow = dy.shape
+    groups, (kh, kw), width = geom.groups, probe.shape[2:], size[1]
+    (sh, sw), (dh, dw) = geom.stride, geom.dilation
+    top, _, left, _ = geom.padding
+    i0, i1 = rows
+    taps = np.matmul(
+        probe.reshape(groups, channels // groups, kh * kw).transpose(0, 2, 1),
+        dy.reshape(n, groups, channels // groups, r * ow),
+    ).reshape(n, groups, kh, kw, r, ow)
+    out = np.zeros((n, groups, i1 - i0, width), taps.dtype)
+    for i in range(kh):  # dy's row o reaches input row (oh_lo + o)·sh + i·dh − top
+        r0, r1, at_rows = _reach(oh_lo * sh + i * dh - top - i0, sh, r, i1 - i0)
+        for j in range(kw):
+            c0, c1, at_cols = _reach(j * dw - left, sw, ow, width)
+            if r0 < r1 and c0 < c1:
+                out[:, :, at_rows, at_cols] += taps[:, :, i, j, r0:r1, c0:c1]
     return out
 
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from morphling.kernels.blas import gemm
-from morphling.kernels.conv import ConvGeometry
+from morphling.kernels.conv import ConvGeometry, conv_grad_input
 from morphling.proxy.emulator import freivalds
 from morphling.proxy.emulator.conv_partition import make_conv_task
 from morphling.proxy.emulator.freivalds import RequestCheck, confirm, weights
@@ -238,3 +238,21 @@ def test_two_columns_swapped_are_caught_every_time():
         bad = c.copy()
         bad[:, [i, j]] = bad[:, [j, i]]
         assert screened(a, b, bad, rng) == [0]
+
+
+@pytest.mark.parametrize("case", list(CONV_CASES))
+def test_the_grad_input_screens_one_channel_reference_is_the_kernels_call(case):
+    """The screen's own grad input for one input channel per group (a matmul over dy per
+    tap, then shifted adds) equals ``conv_grad_input``'s, for every band of input rows."""
+    n, _, h, w, oc, kernel, stride, padding, dilation, groups = CONV_CASES[case]
+    geom = ConvGeometry(kernel, stride, dilation, padding, groups)
+    oh, ow = geom.output_size(h, w)
+    rng = np.random.default_rng(12)
+    probe = rng.standard_normal((oc, 1, *kernel))
+    for i0, i1 in {(0, h), (0, 1), (h // 3, max(h // 3 + 1, h - 1)), (h - 1, h)}:
+        lo, hi = geom.grad_output_rows(h, i0, i1)
+        lo, hi = max(0, lo - 1), min(oh, hi + 1)  # (a band may carry a row more either side)
+        dy = rng.standard_normal((n, oc, hi - lo, ow))
+        want = conv_grad_input(dy, probe, geom, input_size=(h, w), oh_lo=lo, rows=(i0, i1))
+        got = freivalds._one_channel_grad_input(dy, probe, geom, (h, w), lo, (i0, i1))
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12, err_msg=str((i0, i1)))
