@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any, NamedTuple, cast
 
@@ -145,6 +145,12 @@ class ConvTileTask(TaskTile):
     def shape(self) -> tuple[int, ...]:
         return self.out_shape
 
+    @property
+    def geometry(self) -> ConvGeometry:
+        """The convolution's geometry with the tile's padding and groups, as its device
+        computes it."""
+        return self.gemm.tile_geometry(self.padding, self.groups)
+
     def operands(self) -> tuple[ConvOperand, ConvOperand]:
         """Its two operands, each a panel: the tiles of one output-channel
         block share their weight block, those of one row band their input region."""
@@ -171,6 +177,18 @@ class ConvTask(Task):
     input_shape: Shape4
     weight_shape: Shape4
     output_shape: Shape4  # y's (and dy's)
+    # its tiles' geometries: few differ (the bands at the edges), and each checks every field
+    _geometries: dict[tuple[tuple[int, int, int, int], int], ConvGeometry] = field(
+        default_factory=dict, repr=False
+    )
+
+    def tile_geometry(self, padding: tuple[int, int, int, int], groups: int) -> ConvGeometry:
+        """The geometry with a tile's ``padding`` and ``groups``."""
+        geom = self._geometries.get((padding, groups))
+        if geom is None:
+            geom = replace(self.geometry, padding=padding, groups=groups)
+            self._geometries[padding, groups] = geom
+        return geom
 
     @property
     def op(self) -> str:

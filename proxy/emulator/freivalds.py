@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
@@ -239,10 +239,8 @@ def conv_call(tile: ConvTileTask) -> tuple[Callable[[Array, Array], Array], int,
     """The ``kernels.conv`` call that computes ``tile``'s product from its two operands (the
     call its device makes: ``devices/conv_tile.py``), the dot products' length K, and the
     tile's geometry."""
-    task = tile.gemm
-    whole = task.geometry
-    geom = replace(whole, padding=tile.padding, groups=tile.groups)
-    kind, taps = task.request.kind, whole.kernel[0] * whole.kernel[1]
+    task, geom = tile.gemm, tile.geometry
+    kind, taps = task.request.kind, geom.kernel[0] * geom.kernel[1]
     if kind == "forward":
         return (lambda x, w: conv_forward(x, w, geom)), tile.b.shape[1] * taps, geom
     if kind == "grad_input":
