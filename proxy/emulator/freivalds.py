@@ -295,10 +295,11 @@ def screen_conv(tile: ConvTileTask, c: Array, draw: Draw) -> int | None:
     else:  # over each group's input channels: [OC, 1, kh, kw]
         probe = np.matmul(u[:, None, None, :], w).reshape(b.shape[0], 1, *b.shape[2:])
         extent, band = tile.gemm.input_shape[2:], (tile.oh_lo, tile.rows)
+        few = w.shape[1] < w.shape[3]  # fewer output channels per group than taps
 
         def reference(first: Array, second: Array) -> Array:
-            if second.shape[0] // groups < second.shape[2] * second.shape[3]:
-                return call(first, second).reshape(got.shape)  # (few channels: the kernel)
+            if few:  # (the kernel's call is cheaper)
+                return call(first, second).reshape(got.shape)
             return _one_channel_grad_input(first, second, geom, extent, *band).reshape(got.shape)
 
     operands = (a, probe)
@@ -361,10 +362,7 @@ def _one_channel_forward(x: Array, probe: Array, geom: ConvGeometry) -> Array:
     oh, ow = geom.output_size(height, width)
     (sh, sw), (dh, dw) = geom.stride, geom.dilation
     top, _, left, _ = geom.padding
-    taps = np.matmul(
-        probe.reshape(groups, per, kh * kw).transpose(0, 2, 1),
-        x.reshape(n, groups, per, height * width),
-    ).reshape(n, groups, kh, kw, height, width)
+    taps = _tap_sums(probe, x, groups)
     out = np.zeros((n, groups, oh, ow), taps.dtype)
     for i in range(kh):
         r0, r1, rows = _reach(i * dh - top, sh, oh, height)
@@ -388,15 +386,12 @@ def _one_channel_grad_input(
     tap's sum over a group's output channels one matmul over dy, then the taps' sums added
     where they land. dy is read once; the kernel would unfold it (stride 1) or walk it
     channel by channel (one input channel: its direct path)."""
-    n, channels, r, ow = dy.shape
+    n, _, r, ow = dy.shape
     groups, (kh, kw), width = geom.groups, probe.shape[2:], size[1]
     (sh, sw), (dh, dw) = geom.stride, geom.dilation
     top, _, left, _ = geom.padding
     i0, i1 = rows
-    taps = np.matmul(
-        probe.reshape(groups, channels // groups, kh * kw).transpose(0, 2, 1),
-        dy.reshape(n, groups, channels // groups, r * ow),
-    ).reshape(n, groups, kh, kw, r, ow)
+    taps = _tap_sums(probe, dy, groups)
     out = np.zeros((n, groups, i1 - i0, width), taps.dtype)
     for i in range(kh):  # dy's row o reaches input row (oh_lo + o)·sh + i·dh − top
         r0, r1, at_rows = _reach(oh_lo * sh + i * dh - top - i0, sh, r, i1 - i0)
@@ -405,6 +400,17 @@ def _one_channel_grad_input(
             if r0 < r1 and c0 < c1:
                 out[:, :, at_rows, at_cols] += taps[:, :, i, j, r0:r1, c0:c1]
     return out
+
+
+def _tap_sums(probe: Array, x: Array, groups: int) -> Array:
+    """[N, G, kh, kw, H, W]: for each tap of ``probe`` (one channel per group, its other
+    channel axis over ``x``'s channels) its weighted sum of each group's channels of ``x``
+    [N, C, H, W], one matmul for them all."""
+    n, channels, height, width = x.shape
+    per, (kh, kw) = channels // groups, probe.shape[2:]
+    taps = probe.reshape(groups, per, kh * kw).transpose(0, 2, 1)
+    sums: Array = np.matmul(taps, x.reshape(n, groups, per, height * width))
+    return sums.reshape(n, groups, kh, kw, height, width)
 
 
 def _reach(offset: int, stride: int, out_len: int, in_len: int) -> tuple[int, int, slice]:
