@@ -181,6 +181,9 @@ class ConvTask(Task):
     _geometries: dict[tuple[tuple[int, int, int, int], int], ConvGeometry] = field(
         default_factory=dict, repr=False
     )
+    # its tiles' channel blocks within a group (grad_weight: of each group's input channels),
+    # which the screen sums over (``freivalds.screen_conv``), once cut
+    screen_pieces: tuple[tuple[int, int], ...] = ()
 
     def tile_geometry(self, padding: tuple[int, int, int, int], groups: int) -> ConvGeometry:
         """The geometry with a tile's ``padding`` and ``groups``."""
@@ -217,6 +220,11 @@ class ConvTask(Task):
         )
         tiles = [make(first, second) for first in firsts for second in seconds(first)]
         self.remaining = len(tiles)
+        if self.request.kind == "grad_weight":
+            self.screen_pieces = tuple(seconds(firsts[0]))
+        else:
+            per = (firsts[-1][1]) // self.geometry.groups
+            self.screen_pieces = tuple((lo, min(hi, per)) for lo, hi, _ in firsts if lo < per)
         return tiles
 
     def _layout(

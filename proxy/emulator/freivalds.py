@@ -7,16 +7,19 @@ never see; ``RequestCheck`` computes B·r and A·(B·r) for every column block o
 at once, and screens the request's whole output when its tiles are in: one pass over each
 of A, B and C per request, not per tile.
 
-A convolution tile is checked through its GEMM view (an implicit GEMM: y = W·unfold(x)),
-never unfolding x: its product's channels within each group are summed with random weights
-u (forward: output channels; grad input: input channels), and the same sum is computed
-from the operands with one channel per group — Σu·W applied to x or to dy, each tap's sum
-over the channels one matmul over x (dy), then the taps' sums added where they land (the
-kernel's own call where a group has fewer channels than taps).
-A grad-weight tile dW [OC, C·kh·kw] = dy·unfold(x)ᵀ takes weights r over each row: dW·r
-against dy·(unfold(x)ᵀ·r), where unfold(x)ᵀ·r is x convolved with r, one output channel.
-K is then the length of the tile's dot products (C/groups·kh·kw, OC/groups·kh·kw or
-N·OH·OW), and the tolerance's second term the same reference over absolute values.
+A convolution is checked through its GEMM view (an implicit GEMM: y = W·unfold(x)), never
+unfolding x, all its tiles at once (``screen_conv``): its product's channels in each of
+its tiles' channel blocks within a group are summed with random weights u (forward:
+output channels; grad input: input channels), and the same sums are computed from the
+request's operands with one channel per block — Σu·W applied to x or to dy, each tap's
+sum over the channels one matmul over x (dy), then the taps' sums added where they land
+(the kernel's own call where a group has fewer channels than taps). A failing position
+flags the tile holding its block and row.
+A grad-weight dW [OC, C·kh·kw] = dy·unfold(x)ᵀ takes weights r over each row's input-channel
+blocks: dW·r against dy·(unfold(x)ᵀ·r), where unfold(x)ᵀ·r is x convolved with r, one
+output channel. K is then the length of the dot products (C/groups·kh·kw,
+OC/groups·kh·kw or N·OH·OW), and the tolerance's second term the same reference over
+absolute values.
 
 Two stages (docs/PROTOCOL.md, *Verification*):
 
@@ -55,7 +58,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -63,12 +66,14 @@ import numpy.typing as npt
 from morphling.kernels.conv import ConvGeometry, conv_forward, conv_grad_input, conv_grad_weight
 
 if TYPE_CHECKING:
-    from .conv_partition import ConvTileTask
+    from .conv_partition import ConvTask, ConvTileTask
 
 Array = npt.NDArray[Any]
 Draw = Callable[[int, np.dtype[Any]], Array]  # n fresh screen weights of a dtype (``weights``)
 LAMBDA = 8.0  # the screen's multiple of the rounding errors' scale (module docstring)
 CONFIRM_LAMBDA = 10.0  # the confirmation's λ₂: its bound holds but with odds below 1e-16
+CHUNK_BYTES = 32 << 20  # a convolution's screen takes images in groups of about this many
+# bytes of tap sums
 
 
 def unit_roundoff(dtype: np.dtype[Any]) -> float:
@@ -142,12 +147,6 @@ def _outside(got: Array, want: Array, tolerance: Array) -> Array:
     with np.errstate(invalid="ignore"):
         off: Array = ~(np.abs(got - want) <= tolerance) | (~np.isfinite(got) & np.isfinite(want))
     return off
-
-
-def _first_out(got: Array, want: Array, tolerance: Array) -> int | None:
-    """The first element ``_outside`` its tolerance, or None."""
-    bad = _outside(got, want, tolerance)
-    return int(bad.argmax()) if bad.any() else None
 
 
 def _wrong(c: Array, exact: Array, magnitude: Array, k: int) -> str:
@@ -254,68 +253,130 @@ def conv_call(tile: ConvTileTask) -> tuple[Callable[[Array, Array], Array], int,
     return (lambda x, dy: conv_grad_weight(x, dy, geom)), n * oh * ow, geom
 
 
-def screen_conv(tile: ConvTileTask, c: Array, draw: Draw) -> int | None:
-    """The screen for a convolution tile's product ``c`` (module docstring), its weights
-    from ``draw``: the first element of its check outside the tolerance, or None when all
-    are within it."""
-    kind = tile.gemm.request.kind
-    call, k, geom = conv_call(tile)
-    a, b, groups = tile.a, tile.b, tile.groups
-    r = draw(c.shape[1] if kind != "grad_weight" else c[0].size, c.dtype)
-    if kind == "grad_weight":  # dW [OC, Cg, kh, kw]: weights over each row's Cg·kh·kw
-        rows = c.reshape(c.shape[0], -1)
-        got, size = rows @ r, _norms(rows, 1)
-        n, _, oh, ow = b.shape
-        dy = b.reshape(n, groups, -1, oh * ow)
-        probe = np.ascontiguousarray(
-            np.broadcast_to(r.reshape(1, *c.shape[1:]), (groups, *c.shape[1:]))
-        )
-        v = _one_channel_forward(a, probe, geom).reshape(n, groups, oh * ow, 1)
-        want = np.matmul(dy, v).sum(axis=0).reshape(-1)  # Σ over images and positions
+class ConvScreen:
+    """The screen of a convolution's whole product (module docstring): its weights drawn
+    (from ``draw``) and its reference computed from the operands alone (``reference``,
+    which may run while devices compute the tiles), then the product judged (``flags``).
+    Each of the request's channel pieces (``ConvTask.screen_pieces``: its tiles' channel
+    blocks within a group) is summed with its own weights, as a tile's would be."""
 
-        def own() -> Array:  # the errors of its sum over N·OH·OW terms (x ⋆ r's: smaller)
-            terms: Array = np.matmul(np.abs(dy), np.abs(v)).sum(axis=0)
-            return terms.reshape(-1)
+    def __init__(self, task: ConvTask, draw: Draw) -> None:
+        self.task = task
+        c, geom, kind = task.out, task.geometry, task.request.kind
+        self.pieces, groups = task.screen_pieces, geom.groups
+        self.widths = [hi - lo for lo, hi in self.pieces]
+        taps = geom.kernel[0] * geom.kernel[1]
+        if kind == "grad_weight":  # r over each row's Cg·kh·kw
+            self.r = draw(c[0].size, c.dtype).reshape(c.shape[1:])
+            self.k = task.b[:, 0].size
+            return
+        channels = c.shape[1]
+        self.u = draw(channels, c.dtype).reshape(groups, 1, channels // groups)
+        w = task.b.reshape(groups, task.b.shape[0] // groups, task.b.shape[1], taps)
+        if kind == "forward":  # Σ u·W over each piece's output channels
+            self.k = w.shape[2] * taps
+            sums = [np.matmul(self.u[..., lo:hi], w[:, lo:hi].reshape(groups, hi - lo, -1))
+                    for lo, hi in self.pieces]  # fmt: skip
+            self.probe = np.concatenate(sums, axis=1).reshape(-1, *task.b.shape[1:])
+            self.call: Callable[[Array, Array], Array] = partial(_one_channel_forward, geom=geom)
+        else:  # over each piece's input channels: [OC, pieces, kh, kw]
+            self.k = w.shape[1] * taps
+            sums = [np.matmul(self.u[:, None, :, lo:hi], w[:, :, lo:hi]) for lo, hi in self.pieces]
+            self.probe = np.concatenate(sums, axis=2).reshape(task.b.shape[0], -1, *geom.kernel)
+            size = (c.shape[2], c.shape[3])
+            self.call = partial(_one_channel_grad_input, geom=geom, size=size)
+        image = groups * len(self.pieces) * taps * task.a[0, 0].size * task.a.itemsize
+        self.step = max(1, CHUNK_BYTES // max(1, image))  # images at a time (tap sums' bytes)
 
-        return _judge(got, want, size, own, k, c.dtype)
-    # forward or grad_input: weights over each group's channels of the product
-    n, channels = c.shape[:2]
-    per = channels // groups
-    flat = c.reshape(n, groups, per, -1)
-    u = r.reshape(groups, per)
-    got, size = np.matmul(u[None, :, None], flat)[:, :, 0], _norms(flat, 2)
-    w = b.reshape(groups, b.shape[0] // groups, b.shape[1], -1)
-    if kind == "forward":  # Σ u·W over each group's output channels: [G, Cg, kh, kw]
-        probe = np.matmul(u[:, None, :], w.reshape(groups, w.shape[1], -1))
-        probe = probe.reshape(groups, *b.shape[1:])
+    def reference(self) -> Array:
+        """The sums computed from the operands: forward, grad_input: [N, G, pieces, rows·
+        columns]; grad_weight: [OC, pieces]."""
+        task = self.task
+        if task.request.kind == "grad_weight":
+            return self._grad_weight_reference()
+        n, _, rows, cols = task.out.shape
+        want = np.empty((n, self.u.shape[0], len(self.pieces), rows * cols), task.out.dtype)
+        for n0 in range(0, n, self.step):
+            part = self.call(task.a[n0 : n0 + self.step], self.probe)
+            want[n0 : n0 + self.step] = part.reshape(want[n0 : n0 + self.step].shape)
+        return want
 
-        def reference(first: Array, second: Array) -> Array:
-            return _one_channel_forward(first, second, geom).reshape(got.shape)
+    def flags(self, want: Array) -> Array:
+        """Where the product fails against ``want`` (``reference``'s), per channel of the
+        product and row of it (forward, grad_input: any image or column) or per output and
+        input channel (grad_weight: any tap)."""
+        task, c = self.task, self.task.out
+        if task.request.kind == "grad_weight":
+            return self._grad_weight_flags(want)
+        n, channels, rows, cols = c.shape
+        groups = self.u.shape[0]
+        flat = c.reshape(n, groups, channels // groups, rows * cols)
+        bad = np.zeros((groups, len(self.pieces), rows), bool)
+        for n0 in range(0, n, self.step):
+            part, chunk = flat[n0 : n0 + self.step], slice(n0, n0 + self.step)
+            got = np.stack([np.matmul(self.u[..., lo:hi], part[:, :, lo:hi])[:, :, 0]
+                            for lo, hi in self.pieces], 2)  # fmt: skip
+            norms = np.stack([_norms(part[:, :, lo:hi], 2) for lo, hi in self.pieces], 2)
+            own = partial(_absolute, self.call, (task.a[chunk], self.probe), got.shape)
+            off = _off(got, want[chunk], norms, own, self.k, c.dtype)
+            bad |= off.reshape(*off.shape[:3], rows, cols).any(axis=(0, 4))
+        return np.repeat(bad, self.widths, axis=1).reshape(channels, rows)
 
-    else:  # over each group's input channels: [OC, 1, kh, kw]
-        probe = np.matmul(u[:, None, None, :], w).reshape(b.shape[0], 1, *b.shape[2:])
-        extent, band = tile.gemm.input_shape[2:], (tile.oh_lo, tile.rows)
-        few = w.shape[1] < w.shape[3]  # fewer output channels per group than taps
+    def _grad_weight_reference(self) -> Array:
+        """dW·r's reference, dy·(x ⋆ r) for each piece (one output channel per group)."""
+        task, geom, r = self.task, self.task.geometry, self.r
+        x, dy, groups = task.a, task.b, geom.groups
+        n, oc, oh, ow = dy.shape
+        per = x.shape[1] // groups
+        x_g = x.reshape(n, groups, per, *x.shape[2:])
+        self.v = np.empty((n, groups, oh * ow, len(self.pieces)), task.out.dtype)
+        for p, (lo, hi) in enumerate(self.pieces):
+            probe = np.ascontiguousarray(np.broadcast_to(r[lo:hi], (groups, *r[lo:hi].shape)))
+            inputs = x_g[:, :, lo:hi].reshape(n, groups * (hi - lo), *x.shape[2:])
+            self.v[..., p] = _one_channel_forward(inputs, probe, geom).reshape(n, groups, -1)
+        self.dy = dy.reshape(n, groups, oc // groups, oh * ow)
+        want: Array = np.matmul(self.dy, self.v).sum(axis=0).reshape(oc, -1)  # Σ images, positions
+        return want
 
-        def reference(first: Array, second: Array) -> Array:
-            if few:  # (the kernel's call is cheaper)
-                return call(first, second).reshape(got.shape)
-            return _one_channel_grad_input(first, second, geom, extent, *band).reshape(got.shape)
+    def _grad_weight_flags(self, want: Array) -> Array:
+        c, r = self.task.out, self.r
+        oc = c.shape[0]
+        got, norms = np.empty((oc, len(self.pieces)), c.dtype), np.empty((oc, len(self.pieces)))
+        for p, (lo, hi) in enumerate(self.pieces):
+            rows = c[:, lo:hi].reshape(oc, -1)
+            got[:, p], norms[:, p] = rows @ r[lo:hi].reshape(-1), _norms(rows, 1)
 
-    operands = (a, probe)
-    want = reference(*operands)
-    return _judge(got, want, size, lambda: reference(*(np.abs(x) for x in operands)), k, c.dtype)
+        def own() -> Array:  # its sums' errors over N·OH·OW terms (x ⋆ r's: smaller)
+            terms: Array = np.matmul(np.abs(self.dy), np.abs(self.v)).sum(axis=0)
+            return terms.reshape(oc, -1)
+
+        bad = _off(got, want, norms, own, self.k, c.dtype)
+        return np.repeat(bad, self.widths, axis=1)
 
 
-def _judge(
+def _absolute(reference: Callable[[Array, Array], Array], operands: tuple[Array, Array],
+              shape: tuple[int, ...]) -> Array:  # fmt: skip
+    """``reference`` over the operands' absolute values: the size of its own errors."""
+    return reference(*(np.abs(x) for x in operands)).reshape(shape)
+
+
+def conv_flagged(flags: Array, tile: ConvTileTask) -> bool:
+    """Whether ``screen_conv``'s ``flags`` touch ``tile``'s part of the product."""
+    at = tile.out_index
+    first = 0 if tile.gemm.request.kind == "grad_weight" else 1
+    return bool(flags[at[first], at[first + 1]].any())
+
+
+def _off(
     got: Array, want: Array, size: Array, own: Callable[[], Array], k: int, dtype: np.dtype[Any]
-) -> int | None:
-    """The screen's verdict: within the device's term alone, or else within it plus the
-    reference's own errors' size (``own()``, made only then)."""
+) -> Array:
+    """Where the screen fails: outside the device's term alone, and then also outside it
+    plus the reference's own errors' size (``own()``, made only then)."""
     unit, floor = LAMBDA * unit_roundoff(dtype) * math.sqrt(k), _floor(k, dtype)
-    if not _outside(got, want, unit * 2 * size + floor).any():
-        return None
-    return _first_out(got, want, unit * (2 * size + own()) + floor)
+    bad = _outside(got, want, unit * 2 * size + floor)
+    if bad.any():
+        bad &= _outside(got, want, unit * (2 * size + own()) + floor)
+    return bad
 
 
 def confirm_conv(tile: ConvTileTask, c: Array) -> str:
@@ -350,67 +411,65 @@ def _norms(x: Array, axis: int) -> Array:
 
 
 def _one_channel_forward(x: Array, probe: Array, geom: ConvGeometry) -> Array:
-    """``conv_forward(x, probe, geom)`` for ``probe`` [G, Cg, kh, kw], one output channel
-    per group. Where a group has at least as many channels as taps, each tap's sum over
-    the channels is one matmul over x, and the output is the taps' shifted sums: x is read
-    once and never unfolded. Otherwise (few channels: depthwise, an RGB stem) the kernel
-    is cheaper."""
+    """``conv_forward(x, probe, geom)`` for ``probe`` [G·P, Cg, kh, kw], few (P) output
+    channels per group. Where a group has at least as many channels as taps, each tap's
+    sum over the channels is one matmul over x, and the output is the taps' shifted sums:
+    x is read once and never unfolded. Otherwise (few channels: depthwise, an RGB stem)
+    the kernel is cheaper."""
     n, _, height, width = x.shape
-    groups, per, kh, kw = probe.shape
+    outputs, per, kh, kw = probe.shape
     if per < kh * kw:
         return conv_forward(x, probe, geom)
+    groups = geom.groups
+    taps = probe.reshape(groups, outputs // groups, per, kh * kw).transpose(0, 1, 3, 2)
+    sums = _tap_sums(taps.reshape(groups, -1, per), x, geom.kernel)
     oh, ow = geom.output_size(height, width)
     (sh, sw), (dh, dw) = geom.stride, geom.dilation
     top, _, left, _ = geom.padding
-    taps = _tap_sums(probe, x, groups)
-    out = np.zeros((n, groups, oh, ow), taps.dtype)
+    out = np.zeros((*sums.shape[:3], oh, ow), sums.dtype)
     for i in range(kh):
         r0, r1, rows = _reach(i * dh - top, sh, oh, height)
         for j in range(kw):
             c0, c1, cols = _reach(j * dw - left, sw, ow, width)
             if r0 < r1 and c0 < c1:
-                out[:, :, r0:r1, c0:c1] += taps[:, :, i, j, rows, cols]
-    return out
+                out[..., r0:r1, c0:c1] += sums[:, :, :, i, j, rows, cols]
+    return out.reshape(n, outputs, oh, ow)
 
 
 def _one_channel_grad_input(
-    dy: Array,
-    probe: Array,
-    geom: ConvGeometry,
-    size: tuple[int, ...],
-    oh_lo: int,
-    rows: tuple[int, int],
+    dy: Array, probe: Array, geom: ConvGeometry, size: tuple[int, int]
 ) -> Array:
-    """``conv_grad_input`` of dy (grad-output rows from ``oh_lo``) with ``probe`` [OC, 1, kh,
-    kw], one input channel per group, for input rows ``rows`` of an input of ``size``: each
-    tap's sum over a group's output channels one matmul over dy, then the taps' sums added
-    where they land. dy is read once; the kernel would unfold it (stride 1) or walk it
-    channel by channel (one input channel: its direct path)."""
-    n, _, r, ow = dy.shape
-    groups, (kh, kw), width = geom.groups, probe.shape[2:], size[1]
+    """``conv_grad_input(dy, probe, geom)`` for ``probe`` [OC, P, kh, kw], few (P) input
+    channels per group, of an input of ``size``. Where a group has at least as many output
+    channels as taps, each tap's sum over them is one matmul over dy, and the taps' sums
+    are added where they land: dy is read once. Otherwise (depthwise) the kernel is cheaper."""
+    n, out_channels, r, ow = dy.shape
+    groups, (kh, kw), (height, width) = geom.groups, probe.shape[2:], size
+    per, inputs = out_channels // groups, probe.shape[1]
+    if per < kh * kw:
+        return conv_grad_input(dy, probe, geom, input_size=size)
+    taps = probe.reshape(groups, per, inputs * kh * kw).transpose(0, 2, 1)
+    sums = _tap_sums(taps, dy, geom.kernel)
     (sh, sw), (dh, dw) = geom.stride, geom.dilation
     top, _, left, _ = geom.padding
-    i0, i1 = rows
-    taps = _tap_sums(probe, dy, groups)
-    out = np.zeros((n, groups, i1 - i0, width), taps.dtype)
-    for i in range(kh):  # dy's row o reaches input row (oh_lo + o)·sh + i·dh − top
-        r0, r1, at_rows = _reach(oh_lo * sh + i * dh - top - i0, sh, r, i1 - i0)
+    out = np.zeros((n, groups, inputs, height, width), sums.dtype)
+    for i in range(kh):  # dy's row o reaches input row o·sh + i·dh − top
+        r0, r1, at_rows = _reach(i * dh - top, sh, r, height)
         for j in range(kw):
             c0, c1, at_cols = _reach(j * dw - left, sw, ow, width)
             if r0 < r1 and c0 < c1:
-                out[:, :, at_rows, at_cols] += taps[:, :, i, j, r0:r1, c0:c1]
-    return out
+                out[..., at_rows, at_cols] += sums[:, :, :, i, j, r0:r1, c0:c1]
+    return out.reshape(n, groups * inputs, height, width)
 
 
-def _tap_sums(probe: Array, x: Array, groups: int) -> Array:
-    """[N, G, kh, kw, H, W]: for each tap of ``probe`` (one channel per group, its other
-    channel axis over ``x``'s channels) its weighted sum of each group's channels of ``x``
-    [N, C, H, W], one matmul for them all."""
+def _tap_sums(taps: Array, x: Array, kernel: tuple[int, int]) -> Array:
+    """[N, G, P, kh, kw, H, W]: each of ``taps`` [G, P·kh·kw, channels per group] (P probes'
+    taps) as a weighted sum of its group's channels of ``x`` [N, C, H, W], one matmul for
+    them all."""
     n, channels, height, width = x.shape
-    per, (kh, kw) = channels // groups, probe.shape[2:]
-    taps = probe.reshape(groups, per, kh * kw).transpose(0, 2, 1)
-    sums: Array = np.matmul(taps, x.reshape(n, groups, per, height * width))
-    return sums.reshape(n, groups, kh, kw, height, width)
+    groups = taps.shape[0]
+    sums: Array = np.matmul(taps, x.reshape(n, groups, channels // groups, height * width))
+    return sums.reshape(n, groups, -1, *kernel, height, width)
 
 
 def _reach(offset: int, stride: int, out_len: int, in_len: int) -> tuple[int, int, slice]:

@@ -468,6 +468,7 @@ class Job:
         self.totals["tiles"] += len(tiles)
         if tiles:
             self.gemms[task.id] = task
+            emulator.verifier.prepare(task)
             if task.in_slab:
                 self.slab_gemm = task.id
         emulator.timeline.submit(  # an empty one too: its host_ns is coordinator time

@@ -243,6 +243,7 @@ class Emulator:
         if self._server is not None:
             await self._server.wait_closed()
         self._remove_shared()
+        self.verifier.close()
         local.end_emulator(self.token)
         if self._events is not None:
             self._events.close()  # the end of the compressed stream: then run.json

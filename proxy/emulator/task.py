@@ -14,6 +14,7 @@ import math
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -119,9 +120,10 @@ class Task:
     owner: Owner | None = None  # None: a task no job asked for (the timeline's tests)
     remaining: int = 0
     done: set[int] = field(default_factory=set)
-    # GEMM tiles stored but not yet verified (``verify``), each with its device: on the
-    # task, so that they go with it however it ends
+    # tiles stored but not yet verified (``verify``), each with its device, and the
+    # screen's reference being computed: on the task, so that they go with it however it ends
     unchecked: dict[int, tuple[TaskTile, Any]] = field(default_factory=dict)
+    screen: Future[Callable[[], np.ndarray]] | None = None
     devices: set[int] = field(default_factory=set)
     requeued: int = 0
     cancelled: bool = False

@@ -5,9 +5,10 @@ checks their results (``freivalds``: a screen for every tile, a float64 recomput
 for those it flags) and keeps the quarantine book: a device whose tile was wrong is
 dropped with the evidence (the tile goes to another device, and nothing of its result
 reaches the job), and a device of that name is refused for ``quarantine_s``, doubled each
-further time it is caught, when it comes back. A convolution tile is judged as it comes; a
-GEMM's tiles are stored and judged together once all are in (``settle``), one pass over
-the request's output instead of a dozen numpy calls per tile, before its job is answered.
+further time it is caught, when it comes back. A request's tiles are stored and judged
+together once all are in (``settle``), before its job is answered: one pass over its
+operands and output instead of a dozen numpy calls per tile (and, for a convolution's
+bands, no input row summed again for each band its halo reaches).
 """
 
 from __future__ import annotations
@@ -15,13 +16,16 @@ from __future__ import annotations
 import logging
 import secrets
 import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
 
 from . import freivalds
-from .conv_partition import AnyTile, ConvTileTask
+from .conv_partition import AnyTile, ConvTask, ConvTileTask
 from .partition import GemmTask, TileTask
 from .registry import DeviceRecord
 from .settings import parse_mode
@@ -90,63 +94,65 @@ class Verifier:
         }  # fmt: skip
         self.quarantines: list[Quarantine] = []
         self._refused: dict[str, tuple[float, int]] = {}  # name@host -> (until, times caught)
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="morphling-verify")
 
-    def check(self, tile: AnyTile, values: np.ndarray | None, source: DeviceRecord) -> str:
-        """Whether ``tile``'s result (``values``, or what its device, ``source``, wrote into
-        the output when None) may be stored: empty, else the evidence that it is wrong. A
-        convolution tile is judged now; a GEMM tile is stored and judged with the rest of
-        its request (``settle``), in one pass over the request's output. A check that
-        cannot run takes the tile unchecked, logged and counted: it must not lose the tile
-        or drop an honest device."""
+    def check(self, tile: AnyTile, source: DeviceRecord) -> None:
+        """Take note of ``tile``'s result, just stored by its device ``source``, unless it
+        is sampled out: it is judged with the rest of its request (``settle``)."""
         if self.fraction == 0.0:
-            return ""
+            return
         if self.fraction < 1.0 and self._rng.random() >= self.fraction:
             self.counts["sampled_out"] += 1
-            return ""
-        if isinstance(tile, TileTask):
-            if tile.id not in tile.gemm.done:  # (a duplicate is not stored)
-                tile.gemm.unchecked[tile.id] = (tile, source)
-            return ""
-        try:
-            return self._check_conv(tile, values)
-        except Exception:
-            log.exception("tile %d of request %d: its check failed; the result is taken "
-                          "unchecked", tile.id, tile.gemm.id)  # fmt: skip
-            self.counts["check_errors"] += 1
-            return ""
+            return
+        if tile.id not in tile.gemm.done:  # (a duplicate is not stored)
+            tile.gemm.unchecked[tile.id] = (tile, source)
 
-    def _check_conv(self, tile: ConvTileTask, values: np.ndarray | None) -> str:
-        c = tile.gemm.out[tile.index] if values is None else values.reshape(tile.shape)
-        if c.size == 0:
-            return ""
-        self.counts["checked"] += 1
-        if freivalds.screen_conv(tile, c, self._weights.take) is None:
-            return ""
-        self.counts["screened_out"] += 1
-        return self._judged(freivalds.confirm_conv(tile, c))
+    def prepare(self, task: Task) -> None:
+        """Under ``--verify all``, start ``task``'s screen (its weights, and its reference
+        from the operands alone) in a worker thread while devices compute its tiles: what
+        ``settle`` then does on the event loop is one pass over its product. Any failure is
+        ``settle``'s to count."""
+        if self.fraction == 1.0 and task.screen is None:
+            try:
+                task.screen = self._start(task)
+            except Exception:  # (computed again, and counted, by settle)
+                log.debug("request %d: its screen could not start", task.id, exc_info=True)
 
-    def settle(self, task: Task) -> list[tuple[TileTask, DeviceRecord, str]]:
+    def _start(self, task: Task) -> Future[Callable[[], np.ndarray]]:
+        """The screen of ``task``, being computed: its result judges the product."""
+        if isinstance(task, ConvTask):
+            screen = freivalds.ConvScreen(task, self._weights.take)
+            return self._worker.submit(lambda: partial(screen.flags, screen.reference()))
+        assert isinstance(task, GemmTask)
+        a, b = task.op_views()
+        signs = self._weights.take(b.shape[-1], task.out.dtype)
+
+        def reference() -> Callable[[], np.ndarray]:
+            return partial(freivalds.RequestCheck(a, b, task.block_edge, signs).screen, task.out)
+
+        return self._worker.submit(reference)
+
+    def settle(self, task: Task) -> list[tuple[AnyTile, DeviceRecord, str]]:
         """Every tile of ``task`` (all in) stored since it was last settled: those wrong,
-        with their devices and the evidence. They are to be computed again."""
+        with their devices and the evidence. They are to be computed again. A check that
+        cannot run takes the tiles unchecked, logged and counted: it must not lose them or
+        drop an honest device."""
         pending, task.unchecked = task.unchecked, {}
+        screen, task.screen = task.screen, None  # (tiles computed again: fresh weights)
         if not pending:
             return []
-        assert isinstance(task, GemmTask)
         self.counts["checked"] += len(pending)
         try:
-            a, b = task.op_views()
-            edge = task.block_edge
-            signs = self._weights.take(b.shape[-1], task.out.dtype)
-            bad = freivalds.RequestCheck(a, b, edge, signs).screen(task.out)
+            bad = (screen or self._start(task)).result()()
             found = []
             for tile, source in pending.values():
-                assert isinstance(tile, TileTask)
-                p, rows, cols = tile.pivot, slice(tile.r0, tile.r1), slice(tile.c0, tile.c1)
-                if not bad[p, rows, tile.c0 // edge].any():
+                assert isinstance(tile, TileTask | ConvTileTask)
+                if not _flagged(bad, tile):
                     continue
                 self.counts["screened_out"] += 1
-                why = freivalds.confirm(a[p, rows], b[p, :, cols], task.out[tile.index])
-                if self._judged(why):
+                why = _confirm(tile)
+                if why:
+                    self.counts["wrong"] += 1
                     found.append((tile, source, why))
             return found
         except Exception:
@@ -155,10 +161,9 @@ class Verifier:
             self.counts["check_errors"] += len(pending)
             return []
 
-    def _judged(self, why: str) -> str:
-        if why:
-            self.counts["wrong"] += 1
-        return why
+    def close(self) -> None:
+        """Stop the worker, dropping the screens not started."""
+        self._worker.shutdown(wait=False, cancel_futures=True)
 
     def quarantine(self, device: int, name: str, request: int, tile: int, evidence: str) -> None:
         """``device`` (``name``) sent a wrong ``tile`` of ``request``: log it, and refuse
@@ -203,3 +208,19 @@ class Verifier:
             **self.counts,
             "quarantines": [q.to_json() for q in self.quarantines],
         }
+
+
+def _flagged(bad: np.ndarray, tile: AnyTile) -> bool:
+    """Whether the screen's verdict on a request (``bad``) touches ``tile``."""
+    if isinstance(tile, ConvTileTask):
+        return freivalds.conv_flagged(bad, tile)
+    return bool(bad[tile.pivot, tile.r0 : tile.r1, tile.c0 // tile.gemm.block_edge].any())
+
+
+def _confirm(tile: AnyTile) -> str:
+    """The confirmation of a tile the screen flagged: why it is wrong, or empty."""
+    if isinstance(tile, ConvTileTask):
+        return freivalds.confirm_conv(tile, tile.gemm.out[tile.index])
+    a, b = tile.gemm.op_views()
+    rows, cols = slice(tile.r0, tile.r1), slice(tile.c0, tile.c1)
+    return freivalds.confirm(a[tile.pivot, rows], b[tile.pivot, :, cols], tile.gemm.out[tile.index])

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from morphling.kernels.blas import gemm
-from morphling.kernels.conv import ConvGeometry, conv_grad_input
+from morphling.kernels.conv import ConvGeometry, conv_forward, conv_grad_input
 from morphling.proxy.emulator import freivalds
 from morphling.proxy.emulator.conv_partition import make_conv_task
 from morphling.proxy.emulator.freivalds import RequestCheck, confirm, weights
@@ -162,9 +162,9 @@ CONV_CASES = {
 }
 
 
-def conv_tiles(case: tuple, kind: str, block: int, rng: np.random.Generator):
-    """The tiles the emulator cuts the convolution ``kind`` of ``case`` into, each with the
-    product an honest device computes (the kernels' own call)."""
+def conv_task(case: tuple, kind: str, block: int, rng: np.random.Generator):
+    """The convolution ``kind`` of ``case`` cut into tiles as the emulator cuts it, its
+    product as honest devices compute it (each tile by the kernels' own call)."""
     n, c, h, w, oc, kernel, stride, padding, dilation, groups = case
     geom = ConvGeometry(kernel, stride, dilation, padding, groups)
     oh, ow = geom.output_size(h, w)
@@ -175,31 +175,51 @@ def conv_tiles(case: tuple, kind: str, block: int, rng: np.random.Generator):
     shapes = {"input_shape": x.shape, "weight_shape": weight.shape}
     geometry = {"stride": stride, "padding": padding, "dilation": dilation, "groups": groups}
     request, _ = conv_request(1, kind, a, b, **shapes, **geometry)
-    for tile in make_conv_task(request).tiles(block, 1 << 20):
+    task = make_conv_task(request)
+    tiles = task.tiles(block, 1 << 20)
+    for tile in tiles:
         call, _, _ = freivalds.conv_call(tile)
-        yield tile, call(np.ascontiguousarray(tile.a), np.ascontiguousarray(tile.b))
+        task.out[tile.index] = call(np.ascontiguousarray(tile.a), np.ascontiguousarray(tile.b))
+    return task, tiles
 
 
 @pytest.mark.parametrize("kind", ["forward", "grad_input", "grad_weight"])
 @pytest.mark.parametrize("case", list(CONV_CASES))
-def test_convolution_tiles_honest_pass_and_one_corrupted_element_is_caught(case, kind):
+def test_convolution_requests_honest_pass_and_one_corrupted_element_flags_its_tile(case, kind):
     rng = np.random.default_rng(7)
 
     def draw(n, dtype):
         return freivalds.weights(rng, n, dtype)
 
     for block in (4, 16, 256):
-        for tile, c in conv_tiles(CONV_CASES[case], kind, block, rng):
-            assert freivalds.screen_conv(tile, c, draw) is None, (block, tile.out_shape)
-            assert freivalds.confirm_conv(tile, c) == ""
-            bad = c.copy()
-            flat = bad.reshape(-1)
+        task, tiles = conv_task(CONV_CASES[case], kind, block, rng)
+        flags = screen(task, draw)
+        assert not flags.any(), block
+        assert all(freivalds.confirm_conv(t, task.out[t.index]) == "" for t in tiles), block
+        for _ in range(3):
+            flat = task.out.reshape(-1)
             at = int(rng.integers(flat.size))
-            flat[at] += 0.05 * max(1e-3, float(np.sqrt(np.mean(c.astype(np.float64) ** 2))))
-            assert freivalds.screen_conv(tile, bad, draw) is not None, (block, at)
-            why = freivalds.confirm_conv(tile, bad)
-            where = ", ".join(map(str, np.unravel_index(at, bad.shape)))
-            assert why.startswith("1 of") and f"({where})" in why, why
+            honest = flat[at]
+            rms = float(np.sqrt(np.mean(task.out.astype(np.float64) ** 2)))
+            flat[at] += 0.05 * max(1e-3, rms)
+            where = np.unravel_index(at, task.out.shape)
+            (tile,) = [t for t in tiles if task.out[t.index].size and _holds(t.index, where)]
+            flags = screen(task, draw)
+            assert [t for t in tiles if freivalds.conv_flagged(flags, t)] == [tile], (block, at)
+            why = freivalds.confirm_conv(tile, task.out[tile.index])
+            inside = tuple(int(i) - (s.start or 0) for i, s in zip(where, tile.index, strict=True))
+            assert why.startswith("1 of") and f"({', '.join(map(str, inside))})" in why, why
+            flat[at] = honest
+
+
+def screen(task, draw):
+    """``ConvScreen``'s flags for ``task``'s product as it is now."""
+    check = freivalds.ConvScreen(task, draw)
+    return check.flags(check.reference())
+
+
+def _holds(index: tuple[slice, ...], where: tuple) -> bool:
+    return all(s.start is None or s.start <= i < s.stop for s, i in zip(index, where, strict=True))
 
 
 def test_an_infinite_or_huge_element_is_caught_where_the_product_is_finite():
@@ -241,18 +261,20 @@ def test_two_columns_swapped_are_caught_every_time():
 
 
 @pytest.mark.parametrize("case", list(CONV_CASES))
-def test_the_grad_input_screens_one_channel_reference_is_the_kernels_call(case):
-    """The screen's own grad input for one input channel per group (a matmul over dy per
-    tap, then shifted adds) equals ``conv_grad_input``'s, for every band of input rows."""
-    n, _, h, w, oc, kernel, stride, padding, dilation, groups = CONV_CASES[case]
+def test_the_screens_few_channel_references_are_the_kernels_calls(case):
+    """The screen's own forward and grad input for a few channels per group (a matmul per
+    tap, then shifted adds) equal ``conv_forward``'s and ``conv_grad_input``'s."""
+    n, c, h, w, oc, kernel, stride, padding, dilation, groups = CONV_CASES[case]
     geom = ConvGeometry(kernel, stride, dilation, padding, groups)
     oh, ow = geom.output_size(h, w)
     rng = np.random.default_rng(12)
-    probe = rng.standard_normal((oc, 1, *kernel))
-    for i0, i1 in {(0, h), (0, 1), (h // 3, max(h // 3 + 1, h - 1)), (h - 1, h)}:
-        lo, hi = geom.grad_output_rows(h, i0, i1)
-        lo, hi = max(0, lo - 1), min(oh, hi + 1)  # (a band may carry a row more either side)
-        dy = rng.standard_normal((n, oc, hi - lo, ow))
-        want = conv_grad_input(dy, probe, geom, input_size=(h, w), oh_lo=lo, rows=(i0, i1))
-        got = freivalds._one_channel_grad_input(dy, probe, geom, (h, w), lo, (i0, i1))
-        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12, err_msg=str((i0, i1)))
+    for few in (1, 2):
+        x = rng.standard_normal((n, c, h, w))
+        probe = rng.standard_normal((groups * few, c // groups, *kernel))
+        got = freivalds._one_channel_forward(x, probe, geom)
+        np.testing.assert_allclose(got, conv_forward(x, probe, geom), rtol=1e-12, atol=1e-12)
+        dy = rng.standard_normal((n, oc, oh, ow))
+        probe = rng.standard_normal((oc, few, *kernel))
+        want = conv_grad_input(dy, probe, geom, input_size=(h, w))
+        got = freivalds._one_channel_grad_input(dy, probe, geom, (h, w))
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12, err_msg=str(few))
