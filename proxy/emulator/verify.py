@@ -20,9 +20,12 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+from morphling.kernels import blas_info
+from threadpoolctl import ThreadpoolController
 
 from . import freivalds
 from .conv_partition import AnyTile, ConvTask, ConvTileTask
@@ -95,6 +98,7 @@ class Verifier:
         self.quarantines: list[Quarantine] = []
         self._refused: dict[str, tuple[float, int]] = {}  # name@host -> (until, times caught)
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="morphling-verify")
+        self._blas = _numpy_blas_on_one_thread() if self.fraction else None
 
     def check(self, tile: AnyTile, source: DeviceRecord) -> None:
         """Take note of ``tile``'s result, just stored by its device ``source``, unless it
@@ -162,8 +166,11 @@ class Verifier:
             return []
 
     def close(self) -> None:
-        """Stop the worker, dropping the screens not started."""
+        """Stop the worker, dropping the screens not started; numpy's BLAS threads back."""
         self._worker.shutdown(wait=False, cancel_futures=True)
+        if self._blas is not None:
+            self._blas.restore_original_limits()
+            self._blas = None
 
     def quarantine(self, device: int, name: str, request: int, tile: int, evidence: str) -> None:
         """``device`` (``name``) sent a wrong ``tile`` of ``request``: log it, and refuse
@@ -208,6 +215,19 @@ class Verifier:
             **self.counts,
             "quarantines": [q.to_json() for q in self.quarantines],
         }
+
+
+def _numpy_blas_on_one_thread() -> Any:
+    """Hold numpy's BLAS (any BLAS loaded but the kernels' own, whose threads are set per
+    device thread) to one thread until the returned limiter is restored. The screens'
+    products are thin (a few channels, a few columns per block): more threads gain them
+    nothing, and that BLAS has one thread count for the whole process, whose idle threads
+    spin after each call on the cores the devices compute on (an embedded fleet's)."""
+    own = Path(blas_info().path).resolve().name
+    loaded = ThreadpoolController().select(user_api="blas")
+    others = [lib.filepath for lib in loaded.lib_controllers
+              if Path(lib.filepath).resolve().name != own]  # fmt: skip
+    return loaded.select(filepath=others).limit(limits=1)
 
 
 def _flagged(bad: np.ndarray, tile: AnyTile) -> bool:

@@ -8,13 +8,15 @@ import asyncio
 import json
 import sys
 import threading
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from morphling.kernels import CpuBackend, WorkerPool
+from morphling.kernels import CpuBackend, WorkerPool, blas_info
 from morphling.kernels._native import ffi
 from morphling.proxy.emulator.settings import EmulatorConfig, parse_mode
+from morphling.proxy.emulator.verify import Verifier
 from processes import load_script
 from serving import (
     TIMEOUT,
@@ -25,6 +27,7 @@ from serving import (
     torch,
     wait_for_condition,
 )
+from threadpoolctl import threadpool_info
 
 from morphling.config import ConfigError
 
@@ -77,6 +80,35 @@ def test_verify_modes(text, fraction):
 def test_a_bad_verify_mode_is_refused_naming_the_forms(text):
     with pytest.raises(ConfigError, match=r"--verify .*expected all, sample:P"):
         EmulatorConfig(verify=text)
+
+
+def numpy_blas_threads() -> int:
+    return next(lib["num_threads"] for lib in threadpool_info()
+                if lib["filepath"] == numpy_blas["filepath"])  # fmt: skip
+
+
+def is_kernels_blas(path: str) -> bool:
+    return Path(path).resolve().name == Path(blas_info().path).resolve().name
+
+
+numpy_blas = next(lib for lib in threadpool_info() if lib["user_api"] == "blas")
+
+
+@pytest.mark.skipif(is_kernels_blas(numpy_blas["filepath"]), reason="numpy computes with the "
+                    "kernels' own BLAS here: its threads are set per device thread")  # fmt: skip
+def test_a_verifier_holds_numpy_blas_to_one_thread_and_not_the_kernels_blas():
+    kernels = [lib for lib in threadpool_info() if is_kernels_blas(lib["filepath"])]
+    assert kernels, "the kernels' BLAS is loaded (blas_info) and seen"
+    before = numpy_blas_threads()
+    verifier = Verifier("all", 0.0)
+    try:
+        assert numpy_blas_threads() == 1
+        assert [lib for lib in threadpool_info() if is_kernels_blas(lib["filepath"])] == kernels
+    finally:
+        verifier.close()
+    assert numpy_blas_threads() == before
+    Verifier("off", 0.0).close()  # (nothing to screen: nothing held)
+    assert numpy_blas_threads() == before
 
 
 async def test_a_corrupting_device_is_caught_every_time_and_quarantined(fleet, tmp_path):
