@@ -3,8 +3,9 @@
 A device receives the input region its tile needs, halo included, never the unfolded
 (im2col) matrix, so links carry activations. It unfolds the region locally (in C,
 ``c/unfold.c``) and multiplies with this package's BLAS (``blas.gemm``): an implicit
-GEMM. Depthwise convolutions (each output channel reads one input channel) take direct C
-kernels instead (``c/depthwise.c``): row by row, kh·kw vectorised multiply-adds per row,
+GEMM, a run of images at a time, so that each unfold is read while it is still in cache.
+Depthwise convolutions (each output channel reads one input channel) take direct C kernels
+instead (``c/depthwise.c``): row by row, kh·kw vectorised multiply-adds per row,
 the padding skipped rather than copied, and never the kh·kw times larger unfolded copy.
 Bias is the caller's: it is added, and its gradient summed, where the whole output is.
 
@@ -191,9 +192,14 @@ def conv_forward(x: Array, w: Array, geom: ConvGeometry, out: Array | None = Non
         cgeom = _c_geometry(geom, x.shape, w.shape[0], (oh, ow))
         _filled(y, lambda dst: _direct("forward", cgeom, x, w, dst))
     else:
-        cols = _unfold(x, geom, oh, ow)  # [G, K, N·P]
-        yk = gemm(_grouped(w, geom.groups), cols)  # [G, OC/G, N·P]
-        y[...] = yk.reshape(w.shape[0], n, oh, ow).transpose(1, 0, 2, 3)
+        weights = _grouped(w, geom.groups)
+        for n0, n1 in _image_chunks(x, geom, oh * ow):
+            cols = _unfold(x[n0:n1], geom, oh, ow)  # [G, K, images·P]
+            if n1 - n0 == 1 and y.flags.c_contiguous:
+                gemm(weights, cols, y[n0].reshape(geom.groups, -1, oh * ow))
+            else:
+                yk = gemm(weights, cols)  # [G, OC/G, images·P]
+                y[n0:n1] = yk.reshape(w.shape[0], n1 - n0, oh, ow).transpose(1, 0, 2, 3)
     return y
 
 
@@ -274,10 +280,8 @@ def conv_grad_weight(x: Array, dy: Array, geom: ConvGeometry, out: Array | None 
         cgeom = _c_geometry(geom, x.shape, dy.shape[1], (oh, ow))
         _filled(dw, lambda dst: _direct("grad_weight", cgeom, x, dy, dst))
     else:
-        cols = _unfold(x, geom, oh, ow)  # [G, K, N·P]
-        dy_rows = _channel_major(dy, groups)
-        _filled(dw, lambda dst: gemm(dy_rows, cols.transpose(0, 2, 1),
-                                     dst.reshape(groups, -1, cols.shape[1])))  # fmt: skip
+        per = dw[0].size
+        _filled(dw, lambda dst: _grad_weight_gemm(x, dy, geom, dst.reshape(groups, -1, per)))
     return dw
 
 
@@ -350,6 +354,8 @@ def _filled(out: Array, fill: Callable[[Array], object]) -> None:
 
 _unfolds = threading.local()  # ``_scratch``'s buffer, one per worker thread
 _ALIGN = 64
+_CHUNK_BYTES = 4 << 20  # an unfold of about this many bytes at a time (``_image_chunks``)
+_CHUNK_COLUMNS = 512
 _C_TYPES = {np.dtype(np.float32): ("f32", "float[]"), np.dtype(np.float64): ("f64", "double[]")}
 
 
@@ -411,6 +417,16 @@ def _scratch(shape: tuple[int, ...], dtype: np.dtype[Any]) -> Array:
     return buffer[:nbytes].view(dtype).reshape(shape)
 
 
+def _image_chunks(x: Array, geom: ConvGeometry, positions: int) -> list[tuple[int, int]]:
+    """x's images in runs whose unfold is about ``_CHUNK_BYTES`` (so that it is read by
+    the GEMM while still in cache, not written out to memory and read back), and at least
+    ``_CHUNK_COLUMNS`` columns (an efficient GEMM's) where there are images enough."""
+    n, channels = x.shape[:2]
+    per_image = channels * geom.kernel[0] * geom.kernel[1] * positions * x.itemsize
+    images = max(1, _CHUNK_BYTES // max(1, per_image), -(-_CHUNK_COLUMNS // max(1, positions)))
+    return [(n0, min(n0 + images, n)) for n0 in range(0, n, images)]
+
+
 def _grouped(w: Array, groups: int) -> Array:
     """w as [G, OC/G, (C/G)·kh·kw]."""
     return np.ascontiguousarray(w).reshape(groups, w.shape[0] // groups, -1)
@@ -454,6 +470,18 @@ def _grad_input_forward(
     padding = (reached[0] - start, stop - reached[1], c0 - first, last - c1)
     reverse = ConvGeometry(geom.kernel, (1, 1), geom.dilation, padding, groups)
     return conv_forward(dy[:, :, :, c0:c1], flipped, reverse, out=dx)
+
+
+def _grad_weight_gemm(x: Array, dy: Array, geom: ConvGeometry, dw: Array) -> None:
+    """dw [G, OC/G, K] = Σ over runs of images of dy's rows times the run's unfolded x."""
+    oh, ow = dy.shape[2:]
+    chunks = _image_chunks(x, geom, oh * ow)
+    if not chunks:  # no images: nothing summed
+        dw[...] = 0
+    for i, (n0, n1) in enumerate(chunks):
+        cols = _unfold(x[n0:n1], geom, oh, ow)  # [G, K, images·P]
+        rows = _channel_major(dy[n0:n1], geom.groups)
+        gemm(rows, cols.transpose(0, 2, 1), dw, beta=0.0 if i == 0 else 1.0)
 
 
 def _shares_gemm(dy: Array, w: Array, geom: ConvGeometry) -> Callable[[int, int], Array]:

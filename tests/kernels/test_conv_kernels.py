@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from morphling.kernels import (
     ConvGeometry,
+    conv,
     conv_flops,
     conv_forward,
     conv_grad_input,
@@ -162,6 +163,22 @@ def test_matches_torch(name, dtype):
     rng = np.random.default_rng(len(name))
     x, w = inputs(
         rng, n, channels, height, width, (oc, channels // geom.groups, *geom.kernel), dtype
+    )
+    check_all(x, w, geom, rng)
+
+
+@pytest.mark.parametrize("columns", [1, 40])  # runs of one image (y written in place), of 3
+@pytest.mark.parametrize("groups", [1, 2])
+def test_runs_of_images_match_torch(monkeypatch, columns, groups):
+    """The unfold is made a run of images at a time, the grad weight summed over the runs:
+    with runs far smaller than the batch (the last one short), every call is torch's."""
+    monkeypatch.setattr(conv, "_CHUNK_BYTES", 1)
+    monkeypatch.setattr(conv, "_CHUNK_COLUMNS", columns)
+    geom = ConvGeometry((3, 3), padding=(1, 1, 1, 1), groups=groups)
+    rng = np.random.default_rng(groups)
+    x, w = inputs(rng, 7, 4, 4, 4, (6, 4 // groups, 3, 3), np.float32)  # 16 positions
+    assert [b - a for a, b in conv._image_chunks(x, geom, 16)] == (
+        [1] * 7 if columns == 1 else [3, 3, 1]
     )
     check_all(x, w, geom, rng)
 
