@@ -89,15 +89,18 @@ _DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 def _ints(name: str, value: Any, count: int, least: int) -> tuple[int, ...]:
     """``value`` as a tuple of ``count`` ints >= ``least`` (lists too: msgpack decodes to lists)."""
-    if (
-        isinstance(value, str | bytes)
-        or not isinstance(value, Sequence)
-        or len(value) != count
-        or not all(isinstance(v, int | np.integer) and not isinstance(v, bool) for v in value)
-        or min(value) < least
+    if type(value) is tuple and len(value) == count and all(type(v) is int for v in value):
+        if min(value) >= least:  # (the common case, a geometry's own fields: a tile's)
+            return value
+    elif (
+        isinstance(value, Sequence)
+        and not isinstance(value, str | bytes)
+        and len(value) == count
+        and all(isinstance(v, int | np.integer) and not isinstance(v, bool) for v in value)
+        and min(value) >= least
     ):
-        raise ValueError(f"ConvGeometry: {name}={value!r}: expected {count} integers >= {least}")
-    return tuple(int(v) for v in value)
+        return tuple(int(v) for v in value)
+    raise ValueError(f"ConvGeometry: {name}={value!r}: expected {count} integers >= {least}")
 
 
 def _out_len(padded: int, kernel: int, stride: int, dilation: int) -> int:
