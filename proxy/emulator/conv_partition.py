@@ -182,7 +182,7 @@ class ConvTask(Task):
         default_factory=dict, repr=False
     )
     # its tiles' channel blocks within a group (grad_weight: of each group's input channels),
-    # which the screen sums over (``freivalds.screen_conv``), once cut
+    # which the screen sums over (``freivalds.ConvScreen``), once cut
     screen_pieces: tuple[tuple[int, int], ...] = ()
 
     def tile_geometry(self, padding: tuple[int, int, int, int], groups: int) -> ConvGeometry:

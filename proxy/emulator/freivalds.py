@@ -8,7 +8,7 @@ at once, and screens the request's whole output when its tiles are in: one pass 
 of A, B and C per request, not per tile.
 
 A convolution is checked through its GEMM view (an implicit GEMM: y = W·unfold(x)), never
-unfolding x, all its tiles at once (``screen_conv``): its product's channels in each of
+unfolding x, all its tiles at once (``ConvScreen``): its product's channels in each of
 its tiles' channel blocks within a group are summed with random weights u (forward:
 output channels; grad input: input channels), and the same sums are computed from the
 request's operands with one channel per block — Σu·W applied to x or to dy, each tap's
@@ -361,7 +361,7 @@ def _absolute(reference: Callable[[Array, Array], Array], operands: tuple[Array,
 
 
 def conv_flagged(flags: Array, tile: ConvTileTask) -> bool:
-    """Whether ``screen_conv``'s ``flags`` touch ``tile``'s part of the product."""
+    """Whether ``ConvScreen.flags`` touch ``tile``'s part of the product."""
     at = tile.out_index
     first = 0 if tile.gemm.request.kind == "grad_weight" else 1
     return bool(flags[at[first], at[first + 1]].any())
