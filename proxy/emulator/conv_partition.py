@@ -223,7 +223,7 @@ class ConvTask(Task):
         if self.request.kind == "grad_weight":
             self.screen_pieces = tuple(seconds(firsts[0]))
         else:
-            per = (firsts[-1][1]) // self.geometry.groups
+            per = firsts[-1][1] // self.geometry.groups  # (the last block ends the channels)
             self.screen_pieces = tuple((lo, min(hi, per)) for lo, hi, _ in firsts if lo < per)
         return tiles
 

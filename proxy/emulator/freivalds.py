@@ -112,13 +112,8 @@ class RequestCheck:
         device's does not cover the difference."""
         with np.errstate(over="ignore", invalid="ignore"):  # a huge element: flagged below
             got = _block_products(c, self.signs, self.edge)
-        k = self.a.shape[-1]
-        unit, floor = LAMBDA * unit_roundoff(c.dtype) * math.sqrt(k), _floor(k, c.dtype)
-        device = 2 * _block_norms(c, self.edge)
-        bad = _outside(got, self.reference, unit * device + floor)
-        if bad.any():
-            bad &= _outside(got, self.reference, unit * (device + self.scale) + floor)
-        return bad
+        norms = _block_norms(c, self.edge)
+        return _off(got, self.reference, norms, lambda: self.scale, self.a.shape[-1], c.dtype)
 
 
 def confirm(a: Array, b: Array, c: Array) -> str:
