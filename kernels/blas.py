@@ -1,15 +1,24 @@
-"""CPU GEMM through MKL (preferred) or OpenBLAS, chosen once per process.
+"""CPU GEMM through MKL or OpenBLAS, chosen once per process.
 
 MKL comes from the ``mkl`` wheel (``libmkl_rt.so.3`` under the environment's
-``lib/``); where it is missing (ARM boards) or refused, OpenBLAS is used and
-the reason is logged. ``MORPHLING_BLAS`` picks ``auto`` (default), ``mkl``,
-``openblas`` or a library path.
+``lib/``), OpenBLAS from ``scipy-openblas32``. ``MORPHLING_BLAS`` picks ``auto``
+(default), ``mkl``, ``openblas`` or a library path. ``auto`` takes MKL on Intel
+CPUs and OpenBLAS on the others: MKL runs its AVX2 code on a non-Intel CPU even
+where the CPU has AVX-512, at about half the rate of OpenBLAS's AVX-512 kernels.
+Where the preferred library is missing (MKL on ARM boards) or refused, the other
+is used and the reason is logged.
+
+OpenBLAS picks its kernels by CPU model, and takes a model it does not know
+(a newer AMD family) for an AVX2 one. On a non-Intel CPU with AVX-512 it is
+therefore opened as ``SkylakeX``, its AVX-512 kernels, unless
+``OPENBLAS_CORETYPE`` says otherwise; the version string names the kernels used.
 
 Threads: PyTorch's CPU build runs MKL on GNU OpenMP (libgomp). Loading MKL's
 Intel threading layer next to it would start a second OpenMP runtime, and the
 two would oversubscribe the cores. MKL is therefore put on the GNU layer by
 default (``MORPHLING_MKL_THREADING``: gnu, intel, sequential, tbb), and the
-thread count is set per worker thread (``set_threads``).
+thread count is set per worker thread (``set_threads``). OpenBLAS has one
+count for the whole process: the first ``set_threads`` sets it.
 """
 
 from __future__ import annotations
@@ -42,7 +51,29 @@ class BlasInfo:
     path: str
     version: str
     threading: str
-    fallback_reason: str | None = None
+    why_not_mkl: str | None = None  # None where it is MKL
+
+
+_AVX512 = {"avx512f", "avx512bw", "avx512dq", "avx512vl"}  # what SkylakeX's kernels use
+
+
+def _x86_cpu() -> tuple[str, set[str]]:
+    """The first CPU's vendor and flags from ``/proc/cpuinfo``; ("", set()) where it
+    says neither (another architecture, or no /proc)."""
+    vendor, flags = "", set[str]()
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return vendor, flags
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "vendor_id":
+            vendor = value.strip()
+        elif key.strip() == "flags":
+            flags = set(value.split())
+        elif not line.strip() and (vendor or flags):
+            break
+    return vendor, flags
 
 
 def _mkl_candidates() -> list[str]:
@@ -91,42 +122,71 @@ def _settings() -> tuple[str, str, int | None]:
 
 def _load() -> BlasInfo:
     choice, threading_name, threads = _settings()
-    layer = _MKL_LAYERS[threading_name]
-
+    vendor, flags = _x86_cpu()
     errors: list[str] = []
+    if choice == "auto" and vendor not in ("", "GenuineIntel"):
+        why = f"{vendor} CPU: MKL would run its AVX2 code"
+        info = _open_openblas(_openblas_candidates(), why, threads, vendor, flags, errors)
+        if info is not None:
+            log.info("BLAS: using openblas at %s (%s)", info.path, why)
+            return info
     if choice in ("auto", "mkl"):
         for path in _mkl_candidates():
-            reason = _open(path, "", layer)
+            reason = _open(path, "", _MKL_LAYERS[threading_name])
             if reason is None:
                 return _info("mkl", path, threading_name, None, threads)
             errors.append(reason)
         if choice == "mkl":
             raise RuntimeError("MKL requested but not loadable: " + "; ".join(errors))
-    fallback = None
     if choice == "auto":
-        fallback = "MKL not loadable: " + "; ".join(errors)
-    elif choice == "openblas":
-        fallback = "MORPHLING_BLAS=openblas"
+        why = "MKL not loadable: " + "; ".join(errors)
+    else:
+        why = f"MORPHLING_BLAS={choice}" if choice == "openblas" else "MORPHLING_BLAS is a path"
     candidates = [(choice, "")] if Path(choice).exists() else _openblas_candidates()
-    for path, prefix in candidates:
-        reason = _open(path, prefix, -1)
-        if reason is None:
-            name = "mkl" if lib.mg_blas_is_mkl() else "openblas"
-            info = _info(name, path, "native", fallback, threads)
-            level = logging.WARNING if choice == "auto" else logging.INFO
-            log.log(level, "BLAS: using %s at %s (%s)", info.name, path, fallback)
-            return info
-        errors.append(reason)
-    raise RuntimeError("no usable BLAS library: " + "; ".join(errors))
+    info = _open_openblas(candidates, why, threads, vendor, flags, errors)
+    if info is None:
+        raise RuntimeError("no usable BLAS library: " + "; ".join(errors))
+    level = logging.WARNING if choice == "auto" else logging.INFO
+    log.log(level, "BLAS: using %s at %s (%s)", info.name, info.path, why)
+    return info
+
+
+def _open_openblas(
+    candidates: list[tuple[str, str]],
+    why: str,
+    threads: int | None,
+    vendor: str,
+    flags: set[str],
+    errors: list[str],
+) -> BlasInfo | None:
+    """The first candidate that opens, as OpenBLAS's AVX-512 kernels on a non-Intel CPU
+    that has them (the module docstring says why); None, with the reasons in ``errors``."""
+    forced = "OPENBLAS_CORETYPE" not in os.environ
+    forced = forced and vendor not in ("", "GenuineIntel") and flags >= _AVX512
+    try:
+        if forced:
+            os.environ["OPENBLAS_CORETYPE"] = "SkylakeX"  # read once, as the library loads
+        for path, prefix in candidates:
+            reason = _open(path, prefix, -1)
+            if reason is None:
+                name = "mkl" if lib.mg_blas_is_mkl() else "openblas"
+                return _info(name, path, "native", why, threads)
+            errors.append(reason)
+    finally:
+        if forced:
+            del os.environ["OPENBLAS_CORETYPE"]
+    return None
 
 
 def _info(
     name: str, path: str, threading_name: str, reason: str | None, threads: int | None
 ) -> BlasInfo:
+    global _process_threads
     buf = ffi.new("char[]", 512)
     lib.mg_blas_version(buf, 512)
     version = c_text(ffi.string(buf)).strip()
     if threads is not None:
+        _process_threads = threads
         lib.mg_blas_set_threads(threads, 0)
     log.debug("BLAS: %s %s (%s) threading=%s", name, version, path, threading_name)
     return BlasInfo(name, path, version, threading_name, reason)
@@ -134,6 +194,7 @@ def _info(
 
 _lock = threading.Lock()
 _loaded: BlasInfo | None = None
+_process_threads: int | None = None  # OpenBLAS's one count, once it is set
 
 
 def blas_info() -> BlasInfo:
@@ -152,22 +213,29 @@ _warned_threads = False
 def set_threads(n: int) -> None:
     """Threads for BLAS calls made from the calling thread.
 
-    Only MKL has per-thread counts. OpenBLAS's count is process-wide, and
-    changing it while another thread computes is unsafe, so there it is left
-    alone (set ``MORPHLING_BLAS_THREADS`` instead) and a warning is logged once.
+    MKL has per-thread counts. OpenBLAS's count is process-wide, and changing it while
+    another thread computes is unsafe, so the first call sets it (the workers of a pool
+    start together, before any of them computes) unless ``MORPHLING_BLAS_THREADS`` has,
+    and a later different count is logged once and left alone.
     """
-    global _warned_threads
+    global _process_threads, _warned_threads
     if n < 1:
         raise ValueError(f"threads={n}: must be >= 1")
     info = blas_info()
-    if lib.mg_blas_set_threads(n, 1) != 0 and not _warned_threads:
-        _warned_threads = True
-        log.warning(
-            "%s has no per-thread thread count; threads=%d ignored "
-            "(use MORPHLING_BLAS_THREADS for a process-wide count)",
-            info.name,
-            n,
-        )
+    if lib.mg_blas_set_threads(n, 1) == 0:
+        return
+    with _lock:
+        if _process_threads is None:
+            _process_threads = n
+            lib.mg_blas_set_threads(n, 0)
+        elif n != _process_threads and not _warned_threads:
+            _warned_threads = True
+            log.warning(
+                "%s has one thread count per process: threads=%d ignored, %d kept",
+                info.name,
+                n,
+                _process_threads,
+            )
 
 
 def run_plan(plan: GemmPlan) -> None:

@@ -28,8 +28,8 @@ def _version(args: argparse.Namespace) -> int:
 
         info = blas_info()
         print(f"blas: {info.name} ({info.version}) from {info.path}; threading {info.threading}")
-        if info.fallback_reason:
-            print(f"blas fallback: {info.fallback_reason}")
+        if info.why_not_mkl:
+            print(f"blas: not MKL because {info.why_not_mkl}")
         print(f"cuda driver: {cuda_status()}")
         print(f"cublasxt: {cublasxt_status()}")
         print(f"green contexts: {green_context_status()}")

@@ -16,7 +16,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from morphling.kernels import (
     BufferPool,
-    blas_info,
     gemm,
     plan_explicit,
     plan_gemm,
@@ -24,6 +23,7 @@ from morphling.kernels import (
     set_threads,
 )
 from morphling.kernels._native import ffi
+from morphling.kernels.blas import _x86_cpu
 
 DTYPES = [np.float32, np.float64]
 
@@ -275,16 +275,62 @@ def test_gil_is_released_during_the_call():
 
 def test_mkl_runs_on_gnu_openmp_beside_torch():
     """One OpenMP runtime: MKL on libgomp (as torch), no libiomp5 in the process."""
-    info = blas_info()
-    if info.name != "mkl":
-        pytest.skip(f"BLAS is {info.name}: {info.fallback_reason}")
-    assert info.threading == "gnu"
-    torch.mm(torch.ones(64, 64), torch.ones(64, 64))
-    gemm(np.ones((256, 256), np.float32), np.ones((256, 256), np.float32))
-    with open("/proc/self/maps") as maps:
-        mapped = maps.read()
-    assert "libgomp" in mapped
-    assert "libiomp5" not in mapped
+    code = (
+        "import numpy as np, torch\n"
+        "from morphling.kernels import blas_info, gemm\n"
+        "info = blas_info()\n"
+        "torch.mm(torch.ones(64, 64), torch.ones(64, 64))\n"
+        "gemm(np.ones((256, 256), np.float32), np.ones((256, 256), np.float32))\n"
+        "maps = open('/proc/self/maps').read()\n"
+        "print(info.name, info.threading, 'libgomp' in maps, 'libiomp5' in maps)\n"
+    )
+    proc = _run_isolated(code, MORPHLING_BLAS="mkl")
+    if "MKL requested but not loadable" in proc.stderr:
+        pytest.skip("MKL is not installed here (an ARM host)")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["mkl", "gnu", "True", "False"]
+
+
+def test_auto_takes_mkl_on_intel_and_openblas_elsewhere():
+    """MKL runs its AVX2 code on other vendors' CPUs: there ``auto`` takes OpenBLAS,
+    opened as its AVX-512 kernels where the CPU has them and nobody said otherwise."""
+    vendor, flags = _x86_cpu()
+    if not vendor:
+        pytest.skip("/proc/cpuinfo names no x86 vendor here")
+    code = (
+        "from morphling.kernels import blas_info; i = blas_info()\n"
+        "print(i.name, '|', i.version, '|', i.why_not_mkl)"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("MORPHLING_BLAS", "OPENBLAS_CORETYPE")}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    name, version, why = proc.stdout.strip().split(" | ")
+    if vendor == "GenuineIntel":
+        assert name == "mkl"
+        return
+    assert name == "openblas", proc.stderr
+    assert why == f"{vendor} CPU: MKL would run its AVX2 code"
+    if {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= flags:
+        assert "SkylakeX" in version
+    told = _run_isolated(code, OPENBLAS_CORETYPE="Haswell", MORPHLING_BLAS="openblas")
+    assert told.returncode == 0, told.stderr
+    assert "Haswell" in told.stdout  # a core named by the user is kept
+
+
+def test_openblas_takes_the_first_thread_count_for_the_process():
+    code = (
+        "from morphling.kernels import blas\n"
+        "from threadpoolctl import threadpool_info\n"
+        "blas.set_threads(1)\n"
+        "blas.set_threads(2)\n"
+        "own = blas.blas_info().path\n"
+        "print([i['num_threads'] for i in threadpool_info() if i['filepath'] == own])\n"
+    )
+    proc = _run_isolated(code, MORPHLING_BLAS="openblas")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[1]"
+    assert "one thread count per process: threads=2 ignored, 1 kept" in proc.stderr
 
 
 def _run_isolated(code: str, **env: str) -> subprocess.CompletedProcess:
@@ -305,7 +351,7 @@ def test_openblas_fallback_computes_and_says_why():
         "a = np.random.rand(37, 19).astype(np.float32)\n"
         "b = np.random.rand(19, 23).astype(np.float32)\n"
         "assert np.allclose(gemm(a, b.T.copy().T), a @ b, rtol=1e-5, atol=1e-5)\n"
-        "i = blas_info(); print(i.name, '|', i.fallback_reason)\n"
+        "i = blas_info(); print(i.name, '|', i.why_not_mkl)\n"
     )
     proc = _run_isolated(code, MORPHLING_BLAS="openblas")
     assert proc.returncode == 0, proc.stderr
