@@ -31,6 +31,18 @@ def render_group(name: str, figures: dict) -> str:
     return f"| `{name}` | {values} | {targets or '—'} | {verdict} |"
 
 
+def render_published(groups: dict[str, dict]) -> list[str]:
+    """A file of published measurements (``calibration.json``), one row each: what was
+    published beside what Morphling emulates for it."""
+    rows = ["| board | model | published s | emulated s | emulated / published | role |",
+            "|---|---|---|---|---|---|"]  # fmt: skip
+    for g in groups.values():
+        cells = [f"`{g['board']}`", g["model"], g["published_s"], g["emulated_s"], g["ratio"],
+                 g["role"]]  # fmt: skip
+        rows.append("| " + " | ".join("—" if c is None else str(c) for c in cells) + " |")
+    return rows
+
+
 def render(results_dir: Path) -> str:
     parts = [HEADER]
     for path in sorted(results_dir.glob("*.json")):
@@ -39,6 +51,9 @@ def render(results_dir: Path) -> str:
         parts.append(f"\n## {path.stem} (`{path.as_posix()}`)\n")
         if meta:
             parts.append("Run: " + "; ".join(f"{k} {v}" for k, v in meta.items()) + "\n")
+        if all("published_s" in figures for figures in data.values()):
+            parts.extend(render_published(data))
+            continue
         parts.append("| group | figures | target | this run |\n|---|---|---|---|")
         parts.extend(render_group(name, figures) for name, figures in data.items())
     return "\n".join(parts) + "\n"

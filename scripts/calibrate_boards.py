@@ -14,9 +14,10 @@ The emulated step is ``A + B/e + C/d``: the coordinator's work, the links and th
 (A) do not depend on e and d, the convolution tiles' FLOPs do, dense (B) and depthwise (C)
 apart. Three runs with (e, d) = (1, 1), (1/2, 1), (1, 1/2) give A, B and C (two for a model
 without depthwise convolutions); the Pi 4's two figures then fix its e and d, the Pi 5's one
-its e, its d keeping the Pi 4's ratio d/e. ``--check`` runs each model once with the built-in
-profiles as they are, beside the published figure: the calibration table of BENCHMARKS.md
-(``make bench`` writes it to ``bench-results/calibration.json``).
+its e, its d keeping the Pi 4's ratio d/e. ``--check`` trains each model for a step on
+every built-in board as it is, beside the published figure where there is one: the
+calibration table of BENCHMARKS.md (``make bench`` writes it to
+``bench-results/calibration.json``); the other pairs are the profiles' predictions.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-from edge_cnns import train
+from edge_cnns import MODELS, train
 from morphling.devices.models.profiles import BUILTIN
 from morphling.devices.profiler.toml_writer import dump_toml
 from morphling.proxy.emulator.settings import EmulatorConfig
@@ -41,6 +42,7 @@ BATCH, SIZE = 16, 224
 PUBLISHED = {("rpi4", "resnet18"): 10.92, ("rpi4", "mobilenet_v2"): 15.27,
              ("rpi5", "resnet18"): 5.84}  # fmt: skip
 _MODELS = ("flops", "depthwise_flops")
+RUN = "--devices BOARD:1 --coordinator BOARD --link ideal --cooling fan"
 
 
 def emulated_step(board: str, model: str, scale: tuple[float, float], where: Path) -> float:
@@ -53,8 +55,14 @@ def emulated_step(board: str, model: str, scale: tuple[float, float], where: Pat
     tables["conv"] = conv
     path = where / f"{board}-{scale[0]}-{scale[1]}.toml"
     path.write_text(dump_toml({"profile": fields, **{k: v for k, v in tables.items() if v}}))
-    config = EmulatorConfig(run_dir=str(where / f"run-{path.stem}-{model}"), events="off")
-    with emulate(devices=f"{path}:1", coordinator=str(path), link="ideal", cooling="fan",
+    return one_board_step(str(path), model, where)
+
+
+def one_board_step(board: str, model: str, where: Path) -> float:
+    """Emulated seconds of one training step of ``model`` on ``board`` (a built-in name or
+    a profile file) as its own coordinator, as ``RUN`` says."""
+    config = EmulatorConfig(run_dir=str(where / f"run-{Path(board).stem}-{model}"), events="off")
+    with emulate(devices=f"{board}:1", coordinator=board, link="ideal", cooling="fan",
                  config=config) as session:  # fmt: skip
         train(model, BATCH, SIZE, 1)
     return session.steps[-1].emulated_s
@@ -88,21 +96,27 @@ def solve(where: Path) -> dict[str, dict[str, float]]:
 
 
 def check(where: Path) -> dict[str, object]:
-    """Each published figure beside the built-in profile's emulated step, as
-    ``bench-results/calibration.json``'s groups (BENCHMARKS.md's calibration table)."""
-    run = "--devices BOARD:1 --coordinator BOARD --link ideal --cooling fan"
+    """Every built-in board and model, each published figure beside its emulated step, as
+    ``bench-results/calibration.json``'s groups (BENCHMARKS.md's calibration table). The
+    pairs REFERENCE.md has no figure for are the profiles' predictions."""
     meta = {"source": "REFERENCE.md, Flower's Raspberry Pi benchmark", "batch": BATCH,
-            "image": f"3x{SIZE}x{SIZE}", "run": run, "steps": 1}  # fmt: skip
+            "image": f"3x{SIZE}x{SIZE}", "run": RUN, "steps": 1,
+            "roles": "calibration: the profile was fitted to this figure; prediction: "
+                     "REFERENCE.md has no figure for it"}  # fmt: skip
     groups: dict[str, object] = {"meta": meta}
-    for (board, model), published in PUBLISHED.items():
-        step = emulated_step(board, model, (1, 1), where)
-        groups[f"{board}_{model}"] = {
-            "published_s": published,
-            "emulated_s": round(step, 3),
-            "ratio": round(step / published, 3),
-        }
-        print(f"{board} {model}: emulated {step:.2f} s, published {published} s "
-              f"({step / published:.2f}x)")  # fmt: skip
+    for board in BUILTIN:
+        for model in MODELS:
+            step = one_board_step(board, model, where)
+            published = PUBLISHED.get((board, model))
+            groups[f"{board}_{model}"] = {
+                "board": board,
+                "model": model,
+                "role": "prediction" if published is None else "calibration",
+                "published_s": published,
+                "emulated_s": round(step, 3),
+                "ratio": None if published is None else round(step / published, 3),
+            }
+            print(f"{board} {model}: emulated {step:.3f} s, published {published or '-'} s")
     return groups
 
 
