@@ -82,8 +82,8 @@ Array = npt.NDArray[Any]
 # The kernels' algorithm, as a profile records it: a model fitted to one revision's timings
 # does not describe another's (2: a stride-1 grad input is a forward convolution; the
 # unfolding reads the input itself, never a padded copy; 3: the unfolding is C, row by row,
-# into a buffer each thread keeps).
-REVISION = 3
+# into a buffer each thread keeps; 4: a run of images at a time, ``_image_chunks``).
+REVISION = 4
 _DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 

@@ -34,7 +34,8 @@ grad-input terms below are a strided one's:
   than borrow the GEMM model's;
 - the depthwise path is one C call (``c/depthwise.c``) that walks the output (the input,
   for the grad input) row by row, and for each row the taps that reach the array, each tap
-  a loop over the columns it reaches: work per row, per such loop, per multiply-add (a
+  a loop over the columns it reaches: work per row (growing with the kh tap rows it
+  checks), per such loop, per multiply-add (a
   strided loop's at its own rate; at an efficiency by where a row's working set fits), per
   element of the grad input's one strided scatter of a multiplier's summed channels, and
   per byte of the operands streamed once (at an efficiency by where they fit). Taps that
@@ -86,10 +87,10 @@ _K_KNOTS = np.array([0.0, 3.0, 6.0, 9.0, 12.0, 15.0])
 _MEM = len(_MEM_KNOTS)
 
 # What the work terms count: θ fitted under one form prices another's terms wrongly, so a
-# fitted model of another form is refused (2: the unfolding's terms count the rows of
-# ``c/unfold.c``, the kernels' revision 3; 1, the form of a table without ``form``: numpy's
-# runs).
-FORM = 2
+# fitted model of another form is refused (3: a depthwise row's cost grows with its tap
+# rows; 2: the unfolding's terms count the rows of ``c/unfold.c``, the kernels' revision 3;
+# 1, the form of a table without ``form``: numpy's runs).
+FORM = 3
 
 # Parameter vector layout: term name → width (see ``_Form.terms`` for each design).
 _TERMS = {
@@ -112,7 +113,7 @@ _TERMS = {
     "flip_call": 1,
     "flip_loops": 1,
     "flip_bytes": 2 + _MEM,
-    "direct_rows": len(KINDS),
+    "direct_rows": len(KINDS) + 1,
     "direct_loops": 3 * len(KINDS),
     "direct_macs": 3 * len(KINDS) + _MEM,
     "direct_scatter": 3,
@@ -362,9 +363,11 @@ class _Stages:
         # multiply-adds: the taps that reach the input and the columns each reaches.
         rows = np.where(c.grad_input, x.c * x.rows, x.oc * x.out_rows) * x.n
         whole = c.row_taps
-        # A grad-input band of R input rows meets about R·kh/sh of the pairs (each input
-        # row the tap rows a stride lets reach it), at most its dy rows' and the whole's.
-        band = np.minimum(np.minimum(x.rows * x.kh / x.sh, x.out_rows * x.kh), whole)
+        # A grad-input band of R input rows meets at most R·min(ceil(kh/sh), R') of the
+        # pairs (each input row the tap rows a stride lets reach it, among the R' dy rows
+        # given), at most the dy rows' R'·kh and the whole's.
+        per_row = np.minimum(np.ceil(x.kh / x.sh), x.out_rows)  # dy rows an input row meets
+        band = np.minimum(np.minimum(x.rows * per_row, x.out_rows * x.kh), whole)
         reach = np.where(c.grad_input, band, whole)
         column_taps, columns = c.column_taps, c.pairs
         passes = np.where(c.grad_input & many, x.oc / x.c + 1, x.oc / x.c)
@@ -381,7 +384,7 @@ class _Stages:
         )
         operands = x.n * operands * x.item
         return [
-            (c.loops(c.direct, rows), c.by_kind),
+            (c.loops(c.direct, rows), np.concatenate([c.by_kind, _log2(x.kh)[:, None]], axis=1)),
             (c.loops(c.direct, loops), _per_kind(c.by_kind, *rate)),
             (
                 np.where(c.direct, 2 * macs, 0.0) / _REF_FLOPS,

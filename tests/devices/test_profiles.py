@@ -11,7 +11,7 @@ import msgpack
 import psutil
 import pytest
 from morphling.devices.models.capacity import DEVICE_BYTES, check_fleet_size
-from morphling.devices.models.conv import ConvModel, traffic_bytes
+from morphling.devices.models.conv import FORM, ConvModel, traffic_bytes
 from morphling.devices.models.conv_shape import ConvShape
 from morphling.devices.models.profiles import (
     BUILTIN,
@@ -327,7 +327,7 @@ def test_toml_conv_table_is_the_conv_model_and_is_validated(tmp_path):
     ("conv", "message"),
     [
         ([], r"'conv' must be a table"),
-        ({"kind": "fitted", "form": 2}, r"'conv'.*missing key.*'vector_bytes'"),
+        ({"kind": "fitted", "form": FORM}, r"'conv'.*missing key.*'vector_bytes'"),
         ({"kind": "fitted"}, r"'conv'.*'form' is 1 \(absent: 1\).*morphling profile"),
         ({**ConvModel.analytic(1e9).to_dict(), "mem_bw": -1.0}, r"'conv'.*'mem_bw'"),
         (
