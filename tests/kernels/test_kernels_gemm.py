@@ -301,9 +301,7 @@ def test_auto_takes_mkl_on_intel_and_openblas_elsewhere():
         "from morphling.kernels import blas_info; i = blas_info()\n"
         "print(i.name, '|', i.version, '|', i.why_not_mkl)"
     )
-    env = {k: v for k, v in os.environ.items() if k not in ("MORPHLING_BLAS", "OPENBLAS_CORETYPE")}
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+    proc = _run_isolated(code, unset=("MORPHLING_BLAS", "OPENBLAS_CORETYPE"))
     assert proc.returncode == 0, proc.stderr
     name, version, why = proc.stdout.strip().split(" | ")
     if vendor == "GenuineIntel":
@@ -333,10 +331,12 @@ def test_openblas_takes_the_first_thread_count_for_the_process():
     assert "one thread count per process: threads=2 ignored, 1 kept" in proc.stderr
 
 
-def _run_isolated(code: str, **env: str) -> subprocess.CompletedProcess:
+def _run_isolated(
+    code: str, unset: tuple[str, ...] = (), **env: str
+) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-c", code],
-        env={**os.environ, **env},
+        env={**{k: v for k, v in os.environ.items() if k not in unset}, **env},
         capture_output=True,
         text=True,
         timeout=120,
