@@ -123,10 +123,12 @@ def _settings() -> tuple[str, str, int | None]:
 def _load() -> BlasInfo:
     choice, threading_name, threads = _settings()
     vendor, flags = _x86_cpu()
+    elsewhere = vendor not in ("", "GenuineIntel")  # another vendor's x86 CPU
+    skylakex = elsewhere and flags >= _AVX512
     errors: list[str] = []
-    if choice == "auto" and vendor not in ("", "GenuineIntel"):
+    if choice == "auto" and elsewhere:
         why = f"{vendor} CPU: MKL would run its AVX2 code"
-        info = _open_openblas(_openblas_candidates(), why, threads, vendor, flags, errors)
+        info = _open_openblas(_openblas_candidates(), why, threads, skylakex, errors)
         if info is not None:
             log.info("BLAS: using openblas at %s (%s)", info.path, why)
             return info
@@ -138,12 +140,14 @@ def _load() -> BlasInfo:
             errors.append(reason)
         if choice == "mkl":
             raise RuntimeError("MKL requested but not loadable: " + "; ".join(errors))
+        if elsewhere:  # (OpenBLAS was tried first)
+            raise RuntimeError("no usable BLAS library: " + "; ".join(errors))
     if choice == "auto":
         why = "MKL not loadable: " + "; ".join(errors)
     else:
         why = f"MORPHLING_BLAS={choice}" if choice == "openblas" else "MORPHLING_BLAS is a path"
     candidates = [(choice, "")] if Path(choice).exists() else _openblas_candidates()
-    info = _open_openblas(candidates, why, threads, vendor, flags, errors)
+    info = _open_openblas(candidates, why, threads, skylakex, errors)
     if info is None:
         raise RuntimeError("no usable BLAS library: " + "; ".join(errors))
     level = logging.WARNING if choice == "auto" else logging.INFO
@@ -155,14 +159,13 @@ def _open_openblas(
     candidates: list[tuple[str, str]],
     why: str,
     threads: int | None,
-    vendor: str,
-    flags: set[str],
+    skylakex: bool,
     errors: list[str],
 ) -> BlasInfo | None:
-    """The first candidate that opens, as OpenBLAS's AVX-512 kernels on a non-Intel CPU
-    that has them (the module docstring says why); None, with the reasons in ``errors``."""
-    forced = "OPENBLAS_CORETYPE" not in os.environ
-    forced = forced and vendor not in ("", "GenuineIntel") and flags >= _AVX512
+    """The first candidate that opens, as OpenBLAS's AVX-512 kernels where ``skylakex`` (a
+    non-Intel CPU that has them: the module docstring says why); None, with the reasons in
+    ``errors``."""
+    forced = skylakex and "OPENBLAS_CORETYPE" not in os.environ
     try:
         if forced:
             os.environ["OPENBLAS_CORETYPE"] = "SkylakeX"  # read once, as the library loads

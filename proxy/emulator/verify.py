@@ -218,8 +218,8 @@ class Verifier:
 
 
 def _numpy_blas_on_one_thread() -> Any:
-    """Hold numpy's BLAS (any BLAS loaded but the kernels' own, whose threads are set per
-    device thread) to one thread until the returned limiter is restored. The screens'
+    """Hold numpy's BLAS (any BLAS loaded but the kernels' own, whose threads the device
+    workers set) to one thread until the returned limiter is restored. The screens'
     products are thin (a few channels, a few columns per block): more threads gain them
     nothing, and that BLAS has one thread count for the whole process, whose idle threads
     spin after each call on the cores the devices compute on (an embedded fleet's)."""

@@ -95,7 +95,7 @@ numpy_blas = next(lib for lib in threadpool_info() if lib["user_api"] == "blas")
 
 
 @pytest.mark.skipif(is_kernels_blas(numpy_blas["filepath"]), reason="numpy computes with the "
-                    "kernels' own BLAS here: its threads are set per device thread")  # fmt: skip
+                    "kernels' own BLAS here: the device workers set its threads")  # fmt: skip
 def test_a_verifier_holds_numpy_blas_to_one_thread_and_not_the_kernels_blas():
     kernels = [lib for lib in threadpool_info() if is_kernels_blas(lib["filepath"])]
     assert kernels, "the kernels' BLAS is loaded (blas_info) and seen"
