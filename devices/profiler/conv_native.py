@@ -11,6 +11,10 @@ kind's and class's (``NATIVE_KEYS``: k×k, pointwise, depthwise) scale is PyTorc
 time over the kernels' on its convolutions: a step's time is a sum, so the large
 convolutions that dominate it dominate the scale, where a mean of ratios would weigh a
 small odd one as much.
+
+Both are timed as a training process runs them, past its first step (``_settle_allocator``):
+in a fresh process the C library maps many of the outputs afresh, and the page faults
+cost more than some of the convolutions.
 """
 
 from __future__ import annotations
@@ -47,6 +51,18 @@ SHAPES = (
 )
 
 
+# glibc's malloc maps each block of at least its mmap threshold (128 KiB at first) afresh,
+# and raises the threshold to the size of each mapped block freed, up to 32 MiB. A training
+# step frees blocks of several MiB, so from the second on its tensors come from the heap.
+_SETTLE_BYTES = 24 << 20
+
+
+def _settle_allocator() -> None:
+    """Take this process where a training process is after its first step: one block
+    larger than any here, touched and freed, lifts the mmap threshold above them."""
+    np.ones(_SETTLE_BYTES, dtype=np.uint8)
+
+
 def _best(call: Callable[[], Any], rounds: int) -> float:
     call()  # warm-up
     best = math.inf
@@ -79,8 +95,9 @@ def _pair(shape: tuple[int, ...], kind: str) -> tuple[Callable[[], Any], Callabl
     return native, lambda: conv_grad_weight(xn, dyn, geom)
 
 
-def measure_native_scale(*, threads: int = 1, rounds: int = 3) -> dict[str, float]:
+def measure_native_scale(*, threads: int = 1, rounds: int = 5) -> dict[str, float]:
     """``ConvModel.native``: PyTorch's time over the kernels', by kind and class."""
+    _settle_allocator()
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     set_threads(threads)

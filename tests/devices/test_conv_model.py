@@ -11,6 +11,8 @@ from __future__ import annotations
 import gzip
 import json
 import math
+import platform
+import subprocess
 import sys
 import tomllib
 from pathlib import Path
@@ -231,6 +233,31 @@ def test_native_scale_is_measured_against_this_hosts_pytorch():
     native = measure_native_scale(threads=1, rounds=1)
     assert set(native) == set(NATIVE_KEYS)
     assert all(0 < r < 100 and math.isfinite(r) for r in native.values()), native
+
+
+_FAULTS = """
+import resource, sys
+from morphling.devices.profiler import conv_native
+
+if sys.argv[1] == "fresh":
+    conv_native._settle_allocator = lambda: None
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+conv_native.measure_native_scale(threads=1, rounds=1)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mmap threshold")
+def test_the_native_scale_is_timed_with_the_allocator_settled():
+    """A fresh process takes many of the outputs from fresh pages, as a training process
+    past its first step does not: settled first, the timings fault a fraction as often."""
+
+    def faults(state: str) -> int:
+        run = [sys.executable, "-c", _FAULTS, state]
+        return int(subprocess.run(run, capture_output=True, text=True, check=True).stdout)
+
+    fresh, settled = faults("fresh"), faults("settled")
+    assert settled < fresh / 2, (fresh, settled)
 
 
 # --- strict parsing ------------------------------------------------------------------------
