@@ -137,7 +137,7 @@ class _Columns:
             (
                 _KIND[s.kind],
                 s is not asked,  # a grad input computed as a forward convolution
-                s.depthwise,
+                s.direct,
                 s.n,
                 s.c,
                 s.h,
@@ -449,11 +449,11 @@ class _Form:
 
 def work_flops(shape: ConvShape) -> float:
     """FLOPs of the call the kernels make for ``shape`` (``ConvShape.computed``), as
-    ``ConvShape.flops`` counts them but for a depthwise grad input's band: the direct
-    kernel computes only the band's share of the whole, where the dense count is of every
+    ``ConvShape.flops`` counts them but for a grad input's band on the direct path: the
+    direct kernel computes only the band's share of the whole, where the dense count is of every
     dy row given. The analytic model's compute term."""
     shape = shape.computed()
-    if shape.kind == "grad_input" and shape.depthwise:
+    if shape.kind == "grad_input" and shape.direct:
         return shape.flops * shape.out_size[0] / shape.dy_rows * shape.rows / shape.h
     return float(shape.flops)
 
@@ -461,7 +461,7 @@ def work_flops(shape: ConvShape) -> float:
 def traffic_bytes(shape: ConvShape) -> int:
     """Bytes the kernel moves at least for the call it makes (``ConvShape.computed``): its
     operands and output, and for the general path the unfolded copy written and read
-    (forward, grad weight) or the fold's scatter-adds (strided grad input); the depthwise
+    (forward, grad weight) or the fold's scatter-adds (strided grad input); the direct
     path's passes are over rows held in the cache, so it moves its operands and output once.
     The analytic model's memory term."""
     shape = shape.computed()
@@ -475,7 +475,7 @@ def traffic_bytes(shape: ConvShape) -> int:
     else:
         operands = n * c * shape.h * shape.w + weights + n * oc * out_h * out_w
         passes = 2 * kh * kw * n * c * out_h * out_w
-    return (operands + (0 if shape.depthwise else passes)) * item
+    return (operands + (0 if shape.direct else passes)) * item
 
 
 # --- the model -------------------------------------------------------------------------------

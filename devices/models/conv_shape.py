@@ -145,9 +145,18 @@ class ConvShape:
         return self.dy_rows if self.kind == "grad_input" else self.out_size[0]
 
     @property
-    def depthwise(self) -> bool:
-        """Each output channel reads one input channel: the kernels' direct path."""
+    def direct(self) -> bool:
+        """Each output channel reads one input channel: the kernels' direct path
+        (``c/depthwise.c``), for a depthwise convolution and for one of a single input
+        channel alike."""
         return self.c == self.groups
+
+    @property
+    def depthwise(self) -> bool:
+        """A depthwise convolution (a group per input channel, and more than one), as
+        PyTorch tells them apart: one of a single input channel (audio, a grayscale
+        image) it runs as any other, so a board's published rates price it so."""
+        return self.c == self.groups > 1
 
     def computed(self) -> ConvShape:
         """The call the kernels really make for this one, which the models price: a
@@ -156,7 +165,7 @@ class ConvShape:
         every other call is itself. Where the band lies is not recorded: its padding is put
         above, and of more dy rows than it reads (tiles are given exactly those), as many as
         its reach are counted, though at an edge the kernels use fewer."""
-        if self.kind != "grad_input" or self.stride != (1, 1) or self.depthwise:
+        if self.kind != "grad_input" or self.stride != (1, 1) or self.direct:
             return self
         (kh, kw), (dh, dw) = self.kernel, self.dilation
         left = self.padding[2]

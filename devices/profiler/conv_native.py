@@ -109,7 +109,7 @@ def measure_native_scale(*, threads: int = 1, rounds: int = 5) -> dict[str, floa
                 if kind == "grad_input" and c == 3:  # an image's gradient
                     continue
                 native, kernels = _pair(shape, kind)
-                key = kind + native_class((k, k), c == groups)
+                key = kind + native_class((k, k), c == groups > 1)
                 totals[key] += (_best(native, rounds), _best(kernels, rounds))
     finally:
         torch.set_num_threads(previous)

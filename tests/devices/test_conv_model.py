@@ -142,7 +142,7 @@ def test_a_stride_1_grad_input_is_computed_as_the_forward_call_the_kernels_make(
     shapes = conv_grid_shapes(600, seed=7)
     assert all(s.computed() is s for s in shapes if s.kind != "grad_input" or s.stride != (1, 1))
     mapped = [s for s in shapes if s.computed() is not s]
-    assert len(mapped) > 30 and not any(s.depthwise for s in mapped)
+    assert len(mapped) > 30 and not any(s.direct for s in mapped)
     for s in mapped:
         made.clear()
         conv_call(s, fresh_conv_buffers([s]))()
@@ -181,6 +181,20 @@ def test_analytic_model_is_flops_over_rate_plus_traffic_over_bandwidth():
             ConvModel.analytic(1e10, mem_bw=bad)
     with pytest.raises(ValueError, match="flops"):
         ConvModel.analytic(0.0)
+
+
+def test_a_single_input_channel_is_priced_at_the_dense_rate_not_the_depthwise_one():
+    """PyTorch runs a convolution of one input channel (audio, a grayscale image) as any
+    other; the kernels take their direct path for it, as for a depthwise one."""
+    model = ConvModel.analytic(2e10, depthwise_flops=2e8)
+    audio = ConvShape(kind="forward", n=4, c=1, h=1, w=16000, oc=128, kernel=(1, 80),
+                      stride=(1, 4))  # fmt: skip
+    depthwise = ConvShape(kind="forward", n=4, c=32, h=56, w=56, oc=32, kernel=(3, 3),
+                          padding=(1, 1, 1, 1), groups=32)  # fmt: skip
+    assert audio.direct and not audio.depthwise and depthwise.direct and depthwise.depthwise
+    assert model.predict_s(audio) == pytest.approx(audio.flops / 2e10)
+    assert model.predict_s(depthwise) == pytest.approx(depthwise.flops / 2e8)
+    assert native_key(audio) == "forward" and native_key(depthwise) == "forward_depthwise"
 
 
 def test_analytic_round_trip():
