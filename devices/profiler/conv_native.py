@@ -4,7 +4,8 @@ model's ``native`` scale.
 A device computes a convolution tile with ``kernels/conv.py`` (im2col and BLAS, or the
 depthwise C kernels), but a script on the board would run PyTorch's own convolution (oneDNN,
 XNNPACK or its im2col fallback, depending on the build: ``REFERENCE.md``). Convolutions
-typical of CNN training — 3×3 and 1×1, strided, a 7×7 stem, depthwise — are timed both ways,
+typical of CNN training — 3×3 and 1×1, strided, a 7×7 stem, the 512-channel last stage of a
+ResNet or VGG on a few positions, depthwise — are timed both ways,
 whole, on the profile's threads, for each product (forward, input gradient, weight
 gradient; not the stem's input gradient, an image's, which training never asks for). Each
 kind's and class's (``NATIVE_KEYS``: k×k, pointwise, depthwise) scale is PyTorch's total
@@ -33,17 +34,27 @@ from morphling.kernels.conv import ConvGeometry, conv_forward, conv_grad_input, 
 from ..models.conv import NATIVE_KEYS, native_class
 from ..models.conv_shape import KINDS
 
+# Bumped when what ``measure_native_scale`` times changes: a cached ``host`` profile whose
+# scale was measured another way is measured again (``host_cache.HOST_KEY``).
+REVISION = 2
+
 # (N, C, H=W, OC, kernel, stride, groups): CNN layers at batch 8 on small images, so that the
-# whole set takes seconds even on a board.
+# whole set takes seconds on an x86 core. PyTorch's time over the kernels' varies with the
+# layer, and the largest weigh most in a class's total: the set spans up to 512 channels and
+# from 16 to 3136 output positions per image.
 SHAPES = (
     (8, 64, 28, 64, 3, 1, 1),
     (8, 128, 14, 128, 3, 1, 1),
     (8, 256, 7, 256, 3, 1, 1),
+    (8, 512, 7, 512, 3, 1, 1),
+    (8, 512, 4, 512, 3, 1, 1),
     (8, 32, 28, 64, 3, 2, 1),
+    (8, 256, 8, 512, 3, 2, 1),
     (8, 64, 28, 128, 1, 2, 1),
     (8, 256, 14, 64, 1, 1, 1),
     (8, 32, 28, 192, 1, 1, 1),
     (8, 3, 56, 32, 7, 2, 1),
+    (8, 3, 112, 64, 7, 2, 1),
     (8, 96, 28, 96, 3, 1, 96),
     (8, 144, 14, 144, 3, 2, 144),
     (8, 384, 7, 384, 3, 1, 384),

@@ -1,8 +1,9 @@
 """The built-in ``host`` profile: this host measured once and kept in the user's cache.
 
-A cached profile stands for this host while the CPU, the BLAS library, the revision of the
-convolution kernels and the thread count it was measured with are this host's now and it
-has every model a profile measures; otherwise the host is measured again (the quick plan).
+A cached profile stands for this host while the CPU, the BLAS library, the revisions of the
+convolution kernels and of the native scale's timing, and the thread count it was measured
+with are this host's now and it has every model a profile measures; otherwise the host is
+measured again (the quick plan).
 A lock keeps two processes from measuring at once, which would time each other.
 """
 
@@ -24,15 +25,16 @@ from ..models.conv import FORM as CONV_FORM
 from ..models.links import LINKS
 from ..models.profiles import HOST
 from .host_facts import cpu_model
-from .profile_file import QUICK, Plan, op_timing, plan_size, profile
+from .profile_file import QUICK, Plan, native_revision, op_timing, plan_size, profile
 
 log = logging.getLogger(__name__)
 
 HOST_THREADS_ENV = "MORPHLING_HOST_THREADS"
 # What a cached ``host`` profile must have been measured with ([provenance] keys) to stand for
 # this host now: another CPU, BLAS build, revision of the convolution kernels or thread count
-# computes at another speed.
-HOST_KEY = ("cpu", "blas", "blas_version", "conv_kernels", "threads")
+# computes at another speed, and another way of timing PyTorch's convolutions beside the
+# kernels (``conv_native.REVISION``; 0: not timed, torch absent) prices them otherwise.
+HOST_KEY = ("cpu", "blas", "blas_version", "conv_kernels", "conv_native_revision", "threads")
 
 
 def host_threads() -> int:
@@ -61,6 +63,7 @@ def host_key(threads: int) -> dict[str, str | int]:
         "blas": info.name,
         "blas_version": info.version,
         "conv_kernels": conv_kernels.REVISION,
+        "conv_native_revision": native_revision(),
         "threads": threads,
     }
 

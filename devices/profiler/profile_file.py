@@ -43,6 +43,13 @@ except ImportError:  # pragma: no cover - torch is installed wherever the tests 
 
 log = logging.getLogger(__name__)
 
+
+def native_revision() -> int:
+    """How this Morphling times the convolution model's native scale
+    (``conv_native.REVISION``), or 0 where it cannot (torch absent)."""
+    return 0 if conv_native is None else conv_native.REVISION
+
+
 # The large-GEMM rate the profile's ``flops`` reports: a full 512-block of nn.Linear's
 # forward GEMM (x · Wᵀ) with K = 4096, both operands contiguous.
 LARGE_GEMM = GemmShape(512, 512, 4096, False, True, 4096, 4096, "float32")
@@ -195,6 +202,7 @@ def profile(
             "blas_version": info.version,
             "blas_path": info.path,
             "conv_kernels": conv_kernels.REVISION,
+            "conv_native_revision": native_revision(),
             "threads": threads,
             "date": now.isoformat(),
             "grid_shapes": len(grid),
