@@ -16,7 +16,10 @@ import pytest
 from morphling.kernels import CpuBackend, WorkerPool, blas_info
 from morphling.kernels._native import ffi
 from morphling.proxy.emulator.settings import EmulatorConfig, parse_mode
-from morphling.proxy.emulator.verify import Verifier
+from morphling.proxy.emulator.verify import MAX_DOUBLINGS, Verifier
+from morphling.proxy.report.analysis import summarize
+from morphling.proxy.report.load import load_run
+from morphling.proxy.report.text import format_summary
 from processes import load_script
 from serving import (
     TIMEOUT,
@@ -136,10 +139,14 @@ async def test_a_corrupting_device_is_caught_every_time_and_quarantined(fleet, t
     assert wrong >= len(verifier.quarantines) >= 3  # each lie caught, its device dropped once
     assert {q.name for q in verifier.quarantines} == {"liar@127.0.0.1"}  # its name, its host
     assert all("elements wrong" in q.evidence for q in verifier.quarantines)
-    f.emu.write_run()
+    await f.emu.stop()  # its run directory complete: run.json and the event log
     summary = json.loads((tmp_path / "run.json").read_text())["verification"]
     assert summary["mode"] == "all" and summary["wrong"] == wrong
     assert summary["quarantines"][0]["name"] == "liar@127.0.0.1"
+    report = format_summary(summarize(load_run(tmp_path))).splitlines()  # the report says so
+    said = [line for line in report if line.startswith("  quarantined: device")]
+    assert len(said) == len(verifier.quarantines), report
+    assert all("(liar@127.0.0.1)" in line and "elements wrong" in line for line in said)
 
 
 @pytest.mark.parametrize("kind", ["forward", "grad_input", "grad_weight"])
@@ -189,6 +196,25 @@ async def test_a_quarantined_device_is_refused_when_it_comes_back(fleet):
     assert again.last_error is not None and again.last_error[0] == "quarantined"
     assert "quarantined for" in again.last_error[1]
     assert [d.name for d in f.emu.registry.devices.values()] == ["honest"]
+
+
+def test_a_device_caught_again_is_refused_twice_as_long_up_to_the_cap():
+    """Each time a name is caught its refusal doubles, to at most 2**MAX_DOUBLINGS times
+    ``quarantine_s``; other names are not refused."""
+    verifier = Verifier("all", 10.0)
+    try:
+        for tile in range(MAX_DOUBLINGS + 3):
+            verifier.quarantine(3, "liar@10.0.0.7", 1, tile, "1 of 16 elements wrong")
+        refused = [q.refused_s for q in verifier.quarantines]
+        assert refused[:4] == [10.0, 20.0, 40.0, 80.0]
+        assert refused[-3:] == [10.0 * 2**MAX_DOUBLINGS] * 3
+        why = verifier.refused("liar@10.0.0.7")
+        assert f"found wrong {MAX_DOUBLINGS + 3} times" in why, why
+        assert verifier.refused("liar@10.0.0.8") == ""
+        [now] = verifier.refusing()
+        assert now["device"] == "liar@10.0.0.7" and now["caught"] == MAX_DOUBLINGS + 3
+    finally:
+        verifier.close()
 
 
 async def test_verify_off_lets_a_wrong_tile_through_as_it_says(fleet):
