@@ -143,11 +143,16 @@ class Interceptor:
         self.timer = timer
         self.counts = ProductCounts()  # GEMMs
         self.conv_counts = ProductCounts()
-        self._handlers: dict[Any, Callable[..., Any]] = {  # each GEMM's with its rank
-            aten.mm.default: functools.partial(self._mm, 2),
-            aten.bmm.default: functools.partial(self._mm, 3),
-            aten.addmm.default: functools.partial(self._addmm, 2),
-            aten.baddbmm.default: functools.partial(self._addmm, 3),
+        gemms = {  # each GEMM's handler, with its rank
+            aten.mm: functools.partial(self._mm, 2),
+            aten.bmm: functools.partial(self._mm, 3),
+            aten.addmm: functools.partial(self._addmm, 2),
+            aten.baddbmm: functools.partial(self._addmm, 3),
+        }
+        self._handlers: dict[Any, Callable[..., Any]] = {
+            **{op.default: handler for op, handler in gemms.items()},
+            # ``torch.mm(a, b, out=c)``, and what torch.compile's code calls
+            **{op.out: functools.partial(self._into, handler) for op, handler in gemms.items()},
             aten._convolution.default: self._convolution,
             aten.convolution_backward.default: self._convolution_backward,
         }
@@ -255,6 +260,23 @@ class Interceptor:
         if beta == 0:  # BLAS semantics: C is not read, so NaN in it does not propagate
             return ab
         return ab.add_(c if beta == 1 else c * beta)
+
+    def _into(
+        self, handler: Callable[..., torch.Tensor], func: Any, *args: torch.Tensor,
+        out: torch.Tensor, **kwargs: Any,
+    ) -> torch.Tensor:  # fmt: skip
+        """A GEMM's ``out=`` form: the product as its plain form makes it (``handler``),
+        written into ``out``, resized as torch resizes it. Where torch would refuse (``out``
+        of another dtype) or ``out`` shares memory with an operand, the original kernel."""
+        storages = {t.untyped_storage().data_ptr() for t in args}
+        if out.dtype != args[-1].dtype or out.untyped_storage().data_ptr() in storages:
+            return func(*args, out=out, **kwargs)
+        result = handler(lambda *a, **k: func(*a, out=out, **k), *args, **kwargs)
+        if result is not out:
+            if out.shape != result.shape:
+                out.resize_(result.shape)
+            out.copy_(result)
+        return out
 
     def _eligible(self, a: torch.Tensor, b: torch.Tensor) -> bool:
         flops = 2 * a.numel() * b.shape[-1]

@@ -159,6 +159,84 @@ def test_baddbmm_beta_zero_ignores_nan_in_c(server: Address) -> None:
     assert session.counts.remote == 1
 
 
+def _addmm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    return torch.addmm(out.new_ones(()), a, b, beta=2, out=out)
+
+
+def _baddbmm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    return torch.baddbmm(out.new_ones(()), a, b, alpha=3, out=out)
+
+
+OUT_CASES = [
+    case("mm", lambda a, b, out: torch.mm(a, b, out=out), (24, 16), (16, 20)),
+    case("bmm", lambda a, b, out: torch.bmm(a, b, out=out), (3, 8, 16), (3, 16, 12)),
+    case("addmm", _addmm_into, (24, 16), (16, 20)),
+    case("baddbmm", _baddbmm_into, (3, 8, 16), (3, 16, 12)),
+]
+
+
+@pytest.mark.parametrize(("op", "shapes", "dtype", "copied"), OUT_CASES)
+@pytest.mark.parametrize("given", ["sized", "empty"])
+def test_a_gemm_into_out_goes_to_the_fleet(
+    server: Address, op: Callable[..., torch.Tensor], shapes: tuple[tuple[int, ...], ...],
+    dtype: torch.dtype, copied: int, given: str,
+) -> None:  # fmt: skip
+    """``out=`` (what torch.compile's code calls too): the fleet's product, written into
+    ``out`` (resized from empty, as torch does), which is what comes back."""
+    a, b = (randn(*shape) for shape in shapes)
+    size = (*shapes[0][:-1], shapes[1][-1])
+
+    def into() -> tuple[torch.Tensor, torch.Tensor]:
+        out = torch.empty(size if given == "sized" else (0,))
+        return op(a, b, out), out
+
+    (expected, _), ((got, out), session) = into(), on_fleet(server, into)
+    assert got is out and got.shape == size
+    torch.testing.assert_close(got, expected)
+    assert session.counts.remote == 1 and not session.counts.local
+
+
+def test_an_out_torch_would_refuse_or_that_is_an_operand_stays_torchs(server: Address) -> None:
+    """``out`` of another dtype: torch's own error; ``out`` that is an operand: torch's
+    kernel, and its result."""
+    a, b = randn(8, 8), randn(8, 8)
+    with pytest.raises(RuntimeError) as native:
+        torch.mm(a, b, out=torch.empty(8, 8, dtype=torch.float64))
+    with pytest.raises(RuntimeError) as intercepted:
+        on_fleet(server, lambda: torch.mm(a, b, out=torch.empty(8, 8, dtype=torch.float64)))
+    assert str(intercepted.value) == str(native.value)
+    c = randn(8, 8)
+    expected = torch.addmm(c.clone(), a, b, out=c.clone())
+    mine = c.clone()
+    got, session = on_fleet(server, lambda: torch.addmm(mine, a, b, out=mine))
+    torch.testing.assert_close(got, expected)
+    assert session.counts.remote == 0
+
+
+def test_a_compiled_model_trains_on_the_fleet(server: Address) -> None:
+    """torch.compile's code calls the GEMMs' ``out=`` forms: they reach the fleet, and the
+    losses are the native ones."""
+
+    def train() -> list[float]:
+        torch.manual_seed(0)
+        model = _mlp()
+        step = torch.compile(lambda x: model(x).square().mean())
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        losses = []
+        for _ in range(2):
+            loss = step(torch.randn(8, 16))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    expected = train()
+    got, session = on_fleet(server, train)
+    assert got == pytest.approx(expected, rel=1e-5)
+    assert session.counts.remote >= 2 * 3  # each step's forward and backward GEMMs
+
+
 def test_addmm_alpha_zero_does_not_read_the_product(server: Address) -> None:
     """As in PyTorch: with alpha=0, a·b is not computed, so NaN in it does not leak."""
     c, a, b = randn(30, 20), torch.full((30, 40), float("nan")), randn(40, 20)
