@@ -14,7 +14,8 @@ one ``aten.convolution_backward`` (the products its ``output_mask`` asks for:
 input gradient, weight gradient, bias gradient).
 
 It has two ways in. By default it replaces the CPU kernels of ``mm``,
-``addmm``, ``bmm``, ``baddbmm``, ``_convolution`` and ``convolution_backward``
+``addmm``, ``bmm``, ``baddbmm`` (and their ``out=`` forms, which torch.compile's code
+calls), ``_convolution`` and ``convolution_backward``
 (``torch.library``, process-wide while active; the original kernel computes
 what stays local), so only GEMMs and convolutions enter Python and every other
 op runs at native speed: the wall time the script spends between them, the
