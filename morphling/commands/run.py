@@ -126,6 +126,11 @@ class RunConfig:
     )
     block_size: int = _opt(0, "tile edge (0: the emulator's default)", min=0)
     policy: str = _opt("greedy", "tile placement policy (--embedded)", choices=POLICIES)
+    auto_block: bool = _opt(
+        False,
+        "greedy cuts each GEMM into tiles of the edge (the block size, its half or its "
+        "quarter) it predicts ends it soonest on the fleet (--embedded)",
+    )
     residency: bool = _opt(
         True,
         "devices keep a request's operand blocks for its other tiles (--embedded; "
@@ -465,6 +470,7 @@ def _emulator_config(cfg: RunConfig, run_dir: Path | None) -> EmulatorConfig:
     emulator = dataclasses.replace(
         EmulatorConfig(),
         policy=cfg.policy,
+        auto_block=cfg.auto_block,
         residency=cfg.residency,
         run_dir=str(run_dir or ""),
         bottleneck_dl_bw=cfg.bottleneck_bw,

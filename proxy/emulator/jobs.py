@@ -50,7 +50,7 @@ from morphling.proxy.wire.messages import (
 
 from .conv_partition import AnyTask, AnyTile, make_conv_task
 from .host_products import Blocks
-from .partition import make_task
+from .partition import auto_edge, make_task
 from .task import GemmError, Task
 from .tiles import settle
 from .trainers import Trained
@@ -86,6 +86,7 @@ class Job:
         self.id = job_id  # its peer id (WELCOME), and its id in the timeline
         self.name = ""  # OPEN's
         self.block = emulator.config.block_size
+        self.auto_block = False  # (OPEN decides)
         self.device_wait_s = 0.0  # its limit on waiting for a device (OPEN; 0: none)
         self.waiting_since: float | None = None  # its tiles wait, no device being ready
         self._noticed = 0.0  # when it was last told so
@@ -125,6 +126,9 @@ class Job:
             device = self._rank_device(rank)
         # a rank computes each product whole on its own board: one tile, as one op
         self.block = msg.block or (RANK_BLOCK if rank is not None else emulator.config.block_size)
+        # greedy, free to choose, picks each GEMM's edge (a rank's products stay whole)
+        cfg = emulator.config
+        self.auto_block = cfg.auto_block and cfg.policy == "greedy" and rank is None
         self.device_wait_s = msg.device_wait_s
         self.name = msg.name or f"job-{self.id}"
         trainers = emulator.trainers
@@ -346,14 +350,17 @@ class Job:
         task.owner = self
         if task.weights and not self.maps_weights:
             self.map_weights()
-        count, limit = task.tile_count(self.block), emulator.config.max_job_tiles
+        block = self.block
+        if self.auto_block:
+            block = auto_edge(msg, block, emulator.timeline.placement)
+        count, limit = task.tile_count(block), emulator.config.max_job_tiles
         if count > limit:
             raise RemoteProtocolError(
-                f"GEMM {msg.gemm}: {count} tiles of {self.block}² exceed "
+                f"GEMM {msg.gemm}: {count} tiles of {block}² exceed "
                 f"max_job_tiles={limit}; use a larger block",
                 "bad_gemm",
             )
-        self._start(task, task.tiles(self.block), msg)
+        self._start(task, task.tiles(block), msg)
 
     def conv(self, msg: Conv) -> None:
         """Take a CONV, as ``gemm`` takes a GEMM: its tiles hold about ``block``² outputs,

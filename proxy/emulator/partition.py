@@ -20,12 +20,15 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import numpy as np
+from morphling.devices.models.compute import GemmShape
 from morphling.proxy.shm.handover import JobOperands, Writers
 from morphling.proxy.shm.weights import SharedWeights
 from morphling.proxy.vtime.eventlog import GEMM_OP
 from morphling.proxy.vtime.memory import Key, Region
+from morphling.proxy.vtime.vdevice import Work
 from morphling.proxy.wire.messages import GEMM_DTYPES, Gemm
 from morphling.proxy.wire.operands import (
     Location,
@@ -36,6 +39,11 @@ from morphling.proxy.wire.operands import (
 )
 
 from .task import GemmError, Task, TaskTile, carries_nothing, panel_names, tile_ids, unsent
+
+if TYPE_CHECKING:
+    from morphling.proxy.vtime.placement import Placement
+
+MIN_AUTO_EDGE = 32  # ``auto_edge``'s smallest: below it a tile's fixed costs dominate
 
 
 @dataclass(eq=False)
@@ -261,6 +269,27 @@ class GemmTask(Task):
         ]
         self.remaining = len(tiles)
         return tiles
+
+
+def auto_edge(request: Gemm, block: int, placement: Placement) -> int:
+    """The tile edge for ``request`` among ``block``, its half and its quarter (none below
+    ``MIN_AUTO_EDGE``) whose tiles greedy predicts end it soonest on the fleet as it stands
+    (``Placement.span``); the larger of equals, whose fewer tiles cost the emulator less.
+    Large tiles keep a fast device's BLAS busy; small ones spread a request's bytes over
+    more links, which a fleet on a slow network needs."""
+    g = request
+    item = np.dtype(g.dtype).itemsize
+    edges = [e for e in (block, block // 2, block // 4) if e >= MIN_AUTO_EDGE] or [block]
+    best, best_s = edges[0], math.inf
+    for edge in edges:
+        m, n = min(edge, g.m), min(edge, g.n)
+        shape = GemmShape(max(m, 1), max(n, 1), max(g.k, 1), g.ta, g.tb, g.lda, g.ldb, g.dtype)
+        rows, cols = -(-g.m // edge), -(-g.n // edge)
+        work = Work((m + n) * g.k * item, m * n * item, shape)
+        seconds = placement.span(work, g.batch * rows * cols, rows, cols)
+        if seconds < best_s:
+            best, best_s = edge, seconds
+    return best
 
 
 def _packed(flat: np.ndarray, rows: int, cols: int, ld: int) -> np.ndarray:

@@ -270,6 +270,7 @@ class Emulator:
             "version": 1,
             "policy": cfg.policy,
             "block": cfg.block_size,
+            "auto_block": cfg.auto_block,
             "bottleneck": bottleneck,
             "collective": timeline.algorithm,
             "fleet": [_run_entry(device) for device in devices],

@@ -147,6 +147,12 @@ class EmulatorConfig:
     block_size: int = _opt(
         256, "tile edge: output blocks of at most N×N", min=1, aliases=("--block_size",)
     )
+    auto_block: bool = _opt(
+        False,
+        "greedy cuts each GEMM into tiles of the edge (the block size, its half or its "
+        "quarter, at least 32) it predicts ends it soonest on the fleet as it stands, where "
+        "one edge for all would leave a slow link's fleet waiting on a few large tiles",
+    )
     policy: str = _opt(
         "greedy",
         "tile placement policy (decided in virtual time)",

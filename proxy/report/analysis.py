@@ -103,6 +103,7 @@ def summarize(run: Run) -> Summary:
         path=str(run.path),
         policy=run.policy,
         block=run.block,
+        auto_block=run.auto_block,
         coordinator_time=run.coordinator_time,
         event_log=run.level,
         detail=_detail(run),

@@ -170,6 +170,7 @@ class Run:
     path: Path
     policy: str
     block: int
+    auto_block: bool  # greedy chose each GEMM's tile edge, up to ``block``
     coordinator_time: str
     level: str  # ``EVENT_LEVELS`` but off
     logged: StepRange | None  # the steps whose tiles the log has (None: none)
@@ -693,6 +694,7 @@ class _Reader:
             path=root,
             policy=meta.policy,
             block=meta.block,
+            auto_block=meta.auto_block,
             coordinator_time=meta.coordinator_time,
             level=meta.level,
             logged=self.logged,

@@ -75,6 +75,7 @@ class Meta:
 
     policy: str
     block: int
+    auto_block: bool  # greedy chose each GEMM's tile edge, up to ``block``
     coordinator_time: str
     level: str  # what the log keeps: ``EVENT_LEVELS``
     detail_steps: int | None  # ``auto``: the steps of each job whose tiles the log has
@@ -261,11 +262,15 @@ def _meta(meta: object) -> Meta:
     collective = meta.get("collective")
     if collective is not None and collective not in ALGORITHMS:
         raise ValueError(f"field 'collective' must be one of {ALGORITHMS}, got {collective!r}")
+    auto_block = meta.get("auto_block", False)  # older engines had one edge
+    if not isinstance(auto_block, bool):
+        raise ValueError(f"field 'auto_block' must be a bool, got {auto_block!r}")
     lines, digest = meta.get("events"), meta.get("digest")
     verification = meta.get("verification")
     return Meta(
         policy=_text(meta["policy"], "policy"),
         block=_count(meta["block"], "block"),
+        auto_block=auto_block,
         coordinator_time=_text(meta["coordinator_time"], "coordinator_time"),
         level=level,
         detail_steps=detail_steps,

@@ -201,6 +201,7 @@ class RunInfo(TypedDict):
     path: str
     policy: str
     block: int
+    auto_block: bool
     coordinator_time: str
     event_log: str
     detail: Detail

@@ -43,9 +43,10 @@ def format_summary(summary: Summary) -> str:
     """The summary as text: steps, busiest devices, stragglers, the slowest step's critical
     path, OOMs."""
     run, totals = summary["run"], summary["totals"]
+    auto = " (or its half or quarter: --auto-block)" if run["auto_block"] else ""
     out = [
-        f"run {run['path']}: policy {run['policy']}, block {run['block']}, coordinator time "
-        f"{run['coordinator_time']}, {totals['devices']} devices, "
+        f"run {run['path']}: policy {run['policy']}, block {run['block']}{auto}, coordinator "
+        f"time {run['coordinator_time']}, {totals['devices']} devices, "
         f"{totals['span_s']:.4f} s emulated in all",
     ]
     if run["event_log"] == "steps":

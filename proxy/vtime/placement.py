@@ -24,6 +24,10 @@ when each device would be free and how fast it would get through them (water-fil
 on its predicted rate), then gives each device a block of rows × columns of the tile
 grid of its share's size (recursive bisection, as SUMMA's 2-D distribution): a device
 then needs the A blocks of its rows and the B blocks of its columns, once each.
+
+The tile edge is the job's, or with ``auto_block`` the one ``partition.auto_edge`` picks by
+``span``: what greedy predicts a request takes on the fleet, each device free and at its top
+clock, so that the same fleet cuts the same request the same way whenever it arrives.
 """
 
 from __future__ import annotations
@@ -252,12 +256,7 @@ class Placement:
             return None
         if self._stale:
             self._rebuild()
-        conv = isinstance(work.shape, ConvShape)
-        absent = self._absent
-        able = [
-            i for i, d in enumerate(self.devices)
-            if (d.convolutions or not conv) and d.id not in absent
-        ]  # fmt: skip
+        able = self._able(isinstance(work.shape, ConvShape))
         if len(able) < 2:
             return None
         self._kept = None  # (its tiles change the devices' queues: predict afresh after)
@@ -269,15 +268,51 @@ class Placement:
         placed: list[int] = owner[at_row, at_col].tolist()
         return placed
 
+    def span(self, work: Work, tiles: int, rows: int, cols: int) -> float:
+        """Seconds greedy predicts a request of ``tiles`` tiles like ``work`` (a grid of
+        ``rows`` × ``cols``, per pivot) takes on the devices that can take them, each as if
+        it were free and at its top clock: the fleet, not its state, so that the same fleet
+        gives the same answer whenever asked (``auto_block`` compares tile edges by it)."""
+        if self._stale:
+            self._rebuild()
+        able = self._able(isinstance(work.shape, ConvShape))
+        if not able:
+            return math.inf
+        return self._fill(0.0, work, able, tiles, rows, cols, idle=True)[2]
+
+    def _able(self, conv: bool) -> list[int]:
+        """The indices of the devices present that can take a tile (a convolution's)."""
+        absent = self._absent
+        return [
+            i for i, d in enumerate(self.devices)
+            if (d.convolutions or not conv) and d.id not in absent
+        ]  # fmt: skip
+
     def _shares(
         self, now: float, work: Work, able: list[int], tiles: int, rows: int, cols: int
     ) -> list[tuple[int, int]]:
         """How many of ``tiles`` each device of ``able`` takes: the counts that would end
-        them together, each device taking a tile per its predicted seconds (compute at its
-        current speed, or its link's share of a tile's operands as a block of the grid
-        sends them, whichever is longer) from when its first would be back (greedy's
-        prediction, behind everything placed on it) less one tile's seconds.
-        Integers by largest remainder, ties to the lowest index."""
+        them together (``_fill``). Integers by largest remainder, ties to the lowest
+        index."""
+        starts, seconds, end = self._fill(now, work, able, tiles, rows, cols, idle=False)
+        exact = [max(0.0, (end - starts[j]) / seconds[j]) for j in range(len(able))]
+        counts = [int(x) for x in exact]
+        by_remainder = sorted(range(len(able)), key=lambda j: (counts[j] - exact[j], j))
+        for j in by_remainder[: tiles - sum(counts)]:
+            counts[j] += 1
+        return list(zip(able, counts, strict=True))
+
+    def _fill(
+        self, now: float, work: Work, able: list[int], tiles: int, rows: int, cols: int,
+        *, idle: bool,
+    ) -> tuple[list[float], list[float], float]:  # fmt: skip
+        """Water-filling: each device of ``able`` takes a tile per its predicted seconds
+        (compute at its current speed, or its link's share of a tile's operands as a block
+        of the grid sends them, whichever is longer) from when its first would be back
+        (greedy's prediction, behind everything placed on it; from ``now``, at the top
+        clock, when ``idle``) less one tile's seconds; devices join while they start before
+        the end.
+        Each device's start and seconds, and the end of ``tiles``."""
         # A device's block of about tiles/devices, as square as the grid lets it be: a tile
         # sends its A block once per row of it and its B block once per column, and only
         # the first row's tiles and each row's first tile send anything (pay the latency).
@@ -290,6 +325,8 @@ class Placement:
         nominals = [model.nominal_s(work.shape) for model in self._models]  # per profile
         for i in able:
             free, links = _free(self.devices[i]), self._links[i]
+            if idle:  # (and at its top clock: what heat does depends on when it is asked)
+                free = (now, now, now, 1.0)
             nominal = nominals[self._groups[i]]
             compute = nominal / free[3]
             link = max(sending * links[0] + down * links[1], links[2] + work.bytes_up * links[3])
@@ -299,18 +336,15 @@ class Placement:
         order = sorted(range(len(able)), key=lambda j: (starts[j], j))
         rate = weighted = 0.0
         end = math.inf
+        if idle:  # (``span``'s: no more devices than tiles, each computed whole on one)
+            order = order[:tiles]
         for j in order:  # water-filling: add devices while they start before the end
             if starts[j] >= end:
                 break
             rate += 1 / seconds[j]
             weighted += starts[j] / seconds[j]
             end = (tiles + weighted) / rate
-        exact = [max(0.0, (end - starts[j]) / seconds[j]) for j in range(len(able))]
-        counts = [int(x) for x in exact]
-        by_remainder = sorted(range(len(able)), key=lambda j: (counts[j] - exact[j], j))
-        for j in by_remainder[: tiles - sum(counts)]:
-            counts[j] += 1
-        return list(zip(able, counts, strict=True))
+        return starts, seconds, end
 
 
 def _ranks(keys: Iterable[Hashable]) -> dict[Hashable, int]:

@@ -304,6 +304,29 @@ def test_every_tile_is_verified_and_the_report_says_so(tmp_path: Path) -> None:
     assert line in proc.stdout + proc.stderr
 
 
+AUTO_BLOCK_STEP = """\
+import torch
+torch.manual_seed(0)
+a, b = torch.randn(256, 32), torch.randn(32, 256)
+for _ in range(2):
+    a @ b
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)]).step()
+"""
+
+
+def test_auto_block_tiles_each_gemm_by_the_fleet_and_the_report_says_so(tmp_path: Path) -> None:
+    """--auto-block on eight Pi 4s over Wi-Fi: each 256 × 256 product in sixteen 64-wide
+    tiles, not one; run.json and the report say the edge was chosen."""
+    script, run_dir, report = tmp_path / "gemms.py", tmp_path / "run", tmp_path / "r.json"
+    script.write_text(AUTO_BLOCK_STEP)
+    flags = ["--embedded", "--devices", "rpi4:8", "--link", "wifi", "--auto-block",
+             "--run-dir", run_dir, "--json", report]  # fmt: skip
+    proc = succeeded(morphling_run(*flags, "--", "python", script))
+    assert [s["tiles"] for s in json.loads(report.read_text())["steps"]] == [16, 16]
+    assert json.loads((run_dir / "run.json").read_text())["auto_block"] is True
+    assert "block 256 (or its half or quarter: --auto-block)" in proc.stdout + proc.stderr
+
+
 def test_device_computes_every_product(tmp_path: Path) -> None:
     """--device: one board of the fleet trains the script, the others get nothing."""
     script, run_dir = tmp_path / "two_steps.py", tmp_path / "run"

@@ -5,11 +5,12 @@ through them; ``--no-residency`` keeps upstream's every-tile-carries-its-blocks.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import numpy as np
 import pytest
-from morphling.proxy.emulator.partition import make_task
+from morphling.proxy.emulator.partition import auto_edge, make_task
 from morphling.proxy.wire.messages import Gemm
 from timeline_driver import MB, Recorder, new_timeline, profile, records, submit, task
 
@@ -164,3 +165,21 @@ def test_a_device_holding_a_requests_bytes_draws_it_where_that_pays():
     (near, end_near), (far, end_far) = light_product(True), light_product(False)
     assert (near, far) == (1, 0)
     assert end_near < end_far
+
+
+def test_auto_edge_spreads_a_slow_links_fleet_and_keeps_a_lone_fast_device_whole():
+    """Sixteen devices on slow links: the quarter edge, whose sixteen tiles cross sixteen
+    links at once; one device with ideal links: the block itself (fewer tiles, the same
+    compute); the same fleet asked again, the same edge (its state does not count)."""
+    slow, tl = [profile(flops=2e10, bw=5 * MB, lat=0.003)] * 16, new_timeline()[0]
+    for i, p in enumerate(slow):
+        tl.add_device(i, f"d{i}", p)
+    request = task(1, 256, 256, 256).request
+    assert auto_edge(request, 256, tl.placement) == 64
+    tl.open_job(1, "job")
+    submit(tl, Recorder(), 1, task(2, 256, 256, 256), block=256)  # queues on one device
+    assert auto_edge(request, 256, tl.placement) == 64
+    lone = new_timeline()[0]
+    lone.add_device(0, "d0", profile(flops=2e10, bw=math.inf, lat=0.0))
+    assert auto_edge(request, 256, lone.placement) == 256
+    assert auto_edge(task(3, 40, 40, 40).request, 64, tl.placement) == 32  # (none below 32)
