@@ -512,6 +512,7 @@ def test_a_fleet_stopped_while_its_devices_are_made_exits_143_before_connecting(
         ([], {}, "[emulator]\nwindoww = 3\n", "unknown key 'windoww'"),
         ([], {}, "[emulator]\nwindow = true\n", "window: expected int, got True"),
         (["--listen-ip", "0.0.0.0"], {}, None, "refusing to listen on 0.0.0.0 without a token"),
+        (["--auto-block", "--policy", "round-robin"], {}, None, "auto_block: the tile edge"),
     ],
     ids=[
         "window-0",
@@ -521,6 +522,7 @@ def test_a_fleet_stopped_while_its_devices_are_made_exits_143_before_connecting(
         "toml-unknown-key",
         "toml-bool-window",
         "reachable-without-token",
+        "auto-block-not-greedy",
     ],
 )
 def test_bad_configuration_exits_2_naming_the_key(

@@ -126,9 +126,8 @@ class Job:
             device = self._rank_device(rank)
         # a rank computes each product whole on its own board: one tile, as one op
         self.block = msg.block or (RANK_BLOCK if rank is not None else emulator.config.block_size)
-        # greedy, free to choose, picks each GEMM's edge (a rank's products stay whole)
-        cfg = emulator.config
-        self.auto_block = cfg.auto_block and cfg.policy == "greedy" and rank is None
+        # greedy picks each GEMM's edge (a rank's products stay whole)
+        self.auto_block = emulator.config.auto_block and rank is None
         self.device_wait_s = msg.device_wait_s
         self.name = msg.name or f"job-{self.id}"
         trainers = emulator.trainers

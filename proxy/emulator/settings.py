@@ -308,6 +308,11 @@ class EmulatorConfig:
             parse_mode(self.verify)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+        if self.auto_block and self.policy != "greedy":
+            raise ConfigError(
+                f"auto_block: the tile edge is chosen by greedy's predictions, and policy is "
+                f"{self.policy!r}; use policy greedy or leave auto_block off"
+            )
         # A malformed address is a configuration error now, not a failed bind later.
         try:
             ipaddress.ip_address(self.listen_ip)
