@@ -11,7 +11,9 @@ convolution (``conv1d``, ``conv2d``, ``nn.Conv*``, transposed or not) becomes
 ``aten.convolution``, a thin wrapper of ``aten._convolution`` (which autograd's
 double backward also calls directly), and autograd computes its gradients with
 one ``aten.convolution_backward`` (the products its ``output_mask`` asks for:
-input gradient, weight gradient, bias gradient).
+input gradient, weight gradient, bias gradient). A recurrent layer (``nn.LSTM``,
+``nn.GRU``, ``nn.RNN``) is computed without oneDNN while a job runs, so that its gate
+products are GEMMs too (``_rnns_as_gemms``).
 
 It has two ways in. By default it replaces the CPU kernels of ``mm``,
 ``addmm``, ``bmm``, ``baddbmm`` (and their ``out=`` forms, which torch.compile's code
@@ -52,7 +54,7 @@ import functools
 import os
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -178,6 +180,7 @@ class Interceptor:
         if self._active is not None:
             raise RuntimeError("this Interceptor is already active")
         with contextlib.ExitStack() as stack:
+            stack.enter_context(_rnns_as_gemms())
             if self.host_work is None:
                 stack.callback(self._kernels()._destroy)  # torch's own scoped form does this
             else:
@@ -461,6 +464,42 @@ def _well_formed(rank: int, a: torch.Tensor, b: torch.Tensor) -> bool:
     go to torch's own kernel, which raises its own error for them."""
     return (a.dim() == b.dim() == rank and a.shape[-1] == b.shape[-2]
             and (rank == 2 or a.shape[0] == b.shape[0]))  # fmt: skip
+
+
+_RNNS = ("lstm", "gru", "rnn_tanh", "rnn_relu")  # what nn.LSTM, nn.GRU and nn.RNN call
+
+
+@contextlib.contextmanager
+def _rnns_as_gemms() -> Iterator[None]:
+    """PyTorch's recurrent layers computed without oneDNN while a job runs. With it, a
+    layer is one opaque call (``mkldnn_rnn_layer``) that neither the fleet nor the clock
+    sees; without it (as on the boards: their aarch64 wheels have no oneDNN, REFERENCE.md)
+    each time step's gate products are GEMMs. Only these calls: oneDNN's convolutions and
+    bfloat16 products that stay local keep their native results."""
+    vf = torch._VF
+    kept = {name: vars(vf)[name] for name in _RNNS if name in vars(vf)}
+    for name in _RNNS:
+        setattr(vf, name, _without_onednn(getattr(vf, name)))
+    try:
+        yield
+    finally:
+        for name in _RNNS:
+            delattr(vf, name)  # (back to torch's own, or to what was set before)
+        for name, fn in kept.items():
+            setattr(vf, name, fn)
+
+
+def _without_onednn(fn: Callable[..., R]) -> Callable[..., R]:
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> R:
+        enabled = torch._C._get_mkldnn_enabled()
+        torch._C._set_mkldnn_enabled(False)  # (a plain switch: the flags() context warns)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch._C._set_mkldnn_enabled(enabled)
+
+    return call
 
 
 class _CountingMode(TorchDispatchMode):

@@ -634,3 +634,34 @@ def test_auto_block_cuts_a_slow_links_fleets_gemms_finer_with_the_native_results
         assert session.counts.remote == 1
         tiles[auto] = session.totals["tiles"]
     assert tiles == {False: 1, True: 16}
+
+
+def test_an_lstm_trains_on_the_fleet_its_products_gemms() -> None:
+    """PyTorch's oneDNN RNN (one opaque call per layer) is off for the recurrent layers
+    while a job runs, as on the boards: each time step's gate products reach the fleet,
+    the losses are the native ones, and torch's own entry points are back after."""
+    fleet = EmbeddedFleet("rpi4:2")
+    host, port = fleet.start()
+
+    def train() -> list[float]:
+        torch.manual_seed(0)
+        rnn, head = nn.LSTM(16, 32, 2, batch_first=True), nn.Linear(32, 5)
+        opt = torch.optim.SGD([*rnn.parameters(), *head.parameters()], lr=0.5)
+        x, y = torch.randn(4, 6, 16), torch.randint(0, 5, (4 * 6,))
+        losses = []
+        for _ in range(2):
+            loss = F.cross_entropy(head(rnn(x)[0]).reshape(-1, 5), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    try:
+        expected = train()
+        got, session = on_fleet(f"{host}:{port}", train)
+    finally:
+        fleet.stop()
+    assert got == pytest.approx(expected, rel=1e-5)
+    assert session.counts.remote >= 2 * 2 * 6  # each step: per layer, a product per time step
+    assert torch.backends.mkldnn.enabled and "lstm" not in vars(torch._VF)
