@@ -115,6 +115,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="what each run's event log keeps, as morphling run --events (default: "
         "morphling run's); the comparison needs a log",
     )
+    p.add_argument(
+        "--auto-block",
+        action="store_true",
+        help="each run's GEMMs cut into tiles of the edge greedy predicts ends them "
+        "soonest on its fleet, as morphling run --auto-block",
+    )
     p.add_argument("--json", action="store_true", help="print the comparison as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(
@@ -131,9 +137,10 @@ def combinations(args: argparse.Namespace) -> list[Combination]:
     ]
 
 
-def passed_flags(events: str | None, max_devices: int) -> list[str]:
+def passed_flags(events: str | None, max_devices: int, auto_block: bool = False) -> list[str]:
     """The sweep's flags that every ``morphling run`` child gets, where given."""
     flags = [] if events is None else ["--events", events]
+    flags += ["--auto-block"] if auto_block else []
     return flags + (["--max-devices", str(max_devices)] if max_devices else [])
 
 
@@ -242,7 +249,7 @@ def run(args: argparse.Namespace) -> int:
         return _usage(f"--out {out}: cannot write in it: {exc.strerror}")
 
     rows, failed = [], []
-    passed = passed_flags(args.events, args.max_devices)
+    passed = passed_flags(args.events, args.max_devices, args.auto_block)
     running: list[subprocess.Popen] = []  # the child a signal is passed on to
 
     def forward(signum: int) -> None:

@@ -107,6 +107,16 @@ def test_events_level_reaches_every_run(
     assert row["steps"] == 3 and row["mean_step_s"] > 0 and row["bytes_moved"] > 0
 
 
+def test_auto_block_reaches_every_run(
+    train: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out"
+    code = sweep("--fleet", "rpi4:2", "--auto-block", "--out", out, "--", "python", train)
+    assert code == 0, capsys.readouterr().err
+    run_dir = out / "rpi4-2_default_default"
+    assert json.loads((run_dir / "run.json").read_text())["auto_block"] is True
+
+
 def test_unknown_link_preset_is_reported(
     train: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
