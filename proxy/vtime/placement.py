@@ -45,6 +45,7 @@ from morphling.devices.models.conv_shape import ConvShape
 from .vdevice import VirtualDevice, Work
 
 POLICIES = ("round-robin", "greedy", "load-balanced")
+SPANS_KEPT = 4096  # ``span``'s answers kept (a run repeats few request shapes)
 
 Floats = npt.NDArray[np.float64]
 # ``_finish`` computes on one device's floats or on the whole fleet's arrays
@@ -93,6 +94,8 @@ class Placement:
         # devices away (availability): placed among the others, with no tile for them
         self._absent: set[int] = set()
         self._absent_mask = np.zeros(0, dtype=bool)  # by index, as the arrays
+        # ``span``'s answers while the fleet stays as it is: a step repeats its requests
+        self._spans: dict[tuple[Work, int, int, int], float] = {}
 
     def add(self, device: VirtualDevice) -> None:
         index = bisect.bisect(self._ids, device.id)
@@ -102,6 +105,7 @@ class Placement:
             bisect.insort(self._conv_ids, device.id)
         self._kinds[device.id] = repr(device.profile)
         self._stale, self._kept = True, None
+        self._spans.clear()
 
     def away(self, device_id: int) -> None:
         """No tiles for it until ``back``: cheaper than ``remove`` and ``add``, which a
@@ -117,6 +121,7 @@ class Placement:
 
     def _mark(self, device_id: int, absent: bool) -> None:
         self._kept = None
+        self._spans.clear()
         if not self._stale:
             self._absent_mask[bisect.bisect_left(self._ids, device_id)] = absent
 
@@ -129,6 +134,7 @@ class Placement:
             if device_id in self._conv_ids:
                 self._conv_ids.remove(device_id)
             self._stale, self._kept = True, None
+            self._spans.clear()
 
     def can_place(self, conv: bool, device: int | None = None) -> bool:
         """Whether some device (``device``, if given) can take a tile (a convolution's,
@@ -273,12 +279,19 @@ class Placement:
         ``rows`` × ``cols``, per pivot) takes on the devices that can take them, each as if
         it were free and at its top clock: the fleet, not its state, so that the same fleet
         gives the same answer whenever asked (``auto_block`` compares tile edges by it)."""
-        if self._stale:
-            self._rebuild()
-        able = self._able(isinstance(work.shape, ConvShape))
-        if not able:
-            return math.inf
-        return self._fill(0.0, work, able, tiles, rows, cols, idle=True)[2]
+        key = (work, tiles, rows, cols)
+        seconds = self._spans.get(key)
+        if seconds is None:
+            if self._stale:
+                self._rebuild()
+            able = self._able(isinstance(work.shape, ConvShape))
+            seconds = (
+                self._fill(0.0, work, able, tiles, rows, cols, idle=True)[2] if able else math.inf
+            )
+            if len(self._spans) >= SPANS_KEPT:
+                self._spans.clear()
+            self._spans[key] = seconds
+        return seconds
 
     def _able(self, conv: bool) -> list[int]:
         """The indices of the devices present that can take a tile (a convolution's)."""
