@@ -1,7 +1,7 @@
 """cffi builder for ``morphling.kernels._native``.
 
 Composes the per-topic declaration modules (``blas``, ``pool``, ``cublasxt``,
-``conv``) with their C sources under ``c/``. Run by setuptools (``cffi_modules`` in
+``conv``, ``screen``) with their C sources under ``c/``. Run by setuptools (``cffi_modules`` in
 ``setup.py``) at install time.
 """
 
@@ -14,12 +14,12 @@ from types import ModuleType
 from cffi import FFI
 
 HERE = Path(__file__).resolve().parent
-TOPICS = ("blas", "pool", "cublasxt", "conv")
+TOPICS = ("blas", "pool", "cublasxt", "conv", "screen")
 # C sources in include order: the shared GEMM checks precede both executors.
-C_SOURCES = ("gemm_check", "blas", "pool", "cublasxt", "depthwise", "unfold")
-# Included by a source above (depthwise.c: its kernels once per dtype; both convolution
-# sources: their geometry).
-C_HEADERS = ("depthwise_typed.h", "conv_geom.h")
+C_SOURCES = ("gemm_check", "blas", "pool", "cublasxt", "depthwise", "unfold", "screen")
+# Included by a source above (depthwise.c and screen.c: their code once per dtype; both
+# convolution sources: their geometry).
+C_HEADERS = ("depthwise_typed.h", "conv_geom.h", "screen_typed.h")
 
 
 def _load_topic(name: str) -> ModuleType:

@@ -64,6 +64,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 from morphling.kernels.conv import ConvGeometry, conv_forward, conv_grad_input, conv_grad_weight
+from morphling.kernels.screen import screen_blocks
 
 if TYPE_CHECKING:
     from .conv_partition import ConvTask, ConvTileTask
@@ -108,12 +109,14 @@ class RequestCheck:
     def screen(self, c: Array) -> Array:
         """[batch, m, blocks]: where the rows of each column block of ``c`` (the request's
         whole output [batch, m, n], as its devices returned it) fall outside the screen's
-        tolerance. One pass over C for all its tiles; the check's own term only where the
-        device's does not cover the difference."""
-        with np.errstate(over="ignore", invalid="ignore"):  # a huge element: flagged below
-            got = _block_products(c, self.signs, self.edge)
-        norms = _block_norms(c, self.edge)
-        return _off(got, self.reference, norms, lambda: self.scale, self.a.shape[-1], c.dtype)
+        tolerance. One pass over C for all its tiles (``kernels.screen``); the check's own
+        term only where the device's does not cover the difference."""
+        k = self.a.shape[-1]
+        unit, floor = LAMBDA * unit_roundoff(c.dtype) * math.sqrt(k), _floor(k, c.dtype)
+        got, norms, failed = screen_blocks(c, self.signs, self.edge, self.reference, unit, floor)
+        if not failed:
+            return np.zeros(got.shape, bool)
+        return _off(got, self.reference, norms, lambda: self.scale, k, c.dtype)
 
 
 def confirm(a: Array, b: Array, c: Array) -> str:
@@ -186,11 +189,6 @@ def _block_products(b: Array, signs: Array, width: int) -> Array:
         return blocks
 
     return _by_block(b, width, dtype, times_weights)
-
-
-def _block_norms(c: Array, width: int) -> Array:
-    """[..., rows, blocks]: the 2-norms of each row of each column block of ``c``."""
-    return _by_block(c, width, np.dtype(np.float64), lambda part, _: _norms(part, -1))
 
 
 def _by_block(
