@@ -13,6 +13,7 @@ bands, no input row summed again for each band its halo reaches).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 import time
@@ -37,6 +38,9 @@ from .task import Task
 log = logging.getLogger(__name__)
 
 MAX_DOUBLINGS = 16  # a device's refusal doubles each time caught, up to 2¹⁶ × quarantine_s
+THREAD_BYTES = 16 << 20  # a request with operands of this many bytes has its screen's
+# reference made in the worker thread (``Verifier.prepare``)
+Judge = Callable[[], np.ndarray]  # a request's screen, its reference made: where it fails
 
 
 @dataclass
@@ -112,29 +116,51 @@ class Verifier:
             tile.gemm.unchecked[tile.id] = (tile, source)
 
     def prepare(self, task: Task) -> None:
-        """Under ``--verify all``, start ``task``'s screen (its weights, and its reference
-        from the operands alone) in a worker thread while devices compute its tiles: what
-        ``settle`` then does on the event loop is one pass over its product. Any failure is
+        """Under ``--verify all``, start ``task``'s screen while devices compute its tiles
+        (its weights drawn now, its reference made from the operands alone), so that what
+        ``settle`` then does on the event loop is one pass over its product. The reference
+        is made on the loop just after the tiles are sent, or, for operands of
+        ``THREAD_BYTES`` or more, in a worker thread, while the loop serves the others:
+        for less, a thread's handoff costs about what the reference does. Any failure is
         ``settle``'s to count."""
-        if self.fraction == 1.0 and task.screen is None:
-            try:
-                task.screen = self._start(task)
-            except Exception:  # (computed again, and counted, by settle)
-                log.debug("request %d: its screen could not start", task.id, exc_info=True)
+        if self.fraction < 1.0 or task.screen is not None:
+            return
+        try:
+            make = self._screen(task)
+            if _operand_bytes(task) >= THREAD_BYTES:
+                task.screen = self._worker.submit(make)
+            else:
+                asyncio.get_running_loop().call_soon(self._make_soon, task, make)
+        except Exception:  # (made again, and counted, by settle)
+            log.debug("request %d: its screen could not start", task.id, exc_info=True)
 
-    def _start(self, task: Task) -> Future[Callable[[], np.ndarray]]:
-        """The screen of ``task``, being computed: its result judges the product."""
+    def _make_soon(self, task: Task, make: Callable[[], Judge]) -> None:
+        """``prepare``'s reference, made on the loop unless the task was settled meanwhile."""
+        if task.screen is not None or not task.remaining:
+            return
+        try:
+            judge = make()
+        except Exception:  # (made again, and counted, by settle)
+            log.debug("request %d: its screen could not start", task.id, exc_info=True)
+            return
+        task.screen = Future()
+        task.screen.set_result(judge)
+
+    def _screen(self, task: Task) -> Callable[[], Judge]:
+        """``task``'s screen, its weights drawn (here, on the loop: the pool is not shared
+        with the worker): the call that makes its reference and returns the judge of its
+        product."""
         if isinstance(task, ConvTask):
-            screen = freivalds.ConvScreen(task, self._weights.take)
-            return self._worker.submit(lambda: partial(screen.flags, screen.reference()))
+            conv = freivalds.ConvScreen(task, self._weights.take)
+            return lambda: partial(conv.flags, conv.reference())
         assert isinstance(task, GemmTask)
         a, b = task.op_views()
         signs = self._weights.take(b.shape[-1], task.out.dtype)
 
-        def reference() -> Callable[[], np.ndarray]:
+        def make() -> Judge:
             return partial(freivalds.RequestCheck(a, b, task.block_edge, signs).screen, task.out)
 
-        return self._worker.submit(reference)
+        return make
 
     def settle(self, task: Task) -> list[tuple[AnyTile, DeviceRecord, str]]:
         """Every tile of ``task`` (all in) stored since it was last settled: those wrong,
@@ -147,9 +173,9 @@ class Verifier:
             return []
         self.counts["checked"] += len(pending)
         try:
-            bad = (screen or self._start(task)).result()()
-            found = []
-            for tile, source in pending.values():
+            bad = (screen.result() if screen else self._screen(task)())()
+            found: list[tuple[AnyTile, DeviceRecord, str]] = []
+            for tile, source in pending.values() if bad.any() else ():
                 assert isinstance(tile, TileTask | ConvTileTask)
                 if not _flagged(bad, tile):
                     continue
@@ -228,6 +254,16 @@ def _numpy_blas_on_one_thread() -> Any:
     others = [lib.filepath for lib in loaded.lib_controllers
               if Path(lib.filepath).resolve().name != own]  # fmt: skip
     return loaded.select(filepath=others).limit(limits=1)
+
+
+def _operand_bytes(task: Task) -> int:
+    """The bytes of ``task``'s two operands (op(A) and op(B) of each pivot, for a GEMM):
+    what its screen's reference reads."""
+    if isinstance(task, ConvTask):
+        return int(task.a.nbytes + task.b.nbytes)
+    assert isinstance(task, GemmTask)
+    g = task.request
+    return g.batch * g.k * (g.m + g.n) * task.out.itemsize
 
 
 def _flagged(bad: np.ndarray, tile: AnyTile) -> bool:

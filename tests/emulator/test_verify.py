@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from morphling.kernels import CpuBackend, WorkerPool, blas_info
 from morphling.kernels._native import ffi
+from morphling.proxy.emulator import verify
 from morphling.proxy.emulator.settings import EmulatorConfig, parse_mode
 from morphling.proxy.emulator.verify import MAX_DOUBLINGS, Verifier
 from morphling.proxy.report.analysis import summarize
@@ -114,7 +115,18 @@ def test_a_verifier_holds_numpy_blas_to_one_thread_and_not_the_kernels_blas():
     assert numpy_blas_threads() == before
 
 
-async def test_a_corrupting_device_is_caught_every_time_and_quarantined(fleet, tmp_path):
+@pytest.fixture(params=["loop", "worker"])
+def reference_on(request, monkeypatch):
+    """Where screens' references are made: on the event loop, or (every request as large
+    as ``THREAD_BYTES``) in the verifier's worker thread."""
+    if request.param == "worker":
+        monkeypatch.setattr(verify, "THREAD_BYTES", 0)
+    return request.param
+
+
+async def test_a_corrupting_device_is_caught_every_time_and_quarantined(
+    fleet, tmp_path, reference_on
+):
     f = await fleet(block_size=16, window=2, policy="round-robin", quarantine_s=0.0,
                     run_dir=str(tmp_path))  # fmt: skip
     armed = threading.Event()
@@ -138,6 +150,7 @@ async def test_a_corrupting_device_is_caught_every_time_and_quarantined(fleet, t
     assert backend.corrupted >= 3
     assert wrong >= len(verifier.quarantines) >= 3  # each lie caught, its device dropped once
     assert {q.name for q in verifier.quarantines} == {"liar@127.0.0.1"}  # its name, its host
+    assert bool(verifier._worker._threads) == (reference_on == "worker")  # (where it ran)
     assert all("elements wrong" in q.evidence for q in verifier.quarantines)
     await f.emu.stop()  # its run directory complete: run.json and the event log
     summary = json.loads((tmp_path / "run.json").read_text())["verification"]
@@ -150,7 +163,7 @@ async def test_a_corrupting_device_is_caught_every_time_and_quarantined(fleet, t
 
 
 @pytest.mark.parametrize("kind", ["forward", "grad_input", "grad_weight"])
-async def test_a_device_corrupting_convolution_tiles_is_caught(fleet, kind):
+async def test_a_device_corrupting_convolution_tiles_is_caught(fleet, kind, reference_on):
     f = await fleet(block_size=8, window=2, policy="round-robin", quarantine_s=0.0)
     armed = threading.Event()
     backend = CorruptingBackend(armed)
