@@ -625,6 +625,8 @@ def test_status_and_metrics_of_a_running_emulator(procs: Procs, capsys):
         text = r.read().decode()
     assert 'morphling_devices{state="idle"} 1.0' in text
     assert re.search(r"^morphling_tiles_returned_total [1-9]", text, re.M)
+    assert re.search(r"^morphling_virtual_clock_held_seconds_total \d", text, re.M)
+    assert re.search(r"virtual time [\d.]+ s.*, held [\d.]+ s in all", shown)
 
     code, _, err = morphling_here(capsys, "status", "--server", f"127.0.0.1:{port}")
     assert code == 2 and "requires a token" in err

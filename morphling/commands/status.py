@@ -87,7 +87,8 @@ def render(status: dict[str, Any]) -> str:
     lines = [
         f"{len(devices)} devices, {len(status['jobs'])} jobs; up {status['uptime_s']:.0f} s; "
         f"virtual time {status['clock']['virtual_s']:.3f} s"
-        + (" (held by a job computing on the host)" if status["clock"]["held"] else ""),
+        + (" (held by a job computing on the host)" if status["clock"]["held"] else "")
+        + f", held {status['clock']['held_s']:.1f} s in all",
         f"tiles: {tiles['sent']} sent, {tiles['returned']} returned, {tiles['queued']} queued; "
         f"{format_bytes(wire['down'])} down, {format_bytes(wire['up'])} up",
         f"verification (--verify {status['verify']}): {checks['checked']} checked, "

@@ -64,6 +64,8 @@ def families(snap: dict[str, Any]) -> Iterator[Metric]:
          clock["virtual_s"]),
         (GaugeMetricFamily, "morphling_virtual_clock_held", "1 while events are due that a "
          "job computing on the host holds back", int(clock["held"])),
+        (CounterMetricFamily, "morphling_virtual_clock_held_seconds", "Wall seconds the "
+         "virtual clock has waited on jobs computing on the host", clock["held_s"]),
         (GaugeMetricFamily, "morphling_uptime_seconds", "Seconds since the emulator started",
          snap["uptime_s"]),
     )  # fmt: skip

@@ -72,7 +72,11 @@ def snapshot(emulator: Emulator) -> dict[str, Any]:
         },
         "bytes": {"down": scheduler.bytes_sent, "up": scheduler.bytes_returned},
         "unwelcomed": emulator.gate.waiting(),
-        "clock": {"virtual_s": timeline.clock.now, "held": timeline.blocked()},
+        "clock": {
+            "virtual_s": timeline.clock.now,
+            "held": timeline.held.held,
+            "held_s": timeline.held.seconds(),
+        },
     }
 
 

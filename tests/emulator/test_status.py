@@ -74,3 +74,5 @@ async def test_status_and_metrics_show_the_fleet_its_work_and_a_quarantine(fleet
     assert sample("morphling_tiles_returned_total") == tiles["returned"]
     assert sample("morphling_tile_bytes_total", direction="up") == status["bytes"]["up"]
     assert sample("morphling_uptime_seconds") > 0
+    held = sample("morphling_virtual_clock_held_seconds_total")  # (scraped after STATUS)
+    assert held >= status["clock"]["held_s"] >= 0
