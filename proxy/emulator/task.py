@@ -14,7 +14,6 @@ import math
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -123,7 +122,7 @@ class Task:
     # tiles stored but not yet verified (``verify``), each with its device, and the
     # screen's reference being computed: on the task, so that they go with it however it ends
     unchecked: dict[int, tuple[TaskTile, Any]] = field(default_factory=dict)
-    screen: Future[Callable[[], np.ndarray]] | None = None
+    screen: Callable[[], Callable[[], np.ndarray]] | None = None  # returns it once made
     devices: set[int] = field(default_factory=set)
     requeued: int = 0
     cancelled: bool = False

@@ -18,7 +18,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -128,7 +128,7 @@ class Verifier:
         try:
             make = self._screen(task)
             if _operand_bytes(task) >= THREAD_BYTES:
-                task.screen = self._worker.submit(make)
+                task.screen = self._worker.submit(make).result
             else:
                 asyncio.get_running_loop().call_soon(self._make_soon, task, make)
         except Exception:  # (made again, and counted, by settle)
@@ -143,8 +143,7 @@ class Verifier:
         except Exception:  # (made again, and counted, by settle)
             log.debug("request %d: its screen could not start", task.id, exc_info=True)
             return
-        task.screen = Future()
-        task.screen.set_result(judge)
+        task.screen = lambda: judge
 
     def _screen(self, task: Task) -> Callable[[], Judge]:
         """``task``'s screen, its weights drawn (here, on the loop: the pool is not shared
@@ -173,7 +172,7 @@ class Verifier:
             return []
         self.counts["checked"] += len(pending)
         try:
-            bad = (screen.result() if screen else self._screen(task)())()
+            bad = (screen or self._screen(task))()()
             found: list[tuple[AnyTile, DeviceRecord, str]] = []
             for tile, source in pending.values() if bad.any() else ():
                 assert isinstance(tile, TileTask | ConvTileTask)
