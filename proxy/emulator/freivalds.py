@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property, partial
 from typing import TYPE_CHECKING, Any
 
@@ -408,12 +408,19 @@ def _one_channel_forward(x: Array, probe: Array, geom: ConvGeometry) -> Array:
     channels per group. Where a group has at least as many channels as taps, each tap's
     sum over the channels is one matmul over x, and the output is the taps' shifted sums:
     x is read once and never unfolded. Otherwise (few channels: depthwise, an RGB stem)
-    the kernel is cheaper."""
+    each channel is convolved with its own taps (a depthwise convolution: the C kernel,
+    which unfolds nothing either), and a group's channels are summed."""
     n, _, height, width = x.shape
     outputs, per, kh, kw = probe.shape
-    if per < kh * kw:
-        return conv_forward(x, probe, geom)
     groups = geom.groups
+    if per < kh * kw:
+        few = outputs // groups  # probes per group: channel c·few + p has probe p's taps
+        taps = probe.reshape(groups, few, per, kh, kw).transpose(0, 2, 1, 3, 4)
+        each = conv_forward(x, np.ascontiguousarray(taps).reshape(-1, 1, kh, kw),
+                            replace(geom, groups=groups * per))  # fmt: skip
+        oh, ow = each.shape[2:]
+        summed: Array = each.reshape(n, groups, per, few, oh, ow).sum(axis=2)
+        return summed.reshape(n, outputs, oh, ow)
     taps = probe.reshape(groups, outputs // groups, per, kh * kw).transpose(0, 1, 3, 2)
     sums = _tap_sums(taps.reshape(groups, -1, per), x, geom.kernel)
     oh, ow = geom.output_size(height, width)
