@@ -13,8 +13,9 @@ its tiles' channel blocks within a group are summed with random weights u (forwa
 output channels; grad input: input channels), and the same sums are computed from the
 request's operands with one channel per block — Σu·W applied to x or to dy, each tap's
 sum over the channels one matmul over x (dy), then the taps' sums added where they land
-(the kernel's own call where a group has fewer channels than taps). A failing position
-flags the tile holding its block and row.
+(where a group has fewer channels than taps, a depthwise convolution of x summed over
+each group's channels, or the kernel's own grad input of dy). A failing position flags
+the tile holding its block and row.
 A grad-weight dW [OC, C·kh·kw] = dy·unfold(x)ᵀ takes weights r over each row's input-channel
 blocks: dW·r against dy·(unfold(x)ᵀ·r), where unfold(x)ᵀ·r is x convolved with r, one
 output channel. K is then the length of the dot products (C/groups·kh·kw,

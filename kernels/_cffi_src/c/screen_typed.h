@@ -5,12 +5,10 @@
 #define MG_SCREEN_PASTE(suffix) mg_screen_##suffix
 #define MG_SCREEN_NAME(suffix) MG_SCREEN_PASTE(suffix)
 
-MG_SCREEN_CLONES int64_t MG_SCREEN_NAME(MG_SCREEN_SUFFIX)(const MG_SCREEN_T *restrict c, int64_t rows,
-                                         int64_t n, int64_t edge,
-                                         const MG_SCREEN_T *restrict r,
-                                         const MG_SCREEN_T *restrict ref, double unit,
-                                         double subnormal, double *restrict sums,
-                                         double *restrict norms)
+MG_SCREEN_CLONES int64_t MG_SCREEN_NAME(MG_SCREEN_SUFFIX)(
+    const MG_SCREEN_T *restrict c, int64_t rows, int64_t n, int64_t edge,
+    const MG_SCREEN_T *restrict r, const MG_SCREEN_T *restrict ref, double unit,
+    double subnormal, double *restrict sums, double *restrict norms)
 {
     int64_t blocks = (n + edge - 1) / edge, failed = 0;
     for (int64_t i = 0; i < rows; i++) {
