@@ -74,8 +74,8 @@ def snapshot(emulator: Emulator) -> dict[str, Any]:
         "unwelcomed": emulator.gate.waiting(),
         "clock": {
             "virtual_s": timeline.clock.now,
-            "held": timeline.held.held,
-            "held_s": timeline.held.seconds(),
+            "held": timeline.held_time.held,
+            "held_s": timeline.held_time.seconds(),
         },
     }
 

@@ -349,7 +349,7 @@ class Timeline(Generic[T]):
         # the devices that took each block in to keep (some may have let it go since)
         self._holders: dict[Hashable, dict[int, VirtualDevice]] = {}
         self.clock = Clock()
-        self.held = HeldTime()  # wall seconds the clock has waited for jobs on the host
+        self.held_time = HeldTime()  # wall seconds the clock has waited for jobs on the host
         self.placement = Placement(policy)
         self.log = log or EventLog()
         self.bottleneck = bottleneck
@@ -1004,7 +1004,7 @@ class Timeline(Generic[T]):
 
     def _advance(self) -> None:
         self.clock.run(self._horizon if self._holding else None)  # (ranks alone: every event)
-        self.held.note(self.blocked())
+        self.held_time.note(self.blocked())
 
     def _step_of(self, job: _Job, at: float) -> StepTimes:
         """The step under way; a new one starts where the last closed (the first at its

@@ -373,23 +373,23 @@ def test_a_job_that_has_not_issued_yet_holds_nobody_back():
 def test_the_wall_seconds_the_clock_is_held_are_counted():
     tl, _ = new_timeline()
     wall = [100.0]
-    tl.held = HeldTime(wall=lambda: wall[0])
+    tl.held_time = HeldTime(wall=lambda: wall[0])
     tl.add_device(0, "d0", profile())
     tl.open_job(1, "busy")
     tl.open_job(2, "idle")
     rec = Recorder()
     submit(tl, rec, 2, task(7, 10, 10, 10), block=256)
     wall[0] += 1.0
-    assert not tl.held.held and tl.held.seconds() == 0.0
+    assert not tl.held_time.held and tl.held_time.seconds() == 0.0
     submit(tl, rec, 1, task(1, 100, 100, 100), block=256)  # due, and job 2 holds it back
-    assert tl.held.held
+    assert tl.held_time.held
     wall[0] += 2.5
-    assert tl.held.seconds() == pytest.approx(2.5)  # the wait so far
+    assert tl.held_time.seconds() == pytest.approx(2.5)  # the wait so far
     tl.release_idle()
     wall[0] += 10.0
-    assert not tl.held.held and tl.held.seconds() == pytest.approx(2.5)
+    assert not tl.held_time.held and tl.held_time.seconds() == pytest.approx(2.5)
     submit(tl, rec, 2, task(8, 100, 100, 100), block=256, after=7)
-    assert tl.held.seconds() == pytest.approx(2.5)
+    assert tl.held_time.seconds() == pytest.approx(2.5)
 
 
 def test_an_open_idle_job_holds_others_back_until_released():
