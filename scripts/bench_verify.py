@@ -55,7 +55,8 @@ def verdict(
 ) -> tuple[bool, bool]:
     """(screened out, confirmed wrong) for tile ``c`` of a·b."""
     signs = weights(rng, c.shape[1], c.dtype)
-    if not RequestCheck(a[None], b[None], c.shape[1], signs).screen(c[None]).any():
+    whole = (slice(0, c.shape[0]), slice(0, c.shape[1]))
+    if not RequestCheck(a[None], b[None], c[None], c.shape[1], signs).fails(0, *whole):
         return False, False
     return True, bool(confirm(a, b, c))
 

@@ -4,8 +4,8 @@ A GEMM tile C = A·B ([m, n]: op(A)'s rows, op(B)'s columns, all K) is checked w
 r: C·r against A·(B·r), O(mK + Kn + mn) work instead of the product's O(mnK). The
 weights are drawn per request and per column block of tiles, from a generator the devices
 never see; ``RequestCheck`` computes B·r and A·(B·r) for every column block of every pivot
-at once, and screens the request's whole output when its tiles are in: one pass over each
-of A, B and C per request, not per tile.
+at once, then screens each tile as it comes in: one pass over each of A and B per request,
+and over C as its tiles arrive.
 
 A convolution is checked through its GEMM view (an implicit GEMM: y = W·unfold(x)), never
 unfolding x, all its tiles at once (``ConvScreen``): its product's channels in each of
@@ -65,7 +65,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 from morphling.kernels.conv import ConvGeometry, conv_forward, conv_grad_input, conv_grad_weight
-from morphling.kernels.screen import screen_blocks
+from morphling.kernels.screen import ProductScreen
 
 if TYPE_CHECKING:
     from .conv_partition import ConvTask, ConvTileTask
@@ -85,13 +85,15 @@ def unit_roundoff(dtype: np.dtype[Any]) -> float:
 
 @dataclass
 class RequestCheck:
-    """The screen of one GEMM: the weights r_J of each column block J (blocks of ``edge``
-    columns), and for every pivot and row A·(B_J·r_J) (one pass over A and one over B
-    however many tiles and pivots there are; |A|·|B_J·r_J| too, a second pass over A, for
-    a request whose device term falls short)."""
+    """The screen of one GEMM's product ``c``: the weights r_J of each column block J
+    (blocks of ``edge`` columns), and for every pivot and row A·(B_J·r_J) (one pass over
+    A and one over B however many tiles and pivots there are; |A|·|B_J·r_J| too, a second
+    pass over A, for a request whose device term falls short); then each tile judged as it
+    comes in, a pass over its block of C (``fails``)."""
 
     a: Array  # op(A) [batch, m, K]
     b: Array  # op(B) [batch, K, n]
+    c: Array  # its product [batch, m, n], C-contiguous, as the tiles come in
     edge: int  # the tiles' width (the last may be narrower)
     signs: Array  # [n]: r_J in each block's columns (``weights``), of the product's dtype
     x: Array = field(init=False)  # [batch, K, blocks]: each B_J·r_J
@@ -100,6 +102,9 @@ class RequestCheck:
     def __post_init__(self) -> None:
         self.x = _block_products(self.b, self.signs, self.edge)
         self.reference = self.a @ self.x
+        k, dtype = self.a.shape[-1], self.c.dtype
+        unit, floor = LAMBDA * unit_roundoff(dtype) * math.sqrt(k), _floor(k, dtype)
+        self._pass = ProductScreen(self.c, self.signs, self.edge, self.reference, unit, floor)
 
     @cached_property
     def scale(self) -> Array:
@@ -107,17 +112,22 @@ class RequestCheck:
         asked only for a tile whose device term alone does not cover its difference."""
         return _abs_product(self.a, np.abs(self.x))
 
-    def screen(self, c: Array) -> Array:
-        """[batch, m, blocks]: where the rows of each column block of ``c`` (the request's
-        whole output [batch, m, n], as its devices returned it) fall outside the screen's
-        tolerance. One pass over C for all its tiles (``kernels.screen``); the check's own
-        term only where the device's does not cover the difference."""
-        k = self.a.shape[-1]
-        unit, floor = LAMBDA * unit_roundoff(c.dtype) * math.sqrt(k), _floor(k, c.dtype)
-        got, norms, failed = screen_blocks(c, self.signs, self.edge, self.reference, unit, floor)
-        if not failed:
-            return np.zeros(got.shape, bool)
-        return _off(got, self.reference, norms, lambda: self.scale, k, c.dtype)
+    def fails(self, pivot: int, rows: slice, cols: slice) -> bool:
+        """Whether the tile ``c[pivot, rows, cols]`` (whole column blocks, from a block's
+        first column; the last may be narrower) falls outside the screen's tolerance
+        somewhere: one pass over it (``kernels.screen``), the check's own term only where
+        the device's does not cover the difference."""
+        off = self._pass.tile(pivot, rows, cols)
+        if off is None:
+            return False
+        got, norms = off
+        blocks = slice(cols.start // self.edge, -(-cols.stop // self.edge))
+        want = self.reference[pivot, rows, blocks]
+
+        def own() -> Array:
+            return self.scale[pivot, rows, blocks]
+
+        return bool(_off(got, want, norms, own, self.a.shape[-1], self.c.dtype).any())
 
 
 def confirm(a: Array, b: Array, c: Array) -> str:

@@ -14,6 +14,7 @@ import math
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -109,6 +110,14 @@ class Owner(Protocol):
         """No device could compute one of its tiles: end the job, saying why."""
 
 
+class Judge(Protocol):
+    """A request's screen, its reference made (``verify``): whether a tile's result fails."""
+
+    at_arrival: bool  # it judges each tile as it comes in (else only once all are in)
+
+    def fails(self, tile: TaskTile) -> bool: ...
+
+
 @dataclass(eq=False)
 class Task:
     """A validated request, its output and its bookkeeping."""
@@ -119,10 +128,11 @@ class Task:
     owner: Owner | None = None  # None: a task no job asked for (the timeline's tests)
     remaining: int = 0
     done: set[int] = field(default_factory=set)
-    # tiles stored but not yet verified (``verify``), each with its device, and the
-    # screen's reference being computed: on the task, so that they go with it however it ends
-    unchecked: dict[int, tuple[TaskTile, Any]] = field(default_factory=dict)
-    screen: Callable[[], Callable[[], np.ndarray]] | None = None  # returns it once made
+    # tiles stored but not yet verified (``verify``), each with its device and whether the
+    # screen flagged it (None: not judged yet), and the request's screen, made or being
+    # made: on the task, so that they go with it however it ends
+    unchecked: dict[int, tuple[TaskTile, Any, bool | None]] = field(default_factory=dict)
+    screen: Judge | Future[Judge] | None = None
     devices: set[int] = field(default_factory=set)
     requeued: int = 0
     cancelled: bool = False

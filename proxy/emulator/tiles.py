@@ -242,9 +242,10 @@ def take_result(
         task.bytes_up += segment.nbytes
         scheduler.bytes_returned += segment.nbytes
         values = None if tile.c_at.in_place else np.frombuffer(segment, dtype=task.out.dtype)
-        verifier.check(tile, device)
-        if task.put(tile, values) and task.remaining == 0:
-            settle(scheduler, verifier, task)
+        if task.put(tile, values):  # (a duplicate is not)
+            verifier.check(tile, device)
+            if task.remaining == 0:
+                settle(scheduler, verifier, task)
     scheduler.dispatch()
 
 

@@ -5,10 +5,11 @@ checks their results (``freivalds``: a screen for every tile, a float64 recomput
 for those it flags) and keeps the quarantine book: a device whose tile was wrong is
 dropped with the evidence (the tile goes to another device, and nothing of its result
 reaches the job), and a device of that name is refused for ``quarantine_s``, doubled each
-further time it is caught, when it comes back. A request's tiles are stored and judged
-together once all are in (``settle``), before its job is answered: one pass over its
-operands and output instead of a dozen numpy calls per tile (and, for a convolution's
-bands, no input row summed again for each band its halo reaches).
+further time it is caught, when it comes back. A request's screen is made once, from its
+operands alone, while devices compute (``prepare``); a GEMM's tiles are then judged as
+they come in, each a pass over its block of the output, and a convolution's together once
+all are in (so that no input row is summed again for each band its halo reaches); the
+job is answered once every tile is judged and those flagged are confirmed (``settle``).
 """
 
 from __future__ import annotations
@@ -18,9 +19,8 @@ import logging
 import secrets
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -33,14 +33,13 @@ from .conv_partition import AnyTile, ConvTask, ConvTileTask
 from .partition import GemmTask, TileTask
 from .registry import DeviceRecord
 from .settings import parse_mode
-from .task import Task
+from .task import Judge, Task, TaskTile
 
 log = logging.getLogger(__name__)
 
 MAX_DOUBLINGS = 16  # a device's refusal doubles each time caught, up to 2¹⁶ × quarantine_s
 THREAD_BYTES = 16 << 20  # a request with operands of this many bytes has its screen's
 # reference made in the worker thread (``Verifier.prepare``)
-Judge = Callable[[], np.ndarray]  # a request's screen, its reference made: where it fails
 
 
 @dataclass
@@ -105,30 +104,41 @@ class Verifier:
         self._blas = _numpy_blas_on_one_thread() if self.fraction else None
 
     def check(self, tile: AnyTile, source: DeviceRecord) -> None:
-        """Take note of ``tile``'s result, just stored by its device ``source``, unless it
-        is sampled out: it is judged with the rest of its request (``settle``)."""
+        """Judge ``tile``'s result, just stored by its device ``source``, unless it is
+        sampled out: now, where its request's screen is made and judges tiles as they come
+        (a GEMM's: its pass over C then runs while devices compute the other tiles), else
+        with the rest of its request (``settle``), which also confirms a flagged one."""
         if self.fraction == 0.0:
             return
         if self.fraction < 1.0 and self._rng.random() >= self.fraction:
             self.counts["sampled_out"] += 1
             return
-        if tile.id not in tile.gemm.done:  # (a duplicate is not stored)
-            tile.gemm.unchecked[tile.id] = (tile, source)
+        task, judge = tile.gemm, _made(tile.gemm.screen)
+        flagged = None
+        if judge is not None and judge.at_arrival:
+            try:
+                flagged = judge.fails(tile)
+            except Exception:  # (judged again, and counted, by settle)
+                log.debug("tile %d: its screen failed", tile.id, exc_info=True)
+            else:
+                self.counts["checked"] += 1
+                if not flagged:
+                    return
+        task.unchecked[tile.id] = (tile, source, flagged)
 
     def prepare(self, task: Task) -> None:
         """Under ``--verify all``, start ``task``'s screen while devices compute its tiles
-        (its weights drawn now, its reference made from the operands alone), so that what
-        ``settle`` then does on the event loop is one pass over its product. The reference
-        is made on the loop just after the tiles are sent, or, for operands of
-        ``THREAD_BYTES`` or more, in a worker thread, while the loop serves the others:
-        for less, a thread's handoff costs about what the reference does. Any failure is
-        ``settle``'s to count."""
+        (its weights drawn now, its reference made from the operands alone), so that its
+        tiles are judged as they come in. The reference is made on the loop just after
+        the tiles are sent, or, for operands of ``THREAD_BYTES`` or more, in a worker
+        thread, while the loop serves the others: for less, a thread's handoff costs about
+        what the reference does. Any failure is ``settle``'s to count."""
         if self.fraction < 1.0 or task.screen is not None:
             return
         try:
             make = self._screen(task)
             if _operand_bytes(task) >= THREAD_BYTES:
-                task.screen = self._worker.submit(make).result
+                task.screen = self._worker.submit(make)
             else:
                 asyncio.get_running_loop().call_soon(self._make_soon, task, make)
         except Exception:  # (made again, and counted, by settle)
@@ -139,45 +149,42 @@ class Verifier:
         if task.screen is not None or not task.remaining:
             return
         try:
-            judge = make()
+            task.screen = make()
         except Exception:  # (made again, and counted, by settle)
             log.debug("request %d: its screen could not start", task.id, exc_info=True)
-            return
-        task.screen = lambda: judge
 
     def _screen(self, task: Task) -> Callable[[], Judge]:
         """``task``'s screen, its weights drawn (here, on the loop: the pool is not shared
-        with the worker): the call that makes its reference and returns the judge of its
-        product."""
+        with the worker): the call that makes its reference and returns its judge."""
         if isinstance(task, ConvTask):
             conv = freivalds.ConvScreen(task, self._weights.take)
-            return lambda: partial(conv.flags, conv.reference())
+            return lambda: _ConvJudge(conv, conv.reference())
         assert isinstance(task, GemmTask)
         a, b = task.op_views()
         signs = self._weights.take(b.shape[-1], task.out.dtype)
-
-        def make() -> Judge:
-            return partial(freivalds.RequestCheck(a, b, task.block_edge, signs).screen, task.out)
-
-        return make
+        return lambda: _GemmJudge(freivalds.RequestCheck(a, b, task.out, task.block_edge, signs))
 
     def settle(self, task: Task) -> list[tuple[AnyTile, DeviceRecord, str]]:
-        """Every tile of ``task`` (all in) stored since it was last settled: those wrong,
-        with their devices and the evidence. They are to be computed again. A check that
-        cannot run takes the tiles unchecked, logged and counted: it must not lose them or
-        drop an honest device."""
+        """Every tile of ``task`` (all in) stored since it was last settled and not yet
+        found right: those wrong, with their devices and the evidence. They are to be
+        computed again. A check that cannot run takes the tiles unchecked, logged and
+        counted: it must not lose them or drop an honest device."""
         pending, task.unchecked = task.unchecked, {}
         screen, task.screen = task.screen, None  # (tiles computed again: fresh weights)
         if not pending:
             return []
-        self.counts["checked"] += len(pending)
         try:
-            bad = (screen or self._screen(task))()()
+            judge = None
             found: list[tuple[AnyTile, DeviceRecord, str]] = []
-            for tile, source in pending.values() if bad.any() else ():
+            for tile, source, flagged in pending.values():
                 assert isinstance(tile, TileTask | ConvTileTask)
-                if not _flagged(bad, tile):
-                    continue
+                if flagged is None:
+                    if judge is None:
+                        made = screen.result() if isinstance(screen, Future) else screen
+                        judge = made or self._screen(task)()
+                    self.counts["checked"] += 1
+                    if not judge.fails(tile):
+                        continue
                 self.counts["screened_out"] += 1
                 why = _confirm(tile)
                 if why:
@@ -265,11 +272,40 @@ def _operand_bytes(task: Task) -> int:
     return g.batch * g.k * (g.m + g.n) * task.out.itemsize
 
 
-def _flagged(bad: np.ndarray, tile: AnyTile) -> bool:
-    """Whether the screen's verdict on a request (``bad``) touches ``tile``."""
-    if isinstance(tile, ConvTileTask):
-        return freivalds.conv_flagged(bad, tile)
-    return bool(bad[tile.pivot, tile.r0 : tile.r1, tile.c0 // tile.gemm.block_edge].any())
+def _made(screen: Judge | Future[Judge] | None) -> Judge | None:
+    """The judge of a request's screen, if it is made (a worker's, once done)."""
+    if isinstance(screen, Future):
+        return screen.result() if screen.done() and screen.exception() is None else None
+    return screen
+
+
+@dataclass
+class _GemmJudge:
+    """A GEMM's screen judges each tile as it comes in: a pass over its block of C."""
+
+    check: freivalds.RequestCheck
+    at_arrival = True
+
+    def fails(self, tile: TaskTile) -> bool:
+        assert isinstance(tile, TileTask)
+        return self.check.fails(tile.pivot, slice(tile.r0, tile.r1), slice(tile.c0, tile.c1))
+
+
+@dataclass
+class _ConvJudge:
+    """A convolution's screen judges its whole product at once, when all tiles are in (a
+    tile's halo rows would be summed again for each band they reach)."""
+
+    screen: freivalds.ConvScreen
+    want: np.ndarray  # its reference
+    flags: np.ndarray | None = None
+    at_arrival = False
+
+    def fails(self, tile: TaskTile) -> bool:
+        assert isinstance(tile, ConvTileTask)
+        if self.flags is None:
+            self.flags = self.screen.flags(self.want)
+        return freivalds.conv_flagged(self.flags, tile)
 
 
 def _confirm(tile: AnyTile) -> str:

@@ -47,9 +47,10 @@ def kernels(a: np.ndarray, b: np.ndarray) -> dict[str, np.ndarray]:
 def screened(a: np.ndarray, b: np.ndarray, c: np.ndarray, rng: np.random.Generator) -> list[int]:
     """The tiles (by index) of ``c`` the screen flags, tiles of BLOCK × BLOCK."""
     m, n = c.shape
-    bad = RequestCheck(a[None], b[None], BLOCK, weights(rng, n, c.dtype)).screen(c[None])
+    check = RequestCheck(a[None], b[None], c[None], BLOCK, weights(rng, n, c.dtype))
     tiles = [(r, j) for r in range(0, m, BLOCK) for j in range(0, n, BLOCK)]
-    return [index for index, (r, j) in enumerate(tiles) if bad[0, r : r + BLOCK, j // BLOCK].any()]
+    blocks = [(slice(r, min(r + BLOCK, m)), slice(j, min(j + BLOCK, n))) for r, j in tiles]
+    return [index for index, (rows, cols) in enumerate(blocks) if check.fails(0, rows, cols)]
 
 
 @pytest.mark.parametrize("kind", ["normal", "relu", "positive", "cancelling"])
@@ -127,7 +128,7 @@ def test_the_screens_reach_at_a_long_k():
     rng = np.random.default_rng(4)
     a, b = operands(rng, "normal", 64, 4096, 64, np.float32)
     c = gemm(a, b)
-    check = RequestCheck(a[None], b[None], 64, weights(rng, 64, c.dtype))
+    check = RequestCheck(a[None], b[None], c[None], 64, weights(rng, 64, c.dtype))
     u = freivalds.unit_roundoff(np.dtype(np.float32))
     size = np.linalg.norm(c, axis=1) + check.scale[0, :, 0]
     tolerance = freivalds.LAMBDA * u * np.sqrt(4096) * size

@@ -1,11 +1,11 @@
 /*
  * Stage one of the emulator's Freivalds screen (proxy/emulator/freivalds.py: the rule and
- * why), in one pass over a request's product C [rows, n] (row-major, a batch's rows one
- * after another): for each row and each column block J of `edge` columns (the last maybe
- * narrower), the weighted sum s = Σ c·r over the block, with the block's screen weights
- * r, and the 2-norm q of the row's block, both summed in double; and whether the row's
- * block fails the screen, |s − ref| > unit·2·q + subnormal, or s is not finite where ref is.
- * numpy made that a dozen calls and two passes over C for every request.
+ * why), in one pass over a block of a product C (rows of n elements, ldc apart): for each
+ * row and each column block J of `edge` columns (the last maybe narrower), the weighted
+ * sum s = Σ c·r over the block, with the block's screen weights r, and the 2-norm q of the
+ * row's block, both summed in double; and whether the row's block fails the screen,
+ * |s − ref| > unit·2·q + subnormal, or s is not finite where ref is (ref: a row's blocks,
+ * rows ldref apart). numpy made that a dozen calls and two passes over C.
  *
  * Entry points fill sums and norms [rows, blocks] and return how many (row, block) pairs
  * fail.
