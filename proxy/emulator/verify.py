@@ -293,8 +293,8 @@ class _GemmJudge:
 
 @dataclass
 class _ConvJudge:
-    """A convolution's screen judges its whole product at once, when all tiles are in (a
-    tile's halo rows would be summed again for each band they reach)."""
+    """A convolution's screen judges its whole product at once, when all its tiles are in
+    (``ConvScreen.flags``: one pass over the product, in chunks of images)."""
 
     screen: freivalds.ConvScreen
     want: np.ndarray  # its reference
