@@ -8,8 +8,8 @@ reaches the job), and a device of that name is refused for ``quarantine_s``, dou
 further time it is caught, when it comes back. A request's screen is made once, from its
 operands alone, while devices compute (``prepare``); a GEMM's tiles are then judged as
 they come in, each a pass over its block of the output, and a convolution's together once
-all are in (so that no input row is summed again for each band its halo reaches); the
-job is answered once every tile is judged and those flagged are confirmed (``settle``).
+all are in; the job is answered once every tile is judged and those flagged are
+confirmed (``settle``).
 """
 
 from __future__ import annotations
