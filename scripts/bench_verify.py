@@ -119,7 +119,7 @@ def bench_overhead(reps: int, steps: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiles", type=int, default=10_000, help="tiles for detection")
-    parser.add_argument("--reps", type=int, default=7, help="alternating demo runs of each")
+    parser.add_argument("--reps", type=int, default=11, help="alternating demo runs of each")
     parser.add_argument("--steps", type=int, default=30, help="demo steps per run")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, default=Path("bench-results/net.json"))
