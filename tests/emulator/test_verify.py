@@ -230,6 +230,30 @@ def test_a_device_caught_again_is_refused_twice_as_long_up_to_the_cap():
         verifier.close()
 
 
+async def test_a_sample_is_judged_when_its_request_is_in(fleet):
+    """Under ``sample:P`` no screen is made ahead: the tiles sampled are judged together
+    once all are in, and the liar among them is caught."""
+    f = await fleet(block_size=16, window=2, policy="round-robin", verify="sample:0.999",
+                    quarantine_s=60.0)  # fmt: skip
+    armed = threading.Event()
+    backend = CorruptingBackend(armed)
+    bad_workers = WorkerPool([backend])
+    try:
+        await f.add_device(name="honest")
+        await f.add_device(name="liar", workers=bad_workers)
+        armed.set()
+        client = await f.client()
+        a = np.random.default_rng(3).standard_normal((64, 64)).astype(np.float32)
+        await client.submit(gemm_request(a, a), timeout=TIMEOUT)
+        await wait_for_condition(lambda: f.emu.verifier.quarantines, 5, "a quarantine")
+    finally:
+        bad_workers.close()
+    verifier = f.emu.verifier
+    assert backend.corrupted >= 1 and verifier.counts["wrong"] >= 1
+    assert verifier.quarantines[0].name == "liar@127.0.0.1"
+    assert not verifier._worker._threads  # (nothing made ahead)
+
+
 async def test_verify_off_lets_a_wrong_tile_through_as_it_says(fleet):
     """Off is off: the same liar, unchecked, corrupts the product (so the checks above are
     what catches it)."""
