@@ -102,8 +102,7 @@ class RequestCheck:
     def __post_init__(self) -> None:
         self.x = _block_products(self.b, self.signs, self.edge)
         self.reference = self.a @ self.x
-        k, dtype = self.a.shape[-1], self.c.dtype
-        unit, floor = LAMBDA * unit_roundoff(dtype) * math.sqrt(k), _floor(k, dtype)
+        unit, floor = _screen_terms(self.a.shape[-1], self.c.dtype)
         self._pass = ProductScreen(self.c, self.signs, self.edge, self.reference, unit, floor)
 
     @cached_property
@@ -148,6 +147,11 @@ def _floor(k: int, dtype: np.dtype[Any]) -> float:
     """(K + 1)·the smallest normal number: what subnormal results (or their flushing to
     zero) may be off, below every relative bound."""
     return (k + 1) * float(np.finfo(dtype).tiny)
+
+
+def _screen_terms(k: int, dtype: np.dtype[Any]) -> tuple[float, float]:
+    """The screen's λ·u·√K, the unit its tolerance's terms are scaled by, and its floor."""
+    return LAMBDA * unit_roundoff(dtype) * math.sqrt(k), _floor(k, dtype)
 
 
 def _outside(got: Array, want: Array, tolerance: Array) -> Array:
@@ -376,7 +380,7 @@ def _off(
 ) -> Array:
     """Where the screen fails: outside the device's term alone, and then also outside it
     plus the reference's own errors' size (``own()``, made only then)."""
-    unit, floor = LAMBDA * unit_roundoff(dtype) * math.sqrt(k), _floor(k, dtype)
+    unit, floor = _screen_terms(k, dtype)
     bad = _outside(got, want, unit * 2 * size + floor)
     if bad.any():
         bad &= _outside(got, want, unit * (2 * size + own()) + floor)

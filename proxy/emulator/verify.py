@@ -164,6 +164,12 @@ class Verifier:
         signs = self._weights.take(b.shape[-1], task.out.dtype)
         return lambda: _GemmJudge(freivalds.RequestCheck(a, b, task.out, task.block_edge, signs))
 
+    def _judge(self, task: Task, screen: Judge | Future[Judge] | None) -> Judge:
+        """``task``'s judge: the one made ahead (waited for, if the worker makes it), or
+        one made now."""
+        made = screen.result() if isinstance(screen, Future) else screen
+        return made or self._screen(task)()
+
     def settle(self, task: Task) -> list[tuple[AnyTile, DeviceRecord, str]]:
         """Every tile of ``task`` (all in) stored since it was last settled and not yet
         found right: those wrong, with their devices and the evidence. They are to be
@@ -174,17 +180,17 @@ class Verifier:
         if not pending:
             return []
         try:
-            judge = None
+            unjudged = any(flagged is None for *_, flagged in pending.values())
+            judge = self._judge(task, screen) if unjudged else None
             found: list[tuple[AnyTile, DeviceRecord, str]] = []
             for tile, source, flagged in pending.values():
                 assert isinstance(tile, TileTask | ConvTileTask)
                 if flagged is None:
-                    if judge is None:
-                        made = screen.result() if isinstance(screen, Future) else screen
-                        judge = made or self._screen(task)()
+                    assert judge is not None
                     self.counts["checked"] += 1
-                    if not judge.fails(tile):
-                        continue
+                    flagged = judge.fails(tile)
+                if not flagged:
+                    continue
                 self.counts["screened_out"] += 1
                 why = _confirm(tile)
                 if why:
