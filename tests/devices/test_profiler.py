@@ -505,8 +505,9 @@ BOARD = ThermalParams(
     cooling_scale=1.0,
     source="test: a board that follows a known RC curve",
 )
-# SMALL's grid, then 1 s of load and (the default) as long idle: 10 bursts, 10 idle samples.
-THERMAL = dataclasses.replace(SMALL, duration_s=1.0)
+# SMALL's grid, then 2 s of load and (the default) as long idle: 20 bursts, 20 idle samples
+# (at least five even while the suite's other worker halves this one's core).
+THERMAL = dataclasses.replace(SMALL, duration_s=2.0)
 
 
 class Board(logging.Handler):
