@@ -1,9 +1,10 @@
 """Convolutions on a device: one tile of a 2-D convolution, computed for real.
 
 A device receives the input region its tile needs, halo included, never the unfolded
-(im2col) matrix, so links carry activations. It unfolds the region locally (in C,
-``c/unfold.c``) and multiplies with this package's BLAS (``blas.gemm``): an implicit
-GEMM, a run of images at a time, so that each unfold is read while it is still in cache.
+(im2col) matrix, so links carry activations. It unfolds the region locally and multiplies
+with this package's BLAS: an implicit GEMM, a run of images at a time, so that each unfold
+is read while it is still in cache, in one C call (``c/implicit_gemm.c``) that reads and
+writes the arrays at their own strides (a tile's are bands of larger ones).
 Depthwise convolutions (each output channel reads one input channel) take direct C kernels
 instead (``c/depthwise.c``): row by row, kh·kw vectorised multiply-adds per row,
 the padding skipped rather than copied, and never the kh·kw times larger unfolded copy.
@@ -66,6 +67,7 @@ counted.
 
 from __future__ import annotations
 
+import errno
 import math
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -76,14 +78,15 @@ import numpy as np
 import numpy.typing as npt
 
 from ._native import ffi, lib
-from .blas import gemm
+from .blas import blas_info, gemm
 
 Array = npt.NDArray[Any]
 # The kernels' algorithm, as a profile records it: a model fitted to one revision's timings
 # does not describe another's (2: a stride-1 grad input is a forward convolution; the
 # unfolding reads the input itself, never a padded copy; 3: the unfolding is C, row by row,
-# into a buffer each thread keeps; 4: a run of images at a time, ``_image_chunks``).
-REVISION = 4
+# into a buffer each thread keeps; 4: a run of images at a time, ``_images_per_run``;
+# 5: the unfold and the GEMMs of a call in one C call, at the arrays' strides).
+REVISION = 5
 _DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
@@ -191,18 +194,11 @@ def conv_forward(x: Array, w: Array, geom: ConvGeometry, out: Array | None = Non
     _check_weight(w, geom, channels, "x")
     oh, ow = geom.output_size(height, width)
     y = _output(out, (n, w.shape[0], oh, ow), dtype, x, w)
+    cgeom = _c_geometry(geom, x.shape, w.shape[0], (oh, ow))
     if w.shape[1] == 1:
-        cgeom = _c_geometry(geom, x.shape, w.shape[0], (oh, ow))
         _filled(y, lambda dst: _direct("forward", cgeom, x, w, dst))
     else:
-        weights = _grouped(w, geom.groups)
-        for n0, n1 in _image_chunks(x, geom, oh * ow):
-            cols = _unfold(x[n0:n1], geom, oh, ow)  # [G, K, images·P]
-            if n1 - n0 == 1 and y.flags.c_contiguous:
-                gemm(weights, cols, y[n0].reshape(geom.groups, -1, oh * ow))
-            else:
-                yk = gemm(weights, cols)  # [G, OC/G, images·P]
-                y[n0:n1] = yk.reshape(w.shape[0], n1 - n0, oh, ow).transpose(1, 0, 2, 3)
+        _implicit_gemm("forward", cgeom, geom.groups, x, np.ascontiguousarray(w), y)
     return y
 
 
@@ -279,12 +275,11 @@ def conv_grad_weight(x: Array, dy: Array, geom: ConvGeometry, out: Array | None 
     if dy.shape != (n, dy.shape[1], oh, ow):
         raise ValueError(f"dy: shape {dy.shape}, expected [{n}, OC, {oh}, {ow}]")
     dw = _output(out, (dy.shape[1], channels // groups, *geom.kernel), dtype, x, dy)
+    cgeom = _c_geometry(geom, x.shape, dy.shape[1], (oh, ow))
     if channels == groups:
-        cgeom = _c_geometry(geom, x.shape, dy.shape[1], (oh, ow))
         _filled(dw, lambda dst: _direct("grad_weight", cgeom, x, dy, dst))
     else:
-        per = dw[0].size
-        _filled(dw, lambda dst: _grad_weight_gemm(x, dy, geom, dst.reshape(groups, -1, per)))
+        _implicit_gemm("grad_weight", cgeom, groups, x, dy, dw)
     return dw
 
 
@@ -357,7 +352,7 @@ def _filled(out: Array, fill: Callable[[Array], object]) -> None:
 
 _unfolds = threading.local()  # ``_scratch``'s buffer, one per worker thread
 _ALIGN = 64
-_CHUNK_BYTES = 4 << 20  # an unfold of about this many bytes at a time (``_image_chunks``)
+_CHUNK_BYTES = 4 << 20  # an unfold of about this many bytes at a time (``_images_per_run``)
 _CHUNK_COLUMNS = 512
 _C_TYPES = {np.dtype(np.float32): ("f32", "float[]"), np.dtype(np.float64): ("f64", "double[]")}
 
@@ -389,28 +384,10 @@ def _taps(geom: ConvGeometry, oh: int, ow: int) -> Iterator[tuple[int, int, tupl
             yield a, b, (rows, cols)
 
 
-def _unfold(x: Array, geom: ConvGeometry, oh: int, ow: int) -> Array:
-    """The unfolded input [G, (C/G)·kh·kw, N·OH·OW]: batch and positions in the columns,
-    so one GEMM per group (one batched call) covers both, or reduces over both (grad weight).
-    ``c/unfold.c`` copies, row by row, what each tap reads inside x and zeroes what it
-    reads in the padding, never a padded copy of x."""
-    n, channels, _, _ = x.shape
-    kh, kw = geom.kernel
-    cols = _scratch((channels, kh, kw, n, oh, ow), x.dtype)
-    suffix, ctype = _C_TYPES[x.dtype]
-    source = ffi.from_buffer(ctype, np.ascontiguousarray(x).data)
-    target = ffi.from_buffer(ctype, cols.data, require_writable=True)
-    cgeom = _c_geometry(geom, x.shape, channels, (oh, ow))
-    if getattr(lib, f"mg_unfold_{suffix}")(cgeom, source, target):
-        raise MemoryError("unfold: no memory for its column spans")
-    return cols.reshape(geom.groups, channels // geom.groups * kh * kw, n * oh * ow)
-
-
 def _scratch(shape: tuple[int, ...], dtype: np.dtype[Any]) -> Array:
     """An uninitialised array of ``shape`` in this thread's unfold buffer, grown as needed
     and kept: an unfold is often larger than the allocator keeps for reuse, and a fresh
-    one's page faults cost as much as filling it. One unfold is live per thread at a
-    time (the caller's GEMM reads it before the next)."""
+    one's page faults cost as much as filling it. One call uses it per thread at a time."""
     nbytes = math.prod(shape) * dtype.itemsize
     buffer: Array | None = getattr(_unfolds, "buffer", None)
     if buffer is None or buffer.nbytes < nbytes:
@@ -420,14 +397,70 @@ def _scratch(shape: tuple[int, ...], dtype: np.dtype[Any]) -> Array:
     return buffer[:nbytes].view(dtype).reshape(shape)
 
 
-def _image_chunks(x: Array, geom: ConvGeometry, positions: int) -> list[tuple[int, int]]:
-    """x's images in runs whose unfold is about ``_CHUNK_BYTES`` (so that it is read by
-    the GEMM while still in cache, not written out to memory and read back), and at least
-    ``_CHUNK_COLUMNS`` columns (an efficient GEMM's) where there are images enough."""
-    n, channels = x.shape[:2]
-    per_image = channels * geom.kernel[0] * geom.kernel[1] * positions * x.itemsize
-    images = max(1, _CHUNK_BYTES // max(1, per_image), -(-_CHUNK_COLUMNS // max(1, positions)))
-    return [(n0, min(n0 + images, n)) for n0 in range(0, n, images)]
+def _images_per_run(cgeom: Any, itemsize: int) -> int:
+    """Images to unfold at a time: a run whose unfold is about ``_CHUNK_BYTES`` (so that it
+    is read by the GEMM while still in cache, not written out to memory and read back), and
+    at least ``_CHUNK_COLUMNS`` columns (an efficient GEMM's) where there are images enough."""
+    positions = cgeom.oh * cgeom.ow
+    per_image = cgeom.c * cgeom.kh * cgeom.kw * positions * itemsize
+    return max(1, _CHUNK_BYTES // max(1, per_image), -(-_CHUNK_COLUMNS // max(1, positions)))
+
+
+def _address(arr: Array) -> tuple[Array, Any, Any]:
+    """``arr`` (or a contiguous copy where its strides are negative or not whole elements),
+    a C pointer to its first element and its ``mg_strides4``."""
+    item = arr.itemsize
+    if any(s < 0 or s % item for s in arr.strides):
+        arr = np.ascontiguousarray(arr)
+    pointer = ffi.cast("void *", arr.__array_interface__["data"][0])
+    return arr, pointer, ffi.new("mg_strides4 *", [s // item for s in arr.strides])
+
+
+def _implicit_gemm(kind: str, cgeom: Any, groups: int, x: Array, second: Array, out: Array) -> None:
+    """``c/implicit_gemm.c``'s forward (``second`` the weight [OC, C/G, kh, kw], C-contiguous;
+    ``out`` y) or grad weight (``second`` dy; ``out`` dw), into ``out`` at its strides (a dw
+    whose rows are not each contiguous: into a new array, copied into it)."""
+    blas_info()  # (the library loaded)
+    suffix = _C_TYPES[x.dtype][0]
+    oc = out.shape[0] if kind == "grad_weight" else out.shape[1]
+    chunk = _images_per_run(cgeom, x.itemsize)
+    need = lib.mg_conv_scratch(cgeom, oc, chunk, x.itemsize)
+    scratch = ffi.from_buffer(_scratch((max(need, 0),), np.dtype(np.uint8)).data)
+    x, xp, xs = _address(x)
+    second, sp, ss = _address(second)
+    if kind == "forward":
+        target, tp, ts = _address(out)
+        rc = getattr(lib, f"mg_conv_forward_{suffix}")(
+            cgeom, groups, oc, xp, xs, sp, tp, ts, scratch, len(scratch), chunk
+        )
+    else:
+        rows = _row_stride(out)
+        target, tp, _ = _address(out if rows else np.empty(out.shape, out.dtype))
+        rc = getattr(lib, f"mg_conv_grad_weight_{suffix}")(
+            cgeom, groups, oc, xp, xs, sp, ss, tp, rows or out[0].size, scratch, len(scratch),
+            chunk,
+        )  # fmt: skip
+    if rc == -errno.ENOMEM:
+        raise MemoryError(f"{kind}: no memory for the unfold's column spans")
+    if rc:
+        raise ValueError(f"{kind}: a dimension is past the BLAS's int range")
+    if target is not out:
+        out[...] = target
+
+
+def _row_stride(dw: Array) -> int:
+    """dw's row stride in elements, as a GEMM's leading dimension, where each of its rows
+    [C/G, kh, kw] is contiguous; else 0."""
+    item, inner = dw.itemsize, dw[0].size
+    want = (dw.shape[2] * dw.shape[3], dw.shape[3], 1)
+    if any(
+        n > 1 and s != e * item for n, s, e in zip(dw.shape[1:], dw.strides[1:], want, strict=True)
+    ):
+        return 0
+    if dw.shape[0] == 1:
+        return max(1, inner)
+    stride = dw.strides[0]
+    return stride // item if stride >= inner * item and stride % item == 0 else 0
 
 
 def _grouped(w: Array, groups: int) -> Array:
@@ -436,7 +469,7 @@ def _grouped(w: Array, groups: int) -> Array:
 
 
 def _channel_major(dy: Array, groups: int) -> Array:
-    """dy as [G, OC/G, N·OH·OW], matching ``_unfold``'s columns (a copy unless N == 1)."""
+    """dy as [G, OC/G, N·OH·OW], columns as the unfold's (a copy unless N == 1)."""
     return np.ascontiguousarray(dy.transpose(1, 0, 2, 3)).reshape(groups, dy.shape[1] // groups, -1)
 
 
@@ -473,18 +506,6 @@ def _grad_input_forward(
     padding = (reached[0] - start, stop - reached[1], c0 - first, last - c1)
     reverse = ConvGeometry(geom.kernel, (1, 1), geom.dilation, padding, groups)
     return conv_forward(dy[:, :, :, c0:c1], flipped, reverse, out=dx)
-
-
-def _grad_weight_gemm(x: Array, dy: Array, geom: ConvGeometry, dw: Array) -> None:
-    """dw [G, OC/G, K] = Σ over runs of images of dy's rows times the run's unfolded x."""
-    oh, ow = dy.shape[2:]
-    chunks = _image_chunks(x, geom, oh * ow)
-    if not chunks:  # no images: nothing summed
-        dw[...] = 0
-    for i, (n0, n1) in enumerate(chunks):
-        cols = _unfold(x[n0:n1], geom, oh, ow)  # [G, K, images·P]
-        rows = _channel_major(dy[n0:n1], geom.groups)
-        gemm(rows, cols.transpose(0, 2, 1), dw, beta=0.0 if i == 0 else 1.0)
 
 
 def _shares_gemm(dy: Array, w: Array, geom: ConvGeometry) -> Callable[[int, int], Array]:

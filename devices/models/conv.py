@@ -87,11 +87,12 @@ _K_KNOTS = np.array([0.0, 3.0, 6.0, 9.0, 12.0, 15.0])
 _MEM = len(_MEM_KNOTS)
 
 # What the work terms count: θ fitted under one form prices another's terms wrongly, so a
-# fitted model of another form is refused (3: a depthwise row's cost grows with its tap
+# fitted model of another form is refused (4: the channel-major copies of y and dy are C's,
+# row by row, none for runs of one image, the kernels' revision 5; 3: a depthwise row's cost grows with its tap
 # rows, and a grad-input band's pairs are bounded by its dy rows; 2: the unfolding's terms
 # count the rows of ``c/unfold.c``, the kernels' revision 3; 1, the form of a table without
 # ``form``: numpy's runs).
-FORM = 3
+FORM = 4
 
 # Parameter vector layout: term name → width (see ``_Form.terms`` for each design).
 _TERMS = {
@@ -101,7 +102,7 @@ _TERMS = {
     "border_bytes": 2 + _MEM,
     "unfold_loops": 3,
     "unfold_bytes": 3 + _MEM,
-    "transpose_loops": 1,
+    "transpose_loops": 2,
     "transpose_bytes": 2 + _MEM,
     "gemm_compute": len(KINDS) * (2 + len(_M_KNOTS) + len(_N_KNOTS) + len(_K_KNOTS)),
     "gemm_a": len(KINDS) + 1 + _MEM,
@@ -194,6 +195,16 @@ def _mem(nbytes: np.ndarray) -> np.ndarray:
     return hats(_log2(nbytes), _MEM_KNOTS)
 
 
+def _images_per_run(x: _Columns) -> np.ndarray:
+    """Images the implicit GEMM unfolds at a time, as ``kernels/conv.py`` chooses them: an
+    unfold of about 4 MiB, and at least 512 columns where there are images enough."""
+    positions = x.out_rows * x.out_w
+    per_image = x.c * x.kh * x.kw * positions * x.item
+    least = np.ceil(512 / np.maximum(positions, 1))
+    run = np.maximum(np.maximum(1.0, np.floor((4 << 20) / np.maximum(per_image, 1))), least)
+    return np.minimum(run, x.n)
+
+
 def _per_kind(by_kind: np.ndarray, *covariates: np.ndarray) -> np.ndarray:
     """Each covariate once per kind (zero in the other kinds' columns)."""
     stacked = np.stack(covariates, axis=1)
@@ -282,14 +293,18 @@ class _Stages:
         ]
 
     def transpose(self) -> Terms:
-        """The channel-major copy of y (forward) or dy (gradients): a run of OH·OW per image
-        and channel; none for one image's dy (already channel-major), one run for its y."""
+        """The channel-major copies: of y (forward) and dy (grad weight) in
+        ``c/implicit_gemm.c``, a row of OW at a time, none where a run is one image (its
+        GEMM reads or writes the array in place); of dy for a strided grad input's fold
+        (numpy), a run of OH·OW per image and channel, none for one image."""
         c, x = self, self.cols
-        copies = c.general & ((x.n > 1) | c.forward)
+        rows = x.n * x.oc * x.out_rows
+        in_c = c.general & ~c.grad_input & (_images_per_run(x) > 1)
+        folds = c.general & c.grad_input & (x.n > 1)
         nbytes = 2 * x.n * x.oc * x.out_rows * x.out_w * x.item
         return [
-            (c.loops(copies, np.where(x.n > 1, x.n * x.oc, 1.0)), c.ones[:, None]),
-            (c.moved(copies, nbytes), c.efficiency(c.fp64, nbytes=nbytes)),
+            (c.loops(in_c, rows) + c.loops(folds, x.n * x.oc), np.stack([in_c, folds], axis=1)),
+            (c.moved(in_c | folds, nbytes), c.efficiency(c.fp64, nbytes=nbytes)),
         ]
 
     def gemm(self, vector_bytes: int, split: bool) -> Terms:

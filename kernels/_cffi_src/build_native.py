@@ -15,8 +15,18 @@ from cffi import FFI
 
 HERE = Path(__file__).resolve().parent
 TOPICS = ("blas", "pool", "cublasxt", "conv", "screen")
-# C sources in include order: the shared GEMM checks precede both executors.
-C_SOURCES = ("gemm_check", "blas", "pool", "cublasxt", "depthwise", "unfold", "screen")
+# C sources in include order: the shared GEMM checks precede both executors, the BLAS and
+# the unfold the implicit GEMM.
+C_SOURCES = (
+    "gemm_check",
+    "blas",
+    "pool",
+    "cublasxt",
+    "depthwise",
+    "unfold",
+    "implicit_gemm",
+    "screen",
+)
 # Included by a source above (depthwise.c and screen.c: their code once per dtype; both
 # convolution sources: their geometry).
 C_HEADERS = ("depthwise_typed.h", "conv_geom.h", "screen_typed.h")

@@ -1,5 +1,6 @@
 """Declarations for the convolution kernels: c/depthwise.c (depthwise convolutions, forward
-and both gradients) and c/unfold.c (the implicit GEMM's unfold), on c/conv_geom.h's geometry."""
+and both gradients) and c/implicit_gemm.c (the others' forward and grad weight, unfolded by
+c/unfold.c), on c/conv_geom.h's geometry and strides."""
 
 INCLUDES = ""
 
@@ -11,11 +12,29 @@ typedef struct mg_conv_geom {
     int64_t kh, kw, sh, sw, dh, dw;
     int64_t top, left;
 } mg_conv_geom;
+
+typedef struct mg_strides4 {
+    int64_t n, c, h, w;
+} mg_strides4;
 """
 
 FUNCTIONS = """
-int mg_unfold_f32(const mg_conv_geom *g, const float *x, float *cols);
-int mg_unfold_f64(const mg_conv_geom *g, const double *x, double *cols);
+int64_t mg_conv_scratch(const mg_conv_geom *g, int64_t oc, int64_t chunk, int64_t size);
+int mg_conv_forward_f32(const mg_conv_geom *g, int64_t groups, int64_t oc, const float *x,
+                        const mg_strides4 *xs, const float *w, float *y, const mg_strides4 *ys,
+                        void *scratch, int64_t scratch_bytes, int64_t chunk);
+int mg_conv_forward_f64(const mg_conv_geom *g, int64_t groups, int64_t oc, const double *x,
+                        const mg_strides4 *xs, const double *w, double *y,
+                        const mg_strides4 *ys, void *scratch, int64_t scratch_bytes,
+                        int64_t chunk);
+int mg_conv_grad_weight_f32(const mg_conv_geom *g, int64_t groups, int64_t oc, const float *x,
+                            const mg_strides4 *xs, const float *dy, const mg_strides4 *dys,
+                            float *dw, int64_t ldw, void *scratch, int64_t scratch_bytes,
+                            int64_t chunk);
+int mg_conv_grad_weight_f64(const mg_conv_geom *g, int64_t groups, int64_t oc, const double *x,
+                            const mg_strides4 *xs, const double *dy, const mg_strides4 *dys,
+                            double *dw, int64_t ldw, void *scratch, int64_t scratch_bytes,
+                            int64_t chunk);
 int mg_dw_forward_f32(const mg_conv_geom *g, const float *x, const float *w, float *y);
 int mg_dw_forward_f64(const mg_conv_geom *g, const double *x, const double *w, double *y);
 int mg_dw_grad_input_f32(const mg_conv_geom *g, const float *dy, const float *w, float *dx,

@@ -177,9 +177,8 @@ def test_runs_of_images_match_torch(monkeypatch, columns, groups):
     geom = ConvGeometry((3, 3), padding=(1, 1, 1, 1), groups=groups)
     rng = np.random.default_rng(groups)
     x, w = inputs(rng, 7, 4, 4, 4, (6, 4 // groups, 3, 3), np.float32)  # 16 positions
-    assert [b - a for a, b in conv._image_chunks(x, geom, 16)] == (
-        [1] * 7 if columns == 1 else [3, 3, 1]
-    )
+    cgeom = conv._c_geometry(geom, x.shape, 6, (4, 4))
+    assert conv._images_per_run(cgeom, x.itemsize) == (1 if columns == 1 else 3)
     check_all(x, w, geom, rng)
 
 
@@ -311,6 +310,41 @@ def test_depthwise_reads_views_as_their_elements():
     np.testing.assert_array_equal(
         conv_grad_weight(x, dy, geom), conv_grad_weight(x.copy(), dy.copy(), geom)
     )
+
+
+@pytest.mark.parametrize("columns", [1, 512])  # runs of one image (BLAS writes y in place), more
+@pytest.mark.parametrize("groups", [1, 2])
+def test_implicit_gemm_reads_and_writes_views(monkeypatch, columns, groups):
+    """The implicit GEMM's C call reads x and dy and writes y and dw at their own strides:
+    views of every kind (channels picked, axes exchanged, Fortran order, a band of a larger
+    array) give what their copies do, and nothing around an output band is written."""
+    monkeypatch.setattr(conv, "_CHUNK_BYTES", 1)
+    monkeypatch.setattr(conv, "_CHUNK_COLUMNS", columns)
+    rng = np.random.default_rng(groups)
+    geom = ConvGeometry((3, 2), stride=(1, 2), padding=(1, 0, 1, 1), groups=groups)
+    x = rng.standard_normal((3, 9, 4, 7))[:, ::2].transpose(0, 2, 1, 3)  # [3, 4, 5, 7]
+    w = np.asfortranarray(rng.standard_normal((6, 4 // groups, 3, 2)))
+    oh, ow = geom.output_size(5, 7)
+    whole = np.full((3, 8, oh + 3, ow), np.nan)
+    y = whole[:, 1:7, 2 : 2 + oh]
+    assert conv_forward(x, w, geom, out=y) is y
+    np.testing.assert_allclose(y, conv_forward(x.copy(), w.copy(), geom), rtol=1e-12, atol=1e-12)
+    assert np.isnan(whole[:, [0, 7]]).all() and np.isnan(whole[:, :, :2]).all()
+    dy = np.asfortranarray(rng.standard_normal(y.shape))
+    for dw in (
+        np.full(w.shape, np.nan, order="F"),
+        np.full((6, 8, 3, 2), np.nan)[:, 2 : 2 + w.shape[1]],
+    ):
+        assert conv_grad_weight(x, dy, geom, out=dw) is dw
+        want = conv_grad_weight(x.copy(), dy.copy(), geom)
+        np.testing.assert_allclose(dw, want, rtol=1e-12, atol=1e-12)
+    # a stride-1 grad input is the forward convolution of a view of dy, into a band of dx
+    unit = ConvGeometry((3, 2), padding=(1, 1, 1, 0), groups=groups)
+    dy = np.asfortranarray(rng.standard_normal((3, 6, *unit.output_size(5, 7))))
+    dx = np.full((3, 4, 9, 7), np.nan)[:, :, 3:6]
+    got = conv_grad_input(dy, w, unit, input_size=(5, 7), rows=(1, 4), out=dx)
+    want = conv_grad_input(dy.copy(), w.copy(), unit, input_size=(5, 7))[:, :, 1:4]
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
 
 
 # --- bands ----------------------------------------------------------------------------------

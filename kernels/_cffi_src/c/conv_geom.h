@@ -1,7 +1,8 @@
 /*
  * A convolution's geometry as the C kernels take it (kernels/conv.py's ``ConvGeometry``
  * for one call: the array given, its padding above and to the left, the output's size),
- * and the column spans every row loop needs. Shared by depthwise.c and unfold.c.
+ * and the column spans every row loop needs. Shared by depthwise.c, unfold.c and
+ * implicit_gemm.c.
  */
 #ifndef MG_CONV_GEOM_H
 #define MG_CONV_GEOM_H
@@ -16,6 +17,10 @@ typedef struct mg_conv_geom {
     int64_t kh, kw, sh, sw, dh, dw;
     int64_t top, left; /* zero rows above the input, zero columns to its left */
 } mg_conv_geom;
+
+typedef struct mg_strides4 { /* an NCHW array's strides, in elements */
+    int64_t n, c, h, w;
+} mg_strides4;
 
 static int64_t mg_conv_floor_div(int64_t a, int64_t b) /* b > 0 */
 {

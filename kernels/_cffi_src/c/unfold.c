@@ -1,14 +1,14 @@
 /*
- * The unfold (im2col) of a convolution's input: what the implicit GEMM multiplies.
+ * The unfold (im2col) of a convolution's input: what the implicit GEMM (implicit_gemm.c)
+ * multiplies.
  *
- * cols [C, kh, kw, N, OH, OW] of x [N, C, H, W] (C-contiguous, float32 or float64):
- * cols[c, a, b, n, oh, ow] = x[n, c, oh·sh + a·dh − top, ow·sw + b·dw − left], 0 where
- * that lies in the padding. Each output row is one tap's reach into one input row: a
- * memcpy at a unit column stride, else a strided gather, with the padding's columns zeroed
- * around it (``mg_conv_columns``) and never a padded copy of x. numpy did this one tap at
- * a time over whole strided views, many small copies per row; here a row is finished at
- * once. Single-threaded, like every device kernel. ``multiplier`` is not read. Returns 0,
- * or -ENOMEM when the column spans cannot be had.
+ * cols [C, kh, kw, N, OH, OW] of x [N, C, H, W] (float32 or float64, at element strides
+ * ``xs``): cols[c, a, b, n, oh, ow] = x[n, c, oh·sh + a·dh − top, ow·sw + b·dw − left],
+ * 0 where that lies in the padding. Each output row is one tap's reach into one input row:
+ * a memcpy where the columns it reads are adjacent, else a strided gather, with the
+ * padding's columns zeroed around it (``mg_conv_columns``) and never a padded copy of x.
+ * Single-threaded, like every device kernel. ``multiplier`` is not read. Returns 0, or
+ * -ENOMEM when the column spans cannot be had.
  */
 #include <errno.h>
 #include <stdint.h>
@@ -35,8 +35,8 @@ static void mg_unfold_gather(char *restrict dst, const char *restrict src, int64
     }
 }
 
-static int mg_unfold(const mg_conv_geom *g, const char *restrict x, char *restrict cols,
-                     size_t size)
+static int mg_unfold(const mg_conv_geom *g, const char *restrict x, const mg_strides4 *xs,
+                     char *restrict cols, size_t size)
 {
     int64_t *span = mg_conv_columns(g);
     if (span == NULL)
@@ -49,7 +49,7 @@ static int mg_unfold(const mg_conv_geom *g, const char *restrict x, char *restri
                 const int64_t lo = span[2 * b], hi = span[2 * b + 1];
                 const int64_t first = lo * g->sw + b * g->dw - g->left; /* column lo reads */
                 for (int64_t n = 0; n < g->n; n++) {
-                    const char *plane = x + (size_t)((n * g->c + c) * g->h * g->w) * size;
+                    const char *plane = x + (n * xs->n + c * xs->c) * (int64_t)size;
                     for (int64_t oh = 0; oh < g->oh; oh++, out += row) {
                         const int64_t ih = oh * g->sh + a * g->dh - g->top;
                         if (ih < 0 || ih >= g->h || lo >= hi) {
@@ -58,22 +58,12 @@ static int mg_unfold(const mg_conv_geom *g, const char *restrict x, char *restri
                         }
                         memset(out, 0, (size_t)lo * size);
                         mg_unfold_gather(out + (size_t)lo * size,
-                                         plane + (size_t)(ih * g->w + first) * size, g->sw,
-                                         hi - lo, size);
+                                         plane + (ih * xs->h + first * xs->w) * (int64_t)size,
+                                         g->sw * xs->w, hi - lo, size);
                         memset(out + (size_t)hi * size, 0, (size_t)(g->ow - hi) * size);
                     }
                 }
             }
     free(span);
     return 0;
-}
-
-int mg_unfold_f32(const mg_conv_geom *g, const float *x, float *cols)
-{
-    return mg_unfold(g, (const char *)x, (char *)cols, sizeof *x);
-}
-
-int mg_unfold_f64(const mg_conv_geom *g, const double *x, double *cols)
-{
-    return mg_unfold(g, (const char *)x, (char *)cols, sizeof *x);
 }
