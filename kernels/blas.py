@@ -8,10 +8,14 @@ where the CPU has AVX-512, at about half the rate of OpenBLAS's AVX-512 kernels.
 Where the preferred library is missing (MKL on ARM boards) or refused, the other
 is used and the reason is logged.
 
-OpenBLAS picks its kernels by CPU model, and takes a model it does not know
-(a newer AMD family) for an AVX2 one. On a non-Intel CPU with AVX-512 it is
-therefore opened as ``SkylakeX``, its AVX-512 kernels, unless
-``OPENBLAS_CORETYPE`` says otherwise; the version string names the kernels used.
+OpenBLAS picks its kernels by CPU model, which says nothing of how wide a newer
+AMD CPU's vector units are: one that runs each 512-bit instruction as two 256-bit
+halves (Zen 4, some Zen 5 parts) computes faster with the AVX2 (``Haswell``)
+kernels, one with full-width units up to twice as fast with the AVX-512
+(``SkylakeX``) ones. On a non-Intel CPU with AVX-512 the width is therefore
+measured (``c/vector_width.c``: 512-bit against 256-bit multiply-add throughput)
+and OpenBLAS opened as the kernels that suit it, unless ``OPENBLAS_CORETYPE``
+says otherwise; the version string names the kernels used.
 
 Threads: PyTorch's CPU build runs MKL on GNU OpenMP (libgomp). Loading MKL's
 Intel threading layer next to it would start a second OpenMP runtime, and the
@@ -55,6 +59,7 @@ class BlasInfo:
 
 
 _AVX512 = {"avx512f", "avx512bw", "avx512dq", "avx512vl"}  # what SkylakeX's kernels use
+_FULL_WIDTH = 1.5  # 512-bit over 256-bit FMA FLOPs: 1 split in halves, 2 at full width
 
 
 def _x86_cpu() -> tuple[str, set[str]]:
@@ -124,11 +129,11 @@ def _load() -> BlasInfo:
     choice, threading_name, threads = _settings()
     vendor, flags = _x86_cpu()
     elsewhere = vendor not in ("", "GenuineIntel")  # another vendor's x86 CPU
-    skylakex = elsewhere and flags >= _AVX512
+    core = _openblas_core() if elsewhere and flags >= _AVX512 else None
     errors: list[str] = []
     if choice == "auto" and elsewhere:
         why = f"{vendor} CPU: MKL would run its AVX2 code"
-        info = _open_openblas(_openblas_candidates(), why, threads, skylakex, errors)
+        info = _open_openblas(None, why, threads, core, errors)
         if info is not None:
             log.info("BLAS: using openblas at %s (%s)", info.path, why)
             return info
@@ -146,8 +151,7 @@ def _load() -> BlasInfo:
         why = "MKL not loadable: " + "; ".join(errors)
     else:
         why = f"MORPHLING_BLAS={choice}" if choice == "openblas" else "MORPHLING_BLAS is a path"
-    candidates = [(choice, "")] if Path(choice).exists() else _openblas_candidates()
-    info = _open_openblas(candidates, why, threads, skylakex, errors)
+    info = _open_openblas(choice if Path(choice).exists() else None, why, threads, core, errors)
     if info is None:
         raise RuntimeError("no usable BLAS library: " + "; ".join(errors))
     level = logging.WARNING if choice == "auto" else logging.INFO
@@ -156,29 +160,41 @@ def _load() -> BlasInfo:
 
 
 def _open_openblas(
-    candidates: list[tuple[str, str]],
+    path: str | None,
     why: str,
     threads: int | None,
-    skylakex: bool,
+    core: str | None,
     errors: list[str],
 ) -> BlasInfo | None:
-    """The first candidate that opens, as OpenBLAS's AVX-512 kernels where ``skylakex`` (a
-    non-Intel CPU that has them: the module docstring says why); None, with the reasons in
-    ``errors``."""
-    forced = skylakex and "OPENBLAS_CORETYPE" not in os.environ
+    """The library at ``path``, or the first of ``_openblas_candidates`` that opens, as
+    OpenBLAS's ``core`` kernels where one is given (a non-Intel CPU with AVX-512: the
+    module docstring says why); None, with the reasons in ``errors``."""
+    forced = None if "OPENBLAS_CORETYPE" in os.environ else core
     try:
-        if forced:
-            os.environ["OPENBLAS_CORETYPE"] = "SkylakeX"  # read once, as the library loads
-        for path, prefix in candidates:
-            reason = _open(path, prefix, -1)
+        if forced:  # read once, as the library loads (importing scipy_openblas32 loads it)
+            os.environ["OPENBLAS_CORETYPE"] = forced
+        for candidate, prefix in [(path, "")] if path else _openblas_candidates():
+            reason = _open(candidate, prefix, -1)
             if reason is None:
                 name = "mkl" if lib.mg_blas_is_mkl() else "openblas"
-                return _info(name, path, "native", why, threads)
+                return _info(name, candidate, "native", why, threads)
             errors.append(reason)
     finally:
         if forced:
             del os.environ["OPENBLAS_CORETYPE"]
     return None
+
+
+def _openblas_core() -> str:
+    """OpenBLAS's kernels for this non-Intel CPU with AVX-512: ``SkylakeX`` where its
+    512-bit multiply-adds run at full width (about twice the 256-bit FLOPs), else
+    ``Haswell``."""
+    ratio = lib.mg_fma_512_over_256()
+    core = "SkylakeX" if ratio >= _FULL_WIDTH else "Haswell"
+    log.debug(
+        "BLAS: 512-bit FMA throughput %.2fx the 256-bit one: OpenBLAS's %s kernels", ratio, core
+    )
+    return core
 
 
 def _info(

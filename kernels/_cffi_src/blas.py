@@ -1,4 +1,5 @@
-"""Declarations for c/blas.c (a CBLAS library opened at run time) and c/gemm_check.c."""
+"""Declarations for c/blas.c (a CBLAS library opened at run time), c/gemm_check.c and
+c/vector_width.c (which of OpenBLAS's kernels to open)."""
 
 INCLUDES = ""
 
@@ -22,6 +23,7 @@ int mg_blas_open(const char *path, const char *prefix, int threading_layer, char
 int mg_blas_is_mkl(void);
 void mg_blas_version(char *buf, int len);
 int mg_blas_set_threads(int n, int thread_local_only);
+double mg_fma_512_over_256(void);
 int mg_gemm(int dtype, int trans_a, int trans_b, int m, int n, int k, double alpha,
             const void *a, int lda, int64_t stride_a, int64_t a_len, const void *b, int ldb,
             int64_t stride_b, int64_t b_len, double beta, void *c, int ldc, int64_t stride_c,

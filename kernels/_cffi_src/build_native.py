@@ -20,6 +20,7 @@ TOPICS = ("blas", "pool", "cublasxt", "conv", "screen")
 C_SOURCES = (
     "gemm_check",
     "blas",
+    "vector_width",
     "pool",
     "cublasxt",
     "depthwise",
@@ -27,7 +28,7 @@ C_SOURCES = (
     "implicit_gemm",
     "screen",
 )
-# Included by a source above (depthwise.c and screen.c: their code once per dtype; both
+# Included by a source above (depthwise.c and screen.c: their code once per dtype; the
 # convolution sources: their geometry).
 C_HEADERS = ("depthwise_typed.h", "conv_geom.h", "screen_typed.h")
 

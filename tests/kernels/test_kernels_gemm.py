@@ -22,8 +22,8 @@ from morphling.kernels import (
     run_plan,
     set_threads,
 )
-from morphling.kernels._native import ffi
-from morphling.kernels.blas import _AVX512, _x86_cpu
+from morphling.kernels._native import ffi, lib
+from morphling.kernels.blas import _AVX512, _openblas_core, _x86_cpu
 
 DTYPES = [np.float32, np.float64]
 
@@ -293,7 +293,8 @@ def test_mkl_runs_on_gnu_openmp_beside_torch():
 
 def test_auto_takes_mkl_on_intel_and_openblas_elsewhere():
     """MKL runs its AVX2 code on other vendors' CPUs: there ``auto`` takes OpenBLAS,
-    opened as its AVX-512 kernels where the CPU has them and nobody said otherwise."""
+    opened, where the CPU has AVX-512 and nobody said otherwise, as its AVX-512 kernels if
+    the CPU's 512-bit units are full width and as its AVX2 ones if not."""
     vendor, flags = _x86_cpu()
     if not vendor:
         pytest.skip("/proc/cpuinfo names no x86 vendor here")
@@ -310,10 +311,21 @@ def test_auto_takes_mkl_on_intel_and_openblas_elsewhere():
     assert name == "openblas", proc.stderr
     assert why == f"{vendor} CPU: MKL would run its AVX2 code"
     if flags >= _AVX512:
-        assert "SkylakeX" in version
+        assert ("SkylakeX" if _openblas_core() == "SkylakeX" else "Haswell") in version
     told = _run_isolated(code, OPENBLAS_CORETYPE="Haswell", MORPHLING_BLAS="openblas")
     assert told.returncode == 0, told.stderr
     assert "Haswell" in told.stdout  # a core named by the user is kept
+
+
+def test_the_vector_width_probe_tells_half_from_full_width():
+    """512-bit multiply-adds run at the 256-bit FLOP rate where each is split in two halves
+    and at twice it at full width; nothing else (0 without AVX-512)."""
+    _, flags = _x86_cpu()
+    ratio = lib.mg_fma_512_over_256()
+    if not flags >= {"avx512f", "avx2", "fma"}:
+        assert ratio == 0.0
+        return
+    assert 0.7 < ratio < 1.3 or 1.7 < ratio < 2.3, ratio
 
 
 def test_openblas_takes_the_first_thread_count_for_the_process():
