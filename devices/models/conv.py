@@ -88,10 +88,10 @@ _MEM = len(_MEM_KNOTS)
 
 # What the work terms count: θ fitted under one form prices another's terms wrongly, so a
 # fitted model of another form is refused (4: the channel-major copies of y and dy are C's,
-# row by row, none for runs of one image, the kernels' revision 5; 3: a depthwise row's cost grows with its tap
-# rows, and a grad-input band's pairs are bounded by its dy rows; 2: the unfolding's terms
-# count the rows of ``c/unfold.c``, the kernels' revision 3; 1, the form of a table without
-# ``form``: numpy's runs).
+# row by row, none for runs of one image, the kernels' revision 5; 3: a depthwise row's
+# cost grows with its tap rows, and a grad-input band's pairs are bounded by its dy rows;
+# 2: the unfolding's terms count the rows of ``c/unfold.c``, the kernels' revision 3; 1,
+# the form of a table without ``form``: numpy's runs).
 FORM = 4
 
 # Parameter vector layout: term name → width (see ``_Form.terms`` for each design).

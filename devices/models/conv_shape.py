@@ -48,6 +48,14 @@ def _int(name: str, value: object, least: int) -> int:
 
 def _ints(name: str, value: object, count: int, least: int) -> tuple[int, ...]:
     """``value`` as a tuple of ``count`` ints (TOML and msgpack give lists)."""
+    if (  # (the common case: the emulator's own tiles')
+        type(value) is tuple
+        and len(value) == count
+        and {type(v) for v in value} == {int}
+        and least <= min(value)
+        and max(value) <= _INT_MAX
+    ):
+        return value
     if not isinstance(value, (list, tuple)) or len(value) != count:
         raise ValueError(f"conv field {name!r} must be {count} integers, got {value!r:.60}")
     return tuple(_int(name, v, least) for v in value)

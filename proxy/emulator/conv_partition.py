@@ -78,6 +78,11 @@ class Header(NamedTuple):
     dtype: str
 
 
+def _address(arr: np.ndarray) -> int:
+    """Where ``arr``'s first element is (``ctypes.data`` makes a ctypes object to say so)."""
+    return int(arr.__array_interface__["data"][0])
+
+
 @dataclass(frozen=True)
 class ConvOperand:
     """One operand of a convolution tile: a view of the request's array, sent contiguous,
@@ -108,10 +113,10 @@ class ConvOperand:
         """Its panel id: where it lies in the request's array, whose bytes are hashed once
         for all its tiles (only residency asks), never a copy of each view to hash."""
         view, whole = self.array, self.whole
-        where = (whole.ctypes.data, *whole.shape, *whole.strides)
+        start = _address(whole)
+        where = (start, *whole.shape, *whole.strides)
         matrix = self.task.named(where, lambda: np.ascontiguousarray(whole))
-        offset = view.ctypes.data - whole.ctypes.data
-        return panel_names.view(matrix, offset, view.shape, view.strides)
+        return panel_names.view(matrix, _address(view) - start, view.shape, view.strides)
 
     @property
     def key(self) -> Key:
