@@ -424,8 +424,11 @@ def _implicit_gemm(kind: str, cgeom: Any, groups: int, x: Array, second: Array, 
     suffix = _C_TYPES[x.dtype][0]
     oc = out.shape[0] if kind == "grad_weight" else out.shape[1]
     chunk = _images_per_run(cgeom, x.itemsize)
-    need = lib.mg_conv_scratch(cgeom, oc, chunk, x.itemsize)
-    scratch = ffi.from_buffer(_scratch((max(need, 0),), np.dtype(np.uint8)).data)
+    # The scratch the call asks for (``mg_conv_scratch``, which it checks against), reckoned
+    # here: every C call lets go of the interpreter lock, and a worker waits to have it back.
+    columns = cgeom.oh * cgeom.ow * chunk * x.itemsize
+    unfold = -(-cgeom.c * cgeom.kh * cgeom.kw * columns // _ALIGN) * _ALIGN
+    scratch = ffi.from_buffer(_scratch((unfold + oc * columns,), np.dtype(np.uint8)).data)
     x, xp, xs = _address(x)
     second, sp, ss = _address(second)
     if kind == "forward":
@@ -443,7 +446,7 @@ def _implicit_gemm(kind: str, cgeom: Any, groups: int, x: Array, second: Array, 
     if rc == -errno.ENOMEM:
         raise MemoryError(f"{kind}: no memory for the unfold's column spans")
     if rc:
-        raise ValueError(f"{kind}: a dimension is past the BLAS's int range")
+        raise ValueError(f"{kind}: a dimension is past the BLAS's int range")  # (or a bug)
     if target is not out:
         out[...] = target
 

@@ -19,7 +19,6 @@ typedef struct mg_strides4 {
 """
 
 FUNCTIONS = """
-int64_t mg_conv_scratch(const mg_conv_geom *g, int64_t oc, int64_t chunk, int64_t size);
 int mg_conv_forward_f32(const mg_conv_geom *g, int64_t groups, int64_t oc, const float *x,
                         const mg_strides4 *xs, const float *w, float *y, const mg_strides4 *ys,
                         void *scratch, int64_t scratch_bytes, int64_t chunk);

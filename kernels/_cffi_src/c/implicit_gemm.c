@@ -23,8 +23,8 @@
 #include "conv_geom.h"
 
 /* Bytes of scratch the two entry points need for ``chunk`` images of geometry ``g`` with
- * ``oc`` output channels; -1 on overflow. */
-int64_t mg_conv_scratch(const mg_conv_geom *g, int64_t oc, int64_t chunk, int64_t size)
+ * ``oc`` output channels (kernels/conv.py reckons the same); -1 on overflow. */
+static int64_t mg_conv_scratch(const mg_conv_geom *g, int64_t oc, int64_t chunk, int64_t size)
 {
     int64_t positions, cols, out;
     if (__builtin_mul_overflow(g->oh * g->ow, chunk, &positions) ||
