@@ -421,7 +421,6 @@ def _implicit_gemm(kind: str, cgeom: Any, groups: int, x: Array, second: Array, 
     ``out`` y) or grad weight (``second`` dy; ``out`` dw), into ``out`` at its strides (a dw
     whose rows are not each contiguous: into a new array, copied into it)."""
     blas_info()  # (the library loaded)
-    suffix = _C_TYPES[x.dtype][0]
     oc = out.shape[0] if kind == "grad_weight" else out.shape[1]
     chunk = _images_per_run(cgeom, x.itemsize)
     # The scratch the call asks for (``mg_conv_scratch``, which it checks against), reckoned
@@ -429,20 +428,16 @@ def _implicit_gemm(kind: str, cgeom: Any, groups: int, x: Array, second: Array, 
     columns = cgeom.oh * cgeom.ow * chunk * x.itemsize
     unfold = -(-cgeom.c * cgeom.kh * cgeom.kw * columns // _ALIGN) * _ALIGN
     scratch = ffi.from_buffer(_scratch((unfold + oc * columns,), np.dtype(np.uint8)).data)
-    x, xp, xs = _address(x)
-    second, sp, ss = _address(second)
+    size, (x, xp, xs), (second, sp, ss) = x.itemsize, _address(x), _address(second)
     if kind == "forward":
         target, tp, ts = _address(out)
-        rc = getattr(lib, f"mg_conv_forward_{suffix}")(
-            cgeom, groups, oc, xp, xs, sp, tp, ts, scratch, len(scratch), chunk
-        )
+        rc = lib.mg_conv_forward(cgeom, size, groups, oc, xp, xs, sp, tp, ts, scratch,
+                                 len(scratch), chunk)  # fmt: skip
     else:
         rows = _row_stride(out)
         target, tp, _ = _address(out if rows else np.empty(out.shape, out.dtype))
-        rc = getattr(lib, f"mg_conv_grad_weight_{suffix}")(
-            cgeom, groups, oc, xp, xs, sp, ss, tp, rows or out[0].size, scratch, len(scratch),
-            chunk,
-        )  # fmt: skip
+        rc = lib.mg_conv_grad_weight(cgeom, size, groups, oc, xp, xs, sp, ss, tp,
+                                     rows or out[0].size, scratch, len(scratch), chunk)  # fmt: skip
     if rc == -errno.ENOMEM:
         raise MemoryError(f"{kind}: no memory for the unfold's column spans")
     if rc:

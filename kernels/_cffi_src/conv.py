@@ -19,21 +19,13 @@ typedef struct mg_strides4 {
 """
 
 FUNCTIONS = """
-int mg_conv_forward_f32(const mg_conv_geom *g, int64_t groups, int64_t oc, const float *x,
-                        const mg_strides4 *xs, const float *w, float *y, const mg_strides4 *ys,
-                        void *scratch, int64_t scratch_bytes, int64_t chunk);
-int mg_conv_forward_f64(const mg_conv_geom *g, int64_t groups, int64_t oc, const double *x,
-                        const mg_strides4 *xs, const double *w, double *y,
-                        const mg_strides4 *ys, void *scratch, int64_t scratch_bytes,
-                        int64_t chunk);
-int mg_conv_grad_weight_f32(const mg_conv_geom *g, int64_t groups, int64_t oc, const float *x,
-                            const mg_strides4 *xs, const float *dy, const mg_strides4 *dys,
-                            float *dw, int64_t ldw, void *scratch, int64_t scratch_bytes,
-                            int64_t chunk);
-int mg_conv_grad_weight_f64(const mg_conv_geom *g, int64_t groups, int64_t oc, const double *x,
-                            const mg_strides4 *xs, const double *dy, const mg_strides4 *dys,
-                            double *dw, int64_t ldw, void *scratch, int64_t scratch_bytes,
-                            int64_t chunk);
+int mg_conv_forward(const mg_conv_geom *g, int64_t size, int64_t groups, int64_t oc,
+                    const void *x, const mg_strides4 *xs, const void *w, void *y,
+                    const mg_strides4 *ys, void *scratch, int64_t scratch_bytes, int64_t chunk);
+int mg_conv_grad_weight(const mg_conv_geom *g, int64_t size, int64_t groups, int64_t oc,
+                        const void *x, const mg_strides4 *xs, const void *dy,
+                        const mg_strides4 *dys, void *dw, int64_t ldw, void *scratch,
+                        int64_t scratch_bytes, int64_t chunk);
 int mg_dw_forward_f32(const mg_conv_geom *g, const float *x, const float *w, float *y);
 int mg_dw_forward_f64(const mg_conv_geom *g, const double *x, const double *w, double *y);
 int mg_dw_grad_input_f32(const mg_conv_geom *g, const float *dy, const float *w, float *dx,

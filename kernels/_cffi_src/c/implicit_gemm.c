@@ -8,12 +8,14 @@
  * lock would be taken again between every step; a device's two workers then wait on it
  * and on the event loop. Here a tile is one call, holding no lock.
  *
- * Strides are in elements (``mg_strides4``: image, channel, row, column), not negative. ``w`` is [OC, C/groups·kh·kw], C-contiguous;
- * ``dw`` rows [OC, C/groups·kh·kw] at a stride of ``ldw`` elements, each row contiguous.
- * ``scratch`` holds the unfold of ``chunk`` images and, after it at a 64-byte boundary,
- * their [OC, chunk·OH·OW] product or output gradient (``mg_conv_scratch``). Entry points
- * return 0, -EINVAL for arguments that do not fit (a BLAS dimension past INT_MAX, too
- * little scratch, no library), or -ENOMEM from the unfold.
+ * Arrays are float32 or float64 (``size`` 4 or 8), one dtype per call. Strides are in
+ * elements (``mg_strides4``: image, channel, row, column), not negative. ``w`` is
+ * [OC, C/groups·kh·kw], C-contiguous; ``dw`` rows [OC, C/groups·kh·kw] at a stride of
+ * ``ldw`` elements, each row contiguous. ``scratch`` holds the unfold of ``chunk`` images
+ * and, after it at a 64-byte boundary, their [OC, chunk·OH·OW] product or output gradient
+ * (``mg_conv_scratch``). Entry points return 0, -EINVAL for arguments that do not fit (a
+ * BLAS dimension past INT_MAX, too little scratch, another size, no library), or -ENOMEM
+ * from the unfold.
  */
 #include <errno.h>
 #include <limits.h>
@@ -110,109 +112,75 @@ static int mg_conv_args(const mg_conv_geom *g, int64_t groups, int64_t oc, int64
     return 0;
 }
 
-static int mg_conv_forward(const mg_conv_geom *g, int64_t groups, int64_t oc, const char *x,
-                           const mg_strides4 *xs, const char *w, char *y, const mg_strides4 *ys,
-                           char *scratch, int64_t scratch_bytes, int64_t chunk, size_t size)
+/* Both entry points: the forward (``dw`` NULL: ``second`` the weight, ``y`` at ``ys``) or
+ * the grad weight (``second`` dy at ``ss``, into ``dw``). Per run of images: the unfold,
+ * then per group y = w·cols (into y itself for one image whose positions BLAS can
+ * address, else into scratch and scattered into y), or dw (+)= dy·colsᵀ (from dy itself
+ * likewise, else from a gathered copy). */
+static int mg_conv_gemm(const mg_conv_geom *g, int64_t groups, int64_t oc, const char *x,
+                        const mg_strides4 *xs, const char *second, const mg_strides4 *ss,
+                        char *y, const mg_strides4 *ys, char *dw, int64_t ldw, char *scratch,
+                        int64_t scratch_bytes, int64_t chunk, size_t size)
 {
     int rc = mg_conv_args(g, groups, oc, chunk, scratch_bytes, size);
     if (rc)
         return rc;
     const int64_t positions = g->oh * g->ow, k = g->c / groups * g->kh * g->kw;
-    const int64_t per = oc / groups;
-    char *cols = scratch;
-    char *out = scratch + (g->c * g->kh * g->kw * positions * chunk * (int64_t)size + 63) / 64 * 64;
-    for (int64_t n0 = 0; n0 < g->n; n0 += chunk) {
-        const int64_t images = g->n - n0 < chunk ? g->n - n0 : chunk, width = images * positions;
-        mg_conv_geom run = *g;
-        run.n = images;
-        if ((rc = mg_unfold(&run, x + n0 * xs->n * (int64_t)size, xs, cols, size)))
-            return rc;
-        const int direct = images == 1 && mg_conv_in_place(ys, g->oh, g->ow);
-        for (int64_t gi = 0; gi < groups; gi++) {
-            const char *a = w + (size_t)(gi * per * k) * size;
-            const char *b = cols + (size_t)(gi * k * width) * size;
-            if (direct)
-                mg_conv_blas(size, 0, per, width, k, a, k, b, width, 0,
-                             y + (n0 * ys->n + gi * per * ys->c) * (int64_t)size, ys->c);
-            else
-                mg_conv_blas(size, 0, per, width, k, a, k, b, width, 0,
-                             out + (size_t)(gi * per * width) * size, width);
-        }
-        if (!direct)
-            mg_conv_transfer(y, ys, out, n0, images, oc, g->oh, g->ow, size, 0);
-    }
-    return 0;
-}
-
-static int mg_conv_grad_weight(const mg_conv_geom *g, int64_t groups, int64_t oc,
-                               const char *x, const mg_strides4 *xs, const char *dy,
-                               const mg_strides4 *dys, char *dw, int64_t ldw, char *scratch,
-                               int64_t scratch_bytes, int64_t chunk, size_t size)
-{
-    int rc = mg_conv_args(g, groups, oc, chunk, scratch_bytes, size);
-    if (rc)
-        return rc;
-    const int64_t positions = g->oh * g->ow, k = g->c / groups * g->kh * g->kw;
-    const int64_t per = oc / groups;
-    if (!mg_fits_int(ldw) || ldw < k)
+    const int64_t per = oc / groups, item = (int64_t)size;
+    const int forward = dw == NULL;
+    if (!forward && (!mg_fits_int(ldw) || ldw < k))
         return -EINVAL;
-    if (g->n == 0) { /* nothing summed */
+    if (!forward && g->n == 0) { /* nothing summed */
         for (int64_t o = 0; o < oc; o++)
-            memset(dw + (size_t)(o * ldw) * size, 0, (size_t)k * size);
+            memset(dw + o * ldw * item, 0, (size_t)k * size);
         return 0;
     }
-    char *cols = scratch;
-    char *rows = scratch + (g->c * g->kh * g->kw * positions * chunk * (int64_t)size + 63) / 64 * 64;
+    char *cols = scratch, *flat = scratch + (k * groups * positions * chunk * item + 63) / 64 * 64;
+    const mg_strides4 *strided = forward ? ys : ss; /* the array [N, OC, OH, OW] of the run */
     for (int64_t n0 = 0; n0 < g->n; n0 += chunk) {
         const int64_t images = g->n - n0 < chunk ? g->n - n0 : chunk, width = images * positions;
         mg_conv_geom run = *g;
         run.n = images;
-        if ((rc = mg_unfold(&run, x + n0 * xs->n * (int64_t)size, xs, cols, size)))
+        if ((rc = mg_unfold(&run, x + n0 * xs->n * item, xs, cols, size)))
             return rc;
-        const int direct = images == 1 && mg_conv_in_place(dys, g->oh, g->ow);
-        const char *grads = direct ? dy + n0 * dys->n * (int64_t)size : rows;
-        const int64_t ld = direct ? dys->c : width;
-        if (!direct)
-            mg_conv_transfer((char *)dy, dys, rows, n0, images, oc, g->oh, g->ow, size, 1);
-        for (int64_t gi = 0; gi < groups; gi++)
-            mg_conv_blas(size, 1, per, k, width, grads + (size_t)(gi * per * ld) * size, ld,
-                         cols + (size_t)(gi * k * width) * size, width, n0 > 0,
-                         dw + (size_t)(gi * per * ldw) * size, ldw);
+        const int direct = images == 1 && mg_conv_in_place(strided, g->oh, g->ow);
+        char *rows = direct ? (forward ? y : (char *)second) + n0 * strided->n * item : flat;
+        const int64_t ld = direct ? strided->c : width;
+        if (!forward && !direct)
+            mg_conv_transfer((char *)second, ss, flat, n0, images, oc, g->oh, g->ow, size, 1);
+        for (int64_t gi = 0; gi < groups; gi++) {
+            const char *unfolded = cols + gi * k * width * item;
+            if (forward)
+                mg_conv_blas(size, 0, per, width, k, second + gi * per * k * item, k, unfolded,
+                             width, 0, rows + gi * per * ld * item, ld);
+            else
+                mg_conv_blas(size, 1, per, k, width, rows + gi * per * ld * item, ld, unfolded,
+                             width, n0 > 0, dw + gi * per * ldw * item, ldw);
+        }
+        if (forward && !direct)
+            mg_conv_transfer(y, ys, flat, n0, images, oc, g->oh, g->ow, size, 0);
     }
     return 0;
 }
 
-int mg_conv_forward_f32(const mg_conv_geom *g, int64_t groups, int64_t oc, const float *x,
-                        const mg_strides4 *xs, const float *w, float *y, const mg_strides4 *ys,
-                        void *scratch, int64_t scratch_bytes, int64_t chunk)
+/* The entry points, for float32 (``size`` 4) or float64 (8) arrays. */
+int mg_conv_forward(const mg_conv_geom *g, int64_t size, int64_t groups, int64_t oc,
+                    const void *x, const mg_strides4 *xs, const void *w, void *y,
+                    const mg_strides4 *ys, void *scratch, int64_t scratch_bytes, int64_t chunk)
 {
-    return mg_conv_forward(g, groups, oc, (const char *)x, xs, (const char *)w, (char *)y, ys,
-                           scratch, scratch_bytes, chunk, sizeof *x);
+    if (size != 4 && size != 8)
+        return -EINVAL;
+    return mg_conv_gemm(g, groups, oc, x, xs, w, NULL, y, ys, NULL, 0, scratch, scratch_bytes,
+                        chunk, (size_t)size);
 }
 
-int mg_conv_forward_f64(const mg_conv_geom *g, int64_t groups, int64_t oc, const double *x,
-                        const mg_strides4 *xs, const double *w, double *y,
-                        const mg_strides4 *ys, void *scratch, int64_t scratch_bytes,
-                        int64_t chunk)
+int mg_conv_grad_weight(const mg_conv_geom *g, int64_t size, int64_t groups, int64_t oc,
+                        const void *x, const mg_strides4 *xs, const void *dy,
+                        const mg_strides4 *dys, void *dw, int64_t ldw, void *scratch,
+                        int64_t scratch_bytes, int64_t chunk)
 {
-    return mg_conv_forward(g, groups, oc, (const char *)x, xs, (const char *)w, (char *)y, ys,
-                           scratch, scratch_bytes, chunk, sizeof *x);
-}
-
-int mg_conv_grad_weight_f32(const mg_conv_geom *g, int64_t groups, int64_t oc, const float *x,
-                            const mg_strides4 *xs, const float *dy, const mg_strides4 *dys,
-                            float *dw, int64_t ldw, void *scratch, int64_t scratch_bytes,
-                            int64_t chunk)
-{
-    return mg_conv_grad_weight(g, groups, oc, (const char *)x, xs, (const char *)dy, dys,
-                               (char *)dw, ldw, scratch, scratch_bytes, chunk, sizeof *x);
-}
-
-int mg_conv_grad_weight_f64(const mg_conv_geom *g, int64_t groups, int64_t oc, const double *x,
-                            const mg_strides4 *xs, const double *dy, const mg_strides4 *dys,
-                            double *dw, int64_t ldw, void *scratch, int64_t scratch_bytes,
-                            int64_t chunk)
-{
-    return mg_conv_grad_weight(g, groups, oc, (const char *)x, xs, (const char *)dy, dys,
-                               (char *)dw, ldw, scratch, scratch_bytes, chunk, sizeof *x);
+    if (size != 4 && size != 8)
+        return -EINVAL;
+    return mg_conv_gemm(g, groups, oc, x, xs, dy, dys, NULL, NULL, dw, ldw, scratch,
+                        scratch_bytes, chunk, (size_t)size);
 }
