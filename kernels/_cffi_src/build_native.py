@@ -15,8 +15,8 @@ from cffi import FFI
 
 HERE = Path(__file__).resolve().parent
 TOPICS = ("blas", "pool", "cublasxt", "conv", "screen")
-# C sources in include order: the shared GEMM checks precede both executors, the BLAS and
-# the unfold the implicit GEMM.
+# C sources in include order: the shared GEMM checks precede both executors, and the BLAS
+# and the unfold precede the implicit GEMM that calls them.
 C_SOURCES = (
     "gemm_check",
     "blas",

@@ -5,8 +5,8 @@
  *
  * A tile's operands and output are bands of larger arrays (a block of channels, a band of
  * rows), so numpy would copy each into a contiguous array and back, and the interpreter
- * lock would be taken again between every step; a device's two workers then wait on it
- * and on the event loop. Here a tile is one call, holding no lock.
+ * lock would be taken again between every step, while the workers of the other devices
+ * and the event loop want it too. Here a tile is one call, holding no lock.
  *
  * Arrays are float32 or float64 (``size`` 4 or 8), one dtype per call. Strides are in
  * elements (``mg_strides4``: image, channel, row, column), not negative. ``w`` is
