@@ -338,6 +338,11 @@ def test_implicit_gemm_reads_and_writes_views(monkeypatch, columns, groups):
         assert conv_grad_weight(x, dy, geom, out=dw) is dw
         want = conv_grad_weight(x.copy(), dy.copy(), geom)
         np.testing.assert_allclose(dw, want, rtol=1e-12, atol=1e-12)
+    # negative strides (rows reversed): read and written through contiguous copies
+    flipped, out = x[:, :, ::-1], np.full((3, 6, oh, ow), np.nan)[:, :, ::-1]
+    assert conv_forward(flipped, w, geom, out=out) is out
+    want = conv_forward(flipped.copy(), w.copy(), geom)
+    np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-12)
     # a stride-1 grad input is the forward convolution of a view of dy, into a band of dx
     unit = ConvGeometry((3, 2), padding=(1, 1, 1, 0), groups=groups)
     dy = np.asfortranarray(rng.standard_normal((3, 6, *unit.output_size(5, 7))))
