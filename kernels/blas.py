@@ -129,11 +129,11 @@ def _load() -> BlasInfo:
     choice, threading_name, threads = _settings()
     vendor, flags = _x86_cpu()
     elsewhere = vendor not in ("", "GenuineIntel")  # another vendor's x86 CPU
-    core = _openblas_core() if elsewhere and flags >= _AVX512 else None
+    wide = elsewhere and flags >= _AVX512  # (which kernels then: ``_openblas_core``)
     errors: list[str] = []
     if choice == "auto" and elsewhere:
         why = f"{vendor} CPU: MKL would run its AVX2 code"
-        info = _open_openblas(None, why, threads, core, errors)
+        info = _open_openblas(None, why, threads, wide, errors)
         if info is not None:
             log.info("BLAS: using openblas at %s (%s)", info.path, why)
             return info
@@ -151,7 +151,7 @@ def _load() -> BlasInfo:
         why = "MKL not loadable: " + "; ".join(errors)
     else:
         why = f"MORPHLING_BLAS={choice}" if choice == "openblas" else "MORPHLING_BLAS is a path"
-    info = _open_openblas(choice if Path(choice).exists() else None, why, threads, core, errors)
+    info = _open_openblas(choice if Path(choice).exists() else None, why, threads, wide, errors)
     if info is None:
         raise RuntimeError("no usable BLAS library: " + "; ".join(errors))
     level = logging.WARNING if choice == "auto" else logging.INFO
@@ -163,13 +163,14 @@ def _open_openblas(
     path: str | None,
     why: str,
     threads: int | None,
-    core: str | None,
+    wide: bool,
     errors: list[str],
 ) -> BlasInfo | None:
     """The library at ``path``, or the first of ``_openblas_candidates`` that opens, as
-    OpenBLAS's ``core`` kernels where one is given (a non-Intel CPU with AVX-512: the
-    module docstring says why); None, with the reasons in ``errors``."""
-    forced = None if "OPENBLAS_CORETYPE" in os.environ else core
+    the OpenBLAS kernels that suit the CPU's vector width where it is ``wide`` (a non-Intel
+    CPU with AVX-512: the module docstring says why) and nobody named them; None, with the
+    reasons in ``errors``."""
+    forced = _openblas_core() if wide and "OPENBLAS_CORETYPE" not in os.environ else None
     try:
         if forced:  # read once, as the library loads (importing scipy_openblas32 loads it)
             os.environ["OPENBLAS_CORETYPE"] = forced

@@ -79,6 +79,7 @@ import numpy.typing as npt
 
 from ._native import ffi, lib
 from .blas import blas_info, gemm
+from .layout import _pointer
 
 Array = npt.NDArray[Any]
 # The kernels' algorithm, as a profile records it: a model fitted to one revision's timings
@@ -408,12 +409,11 @@ def _images_per_run(cgeom: Any, itemsize: int) -> int:
 
 def _address(arr: Array) -> tuple[Array, Any, Any]:
     """``arr`` (or a contiguous copy where its strides are negative or not whole elements),
-    a C pointer to its first element and its ``mg_strides4``."""
+    a C pointer to its first element (``layout``'s) and its ``mg_strides4``."""
     item = arr.itemsize
     if any(s < 0 or s % item for s in arr.strides):
         arr = np.ascontiguousarray(arr)
-    pointer = ffi.cast("void *", arr.__array_interface__["data"][0])
-    return arr, pointer, ffi.new("mg_strides4 *", [s // item for s in arr.strides])
+    return arr, _pointer(arr)[0], ffi.new("mg_strides4 *", [s // item for s in arr.strides])
 
 
 def _implicit_gemm(kind: str, cgeom: Any, groups: int, x: Array, second: Array, out: Array) -> None:

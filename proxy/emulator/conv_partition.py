@@ -47,7 +47,16 @@ from morphling.proxy.wire.messages import CONV_KINDS, GEMM_DTYPES, Conv
 from morphling.proxy.wire.operands import HANDED, IN_FRAME, Location
 
 from .partition import GemmTask, TileTask, output, taken
-from .task import GemmError, Task, TaskTile, carries_nothing, panel_names, tile_ids, unsent
+from .task import (
+    GemmError,
+    Task,
+    TaskTile,
+    address,
+    carries_nothing,
+    panel_names,
+    tile_ids,
+    unsent,
+)
 
 # Each kind's two operands, in segment order, and its product.
 OPERANDS = {
@@ -76,11 +85,6 @@ class Header(NamedTuple):
     ta: bool
     tb: bool
     dtype: str
-
-
-def _address(arr: np.ndarray) -> int:
-    """Where ``arr``'s first element is (``ctypes.data`` makes a ctypes object to say so)."""
-    return int(arr.__array_interface__["data"][0])
 
 
 @dataclass(frozen=True)
@@ -113,10 +117,10 @@ class ConvOperand:
         """Its panel id: where it lies in the request's array, whose bytes are hashed once
         for all its tiles (only residency asks), never a copy of each view to hash."""
         view, whole = self.array, self.whole
-        start = _address(whole)
+        start = address(whole)
         where = (start, *whole.shape, *whole.strides)
         matrix = self.task.named(where, lambda: np.ascontiguousarray(whole))
-        return panel_names.view(matrix, _address(view) - start, view.shape, view.strides)
+        return panel_names.view(matrix, address(view) - start, view.shape, view.strides)
 
     @property
     def key(self) -> Key:

@@ -38,7 +38,16 @@ from morphling.proxy.wire.operands import (
     stored_shape,
 )
 
-from .task import GemmError, Task, TaskTile, carries_nothing, panel_names, tile_ids, unsent
+from .task import (
+    GemmError,
+    Task,
+    TaskTile,
+    address,
+    carries_nothing,
+    panel_names,
+    tile_ids,
+    unsent,
+)
 
 if TYPE_CHECKING:
     from morphling.proxy.vtime.placement import Placement
@@ -234,7 +243,7 @@ class GemmTask(Task):
         """The ``PanelNames.matrix`` id of pivot ``pivot`` of operand ``which`` as stored."""
         flat, ld, stride, _, rows, cols = self._stored(which)
         start = pivot * stride
-        where = (flat.ctypes.data + start * flat.itemsize, rows, cols, ld)
+        where = (address(flat) + start * flat.itemsize, rows, cols, ld)
         return self.named(where, lambda: _packed(flat[start:], rows, cols, ld))
 
     def packed(self, block: Block) -> tuple[np.ndarray, int]:
@@ -244,7 +253,7 @@ class GemmTask(Task):
         operand's for every pivot)."""
         if not block.packs:
             return block.span, block.ld
-        key = (block.span.ctypes.data, block.rows, block.cols, block.ld)
+        key = (address(block.span), block.rows, block.cols, block.ld)
         if key not in self._packed:
             packed = _packed(block.span, block.rows, block.cols, block.ld).reshape(-1)
             self._packed[key] = (packed, block.sent_ld)

@@ -73,6 +73,12 @@ class PanelNames:
 panel_names = PanelNames()  # the process's: its emulators' devices keep panels by these ids
 
 
+def address(arr: np.ndarray) -> int:
+    """Where ``arr``'s first element is, as the panel names' keys hold it (``ctypes.data``
+    builds a ctypes object each time it is asked)."""
+    return int(arr.__array_interface__["data"][0])
+
+
 class GemmError(ValueError):
     """A GEMM or CONV request whose header does not describe its operands."""
 
