@@ -23,7 +23,9 @@ grad-input terms below are a strided one's:
   unfolding's: a row; numpy's: the innermost run its operands share, so 7-wide rows cost
   several times 56-wide ones for the same bytes). Element costs depend on dtype, a stride
   over the source (``sw > 1``) and where the pass's bytes fit in the cache hierarchy (a
-  piecewise-linear efficiency in log bytes);
+  piecewise-linear efficiency in log bytes); a strided pass (the unfolding's reads, the
+  fold's scatter-adds) moves the cache lines it touches, ``sw`` elements' bytes for each
+  it uses, up to a line;
 - the GEMM over the unfolded input, one per group: m = OC/g, n = N·OH·OW, k = (C/g)·kh·kw
   (forward), with the roles exchanged for the gradients. As in the GEMM model, compute
   counts the columns the micro-kernel really computes (panels of ``vector_bytes``, a
@@ -35,8 +37,9 @@ grad-input terms below are a strided one's:
 - the depthwise path is one C call (``c/depthwise.c``) that walks the output (the input,
   for the grad input) row by row, and for each row the taps that reach the array, each tap
   a loop over the columns it reaches: work per row (growing with the kh tap rows it
-  checks), per such loop, per multiply-add (a
-  strided loop's at its own rate; at an efficiency by where a row's working set fits), per
+  checks), per such loop, per multiply-add (a strided loop's at its own rate, growing with
+  log sw, and the grad input's sums of a multiplier's channels at theirs; at an efficiency
+  by where a row's working set fits), per
   element of the grad input's one strided scatter of a multiplier's summed channels, and
   per byte of the operands streamed once (at an efficiency by where they fit). Taps that
   fall in the padding are skipped, so the counts are the taps' reach, not kh·kw.
@@ -85,14 +88,17 @@ _M_KNOTS = np.array([0.0, 2.0, 4.0, 6.0, 8.0, 10.0])
 _N_KNOTS = np.array([0.0, 4.0, 8.0, 12.0, 16.0])
 _K_KNOTS = np.array([0.0, 3.0, 6.0, 9.0, 12.0, 15.0])
 _MEM = len(_MEM_KNOTS)
+_LINE_BYTES = 64  # a cache line, on the x86 and Arm cores boards and hosts have
 
 # What the work terms count: θ fitted under one form prices another's terms wrongly, so a
-# fitted model of another form is refused (4: the channel-major copies of y and dy are C's,
+# fitted model of another form is refused (5: a strided pass counts the cache lines it
+# reads, and the depthwise rates grow with the stride and tell a multiplier's sums apart;
+# 4: the channel-major copies of y and dy are C's,
 # row by row, none for runs of one image, the kernels' revision 5; 3: a depthwise row's
 # cost grows with its tap rows, and a grad-input band's pairs are bounded by its dy rows;
 # 2: the unfolding's terms count the rows of ``c/unfold.c``, the kernels' revision 3; 1,
 # the form of a table without ``form``: numpy's runs).
-FORM = 4
+FORM = 5
 
 # Parameter vector layout: term name → width (see ``_Form.terms`` for each design).
 _TERMS = {
@@ -116,8 +122,8 @@ _TERMS = {
     "flip_loops": 1,
     "flip_bytes": 2 + _MEM,
     "direct_rows": len(KINDS) + 1,
-    "direct_loops": 3 * len(KINDS),
-    "direct_macs": 3 * len(KINDS) + _MEM,
+    "direct_loops": 5 * len(KINDS),
+    "direct_macs": 5 * len(KINDS) + _MEM,
     "direct_scatter": 3,
     "direct_bytes": len(KINDS) + 1 + _MEM,
 }
@@ -193,6 +199,13 @@ def _log2(x: np.ndarray) -> np.ndarray:
 
 def _mem(nbytes: np.ndarray) -> np.ndarray:
     return hats(_log2(nbytes), _MEM_KNOTS)
+
+
+def _lines(x: _Columns) -> np.ndarray:
+    """Bytes a pass along rows at column stride ``sw`` brings into cache per byte it uses:
+    ``sw``, until the stride passes a cache line and every element costs a line."""
+    out: np.ndarray = np.minimum(x.sw, _LINE_BYTES / x.item)
+    return out
 
 
 def _images_per_run(x: _Columns) -> np.ndarray:
@@ -287,7 +300,7 @@ class _Stages:
         return [
             (c.loops(unfolds, runs), np.stack([c.ones, c.fp64, c.strided], axis=1)),
             (
-                c.moved(unfolds, 2 * elements * x.item),
+                c.moved(unfolds, (1 + _lines(x)) * elements * x.item),
                 c.efficiency(c.fp64, c.strided, nbytes=elements * x.item),
             ),
         ]
@@ -353,7 +366,7 @@ class _Stages:
             (c.moved(folds, zeroed), c.efficiency(c.fp64, nbytes=buffer)),
             (c.loops(folds, runs), np.stack([c.ones, c.fp64, c.strided], axis=1)),
             (
-                c.moved(folds, 3 * elements * x.item),
+                c.moved(folds, (1 + 2 * _lines(x)) * elements * x.item),
                 c.efficiency(c.fp64, c.strided, nbytes=buffer),
             ),
         ]
@@ -390,8 +403,9 @@ class _Stages:
         loops = x.n * x.c * reach * column_taps * passes
         macs = x.n * x.oc * reach * columns
         scattered = np.where(c.grad_input & many, x.n * x.c * reach * columns, 0.0)
-        strided = c.strided * ~(c.grad_input & many)  # the multiplier's sums are contiguous
-        rate = (c.ones, c.fp64, strided)
+        summed = c.grad_input & many  # the multiplier's sums: a contiguous pass each
+        strided = c.strided * ~summed
+        rate = (c.ones, c.fp64, strided, strided * _log2(x.sw), summed)
         row_set = x.kh * (x.w + x.out_w) * x.item
         operands = np.where(
             c.grad_input,

@@ -377,9 +377,9 @@ def test_heldout_calls_are_predicted_within_5_percent_median(measured):
 
 @pytest.mark.xfail(
     strict=True,
-    reason="issue 21's p90 target is not met yet: 15.4 % on this recording (12.9 % on another "
-    "of the same kernels; repeat timings within 4.5 % at p90): the general path's forward and "
-    "grad weight within 9 %, its grad input 12-16 %, the depthwise kernels 17 %; see "
+    reason="issue 21's p90 target is not met yet: 12.9 % on this recording (repeat timings "
+    "within 4.5 % at p90; 11.9-14.0 % on four recordings of two hosts): the general path's "
+    "forward and grad weight within 10 %, its grad input and the depthwise kernels 14 %; see "
     "BENCHMARKS.md (heldout.conv_*)",
 )
 def test_heldout_calls_are_predicted_within_12_percent_p90(measured):
